@@ -1,0 +1,105 @@
+"""python -m prep_service --model PATH [--mmproj PATH] ...: the CPU preparation service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from prep_service.images import DEFAULT_MAX_PIXELS
+from prep_service.model_files import ModelMismatchError
+from prep_service.native import NativeError
+from prep_service.preparer import Preparer
+from prep_service.service import Limits, PrepServicer
+from prep_service.serving import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Server,
+    configure_logging,
+    create_server,
+    run_until_signal,
+)
+from slotwise.v1 import prep_pb2, prep_pb2_grpc
+
+log = logging.getLogger("slotwise.prep")
+SERVICE = prep_pb2.DESCRIPTOR.services_by_name["PrepService"].full_name
+
+
+@dataclass
+class RunningPrep:
+    server: Server
+    servicer: PrepServicer
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.server.stop(grace)
+        self.servicer.close()
+        self.servicer.preparer.close()
+
+
+async def start(
+    model: Path,
+    mmproj: Path | None = None,
+    *,
+    address: str = "127.0.0.1:0",
+    threads: int = 2,
+    limits: Limits = Limits(),
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> RunningPrep:
+    """Listen first (health NOT_SERVING), load the models, then report SERVING."""
+    server = await create_server(address, [SERVICE], max_message_bytes=max_message_bytes)
+    await server.server.start()
+    preparer = await asyncio.to_thread(Preparer, model, mmproj, n_threads=threads)
+    servicer = PrepServicer(preparer, limits=limits, workers=threads)
+    prep_pb2_grpc.add_PrepServiceServicer_to_server(servicer, server.server)
+    await server.set_serving()
+    return RunningPrep(server, servicer)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slotwise-prep", description=__doc__)
+    p.add_argument("--model", type=Path, required=True, help="text model GGUF (loaded vocab-only)")
+    p.add_argument("--mmproj", type=Path, help="multimodal projector GGUF (omit for text-only)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--threads", type=int, default=2, help="worker threads for tokenizing")
+    p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
+    p.add_argument("--max-side", type=int, default=0, help="downscale images above this side")
+    p.add_argument("--max-images", type=int, default=64, help="images per request")
+    p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    configure_logging(args.log_level)
+
+    async def run() -> None:
+        prep = await start(
+            args.model,
+            args.mmproj,
+            address=f"{args.host}:{args.port}",
+            threads=args.threads,
+            limits=Limits(args.max_pixels, args.max_side, args.max_images),
+            max_message_bytes=args.max_message_mb << 20,
+        )
+        log.info("prep_service serving on %s:%d", args.host, prep.port)
+        await run_until_signal(prep.server)
+        prep.servicer.close()
+
+    try:
+        asyncio.run(run())
+    except (FileNotFoundError, ModelMismatchError, NativeError) as e:
+        log.error("%s", e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

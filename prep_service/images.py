@@ -1,0 +1,82 @@
+"""Encoded image files -> the exact RGB pixels libmtmd counts and encodes."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import warnings
+from dataclasses import dataclass
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+DEFAULT_MAX_PIXELS = 33_177_600  # 8K UHD (7680x4320): larger files are refused, not decoded
+
+
+class ImageError(ValueError):
+    """An image that cannot be used, with a message naming what is wrong."""
+
+
+@dataclass(frozen=True)
+class RgbImage:
+    width: int
+    height: int
+    rgb: bytes  # width * height * 3, row-major
+
+    @property
+    def media_id(self) -> str:
+        return media_id(self.width, self.height, self.rgb)
+
+
+def media_id(width: int, height: int, rgb: bytes) -> str:
+    """Content hash of the pixels; the size is part of it so a reshaped buffer differs."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{width}x{height}:".encode())
+    h.update(rgb)
+    return h.hexdigest()
+
+
+def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS, max_side: int = 0) -> RgbImage:
+    """Decode PNG/JPEG/WebP/GIF/BMP bytes to RGB.
+
+    EXIF orientation is applied, alpha is composited on white, animations give their first
+    frame; files over max_pixels (decompression bombs included) are refused before decoding.
+    max_side > 0 downscales so that neither side exceeds it.
+    """
+    if not data:
+        raise ImageError("image is empty (0 bytes)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=FORMATS) as img:
+                width, height = img.size
+                if width * height > max_pixels:
+                    raise ImageError(
+                        f"image is {width}x{height} = {width * height} pixels, "
+                        f"over the limit of {max_pixels}"
+                    )
+                img.seek(0)
+                img.load()
+                return _to_rgb(img, max_side)
+    except ImageError:
+        raise
+    except UnidentifiedImageError:
+        raise ImageError("not a PNG, JPEG, WebP, GIF or BMP file") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"image refused as a decompression bomb: {e}") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        raise ImageError(f"image file is truncated or corrupt: {e}") from None
+
+
+def _to_rgb(img: Image.Image, max_side: int) -> RgbImage:
+    img = ImageOps.exif_transpose(img) or img
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        img = Image.alpha_composite(background, rgba)
+    rgb = img.convert("RGB")
+    if max_side > 0 and max(rgb.size) > max_side:
+        scale = max_side / max(rgb.size)
+        size = (max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale)))
+        rgb = rgb.resize(size, Image.Resampling.BICUBIC)
+    return RgbImage(rgb.width, rgb.height, rgb.tobytes())

@@ -1,0 +1,245 @@
+"""The one wrapper around llama.cpp's and libmtmd's ctypes bindings that both services share.
+
+Loading models, silencing native logs, and tokenizing text + bitmaps into chunks whose cells and
+positions are read from libmtmd, never computed by us.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort must not attach gdb to the server
+
+import llama_cpp  # noqa: E402
+from llama_cpp import mtmd_cpp  # noqa: E402
+
+_LOG_LOCK = threading.Lock()
+_log_callbacks: list[object] = []  # ctypes callbacks must outlive every native call
+
+
+class NativeError(RuntimeError):
+    """llama.cpp or libmtmd refused an operation."""
+
+
+def quiet_native_logs() -> None:
+    """Route llama.cpp, ggml and mtmd logs to nowhere unless SLOTWISE_NATIVE_LOGS is set.
+
+    Importing llama_cpp installs a Python callback that prints every line; a server must not.
+    """
+    if os.environ.get("SLOTWISE_NATIVE_LOGS"):
+        return
+    with _LOG_LOCK:
+        if _log_callbacks:
+            return
+        llama_cb = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+        llama_cpp.llama_log_set(llama_cb, ctypes.c_void_p(0))
+        mtmd_cb = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+        mtmd_cpp.mtmd_helper_log_set(mtmd_cb, ctypes.c_void_p(0))
+        _log_callbacks.extend([llama_cb, mtmd_cb])
+
+
+def load_model(path: Path, *, vocab_only: bool, n_gpu_layers: int = 0) -> int:
+    """Load a GGUF text model and return its handle (freed with free_model)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"model file not found: {path}")
+    quiet_native_logs()
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = vocab_only
+    params.n_gpu_layers = n_gpu_layers
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise NativeError(f"llama.cpp could not load {path} (not a GGUF text model?)")
+    return model
+
+
+def free_model(model: int) -> None:
+    llama_cpp.llama_model_free(model)
+
+
+def meta_string(model: int, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(4096)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    if n < 0:
+        return None
+    if n >= len(buf):
+        buf = ctypes.create_string_buffer(n + 1)
+        llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", errors="replace")
+
+
+def chat_template(model: int) -> str | None:
+    raw = llama_cpp.llama_model_chat_template(model, None)
+    return raw.decode("utf-8", errors="replace") if raw else None
+
+
+def token_piece(vocab: int, token: int) -> bytes:
+    """The bytes of one token as the model would print it (special tokens rendered)."""
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, True)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, True)
+    return buf.raw[:n]
+
+
+def tokenize_text(vocab: int, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+    data = text.encode()
+    capacity = len(data) + 8
+    tokens = (llama_cpp.llama_token * capacity)()
+    n = llama_cpp.llama_tokenize(vocab, data, len(data), tokens, capacity, add_special, parse_special)
+    if n < 0:
+        capacity = -n
+        tokens = (llama_cpp.llama_token * capacity)()
+        n = llama_cpp.llama_tokenize(
+            vocab, data, len(data), tokens, capacity, add_special, parse_special
+        )
+    return list(tokens[:n])
+
+
+@dataclass(frozen=True)
+class Bitmap:
+    """An RGB image for libmtmd. rgb None is a placeholder: counted by size, never encoded."""
+
+    width: int
+    height: int
+    rgb: bytes | None = None
+    media_id: str | None = None
+
+
+@dataclass(frozen=True)
+class RawChunk:
+    """One chunk as libmtmd produced it."""
+
+    is_media: bool
+    num_cells: int
+    num_positions: int
+    token_ids: tuple[int, ...] = ()
+
+
+class Multimodal:
+    """An mtmd context over a loaded text model. Tokenizing is thread-safe; encoding is not."""
+
+    def __init__(self, mmproj: Path, model: int, *, n_threads: int, use_gpu: bool = False):
+        if not mmproj.is_file():
+            raise FileNotFoundError(f"mmproj file not found: {mmproj}")
+        quiet_native_logs()
+        params = mtmd_cpp.mtmd_context_params_default()
+        params.use_gpu = use_gpu
+        params.print_timings = False
+        params.n_threads = n_threads
+        params.warmup = False
+        ctx = mtmd_cpp.mtmd_init_from_file(str(mmproj).encode(), model, params)
+        if not ctx:
+            raise NativeError(f"libmtmd could not load {mmproj} (not an mmproj for this model?)")
+        self.ctx = ctx
+        marker = mtmd_cpp.mtmd_default_marker()
+        self.marker: str = marker.decode() if isinstance(marker, bytes) else str(marker)
+        self.uses_mrope = bool(mtmd_cpp.mtmd_decode_use_mrope(ctx))
+        self.non_causal = bool(mtmd_cpp.mtmd_decode_use_non_causal(ctx, None))
+        self.supports_vision = bool(mtmd_cpp.mtmd_support_vision(ctx))
+        self.supports_audio = bool(mtmd_cpp.mtmd_support_audio(ctx))
+
+    def close(self) -> None:
+        if self.ctx:
+            mtmd_cpp.mtmd_free(self.ctx)
+            self.ctx = None
+
+    @contextmanager
+    def tokenize(
+        self, text: str, bitmaps: Sequence[Bitmap], *, add_special: bool, parse_special: bool = True
+    ) -> Iterator[NativeChunks]:
+        """Tokenize text whose media markers are replaced, in order, by the bitmaps.
+
+        Yields the native chunks; they are freed when the block ends.
+        """
+        chunks = mtmd_cpp.mtmd_input_chunks_init()
+        handles = [_make_bitmap(b) for b in bitmaps]
+        try:
+            data = text.encode()
+            inp = mtmd_cpp.mtmd_input_text(data, len(data), add_special, parse_special)
+            array = (mtmd_cpp.mtmd_bitmap_p_ctypes * max(1, len(handles)))(*handles)
+            rc = mtmd_cpp.mtmd_tokenize(self.ctx, chunks, ctypes.byref(inp), array, len(handles))
+            if rc == 1:
+                raise ValueError(
+                    f"the prompt has a different number of media markers ({self.marker!r}) "
+                    f"than images ({len(handles)})"
+                )
+            if rc != 0:
+                raise ValueError(f"libmtmd could not preprocess an image (mtmd_tokenize rc={rc})")
+            for h in handles:
+                mtmd_cpp.mtmd_bitmap_free(h)
+            handles = []
+            yield NativeChunks(chunks)
+        finally:
+            for h in handles:
+                mtmd_cpp.mtmd_bitmap_free(h)
+            mtmd_cpp.mtmd_input_chunks_free(chunks)
+
+    def count(
+        self, text: str, bitmaps: Sequence[Bitmap], *, add_special: bool
+    ) -> list[RawChunk]:
+        with self.tokenize(text, bitmaps, add_special=add_special) as chunks:
+            return chunks.describe()
+
+    def media_group(self, bitmap: Bitmap) -> list[RawChunk]:
+        """The chunks libmtmd makes of one image alone: its wrapper text and media chunks."""
+        placeholder = Bitmap(bitmap.width, bitmap.height)
+        return self.count(self.marker, [placeholder], add_special=False)
+
+
+class NativeChunks:
+    """A borrowed view of an mtmd_input_chunks list."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __len__(self) -> int:
+        return int(mtmd_cpp.mtmd_input_chunks_size(self.handle))
+
+    def native(self, index: int) -> int:
+        return mtmd_cpp.mtmd_input_chunks_get(self.handle, index)
+
+    def describe(self) -> list[RawChunk]:
+        return [describe_chunk(self.native(i)) for i in range(len(self))]
+
+
+def describe_chunk(chunk: int) -> RawChunk:
+    kind = mtmd_cpp.mtmd_input_chunk_get_type(chunk)
+    if kind == mtmd_cpp.MTMD_INPUT_CHUNK_TYPE_TEXT:
+        n = ctypes.c_size_t(0)
+        ptr = mtmd_cpp.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+        tokens = tuple(ptr[: n.value]) if n.value else ()
+        return RawChunk(False, len(tokens), len(tokens), tokens)
+    return RawChunk(
+        True,
+        int(mtmd_cpp.mtmd_input_chunk_get_n_tokens(chunk)),
+        int(mtmd_cpp.mtmd_input_chunk_get_n_pos(chunk)),
+    )
+
+
+def _make_bitmap(bitmap: Bitmap) -> int:
+    if bitmap.width <= 0 or bitmap.height <= 0:
+        raise ValueError(f"image size must be positive, got {bitmap.width}x{bitmap.height}")
+    if bitmap.rgb is None:
+        data = None
+    else:
+        if len(bitmap.rgb) != bitmap.width * bitmap.height * 3:
+            raise ValueError(
+                f"RGB data of a {bitmap.width}x{bitmap.height} image must be "
+                f"{bitmap.width * bitmap.height * 3} bytes, got {len(bitmap.rgb)}"
+            )
+        # c_char_p points into the bytes object: mtmd copies from it, we don't copy twice
+        data = ctypes.cast(ctypes.c_char_p(bitmap.rgb), ctypes.POINTER(ctypes.c_uint8))
+    handle = mtmd_cpp.mtmd_bitmap_init(bitmap.width, bitmap.height, data)
+    if not handle:
+        raise NativeError("mtmd_bitmap_init failed")
+    if bitmap.media_id:
+        mtmd_cpp.mtmd_bitmap_set_id(handle, bitmap.media_id.encode())
+    return handle

@@ -1,0 +1,296 @@
+"""Text + images -> PreparedPrompt, with every count read from libmtmd."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import llama_cpp
+
+from prep_service import model_files, native
+from prep_service.chat import ROLES, ChatTemplate, Turn
+from prep_service.descriptors import Chunk, Fingerprint, MediaChunk, PreparedPrompt, TextChunk
+from prep_service.images import RgbImage
+
+
+class InputError(ValueError):
+    """A request that can never work: empty, mismatched, malformed."""
+
+
+class UnsupportedError(ValueError):
+    """A request this model cannot serve (images without an mmproj, chat without a template)."""
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image as prepare needs it: pixels, or (CountTokens) just a size."""
+
+    width: int
+    height: int
+    pixels: RgbImage | None = None
+
+    @classmethod
+    def of(cls, image: RgbImage) -> ImageRef:
+        return cls(image.width, image.height, image)
+
+
+Part = str | ImageRef
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    parts: Sequence[Part]
+
+
+@dataclass(frozen=True)
+class RawPrompt:
+    text: str
+    images: Sequence[ImageRef] = ()
+    add_special: bool = True
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    fingerprint: Fingerprint
+    media_marker: str
+    uses_mrope: bool
+    media_non_causal: bool
+    supports_vision: bool
+    supports_audio: bool
+    n_ctx_train: int
+    num_vocab: int
+    bos_token_id: int
+    eos_token_id: int
+    has_chat_template: bool
+    description: str
+
+
+@dataclass
+class _Segment:
+    """Text to tokenize together: one chat message (or the whole raw prompt)."""
+
+    text: str
+    images: list[ImageRef] = field(default_factory=list)
+    message_index: int = 0
+    add_special: bool = False
+    first_group: int = 1  # media group number of this segment's first image
+
+
+class Preparer:
+    """Owns a vocab-only text model and (optionally) an mtmd context; thread-safe to call."""
+
+    def __init__(self, model: Path, mmproj: Path | None = None, *, n_threads: int = 2):
+        if mmproj is not None:
+            model_files.check_embedding_sizes(model, mmproj)
+        self.fingerprint = model_files.fingerprint(model, mmproj)
+        self._model = native.load_model(model, vocab_only=True)
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        try:
+            self.mtmd = native.Multimodal(mmproj, self._model, n_threads=n_threads) if mmproj else None
+        except Exception:
+            native.free_model(self._model)
+            raise
+        self.marker = self.mtmd.marker if self.mtmd else mtmd_default_marker()
+        bos = llama_cpp.llama_vocab_bos(self._vocab)
+        eos = llama_cpp.llama_vocab_eos(self._vocab)
+        source = native.chat_template(self._model)
+        self.template = (
+            ChatTemplate(source, bos_token=self._piece(bos), eos_token=self._piece(eos))
+            if source
+            else None
+        )
+        self.info = ModelInfo(
+            fingerprint=self.fingerprint,
+            media_marker=self.marker,
+            uses_mrope=bool(self.mtmd and self.mtmd.uses_mrope),
+            media_non_causal=bool(self.mtmd and self.mtmd.non_causal),
+            supports_vision=bool(self.mtmd and self.mtmd.supports_vision),
+            supports_audio=bool(self.mtmd and self.mtmd.supports_audio),
+            n_ctx_train=_n_ctx_train(self._model),
+            num_vocab=llama_cpp.llama_vocab_n_tokens(self._vocab),
+            bos_token_id=bos,
+            eos_token_id=eos,
+            has_chat_template=self.template is not None,
+            description=native.meta_string(self._model, "general.name") or model.name,
+        )
+
+    def close(self) -> None:
+        if self.mtmd:
+            self.mtmd.close()
+        if self._model:
+            native.free_model(self._model)
+            self._model = None
+
+    def _piece(self, token: int) -> str:
+        return native.token_piece(self._vocab, token).decode("utf-8", "replace") if token >= 0 else ""
+
+    # -- the two operations ---------------------------------------------------------------
+
+    def prepare(self, request: Sequence[Message] | RawPrompt) -> tuple[PreparedPrompt, str]:
+        """Chunks with pixels; also returns the rendered prompt text."""
+        segments = self._segments(request)
+        chunks = [c for s in _numbered_images(segments) for c in self._tokenize(s)]
+        return PreparedPrompt(self.fingerprint, tuple(chunks)), "".join(s.text for s in segments)
+
+    def count(self, request: Sequence[Message] | RawPrompt) -> list[Chunk]:
+        """Like prepare, but images may be sizes only; media chunks come back without pixels."""
+        return [c for s in _numbered_images(self._segments(request)) for c in self._tokenize(s)]
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _segments(self, request: Sequence[Message] | RawPrompt) -> list[_Segment]:
+        if isinstance(request, RawPrompt):
+            if not request.text:
+                raise InputError("raw prompt is empty")
+            n_markers = request.text.count(self.marker)
+            if n_markers != len(request.images):
+                raise InputError(
+                    f"raw prompt has {n_markers} media markers ({self.marker!r}) "
+                    f"but {len(request.images)} images"
+                )
+            return [_Segment(request.text, list(request.images), 0, request.add_special)]
+        if not request:
+            raise InputError("chat has no messages")
+        turns = []
+        images: list[list[ImageRef]] = []
+        for i, message in enumerate(request):
+            if message.role not in ROLES:
+                raise InputError(f"message {i}: unknown role {message.role!r} (use {', '.join(ROLES)})")
+            if not message.parts:
+                raise InputError(f"message {i} has no parts")
+            text = []
+            for j, part in enumerate(message.parts):
+                if isinstance(part, str):
+                    if self.marker in part:
+                        raise InputError(
+                            f"message {i} part {j}: text contains the media marker "
+                            f"{self.marker!r}; send images as image parts"
+                        )
+                    text.append(part)
+                else:
+                    text.append(self.marker)
+            turns.append(Turn(message.role, "".join(text)))
+            images.append([p for p in message.parts if isinstance(p, ImageRef)])
+        if self.template is None:
+            raise UnsupportedError("the model has no chat template: send a raw prompt instead")
+        pieces = self.template.pieces(turns)
+        segments = [_Segment(p, imgs, i) for i, (p, imgs) in enumerate(zip(pieces, images))]
+        if any(s.text.count(self.marker) != len(s.images) for s in segments):
+            # the template moved text across messages: one segment, owned by the last message
+            segments = [_Segment("".join(pieces[:-1]), sum(images, []), len(turns) - 1)]
+        segments.append(_Segment(pieces[-1], [], len(turns)))  # the generation prompt
+        # BOS once: from the vocabulary's add_special unless the template wrote it already
+        bos = self._piece(self.info.bos_token_id)
+        segments[0].add_special = not (bos and pieces[0].startswith(bos))
+        return [s for s in segments if s.text]
+
+    def _tokenize(self, segment: _Segment) -> list[Chunk]:
+        if not segment.images:
+            tokens = native.tokenize_text(
+                self._vocab, segment.text, add_special=segment.add_special, parse_special=True
+            )
+            return [TextChunk(tuple(tokens), segment.message_index)] if tokens else []
+        if self.mtmd is None:
+            raise UnsupportedError("this model was loaded without an mmproj: it takes no images")
+        bitmaps = [
+            native.Bitmap(im.width, im.height, im.pixels.rgb, im.pixels.media_id)
+            if im.pixels
+            else native.Bitmap(im.width, im.height)
+            for im in segment.images
+        ]
+        raw = self.mtmd.count(segment.text, bitmaps, add_special=segment.add_special)
+        groups = [self.mtmd.media_group(b) for b in bitmaps]
+        return _group(raw, groups, segment)
+
+
+def _n_ctx_train(model: int) -> int:
+    # vocab-only models skip hparams, so llama_model_n_ctx_train says 0: read the metadata
+    arch = native.meta_string(model, "general.architecture")
+    value = native.meta_string(model, f"{arch}.context_length") if arch else None
+    return int(value) if value and value.isdigit() else 0
+
+
+def mtmd_default_marker() -> str:
+    from llama_cpp import mtmd_cpp
+
+    marker = mtmd_cpp.mtmd_default_marker()
+    return marker.decode() if isinstance(marker, bytes) else str(marker)
+
+
+def _numbered_images(segments: list[_Segment]) -> list[_Segment]:
+    """Give every image its 1-based media group number across the whole prompt."""
+    n = 0
+    for s in segments:
+        s.first_group = n + 1
+        n += len(s.images)
+    return segments
+
+
+def _group(
+    raw: list[native.RawChunk], groups: list[list[native.RawChunk]], segment: _Segment
+) -> list[Chunk]:
+    """Attach group numbers, cutting off the wrapper tokens libmtmd merged into neighbours.
+
+    libmtmd writes e.g. `<|vision_start|>` into the text chunk before an image and
+    `<|vision_end|>` into the one after. Tokenizing the image alone gives its group's shape;
+    those wrapper tokens are cut from the neighbours so that the group leaves the cache whole.
+    """
+    out: list[Chunk] = []
+    msg = segment.message_index
+    first_group = segment.first_group
+    i = 0
+    k = 0
+    while i < len(raw):
+        c = raw[i]
+        if not c.is_media:
+            if c.token_ids:
+                out.append(TextChunk(c.token_ids, msg))
+            i += 1
+            continue
+        shape = groups[k]
+        image = segment.images[k]
+        group = first_group + k
+        first = next(j for j, g in enumerate(shape) if g.is_media)
+        last = max(j for j, g in enumerate(shape) if g.is_media)
+        lead = tuple(t for g in shape[:first] for t in g.token_ids)
+        trail = tuple(t for g in shape[last + 1 :] for t in g.token_ids)
+        if lead:
+            prev = out.pop() if out and isinstance(out[-1], TextChunk) else None
+            if prev is None or prev.token_ids[-len(lead) :] != lead:
+                raise native.NativeError("libmtmd's image wrapper tokens are not where expected")
+            if prev.token_ids[: -len(lead)]:
+                out.append(TextChunk(prev.token_ids[: -len(lead)], msg, prev.media_group))
+            out.append(TextChunk(lead, msg, group))
+        for g, c in zip(shape[first : last + 1], raw[i : i + last - first + 1], strict=True):
+            if g.is_media != c.is_media or g.num_cells != c.num_cells:
+                raise native.NativeError("an image tokenized alone differs from in context")
+            if c.is_media:
+                out.append(_media(c, image, msg, group))
+            else:
+                out.append(TextChunk(c.token_ids, msg, group))
+        i += last - first + 1
+        k += 1
+        if trail:
+            nxt = raw[i] if i < len(raw) else None
+            if nxt is None or nxt.is_media or nxt.token_ids[: len(trail)] != trail:
+                raise native.NativeError("libmtmd's image wrapper tokens are not where expected")
+            out.append(TextChunk(trail, msg, group))
+            rest = nxt.token_ids[len(trail) :]
+            raw[i] = native.RawChunk(False, len(rest), len(rest), rest)
+    return out
+
+
+def _media(c: native.RawChunk, image: ImageRef, msg: int, group: int) -> MediaChunk:
+    px = image.pixels
+    return MediaChunk(
+        media_id=px.media_id if px else "",
+        num_cells=c.num_cells,
+        num_positions=c.num_positions,
+        width=image.width,
+        height=image.height,
+        rgb=px.rgb if px else b"",
+        message_index=msg,
+        media_group=group,
+    )

@@ -1,0 +1,152 @@
+"""PrepService: the gRPC edge. Protobuf in, domain calls on worker threads, protobuf out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+from prep_service import native
+from prep_service.chat import TemplateError
+from prep_service.descriptors import MediaChunk
+from prep_service.images import DEFAULT_MAX_PIXELS, ImageError, decode_image
+from prep_service.preparer import ImageRef, InputError, Message, Preparer, RawPrompt, UnsupportedError
+from prep_service.serving import abort
+from slotwise.v1 import prep_pb2, prep_pb2_grpc
+
+log = logging.getLogger("slotwise.prep")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_side: int = 0  # > 0: downscale larger images so neither side exceeds it
+    max_images: int = 64
+
+
+class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
+    def __init__(self, preparer: Preparer, *, limits: Limits = Limits(), workers: int = 2):
+        self.preparer = preparer
+        self.limits = limits
+        # mtmd_tokenize is thread-safe: calls proceed in parallel, off the event loop
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prep")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    async def GetModelInfo(self, request, context):  # noqa: N802
+        i = self.preparer.info
+        return prep_pb2.GetModelInfoResponse(
+            info=prep_pb2.ModelInfo(
+                fingerprint=i.fingerprint.to_pb(),
+                media_marker=i.media_marker,
+                uses_mrope=i.uses_mrope,
+                media_non_causal=i.media_non_causal,
+                supports_vision=i.supports_vision,
+                supports_audio=i.supports_audio,
+                n_ctx_train=i.n_ctx_train,
+                num_vocab=i.num_vocab,
+                bos_token_id=i.bos_token_id,
+                eos_token_id=i.eos_token_id,
+                has_chat_template=i.has_chat_template,
+                model_description=i.description,
+            )
+        )
+
+    async def Prepare(self, request, context):  # noqa: N802
+        def work() -> prep_pb2.PrepareResponse:
+            prompt, text = self.preparer.prepare(self._request(request, sizes_allowed=False))
+            return prep_pb2.PrepareResponse(prompt=prompt.to_pb(), rendered_text=text)
+
+        return await self._run(work, context)
+
+    async def CountTokens(self, request, context):  # noqa: N802
+        def work() -> prep_pb2.CountTokensResponse:
+            chunks = self.preparer.count(self._request(request, sizes_allowed=True))
+            return prep_pb2.CountTokensResponse(
+                num_cells=sum(c.num_cells for c in chunks),
+                num_positions=sum(c.num_positions for c in chunks),
+                chunks=[
+                    prep_pb2.ChunkCount(
+                        message_index=c.message_index,
+                        media_group=c.media_group,
+                        is_media=isinstance(c, MediaChunk),
+                        num_cells=c.num_cells,
+                        num_positions=c.num_positions,
+                    )
+                    for c in chunks
+                ],
+            )
+
+        return await self._run(work, context)
+
+    async def _run(self, work, context):
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+        except (InputError, ImageError, TemplateError) as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except UnsupportedError as e:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except native.NativeError as e:
+            log.exception("libmtmd failed")
+            await abort(context, grpc.StatusCode.INTERNAL, str(e))
+        except ValueError as e:  # libmtmd refused the input (e.g. an image it cannot preprocess)
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    # -- protobuf -> domain -----------------------------------------------------------------
+
+    def _request(self, request, *, sizes_allowed: bool) -> list[Message] | RawPrompt:
+        which = request.WhichOneof("input")
+        n_images = 0
+
+        def image(pb, where: str) -> ImageRef:
+            nonlocal n_images
+            n_images += 1
+            if n_images > self.limits.max_images:
+                raise InputError(f"more than {self.limits.max_images} images in one request")
+            source = pb.WhichOneof("source")
+            if source == "data":
+                try:
+                    rgb = decode_image(
+                        pb.data, max_pixels=self.limits.max_pixels, max_side=self.limits.max_side
+                    )
+                except ImageError as e:
+                    raise ImageError(f"{where}: {e}") from None
+                return ImageRef.of(rgb)
+            if source == "size" and sizes_allowed:
+                w, h = pb.size.width, pb.size.height
+                if w == 0 or h == 0 or w * h > self.limits.max_pixels:
+                    raise InputError(
+                        f"{where}: size {w}x{h} must be positive and at most "
+                        f"{self.limits.max_pixels} pixels"
+                    )
+                return ImageRef(w, h)
+            if source == "size":
+                raise InputError(f"{where}: Prepare needs the image bytes, not just a size")
+            raise InputError(f"{where}: image has neither data nor size")
+
+        if which == "raw":
+            raw = request.raw
+            images = [image(im, f"image {k}") for k, im in enumerate(raw.images)]
+            return RawPrompt(raw.text, images, raw.add_special)
+        if which == "chat":
+            messages = []
+            for i, m in enumerate(request.chat.messages):
+                parts: list[str | ImageRef] = []
+                for j, p in enumerate(m.parts):
+                    kind = p.WhichOneof("kind")
+                    if kind == "text":
+                        parts.append(p.text)
+                    elif kind == "image":
+                        parts.append(image(p.image, f"message {i} part {j}"))
+                    else:
+                        raise InputError(f"message {i} part {j} is empty (neither text nor image)")
+                messages.append(Message(m.role, parts))
+            return messages
+        raise InputError("request has neither chat nor raw input")

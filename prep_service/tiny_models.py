@@ -1,0 +1,400 @@
+"""Tiny random-weight GGUF pairs (text model + mmproj) for tests, demos and benchmarks.
+
+The weights are random (fixed numpy seed per pair, so every run writes the same bytes) and the
+generated text is gibberish. What *is* real is everything llama.cpp / libmtmd compute from the
+architecture: image token counts and positions, M-RoPE vs. plain RoPE, K-shift support, the
+non-causal image decode, KV-cache cell usage and the chat template / special tokens.
+
+Pairs (all tensors F32, text n_embd 64, 2 layers, context_length 4096, ~268-token vocab):
+
+* ``mrope``     -- text ``qwen2vl`` + projector ``qwen2vl_merger`` (M-RoPE, dynamic resolution:
+  a 1288x784 image is 1288 cells / 46 positions; ``llama_memory_can_shift`` is false).
+* ``rope``      -- text ``llama`` + projector ``mlp`` (LLaVA; plain RoPE, K-shift capable;
+  every image is 64 cells / 64 positions).
+* ``noncausal`` -- text ``gemma3`` + projector ``gemma3`` (SigLIP + avg-pool; the image is
+  decoded with non-causal attention, so it must fit one ubatch; every image is 64 cells /
+  64 positions, wrapped in ``<start_of_image>`` ... ``<end_of_image>``).
+
+Usage: ``slotwise-tiny-models OUT_DIR [--only NAME ...]`` or
+``python -m prep_service.tiny_models OUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "ALL",
+    "CHAT_TEMPLATE",
+    "CONTEXT_LENGTH",
+    "SPECIAL_TOKENS",
+    "TinyPair",
+    "main",
+    "write_tiny_models",
+]
+
+ALL: tuple[str, ...] = ("mrope", "rope", "noncausal")
+
+CONTEXT_LENGTH = 4096
+
+# ChatML; message content must be a string.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# CONTROL tokens appended after the byte tokens and merges (same vocab for every pair).
+# <|vision_start|>/<|vision_end|> are what mtmd wraps qwen2vl images in;
+# <start_of_image>/<end_of_image> are what it wraps gemma3 images in. They must be single
+# special tokens, otherwise the wrappers would be tokenized as plain bytes.
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<start_of_image>",
+    "<end_of_image>",
+)
+
+# BPE merges (each result is also a vocab token). At least one merge is required: gguf drops an
+# empty array silently and llama.cpp then fails with "cannot find tokenizer merges".
+_MERGES: tuple[tuple[str, str], ...] = (("Ġ", "t"), ("h", "e"), ("i", "n"), ("Ġt", "he"))
+
+_SEEDS = {"mrope": 1001, "rope": 1002, "noncausal": 1003}
+_STD = 0.02
+
+# Text model size (shared by all pairs).
+_N_EMBD = 64
+_N_FF = 128
+_N_LAYER = 2
+_N_HEAD = 4
+_N_HEAD_KV = 2
+_HEAD_DIM = _N_EMBD // _N_HEAD  # 16
+_RMS_EPS = 1e-6
+
+# Vision encoder size (shared by all projectors). Keep n_ff != n_embd: for legacy files of
+# these projector types clip.cpp swaps ffn up/down when ffn_down's ne[0] equals n_embd.
+_V_EMBD = 32
+_V_FF = 64
+_V_HEAD = 2
+
+_TOKEN_NORMAL = 1
+_TOKEN_CONTROL = 3
+
+
+@dataclass(frozen=True)
+class TinyPair:
+    """Paths of one generated pair."""
+
+    name: str
+    model: Path
+    mmproj: Path
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable unicode map, indexed by byte value."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    table: dict[int, str] = {b: chr(b) for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + n)
+            n += 1
+    return [table[b] for b in range(256)]
+
+
+def _vocab() -> tuple[list[str], list[int]]:
+    tokens = _bytes_to_unicode()  # token id == byte value for the first 256 ids
+    tokens += [a + b for a, b in _MERGES]
+    types = [_TOKEN_NORMAL] * len(tokens)
+    tokens += list(SPECIAL_TOKENS)
+    types += [_TOKEN_CONTROL] * len(SPECIAL_TOKENS)
+    return tokens, types
+
+
+_TOKENS, _TOKEN_TYPES = _vocab()
+_N_VOCAB = len(_TOKENS)
+
+
+def _add_tokenizer(w, pre: str) -> None:
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", pre)
+    w.add_token_list(_TOKENS)
+    w.add_token_types(_TOKEN_TYPES)
+    w.add_token_merges([f"{a} {b}" for a, b in _MERGES])
+    w.add_bos_token_id(_TOKENS.index("<|endoftext|>"))
+    w.add_eos_token_id(_TOKENS.index("<|im_end|>"))
+    w.add_pad_token_id(_TOKENS.index("<|endoftext|>"))
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors (shapes below are in ggml `ne` order; numpy shapes are the reverse)
+
+
+class _Tensors:
+    def __init__(self, seed: int) -> None:
+        self._rng = np.random.default_rng(seed)
+        self.items: list[tuple[str, np.ndarray]] = []
+
+    def rand(self, name: str, *ne: int) -> None:
+        a = self._rng.normal(0.0, _STD, size=tuple(reversed(ne))).astype(np.float32)
+        self.items.append((name, a))
+
+    def ones(self, name: str, *ne: int) -> None:
+        self.items.append((name, np.ones(tuple(reversed(ne)), dtype=np.float32)))
+
+    def linear(self, name: str, n_in: int, n_out: int, bias: bool = False) -> None:
+        self.rand(f"{name}.weight", n_in, n_out)
+        if bias:
+            self.rand(f"{name}.bias", n_out)
+
+    def layer_norm(self, name: str, n: int) -> None:
+        self.ones(f"{name}.weight", n)
+        self.rand(f"{name}.bias", n)
+
+
+def _write(path: Path, arch: str, add_kv: Callable[[object], None], t: _Tensors) -> None:
+    import gguf  # local import: keeps `import prep_service` cheap
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(path), arch)
+    try:
+        w.add_uint32("general.file_type", 0)  # all F32
+        add_kv(w)
+        for name, a in t.items:
+            w.add_tensor(name, a)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    finally:
+        w.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# text models
+
+
+def _text_kv(arch: str, pre: str, extra: Callable[[object], None] | None = None):
+    def add(w) -> None:
+        w.add_string("general.name", f"slotwise-tiny-{arch}")
+        w.add_uint32(f"{arch}.context_length", CONTEXT_LENGTH)
+        w.add_uint32(f"{arch}.embedding_length", _N_EMBD)
+        w.add_uint32(f"{arch}.block_count", _N_LAYER)
+        w.add_uint32(f"{arch}.feed_forward_length", _N_FF)
+        w.add_uint32(f"{arch}.attention.head_count", _N_HEAD)
+        w.add_uint32(f"{arch}.attention.head_count_kv", _N_HEAD_KV)
+        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", _RMS_EPS)
+        w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+        w.add_uint32(f"{arch}.vocab_size", _N_VOCAB)
+        if extra is not None:
+            extra(w)
+        _add_tokenizer(w, pre)
+
+    return add
+
+
+def _text_tensors(seed: int, gemma: bool = False) -> _Tensors:
+    t = _Tensors(seed)
+    n_kv = _HEAD_DIM * _N_HEAD_KV
+    t.rand("token_embd.weight", _N_EMBD, _N_VOCAB)  # output.weight is tied to it
+    t.ones("output_norm.weight", _N_EMBD)
+    for i in range(_N_LAYER):
+        p = f"blk.{i}"
+        t.ones(f"{p}.attn_norm.weight", _N_EMBD)
+        t.linear(f"{p}.attn_q", _N_EMBD, _N_EMBD)
+        t.linear(f"{p}.attn_k", _N_EMBD, n_kv)
+        t.linear(f"{p}.attn_v", _N_EMBD, n_kv)
+        t.linear(f"{p}.attn_output", _N_EMBD, _N_EMBD)
+        t.ones(f"{p}.ffn_norm.weight", _N_EMBD)
+        t.linear(f"{p}.ffn_gate", _N_EMBD, _N_FF)
+        t.linear(f"{p}.ffn_up", _N_EMBD, _N_FF)
+        t.linear(f"{p}.ffn_down", _N_FF, _N_EMBD)
+        if gemma:
+            t.ones(f"{p}.attn_q_norm.weight", _HEAD_DIM)
+            t.ones(f"{p}.attn_k_norm.weight", _HEAD_DIM)
+            t.ones(f"{p}.post_attention_norm.weight", _N_EMBD)
+            t.ones(f"{p}.post_ffw_norm.weight", _N_EMBD)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# projectors (general.architecture "clip")
+
+
+def _clip_kv(projector: str, n_layer: int, image_size: int, patch_size: int, extra: dict[str, int]):
+    def add(w) -> None:
+        w.add_string("general.name", f"slotwise-tiny-mmproj-{projector}")
+        w.add_string("clip.projector_type", projector)
+        w.add_bool("clip.has_vision_encoder", True)
+        w.add_uint32("clip.vision.embedding_length", _V_EMBD)
+        w.add_uint32("clip.vision.feed_forward_length", _V_FF)
+        w.add_uint32("clip.vision.block_count", n_layer)
+        w.add_uint32("clip.vision.attention.head_count", _V_HEAD)
+        w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+        w.add_uint32("clip.vision.projection_dim", _N_EMBD)
+        w.add_uint32("clip.vision.image_size", image_size)
+        w.add_uint32("clip.vision.patch_size", patch_size)
+        # required: mtmd init fails without mean/std
+        w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+        w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+        for key, value in extra.items():
+            w.add_uint32(key, value)
+
+    return add
+
+
+def _vit_blocks(t: _Tensors, n_layer: int) -> None:
+    # Attention biases are needed by the qwen2vl graph (without them: segfault on encode).
+    for i in range(n_layer):
+        p = f"v.blk.{i}"
+        for proj in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            t.linear(f"{p}.{proj}", _V_EMBD, _V_EMBD, bias=True)
+        t.layer_norm(f"{p}.ln1", _V_EMBD)
+        t.layer_norm(f"{p}.ln2", _V_EMBD)
+        t.linear(f"{p}.ffn_up", _V_EMBD, _V_FF, bias=True)
+        t.linear(f"{p}.ffn_down", _V_FF, _V_EMBD, bias=True)
+
+
+def _mmproj_qwen2vl(seed: int) -> tuple[Callable[[object], None], _Tensors]:
+    patch = 14
+    t = _Tensors(seed)
+    # qwen2vl splits its 3D patch conv into two 2D convs: both .weight and .weight.1 needed.
+    t.rand("v.patch_embd.weight", patch, patch, 3, _V_EMBD)
+    t.rand("v.patch_embd.weight.1", patch, patch, 3, _V_EMBD)
+    _vit_blocks(t, 1)
+    t.layer_norm("v.post_ln", _V_EMBD)
+    merged = _V_EMBD * 4  # 2x2 spatial merge
+    t.linear("mm.0", merged, merged, bias=True)
+    t.linear("mm.2", merged, _N_EMBD, bias=True)
+    kv = _clip_kv("qwen2vl_merger", 1, 224, patch, {"clip.vision.spatial_merge_size": 2})
+    return kv, t
+
+
+def _mmproj_mlp(seed: int) -> tuple[Callable[[object], None], _Tensors]:
+    patch, size, n_layer = 14, 112, 2  # the llava graph runs n_layer - 1 ViT layers
+    n_patches = (size // patch) ** 2  # 64
+    t = _Tensors(seed)
+    t.rand("v.patch_embd.weight", patch, patch, 3, _V_EMBD)
+    t.rand("v.position_embd.weight", _V_EMBD, n_patches)
+    t.layer_norm("v.pre_ln", _V_EMBD)
+    _vit_blocks(t, n_layer)
+    t.linear("mm.0", _V_EMBD, _N_EMBD, bias=True)
+    # mm.2 is mandatory: the projector's output size (must equal text n_embd) is read from it
+    t.linear("mm.2", _N_EMBD, _N_EMBD, bias=True)
+    return _clip_kv("mlp", n_layer, size, patch, {}), t
+
+
+def _mmproj_gemma3(seed: int) -> tuple[Callable[[object], None], _Tensors]:
+    # SigLIP: 224/14 = 16x16 patches, avg-pooled by scale_factor 2 -> 8x8 = 64 image tokens.
+    patch, size, scale = 14, 224, 2
+    n_patches = (size // patch) ** 2  # 256
+    t = _Tensors(seed)
+    t.rand("v.patch_embd.weight", patch, patch, 3, _V_EMBD)
+    t.rand("v.patch_embd.bias", _V_EMBD)
+    t.rand("v.position_embd.weight", _V_EMBD, n_patches)
+    _vit_blocks(t, 1)
+    t.layer_norm("v.post_ln", _V_EMBD)
+    t.ones("mm.soft_emb_norm.weight", _V_EMBD)
+    # used transposed: ne[0] is the output size (text n_embd)
+    t.rand("mm.input_projection.weight", _N_EMBD, _V_EMBD)
+    kv = _clip_kv("gemma3", 1, size, patch, {"clip.vision.projector.scale_factor": scale})
+    return kv, t
+
+
+# ---------------------------------------------------------------------------------------------
+# pairs
+
+
+def _write_mrope(d: Path, seed: int) -> None:
+    def sections(w) -> None:
+        # required by qwen2vl; sum must be head_dim / 2
+        w.add_array("qwen2vl.rope.dimension_sections", [2, 3, 3, 0])
+
+    _write(d / "model.gguf", "qwen2vl", _text_kv("qwen2vl", "qwen2", sections), _text_tensors(seed))
+    kv, t = _mmproj_qwen2vl(seed + 1)
+    _write(d / "mmproj.gguf", "clip", kv, t)
+
+
+def _write_rope(d: Path, seed: int) -> None:
+    _write(d / "model.gguf", "llama", _text_kv("llama", "gpt-2"), _text_tensors(seed))
+    kv, t = _mmproj_mlp(seed + 1)
+    _write(d / "mmproj.gguf", "clip", kv, t)
+
+
+def _write_noncausal(d: Path, seed: int) -> None:
+    # Text arch gemma3 (the projector's real partner) works: mtmd toggles causal attention off
+    # around the image batch via llama_set_causal_attn, which the gemma3 graph honours. No
+    # sliding-window key is written, so gemma3 uses a plain (non-SWA) KV cache and stays
+    # K-shift capable. Its graph scales token embeddings by sqrt(n_embd) but not image
+    # embeddings, like the real model.
+    _write(
+        d / "model.gguf",
+        "gemma3",
+        _text_kv("gemma3", "gpt-2"),
+        _text_tensors(seed, gemma=True),
+    )
+    kv, t = _mmproj_gemma3(seed + 1)
+    _write(d / "mmproj.gguf", "clip", kv, t)
+
+
+_WRITERS: dict[str, Callable[[Path, int], None]] = {
+    "mrope": _write_mrope,
+    "rope": _write_rope,
+    "noncausal": _write_noncausal,
+}
+
+
+def write_tiny_models(out_dir: Path, names: Iterable[str] = ALL) -> dict[str, TinyPair]:
+    """Write ``out_dir/<name>/{model,mmproj}.gguf`` for each name; same bytes every run."""
+    out_dir = Path(out_dir)
+    names = list(dict.fromkeys(names))
+    unknown = [n for n in names if n not in _WRITERS]
+    if unknown:
+        raise ValueError(f"unknown tiny model(s) {unknown}; choose from {list(ALL)}")
+    pairs: dict[str, TinyPair] = {}
+    for name in names:
+        d = out_dir / name
+        _WRITERS[name](d, _SEEDS[name])
+        pairs[name] = TinyPair(name, d / "model.gguf", d / "mmproj.gguf")
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="slotwise-tiny-models",
+        description="Write tiny random-weight GGUF pairs (gibberish output, real counts).",
+    )
+    parser.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    parser.add_argument(
+        "--only", nargs="+", choices=ALL, metavar="NAME", help=f"subset of {', '.join(ALL)}"
+    )
+    args = parser.parse_args(argv)
+    pairs = write_tiny_models(args.out_dir, args.only or ALL)
+    for p in pairs.values():
+        print(f"{p.name}: model={p.model} mmproj={p.mmproj}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

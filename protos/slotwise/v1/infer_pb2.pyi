@@ -1,0 +1,222 @@
+from slotwise.v1 import prompt_pb2 as _prompt_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ShiftPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SHIFT_POLICY_UNSPECIFIED: _ClassVar[ShiftPolicy]
+    SHIFT_POLICY_AUTO: _ClassVar[ShiftPolicy]
+    SHIFT_POLICY_SHIFT: _ClassVar[ShiftPolicy]
+    SHIFT_POLICY_GAP: _ClassVar[ShiftPolicy]
+    SHIFT_POLICY_REPREFILL: _ClassVar[ShiftPolicy]
+    SHIFT_POLICY_STOP: _ClassVar[ShiftPolicy]
+
+class EvictionUnit(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVICTION_UNIT_UNSPECIFIED: _ClassVar[EvictionUnit]
+    EVICTION_UNIT_TOKEN: _ClassVar[EvictionUnit]
+    EVICTION_UNIT_MESSAGE: _ClassVar[EvictionUnit]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+SHIFT_POLICY_UNSPECIFIED: ShiftPolicy
+SHIFT_POLICY_AUTO: ShiftPolicy
+SHIFT_POLICY_SHIFT: ShiftPolicy
+SHIFT_POLICY_GAP: ShiftPolicy
+SHIFT_POLICY_REPREFILL: ShiftPolicy
+SHIFT_POLICY_STOP: ShiftPolicy
+EVICTION_UNIT_UNSPECIFIED: EvictionUnit
+EVICTION_UNIT_TOKEN: EvictionUnit
+EVICTION_UNIT_MESSAGE: EvictionUnit
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_ERROR: FinishReason
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetServerInfoResponse(_message.Message):
+    __slots__ = ("fingerprint", "num_slots", "num_cells_per_slot", "n_ctx_train", "can_shift", "uses_mrope", "batch_size", "ubatch_size", "num_queued", "num_active")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CELLS_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    N_CTX_TRAIN_FIELD_NUMBER: _ClassVar[int]
+    CAN_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    USES_MROPE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    UBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: _prompt_pb2.Fingerprint
+    num_slots: int
+    num_cells_per_slot: int
+    n_ctx_train: int
+    can_shift: bool
+    uses_mrope: bool
+    batch_size: int
+    ubatch_size: int
+    num_queued: int
+    num_active: int
+    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., num_slots: _Optional[int] = ..., num_cells_per_slot: _Optional[int] = ..., n_ctx_train: _Optional[int] = ..., can_shift: _Optional[bool] = ..., uses_mrope: _Optional[bool] = ..., batch_size: _Optional[int] = ..., ubatch_size: _Optional[int] = ..., num_queued: _Optional[int] = ..., num_active: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "penalty_last_n", "presence_penalty", "frequency_penalty", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    penalty_last_n: int
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ContextOptions(_message.Message):
+    __slots__ = ("policy", "keep", "discard_fraction", "unit", "truncate_prompt")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    policy: ShiftPolicy
+    keep: int
+    discard_fraction: float
+    unit: EvictionUnit
+    truncate_prompt: bool
+    def __init__(self, policy: _Optional[_Union[ShiftPolicy, str]] = ..., keep: _Optional[int] = ..., discard_fraction: _Optional[float] = ..., unit: _Optional[_Union[EvictionUnit, str]] = ..., truncate_prompt: _Optional[bool] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "sampling", "max_tokens", "stop", "context")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    prompt: _prompt_pb2.PreparedPrompt
+    sampling: SamplingParams
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    context: ContextOptions
+    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ...) -> None: ...
+
+class Started(_message.Message):
+    __slots__ = ("slot", "num_prompt_cells", "num_prompt_positions", "num_capacity_cells", "num_truncated_cells", "truncated_media_ids", "num_truncated_chunks", "num_reused_cells")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_CELLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CAPACITY_CELLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRUNCATED_CELLS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_MEDIA_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRUNCATED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REUSED_CELLS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    num_prompt_cells: int
+    num_prompt_positions: int
+    num_capacity_cells: int
+    num_truncated_cells: int
+    truncated_media_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_truncated_chunks: int
+    num_reused_cells: int
+    def __init__(self, slot: _Optional[int] = ..., num_prompt_cells: _Optional[int] = ..., num_prompt_positions: _Optional[int] = ..., num_capacity_cells: _Optional[int] = ..., num_truncated_cells: _Optional[int] = ..., truncated_media_ids: _Optional[_Iterable[str]] = ..., num_truncated_chunks: _Optional[int] = ..., num_reused_cells: _Optional[int] = ...) -> None: ...
+
+class PrefillProgress(_message.Message):
+    __slots__ = ("num_cells_done", "num_cells_total")
+    NUM_CELLS_DONE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CELLS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    num_cells_done: int
+    num_cells_total: int
+    def __init__(self, num_cells_done: _Optional[int] = ..., num_cells_total: _Optional[int] = ...) -> None: ...
+
+class TokenDelta(_message.Message):
+    __slots__ = ("token_ids", "text")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class ContextShift(_message.Message):
+    __slots__ = ("policy", "num_cells_evicted", "num_positions_evicted", "media_ids_evicted", "num_cells_used_after", "next_position_after")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    NUM_CELLS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_POSITIONS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_IDS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_CELLS_USED_AFTER_FIELD_NUMBER: _ClassVar[int]
+    NEXT_POSITION_AFTER_FIELD_NUMBER: _ClassVar[int]
+    policy: ShiftPolicy
+    num_cells_evicted: int
+    num_positions_evicted: int
+    media_ids_evicted: _containers.RepeatedScalarFieldContainer[str]
+    num_cells_used_after: int
+    next_position_after: int
+    def __init__(self, policy: _Optional[_Union[ShiftPolicy, str]] = ..., num_cells_evicted: _Optional[int] = ..., num_positions_evicted: _Optional[int] = ..., media_ids_evicted: _Optional[_Iterable[str]] = ..., num_cells_used_after: _Optional[int] = ..., next_position_after: _Optional[int] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("num_prompt_cells", "num_prompt_positions", "num_generated_tokens", "num_shifts", "num_evicted_cells", "num_reused_cells", "prefill_seconds", "decode_seconds")
+    NUM_PROMPT_CELLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHIFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_CELLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REUSED_CELLS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    num_prompt_cells: int
+    num_prompt_positions: int
+    num_generated_tokens: int
+    num_shifts: int
+    num_evicted_cells: int
+    num_reused_cells: int
+    prefill_seconds: float
+    decode_seconds: float
+    def __init__(self, num_prompt_cells: _Optional[int] = ..., num_prompt_positions: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_shifts: _Optional[int] = ..., num_evicted_cells: _Optional[int] = ..., num_reused_cells: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ...) -> None: ...
+
+class Finished(_message.Message):
+    __slots__ = ("reason", "usage", "stop_string", "error")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    reason: FinishReason
+    usage: Usage
+    stop_string: str
+    error: str
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stop_string: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("started", "prefill", "delta", "shift", "finished")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    SHIFT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    started: Started
+    prefill: PrefillProgress
+    delta: TokenDelta
+    shift: ContextShift
+    finished: Finished
+    def __init__(self, started: _Optional[_Union[Started, _Mapping]] = ..., prefill: _Optional[_Union[PrefillProgress, _Mapping]] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., shift: _Optional[_Union[ContextShift, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...

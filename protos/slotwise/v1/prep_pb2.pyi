@@ -1,0 +1,142 @@
+from slotwise.v1 import prompt_pb2 as _prompt_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("fingerprint", "media_marker", "uses_mrope", "media_non_causal", "supports_vision", "supports_audio", "n_ctx_train", "num_vocab", "bos_token_id", "eos_token_id", "has_chat_template", "model_description")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_MARKER_FIELD_NUMBER: _ClassVar[int]
+    USES_MROPE_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_NON_CAUSAL_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_VISION_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_AUDIO_FIELD_NUMBER: _ClassVar[int]
+    N_CTX_TRAIN_FIELD_NUMBER: _ClassVar[int]
+    NUM_VOCAB_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: _prompt_pb2.Fingerprint
+    media_marker: str
+    uses_mrope: bool
+    media_non_causal: bool
+    supports_vision: bool
+    supports_audio: bool
+    n_ctx_train: int
+    num_vocab: int
+    bos_token_id: int
+    eos_token_id: int
+    has_chat_template: bool
+    model_description: str
+    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., media_marker: _Optional[str] = ..., uses_mrope: _Optional[bool] = ..., media_non_causal: _Optional[bool] = ..., supports_vision: _Optional[bool] = ..., supports_audio: _Optional[bool] = ..., n_ctx_train: _Optional[int] = ..., num_vocab: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., model_description: _Optional[str] = ...) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: ModelInfo
+    def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
+
+class ImageSize(_message.Message):
+    __slots__ = ("width", "height")
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    width: int
+    height: int
+    def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
+
+class Image(_message.Message):
+    __slots__ = ("data", "size")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    size: ImageSize
+    def __init__(self, data: _Optional[bytes] = ..., size: _Optional[_Union[ImageSize, _Mapping]] = ...) -> None: ...
+
+class Part(_message.Message):
+    __slots__ = ("text", "image")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: Image
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[Image, _Mapping]] = ...) -> None: ...
+
+class Message(_message.Message):
+    __slots__ = ("role", "parts")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    parts: _containers.RepeatedCompositeFieldContainer[Part]
+    def __init__(self, role: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[Part, _Mapping]]] = ...) -> None: ...
+
+class Chat(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ...) -> None: ...
+
+class RawPrompt(_message.Message):
+    __slots__ = ("text", "images", "add_special")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    add_special: bool
+    def __init__(self, text: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., add_special: _Optional[bool] = ...) -> None: ...
+
+class PrepareRequest(_message.Message):
+    __slots__ = ("chat", "raw")
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    chat: Chat
+    raw: RawPrompt
+    def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ..., raw: _Optional[_Union[RawPrompt, _Mapping]] = ...) -> None: ...
+
+class PrepareResponse(_message.Message):
+    __slots__ = ("prompt", "rendered_text")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    RENDERED_TEXT_FIELD_NUMBER: _ClassVar[int]
+    prompt: _prompt_pb2.PreparedPrompt
+    rendered_text: str
+    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., rendered_text: _Optional[str] = ...) -> None: ...
+
+class CountTokensRequest(_message.Message):
+    __slots__ = ("chat", "raw")
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    chat: Chat
+    raw: RawPrompt
+    def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ..., raw: _Optional[_Union[RawPrompt, _Mapping]] = ...) -> None: ...
+
+class ChunkCount(_message.Message):
+    __slots__ = ("message_index", "media_group", "is_media", "num_cells", "num_positions")
+    MESSAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_GROUP_FIELD_NUMBER: _ClassVar[int]
+    IS_MEDIA_FIELD_NUMBER: _ClassVar[int]
+    NUM_CELLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    message_index: int
+    media_group: int
+    is_media: bool
+    num_cells: int
+    num_positions: int
+    def __init__(self, message_index: _Optional[int] = ..., media_group: _Optional[int] = ..., is_media: _Optional[bool] = ..., num_cells: _Optional[int] = ..., num_positions: _Optional[int] = ...) -> None: ...
+
+class CountTokensResponse(_message.Message):
+    __slots__ = ("num_cells", "num_positions", "chunks")
+    NUM_CELLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    num_cells: int
+    num_positions: int
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkCount]
+    def __init__(self, num_cells: _Optional[int] = ..., num_positions: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkCount, _Mapping]]] = ...) -> None: ...
