@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from slotwise.v1 import prompt_pb2 as slotwise_dot_v1_dot_prompt__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17slotwise/v1/infer.proto\x12\x0bslotwise.v1\x1a\x18slotwise/v1/prompt.proto\"\x16\n\x14GetServerInfoRequest\"\x82\x02\n\x15GetServerInfoResponse\x12-\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32\x18.slotwise.v1.Fingerprint\x12\x11\n\tnum_slots\x18\x02 \x01(\r\x12\x1a\n\x12num_cells_per_slot\x18\x03 \x01(\r\x12\x13\n\x0bn_ctx_train\x18\x04 \x01(\r\x12\x11\n\tcan_shift\x18\x05 \x01(\x08\x12\x12\n\nuses_mrope\x18\x06 \x01(\x08\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x13\n\x0bubatch_size\x18\x08 \x01(\r\x12\x12\n\nnum_queued\x18\t \x01(\r\x12\x12\n\nnum_active\x18\n \x01(\r\"\xfa\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1b\n\x0erepeat_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1b\n\x0epenalty_last_n\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\rH\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x11\n\x0f_repeat_penaltyB\x11\n\x0f_penalty_last_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\xbe\x01\n\x0e\x43ontextOptions\x12(\n\x06policy\x18\x01 \x01(\x0e\x32\x18.slotwise.v1.ShiftPolicy\x12\x0c\n\x04keep\x18\x02 \x01(\r\x12\x1d\n\x10\x64iscard_fraction\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x04unit\x18\x04 \x01(\x0e\x32\x19.slotwise.v1.EvictionUnit\x12\x17\n\x0ftruncate_prompt\x18\x05 \x01(\x08\x42\x13\n\x11_discard_fraction\"\xbd\x01\n\x0fGenerateRequest\x12+\n\x06prompt\x18\x01 \x01(\x0b\x32\x1b.slotwise.v1.PreparedPrompt\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.slotwise.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12,\n\x07\x63ontext\x18\x05 \x01(\x0b\x32\x1b.slotwise.v1.ContextOptions\"\xdd\x01\n\x07Started\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x18\n\x10num_prompt_cells\x18\x02 \x01(\r\x12\x1c\n\x14num_prompt_positions\x18\x03 \x01(\r\x12\x1a\n\x12num_capacity_cells\x18\x04 \x01(\r\x12\x1b\n\x13num_truncated_cells\x18\x05 \x01(\r\x12\x1b\n\x13truncated_media_ids\x18\x06 \x03(\t\x12\x1c\n\x14num_truncated_chunks\x18\x07 \x01(\r\x12\x18\n\x10num_reused_cells\x18\x08 \x01(\r\"B\n\x0fPrefillProgress\x12\x16\n\x0enum_cells_done\x18\x01 \x01(\r\x12\x17\n\x0fnum_cells_total\x18\x02 \x01(\r\"1\n\nTokenDelta\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xc8\x01\n\x0c\x43ontextShift\x12(\n\x06policy\x18\x01 \x01(\x0e\x32\x18.slotwise.v1.ShiftPolicy\x12\x19\n\x11num_cells_evicted\x18\x02 \x01(\r\x12\x1d\n\x15num_positions_evicted\x18\x03 \x01(\r\x12\x19\n\x11media_ids_evicted\x18\x04 \x03(\t\x12\x1c\n\x14num_cells_used_after\x18\x05 \x01(\r\x12\x1b\n\x13next_position_after\x18\x06 \x01(\r\"\xd7\x01\n\x05Usage\x12\x18\n\x10num_prompt_cells\x18\x01 \x01(\r\x12\x1c\n\x14num_prompt_positions\x18\x02 \x01(\r\x12\x1c\n\x14num_generated_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_shifts\x18\x04 \x01(\r\x12\x19\n\x11num_evicted_cells\x18\x05 \x01(\r\x12\x18\n\x10num_reused_cells\x18\x06 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x08 \x01(\x01\"|\n\x08\x46inished\x12)\n\x06reason\x18\x01 \x01(\x0e\x32\x19.slotwise.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.slotwise.v1.Usage\x12\x13\n\x0bstop_string\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xf6\x01\n\x10GenerateResponse\x12\'\n\x07started\x18\x01 \x01(\x0b\x32\x14.slotwise.v1.StartedH\x00\x12/\n\x07prefill\x18\x02 \x01(\x0b\x32\x1c.slotwise.v1.PrefillProgressH\x00\x12(\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x17.slotwise.v1.TokenDeltaH\x00\x12*\n\x05shift\x18\x04 \x01(\x0b\x32\x19.slotwise.v1.ContextShiftH\x00\x12)\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x15.slotwise.v1.FinishedH\x00\x42\x07\n\x05\x65vent*\xa3\x01\n\x0bShiftPolicy\x12\x1c\n\x18SHIFT_POLICY_UNSPECIFIED\x10\x00\x12\x15\n\x11SHIFT_POLICY_AUTO\x10\x01\x12\x16\n\x12SHIFT_POLICY_SHIFT\x10\x02\x12\x14\n\x10SHIFT_POLICY_GAP\x10\x03\x12\x1a\n\x16SHIFT_POLICY_REPREFILL\x10\x04\x12\x15\n\x11SHIFT_POLICY_STOP\x10\x05*a\n\x0c\x45victionUnit\x12\x1d\n\x19\x45VICTION_UNIT_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45VICTION_UNIT_TOKEN\x10\x01\x12\x19\n\x15\x45VICTION_UNIT_MESSAGE\x10\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xb1\x01\n\x0cInferService\x12V\n\rGetServerInfo\x12!.slotwise.v1.GetServerInfoRequest\x1a\".slotwise.v1.GetServerInfoResponse\x12I\n\x08Generate\x12\x1c.slotwise.v1.GenerateRequest\x1a\x1d.slotwise.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17slotwise/v1/infer.proto\x12\x0bslotwise.v1\x1a\x18slotwise/v1/prompt.proto\"\x16\n\x14GetServerInfoRequest\"\xab\x02\n\x15GetServerInfoResponse\x12-\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32\x18.slotwise.v1.Fingerprint\x12\x11\n\tnum_slots\x18\x02 \x01(\r\x12\x1a\n\x12num_cells_per_slot\x18\x03 \x01(\r\x12\x13\n\x0bn_ctx_train\x18\x04 \x01(\r\x12\x11\n\tcan_shift\x18\x05 \x01(\x08\x12\x12\n\nuses_mrope\x18\x06 \x01(\x08\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x13\n\x0bubatch_size\x18\x08 \x01(\r\x12\x12\n\nnum_queued\x18\t \x01(\r\x12\x12\n\nnum_active\x18\n \x01(\r\x12\'\n\x05stats\x18\x0b \x01(\x0b\x32\x18.slotwise.v1.EngineStats\"\xcc\x01\n\x0b\x45ngineStats\x12\x13\n\x0bnum_decodes\x18\x01 \x01(\x04\x12\x1d\n\x15num_multi_seq_decodes\x18\x02 \x01(\x04\x12\x19\n\x11num_media_decodes\x18\x03 \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x04 \x01(\x04\x12\x12\n\nnum_shifts\x18\x05 \x01(\x04\x12\x1c\n\x14num_media_cache_hits\x18\x06 \x01(\x04\x12\x1e\n\x16num_media_cache_misses\x18\x07 \x01(\x04\"\xfa\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1b\n\x0erepeat_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1b\n\x0epenalty_last_n\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\rH\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x11\n\x0f_repeat_penaltyB\x11\n\x0f_penalty_last_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\xbe\x01\n\x0e\x43ontextOptions\x12(\n\x06policy\x18\x01 \x01(\x0e\x32\x18.slotwise.v1.ShiftPolicy\x12\x0c\n\x04keep\x18\x02 \x01(\r\x12\x1d\n\x10\x64iscard_fraction\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x04unit\x18\x04 \x01(\x0e\x32\x19.slotwise.v1.EvictionUnit\x12\x17\n\x0ftruncate_prompt\x18\x05 \x01(\x08\x42\x13\n\x11_discard_fraction\"\xbd\x01\n\x0fGenerateRequest\x12+\n\x06prompt\x18\x01 \x01(\x0b\x32\x1b.slotwise.v1.PreparedPrompt\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.slotwise.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12,\n\x07\x63ontext\x18\x05 \x01(\x0b\x32\x1b.slotwise.v1.ContextOptions\"\xdd\x01\n\x07Started\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x18\n\x10num_prompt_cells\x18\x02 \x01(\r\x12\x1c\n\x14num_prompt_positions\x18\x03 \x01(\r\x12\x1a\n\x12num_capacity_cells\x18\x04 \x01(\r\x12\x1b\n\x13num_truncated_cells\x18\x05 \x01(\r\x12\x1b\n\x13truncated_media_ids\x18\x06 \x03(\t\x12\x1c\n\x14num_truncated_chunks\x18\x07 \x01(\r\x12\x18\n\x10num_reused_cells\x18\x08 \x01(\r\"B\n\x0fPrefillProgress\x12\x16\n\x0enum_cells_done\x18\x01 \x01(\r\x12\x17\n\x0fnum_cells_total\x18\x02 \x01(\r\"1\n\nTokenDelta\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xc8\x01\n\x0c\x43ontextShift\x12(\n\x06policy\x18\x01 \x01(\x0e\x32\x18.slotwise.v1.ShiftPolicy\x12\x19\n\x11num_cells_evicted\x18\x02 \x01(\r\x12\x1d\n\x15num_positions_evicted\x18\x03 \x01(\r\x12\x19\n\x11media_ids_evicted\x18\x04 \x03(\t\x12\x1c\n\x14num_cells_used_after\x18\x05 \x01(\r\x12\x1b\n\x13next_position_after\x18\x06 \x01(\r\"\xd7\x01\n\x05Usage\x12\x18\n\x10num_prompt_cells\x18\x01 \x01(\r\x12\x1c\n\x14num_prompt_positions\x18\x02 \x01(\r\x12\x1c\n\x14num_generated_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_shifts\x18\x04 \x01(\r\x12\x19\n\x11num_evicted_cells\x18\x05 \x01(\r\x12\x18\n\x10num_reused_cells\x18\x06 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x08 \x01(\x01\"|\n\x08\x46inished\x12)\n\x06reason\x18\x01 \x01(\x0e\x32\x19.slotwise.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.slotwise.v1.Usage\x12\x13\n\x0bstop_string\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xf6\x01\n\x10GenerateResponse\x12\'\n\x07started\x18\x01 \x01(\x0b\x32\x14.slotwise.v1.StartedH\x00\x12/\n\x07prefill\x18\x02 \x01(\x0b\x32\x1c.slotwise.v1.PrefillProgressH\x00\x12(\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x17.slotwise.v1.TokenDeltaH\x00\x12*\n\x05shift\x18\x04 \x01(\x0b\x32\x19.slotwise.v1.ContextShiftH\x00\x12)\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x15.slotwise.v1.FinishedH\x00\x42\x07\n\x05\x65vent*\xa3\x01\n\x0bShiftPolicy\x12\x1c\n\x18SHIFT_POLICY_UNSPECIFIED\x10\x00\x12\x15\n\x11SHIFT_POLICY_AUTO\x10\x01\x12\x16\n\x12SHIFT_POLICY_SHIFT\x10\x02\x12\x14\n\x10SHIFT_POLICY_GAP\x10\x03\x12\x1a\n\x16SHIFT_POLICY_REPREFILL\x10\x04\x12\x15\n\x11SHIFT_POLICY_STOP\x10\x05*a\n\x0c\x45victionUnit\x12\x1d\n\x19\x45VICTION_UNIT_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45VICTION_UNIT_TOKEN\x10\x01\x12\x19\n\x15\x45VICTION_UNIT_MESSAGE\x10\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xb1\x01\n\x0cInferService\x12V\n\rGetServerInfo\x12!.slotwise.v1.GetServerInfoRequest\x1a\".slotwise.v1.GetServerInfoResponse\x12I\n\x08Generate\x12\x1c.slotwise.v1.GenerateRequest\x1a\x1d.slotwise.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,36 +34,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOKENDELTA'].fields_by_name['token_ids']._loaded_options = None
   _globals['_TOKENDELTA'].fields_by_name['token_ids']._serialized_options = b'\020\001'
-  _globals['_SHIFTPOLICY']._serialized_start=2257
-  _globals['_SHIFTPOLICY']._serialized_end=2420
-  _globals['_EVICTIONUNIT']._serialized_start=2422
-  _globals['_EVICTIONUNIT']._serialized_end=2519
-  _globals['_FINISHREASON']._serialized_start=2522
-  _globals['_FINISHREASON']._serialized_end=2671
+  _globals['_SHIFTPOLICY']._serialized_start=2505
+  _globals['_SHIFTPOLICY']._serialized_end=2668
+  _globals['_EVICTIONUNIT']._serialized_start=2670
+  _globals['_EVICTIONUNIT']._serialized_end=2767
+  _globals['_FINISHREASON']._serialized_start=2770
+  _globals['_FINISHREASON']._serialized_end=2919
   _globals['_GETSERVERINFOREQUEST']._serialized_start=66
   _globals['_GETSERVERINFOREQUEST']._serialized_end=88
   _globals['_GETSERVERINFORESPONSE']._serialized_start=91
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=349
-  _globals['_SAMPLINGPARAMS']._serialized_start=352
-  _globals['_SAMPLINGPARAMS']._serialized_end=730
-  _globals['_CONTEXTOPTIONS']._serialized_start=733
-  _globals['_CONTEXTOPTIONS']._serialized_end=923
-  _globals['_GENERATEREQUEST']._serialized_start=926
-  _globals['_GENERATEREQUEST']._serialized_end=1115
-  _globals['_STARTED']._serialized_start=1118
-  _globals['_STARTED']._serialized_end=1339
-  _globals['_PREFILLPROGRESS']._serialized_start=1341
-  _globals['_PREFILLPROGRESS']._serialized_end=1407
-  _globals['_TOKENDELTA']._serialized_start=1409
-  _globals['_TOKENDELTA']._serialized_end=1458
-  _globals['_CONTEXTSHIFT']._serialized_start=1461
-  _globals['_CONTEXTSHIFT']._serialized_end=1661
-  _globals['_USAGE']._serialized_start=1664
-  _globals['_USAGE']._serialized_end=1879
-  _globals['_FINISHED']._serialized_start=1881
-  _globals['_FINISHED']._serialized_end=2005
-  _globals['_GENERATERESPONSE']._serialized_start=2008
-  _globals['_GENERATERESPONSE']._serialized_end=2254
-  _globals['_INFERSERVICE']._serialized_start=2674
-  _globals['_INFERSERVICE']._serialized_end=2851
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=390
+  _globals['_ENGINESTATS']._serialized_start=393
+  _globals['_ENGINESTATS']._serialized_end=597
+  _globals['_SAMPLINGPARAMS']._serialized_start=600
+  _globals['_SAMPLINGPARAMS']._serialized_end=978
+  _globals['_CONTEXTOPTIONS']._serialized_start=981
+  _globals['_CONTEXTOPTIONS']._serialized_end=1171
+  _globals['_GENERATEREQUEST']._serialized_start=1174
+  _globals['_GENERATEREQUEST']._serialized_end=1363
+  _globals['_STARTED']._serialized_start=1366
+  _globals['_STARTED']._serialized_end=1587
+  _globals['_PREFILLPROGRESS']._serialized_start=1589
+  _globals['_PREFILLPROGRESS']._serialized_end=1655
+  _globals['_TOKENDELTA']._serialized_start=1657
+  _globals['_TOKENDELTA']._serialized_end=1706
+  _globals['_CONTEXTSHIFT']._serialized_start=1709
+  _globals['_CONTEXTSHIFT']._serialized_end=1909
+  _globals['_USAGE']._serialized_start=1912
+  _globals['_USAGE']._serialized_end=2127
+  _globals['_FINISHED']._serialized_start=2129
+  _globals['_FINISHED']._serialized_end=2253
+  _globals['_GENERATERESPONSE']._serialized_start=2256
+  _globals['_GENERATERESPONSE']._serialized_end=2502
+  _globals['_INFERSERVICE']._serialized_start=2922
+  _globals['_INFERSERVICE']._serialized_end=3099
 # @@protoc_insertion_point(module_scope)

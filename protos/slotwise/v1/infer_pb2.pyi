@@ -50,7 +50,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("fingerprint", "num_slots", "num_cells_per_slot", "n_ctx_train", "can_shift", "uses_mrope", "batch_size", "ubatch_size", "num_queued", "num_active")
+    __slots__ = ("fingerprint", "num_slots", "num_cells_per_slot", "n_ctx_train", "can_shift", "uses_mrope", "batch_size", "ubatch_size", "num_queued", "num_active", "stats")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CELLS_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class GetServerInfoResponse(_message.Message):
     UBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     fingerprint: _prompt_pb2.Fingerprint
     num_slots: int
     num_cells_per_slot: int
@@ -71,7 +72,26 @@ class GetServerInfoResponse(_message.Message):
     ubatch_size: int
     num_queued: int
     num_active: int
-    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., num_slots: _Optional[int] = ..., num_cells_per_slot: _Optional[int] = ..., n_ctx_train: _Optional[int] = ..., can_shift: _Optional[bool] = ..., uses_mrope: _Optional[bool] = ..., batch_size: _Optional[int] = ..., ubatch_size: _Optional[int] = ..., num_queued: _Optional[int] = ..., num_active: _Optional[int] = ...) -> None: ...
+    stats: EngineStats
+    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., num_slots: _Optional[int] = ..., num_cells_per_slot: _Optional[int] = ..., n_ctx_train: _Optional[int] = ..., can_shift: _Optional[bool] = ..., uses_mrope: _Optional[bool] = ..., batch_size: _Optional[int] = ..., ubatch_size: _Optional[int] = ..., num_queued: _Optional[int] = ..., num_active: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
+
+class EngineStats(_message.Message):
+    __slots__ = ("num_decodes", "num_multi_seq_decodes", "num_media_decodes", "num_generated_tokens", "num_shifts", "num_media_cache_hits", "num_media_cache_misses")
+    NUM_DECODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_MULTI_SEQ_DECODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_MEDIA_DECODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHIFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MEDIA_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MEDIA_CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    num_decodes: int
+    num_multi_seq_decodes: int
+    num_media_decodes: int
+    num_generated_tokens: int
+    num_shifts: int
+    num_media_cache_hits: int
+    num_media_cache_misses: int
+    def __init__(self, num_decodes: _Optional[int] = ..., num_multi_seq_decodes: _Optional[int] = ..., num_media_decodes: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_shifts: _Optional[int] = ..., num_media_cache_hits: _Optional[int] = ..., num_media_cache_misses: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "penalty_last_n", "presence_penalty", "frequency_penalty", "seed")

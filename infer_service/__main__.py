@@ -1,0 +1,126 @@
+"""python -m infer_service --model PATH [--mmproj PATH] ...: the inference service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from infer_service.engine import Engine
+from infer_service.runtime import Runtime, RuntimeConfig
+from infer_service.service import GenerateLimits, InferServicer
+from prep_service.model_files import ModelMismatchError
+from prep_service.native import NativeError
+from prep_service.serving import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Server,
+    configure_logging,
+    create_server,
+    run_until_signal,
+)
+from slotwise.v1 import infer_pb2, infer_pb2_grpc
+
+log = logging.getLogger("slotwise.infer")
+SERVICE = infer_pb2.DESCRIPTOR.services_by_name["InferService"].full_name
+
+
+@dataclass
+class RunningInfer:
+    server: Server
+    engine: Engine
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.server.stop(grace)
+        await asyncio.to_thread(self.engine.stop)
+        self.engine.rt.close()
+
+
+async def start(
+    config: RuntimeConfig,
+    *,
+    address: str = "127.0.0.1:0",
+    max_queue: int = 64,
+    cache_bytes: int = 1 << 30,
+    limits: GenerateLimits = GenerateLimits(),
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> RunningInfer:
+    """Listen first (health NOT_SERVING), load the model, then report SERVING."""
+    server = await create_server(address, [SERVICE], max_message_bytes=max_message_bytes)
+    await server.server.start()
+    runtime = await asyncio.to_thread(Runtime, config)
+    engine = Engine(runtime, max_queue=max_queue, cache_bytes=cache_bytes)
+    engine.start()
+    infer_pb2_grpc.add_InferServiceServicer_to_server(InferServicer(engine, limits=limits), server.server)
+    await server.set_serving()
+    return RunningInfer(server, engine)
+
+
+def parser() -> argparse.ArgumentParser:
+    d = RuntimeConfig(model=Path())
+    p = argparse.ArgumentParser(prog="slotwise-infer", description=__doc__)
+    p.add_argument("--model", type=Path, required=True, help="text model GGUF")
+    p.add_argument("--mmproj", type=Path, help="multimodal projector GGUF (omit for text-only)")
+    p.add_argument("--ctx-size", type=int, default=d.ctx_size, help="KV cells for all slots together")
+    p.add_argument("--parallel", type=int, default=d.parallel, help="slots (sequences)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--ubatch-size", type=int, default=d.ubatch_size)
+    p.add_argument("--gpu-layers", type=int, default=d.gpu_layers, help="layers offloaded (CUDA builds)")
+    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50052)
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
+    p.add_argument("--media-cache-mb", type=int, default=1024, help="projector output cache")
+    p.add_argument("--default-max-tokens", type=int, default=GenerateLimits.default_max_tokens)
+    p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    configure_logging(args.log_level)
+    config = RuntimeConfig(
+        model=args.model,
+        mmproj=args.mmproj,
+        ctx_size=args.ctx_size,
+        parallel=args.parallel,
+        batch_size=args.batch_size,
+        ubatch_size=args.ubatch_size,
+        gpu_layers=args.gpu_layers,
+        threads=args.threads,
+    )
+
+    async def run() -> None:
+        infer = await start(
+            config,
+            address=f"{args.host}:{args.port}",
+            max_queue=args.max_queue,
+            cache_bytes=args.media_cache_mb << 20,
+            limits=GenerateLimits(default_max_tokens=args.default_max_tokens),
+            max_message_bytes=args.max_message_mb << 20,
+        )
+        rt = infer.engine.rt
+        log.info(
+            "infer_service serving on %s:%d: %d slots x %d cells, can_shift=%s, mrope=%s",
+            args.host, infer.port, rt.num_slots, rt.num_cells_per_slot, rt.can_shift, rt.uses_mrope,
+        )  # fmt: skip
+        await run_until_signal(infer.server)
+        await asyncio.to_thread(infer.engine.stop)
+
+    try:
+        asyncio.run(run())
+    except (FileNotFoundError, ModelMismatchError, NativeError) as e:
+        log.error("%s", e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""What a generation reports, as domain objects; converted to protobuf only at the edge."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from infer_service.ledger import Policy
+from slotwise.v1 import infer_pb2
+
+
+class FinishReason(enum.IntEnum):
+    STOP = infer_pb2.FINISH_REASON_STOP
+    LENGTH = infer_pb2.FINISH_REASON_LENGTH
+    CANCELLED = infer_pb2.FINISH_REASON_CANCELLED
+    ERROR = infer_pb2.FINISH_REASON_ERROR
+
+
+POLICY_TO_PB = {
+    Policy.AUTO: infer_pb2.SHIFT_POLICY_AUTO,
+    Policy.SHIFT: infer_pb2.SHIFT_POLICY_SHIFT,
+    Policy.GAP: infer_pb2.SHIFT_POLICY_GAP,
+    Policy.REPREFILL: infer_pb2.SHIFT_POLICY_REPREFILL,
+    Policy.STOP: infer_pb2.SHIFT_POLICY_STOP,
+}
+
+
+@dataclass(frozen=True)
+class Started:
+    slot: int
+    num_prompt_cells: int
+    num_prompt_positions: int
+    num_capacity_cells: int
+    num_truncated_cells: int = 0
+    num_truncated_chunks: int = 0
+    truncated_media_ids: tuple[str, ...] = ()
+    num_reused_cells: int = 0
+
+    def to_pb(self) -> infer_pb2.GenerateResponse:
+        return infer_pb2.GenerateResponse(
+            started=infer_pb2.Started(
+                slot=self.slot,
+                num_prompt_cells=self.num_prompt_cells,
+                num_prompt_positions=self.num_prompt_positions,
+                num_capacity_cells=self.num_capacity_cells,
+                num_truncated_cells=self.num_truncated_cells,
+                num_truncated_chunks=self.num_truncated_chunks,
+                truncated_media_ids=self.truncated_media_ids,
+                num_reused_cells=self.num_reused_cells,
+            )
+        )
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    num_cells_done: int
+    num_cells_total: int
+
+    def to_pb(self) -> infer_pb2.GenerateResponse:
+        return infer_pb2.GenerateResponse(
+            prefill=infer_pb2.PrefillProgress(
+                num_cells_done=self.num_cells_done, num_cells_total=self.num_cells_total
+            )
+        )
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    token_ids: tuple[int, ...]
+    text: str
+
+    def merged(self, other: TokenDelta) -> TokenDelta:
+        return TokenDelta(self.token_ids + other.token_ids, self.text + other.text)
+
+    def to_pb(self) -> infer_pb2.GenerateResponse:
+        return infer_pb2.GenerateResponse(
+            delta=infer_pb2.TokenDelta(token_ids=self.token_ids, text=self.text)
+        )
+
+
+@dataclass(frozen=True)
+class ContextShift:
+    policy: Policy
+    num_cells_evicted: int
+    num_positions_evicted: int
+    media_ids_evicted: tuple[str, ...]
+    num_cells_used_after: int
+    next_position_after: int
+
+    def to_pb(self) -> infer_pb2.GenerateResponse:
+        return infer_pb2.GenerateResponse(
+            shift=infer_pb2.ContextShift(
+                policy=POLICY_TO_PB[self.policy],
+                num_cells_evicted=self.num_cells_evicted,
+                num_positions_evicted=self.num_positions_evicted,
+                media_ids_evicted=self.media_ids_evicted,
+                num_cells_used_after=self.num_cells_used_after,
+                next_position_after=self.next_position_after,
+            )
+        )
+
+
+@dataclass
+class Usage:
+    num_prompt_cells: int = 0
+    num_prompt_positions: int = 0
+    num_generated_tokens: int = 0
+    num_shifts: int = 0
+    num_evicted_cells: int = 0
+    num_reused_cells: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    def to_pb(self) -> infer_pb2.Usage:
+        return infer_pb2.Usage(**self.__dict__)
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: FinishReason
+    usage: Usage = field(default_factory=Usage)
+    stop_string: str = ""
+    error: str = ""
+
+    def to_pb(self) -> infer_pb2.GenerateResponse:
+        return infer_pb2.GenerateResponse(
+            finished=infer_pb2.Finished(
+                reason=int(self.reason),
+                usage=self.usage.to_pb(),
+                stop_string=self.stop_string,
+                error=self.error,
+            )
+        )
+
+
+Event = Started | PrefillProgress | TokenDelta | ContextShift | Finished

@@ -1,0 +1,124 @@
+"""Checking a descriptor's promises against our own libmtmd before anything reaches llama.cpp."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from llama_cpp import mtmd_cpp
+
+from prep_service import native
+from prep_service.descriptors import Fingerprint, MediaChunk, PreparedPrompt, TextChunk
+
+
+class StaleDescriptorError(ValueError):
+    """The descriptor was made for another model, or its counts are not what libmtmd says."""
+
+
+class MediaHandle:
+    """An owned native media chunk (preprocessed pixels), ready to encode."""
+
+    def __init__(self, chunk: int, media_id: str):
+        self.chunk = chunk
+        self.media_id = media_id
+
+    def close(self) -> None:
+        if self.chunk:
+            mtmd_cpp.mtmd_input_chunk_free(self.chunk)
+            self.chunk = 0
+
+    def __del__(self) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    ubatch_size: int
+    non_causal: bool
+
+
+def verify_prompt(
+    prompt: PreparedPrompt,
+    *,
+    fingerprint: Fingerprint,
+    mtmd: native.Multimodal | None,
+    limits: MediaLimits,
+) -> dict[str, MediaHandle]:
+    """Verify fingerprint and every media group; return native media chunks by media_id.
+
+    Each image is tokenized again from its pixels; its group (wrapper text + media) must match
+    the descriptor chunk for chunk, cell for cell, position for position.
+    """
+    if prompt.fingerprint != fingerprint:
+        raise StaleDescriptorError(
+            f"prompt was prepared for model {prompt.fingerprint.model[:12]}/"
+            f"{prompt.fingerprint.mmproj[:12] or '-'} but this server runs "
+            f"{fingerprint.model[:12]}/{fingerprint.mmproj[:12] or '-'}"
+        )
+    handles: dict[str, MediaHandle] = {}
+    groups = [
+        (g, list(chunks))
+        for g, chunks in itertools.groupby(prompt.chunks, key=lambda c: c.media_group)
+        if g
+    ]
+    if groups and mtmd is None:
+        raise StaleDescriptorError("prompt has media but this server runs a text-only model")
+    try:
+        for group, chunks in groups:
+            media = [c for c in chunks if isinstance(c, MediaChunk)]
+            if not media:
+                raise ValueError(f"media group {group} has no media chunk")
+            for m in media:
+                if limits.non_causal and m.num_cells > limits.ubatch_size:
+                    raise ValueError(
+                        f"media {m.media_id[:12]} has {m.num_cells} cells; this projector "
+                        f"attends non-causally so it must fit one ubatch: start the server "
+                        f"with --ubatch-size >= {m.num_cells} (now {limits.ubatch_size})"
+                    )
+            assert mtmd is not None
+            _verify_group(mtmd, group, chunks, media[0], handles)
+    except BaseException:
+        for h in handles.values():
+            h.close()
+        raise
+    return handles
+
+
+def _verify_group(
+    mtmd: native.Multimodal,
+    group: int,
+    chunks: list[TextChunk | MediaChunk],
+    image: MediaChunk,
+    handles: dict[str, MediaHandle],
+) -> None:
+    bitmap = native.Bitmap(image.width, image.height, image.rgb, image.media_id)
+    with mtmd.tokenize(mtmd.marker, [bitmap], add_special=False) as ours:
+        raw = ours.describe()
+        if len(raw) != len(chunks):
+            raise StaleDescriptorError(
+                f"media group {group}: libmtmd makes {len(raw)} chunks of this image, "
+                f"the descriptor has {len(chunks)}"
+            )
+        slices = 0
+        for i, (mine, theirs) in enumerate(zip(raw, chunks, strict=True)):
+            if isinstance(theirs, TextChunk):
+                if mine.is_media or mine.token_ids != theirs.token_ids:
+                    raise StaleDescriptorError(
+                        f"media group {group} chunk {i}: wrapper tokens differ from libmtmd's"
+                    )
+                continue
+            if (mine.num_cells, mine.num_positions) != (theirs.num_cells, theirs.num_positions):
+                raise StaleDescriptorError(
+                    f"media {theirs.media_id[:12]}: descriptor says {theirs.num_cells} cells / "
+                    f"{theirs.num_positions} positions, libmtmd says {mine.num_cells} / "
+                    f"{mine.num_positions}"
+                )
+            key = media_key(theirs.media_id, slices)
+            slices += 1
+            if key not in handles:
+                handles[key] = MediaHandle(mtmd_cpp.mtmd_input_chunk_copy(ours.native(i)), key)
+
+
+def media_key(media_id: str, slice_index: int) -> str:
+    """Which media chunk of an image: tiling projectors make several of one image."""
+    return media_id if slice_index == 0 else f"{media_id}:{slice_index}"

@@ -1,0 +1,239 @@
+"""The llama.cpp side of inference: one model, one context, one mtmd context.
+
+Everything here must be called from the single engine thread (media verification, which only
+tokenizes, is the exception: libmtmd's tokenizer is thread-safe).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+from llama_cpp import mtmd_cpp
+
+from prep_service import model_files, native
+from prep_service.descriptors import Fingerprint
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    model: Path
+    mmproj: Path | None = None
+    ctx_size: int = 4096  # all slots together; each gets llama_n_ctx_seq cells
+    parallel: int = 1
+    batch_size: int = 512
+    ubatch_size: int = 512
+    gpu_layers: int = 0
+    threads: int = 2
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    penalty_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
+
+
+class Runtime:
+    def __init__(self, config: RuntimeConfig):
+        self.config = config
+        self.fingerprint: Fingerprint = model_files.fingerprint(config.model, config.mmproj)
+        self.model = native.load_model(config.model, vocab_only=False, n_gpu_layers=config.gpu_layers)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.num_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = config.ctx_size
+        params.n_batch = config.batch_size
+        params.n_ubatch = config.ubatch_size
+        params.n_seq_max = config.parallel
+        params.n_threads = config.threads
+        params.n_threads_batch = config.threads
+        params.kv_unified = False  # every sequence gets its own budget of cells
+        params.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            native.free_model(self.model)
+            raise native.NativeError("llama_init_from_model failed (context too large?)")
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.mtmd = (
+            native.Multimodal(
+                config.mmproj, self.model, n_threads=config.threads, use_gpu=config.gpu_layers > 0
+            )
+            if config.mmproj
+            else None
+        )
+        self.num_slots = config.parallel
+        self.num_cells_per_slot = llama_cpp.llama_n_ctx_seq(self.ctx)
+        self.batch_size = llama_cpp.llama_n_batch(self.ctx)
+        self.ubatch_size = llama_cpp.llama_n_ubatch(self.ctx)
+        self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
+        self.n_embd = llama_cpp.llama_model_n_embd_inp(self.model)
+        self.can_shift = bool(llama_cpp.llama_memory_can_shift(self.memory))
+        self.uses_mrope = bool(self.mtmd and self.mtmd.uses_mrope)
+        self.batch = TokenBatch(self.batch_size, config.parallel)
+        self._null_callback = mtmd_cpp.mtmd_helper_post_decode_callback(0)
+
+    def close(self) -> None:
+        self.batch.close()
+        if self.mtmd:
+            self.mtmd.close()
+        llama_cpp.llama_free(self.ctx)
+        native.free_model(self.model)
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> None:
+        if not llama_cpp.llama_memory_seq_rm(self.memory, seq, p0, p1):
+            raise native.NativeError(f"llama_memory_seq_rm({seq}, {p0}, {p1}) failed")
+
+    def seq_add(self, seq: int, p0: int, delta: int) -> None:
+        llama_cpp.llama_memory_seq_add(self.memory, seq, p0, -1, delta)
+
+    def seq_clear(self, seq: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self.memory, seq, -1, -1)
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def decode(self) -> int:
+        return int(llama_cpp.llama_decode(self.ctx, self.batch.native))
+
+    def encode_media(self, chunk: int) -> np.ndarray:
+        """Run the projector on one media chunk; returns (n_tokens, n_embd) float32 embeddings."""
+        assert self.mtmd is not None
+        rc = mtmd_cpp.mtmd_encode_chunk(self.mtmd.ctx, chunk)
+        if rc != 0:
+            raise native.NativeError(f"mtmd_encode_chunk failed (rc={rc})")
+        n = int(mtmd_cpp.mtmd_input_chunk_get_n_tokens(chunk))
+        ptr = mtmd_cpp.mtmd_get_output_embd(self.mtmd.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n * self.n_embd,)).copy()
+
+    def decode_media(self, chunk: int, embeddings: np.ndarray, pos: int, seq: int) -> int:
+        """Decode encoded media at pos; returns the next position. Wipes all logits."""
+        assert self.mtmd is not None
+        new_pos = llama_cpp.llama_pos(0)
+        rc = mtmd_cpp.mtmd_helper_decode_image_chunk(
+            self.mtmd.ctx,
+            self.ctx,
+            chunk,
+            embeddings.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+            pos,
+            seq,
+            self.batch_size,
+            ctypes.byref(new_pos),
+            self._null_callback,
+            None,
+        )
+        if rc != 0:
+            raise native.NativeError(f"mtmd_helper_decode_image_chunk failed (rc={rc})")
+        return int(new_pos.value)
+
+    # -- sampling and text ----------------------------------------------------------------
+
+    def sampler(self, s: SamplingConfig) -> int:
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        add = llama_cpp.llama_sampler_chain_add
+        if s.repeat_penalty != 1.0 or s.presence_penalty or s.frequency_penalty:
+            add(chain, llama_cpp.llama_sampler_init_penalties(
+                self.num_vocab, s.penalty_last_n, s.repeat_penalty, s.frequency_penalty,
+                s.presence_penalty,
+            ))  # fmt: skip
+        if s.temperature <= 0:
+            add(chain, llama_cpp.llama_sampler_init_greedy())
+            return chain
+        if s.top_k > 0:
+            add(chain, llama_cpp.llama_sampler_init_top_k(s.top_k))
+        add(chain, llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
+        add(chain, llama_cpp.llama_sampler_init_min_p(s.min_p, 1))
+        add(chain, llama_cpp.llama_sampler_init_temp(s.temperature))
+        add(chain, llama_cpp.llama_sampler_init_dist(s.seed))
+        return chain
+
+    def sample(self, sampler: int, batch_index: int) -> int:
+        return int(llama_cpp.llama_sampler_sample(sampler, self.ctx, batch_index))
+
+    @staticmethod
+    def free_sampler(sampler: int) -> None:
+        llama_cpp.llama_sampler_free(sampler)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    def piece(self, token: int) -> bytes:
+        return native.token_piece(self.vocab, token)
+
+
+class TokenBatch:
+    """A reusable llama_batch with numpy views, so filling it is not a ctypes call per field."""
+
+    def __init__(self, capacity: int, n_seq_max: int):
+        self.capacity = capacity
+        self.native = llama_cpp.llama_batch_init(capacity, 0, n_seq_max)
+        self.tokens = np.ctypeslib.as_array(self.native.token, shape=(capacity,))
+        self.pos = np.ctypeslib.as_array(self.native.pos, shape=(capacity,))
+        self.logits = np.ctypeslib.as_array(self.native.logits, shape=(capacity,))
+        self.n_seq_id = np.ctypeslib.as_array(self.native.n_seq_id, shape=(capacity,))
+        self._seq_ids = [
+            np.ctypeslib.as_array(self.native.seq_id[i], shape=(1,)) for i in range(capacity)
+        ]
+        self.n_seq_id[:] = 1
+        self.size = 0
+
+    def clear(self) -> None:
+        self.size = 0
+        self.native.n_tokens = 0
+
+    def add(self, tokens: tuple[int, ...] | list[int], pos: int, seq: int, logits_last: bool) -> int:
+        """Append tokens of one sequence at consecutive positions; returns the last index."""
+        i, n = self.size, len(tokens)
+        self.tokens[i : i + n] = tokens
+        self.pos[i : i + n] = np.arange(pos, pos + n)
+        self.logits[i : i + n] = 0
+        for k in range(i, i + n):
+            self._seq_ids[k][0] = seq
+        if logits_last:
+            self.logits[i + n - 1] = 1
+        self.size = i + n
+        self.native.n_tokens = self.size
+        return i + n - 1
+
+    def close(self) -> None:
+        llama_cpp.llama_batch_free(self.native)
+
+
+class EmbeddingCache:
+    """media_id -> projector output, least recently used out first, bounded in bytes."""
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._items: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: str) -> np.ndarray | None:
+        value = self._items.get(key)
+        if value is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._items.move_to_end(key)
+        return value
+
+    def put(self, key: str, value: np.ndarray) -> None:
+        if key in self._items:
+            return
+        self._items[key] = value
+        self.num_bytes += value.nbytes
+        while self.num_bytes > self.max_bytes and len(self._items) > 1:
+            _, old = self._items.popitem(last=False)
+            self.num_bytes -= old.nbytes
