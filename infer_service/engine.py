@@ -402,9 +402,6 @@ class Engine:
         if slot.prefilling:
             slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
         rest = slot.text.flush() if reason in (FinishReason.STOP, FinishReason.LENGTH) else ""
-        if rest:
-            job.emit(TokenDelta((), rest))
-        job.emit(Finished(reason, slot.usage, stop_string=stop_string, error=error))
         self.rt.seq_clear(slot.seq)
         self.rt.free_sampler(slot.sampler)
         slot.sampler = 0
@@ -412,6 +409,10 @@ class Engine:
         slot.ledger = None
         slot.pending.clear()
         job.release()
+        # the slot is free before the client hears about it: its next request finds it so
+        if rest:
+            job.emit(TokenDelta((), rest))
+        job.emit(Finished(reason, slot.usage, stop_string=stop_string, error=error))
 
 
 def _text_take_size(item: Item, budget: int) -> int:

@@ -7,6 +7,7 @@ tokenizes, is the exception: libmtmd's tokenizer is thread-safe).
 from __future__ import annotations
 
 import ctypes
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ class RuntimeConfig:
     batch_size: int = 512
     ubatch_size: int = 512
     gpu_layers: int = 0
-    threads: int = 2
+    threads: int = max(1, (os.cpu_count() or 2) // 2)  # spinning workers starve on shared cores
 
 
 @dataclass(frozen=True)

@@ -99,3 +99,27 @@ def image_bytes(width: int, height: int, fmt: str = "PNG", *, seed: int = 0, mod
     buf = io.BytesIO()
     img.save(buf, fmt)
     return buf.getvalue()
+
+
+@pytest.fixture
+def infer_server(loop_thread: LoopThread, tiny: dict[str, TinyPair]) -> Iterator[Callable[..., Any]]:
+    """start(pair_name, **RuntimeConfig fields and start() options) -> RunningInfer; stopped after."""
+    from infer_service.__main__ import start
+    from infer_service.runtime import RuntimeConfig
+
+    started: list[Any] = []
+    start_options = {"max_queue", "cache_bytes", "limits", "max_message_bytes"}
+
+    def start_one(name: str, **kwargs: Any) -> Any:
+        pair = tiny[name]
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in start_options}
+        kwargs.setdefault("threads", 1)
+        mmproj = kwargs.pop("mmproj", pair.mmproj)
+        config = RuntimeConfig(pair.model, mmproj, **kwargs)
+        running = loop_thread.run(start(config, **options))
+        started.append(running)
+        return running
+
+    yield start_one
+    for r in started:
+        loop_thread.run(r.stop(0))
