@@ -1,0 +1,480 @@
+"""The ledger: the exact per-sequence account of what sits in the KV cache, and eviction plans.
+
+One ``Ledger`` per sequence. Before every ``llama_decode`` the engine asks ``ensure(num_cells,
+num_positions)`` and gets a plan (``Fits``, ``Shift``, ``Gap``, ``Reprefill`` or ``CannotFit``),
+carries it out with llama.cpp calls, reports it with ``apply(plan)``, decodes, and reports the
+decode with ``append(item)``. The ledger never talks to llama.cpp and imports only the stdlib.
+
+Cells and positions are separate axes: a text token uses 1 cell and 1 position; a media chunk
+uses ``num_cells`` cells and advances the position by ``num_positions`` (M-RoPE: far fewer).
+
+Choices worth knowing:
+
+- Pinning (``keep``): an appended item is pinned when it starts inside the first ``keep`` cells,
+  so the boundary is rounded up to whole items, and a media group that starts pinned stays
+  pinned to its end. Pinned segments are always a prefix.
+- A media group is a run of consecutive segments sharing a ``group`` id (so ids may be reused by
+  later prompts). ``ensure(..., group=g)`` says the next item belongs to group ``g``: a run of
+  ``g`` at the end of the sequence is still being built and is not evicted.
+- Discard amount: ``max(needed, ceil(discard_fraction * evictable))`` cells, rounded up to whole
+  units, oldest unpinned units first.
+- GAP keeps positions, except that when an eviction removes the newest segments, ``next_pos``
+  falls back to the end of the newest kept segment (llama.cpp requires ``Y = X + 1`` for models
+  without M-RoPE). Under GAP (and AUTO without shift) a request whose positions would pass
+  ``n_ctx_train`` gets a ``Reprefill`` even when its cells fit; if nothing must be evicted it
+  evicts nothing and only renumbers the positions from 0.
+- SHIFT on a ledger with ``can_shift=False`` resolves like AUTO does there (GAP, then REPREFILL).
+- ``admit`` returns (does not raise) ``CannotFit``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+__all__ = [
+    "Admission",
+    "CannotFit",
+    "EvictionUnit",
+    "Fits",
+    "Gap",
+    "Item",
+    "Ledger",
+    "Plan",
+    "Policy",
+    "Reprefill",
+    "Segment",
+    "Shift",
+]
+
+
+class Policy(enum.Enum):
+    AUTO = "auto"
+    SHIFT = "shift"
+    GAP = "gap"
+    REPREFILL = "reprefill"
+    STOP = "stop"
+
+
+class EvictionUnit(enum.Enum):
+    TOKEN = "token"
+    MESSAGE = "message"
+
+
+@dataclass(frozen=True)
+class Item:
+    """What the engine puts in the cache: one prompt chunk, or generated tokens."""
+
+    num_cells: int
+    num_positions: int
+    message_index: int
+    token_ids: tuple[int, ...] = ()
+    media_id: str | None = None
+    group: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.message_index < 0:
+            raise ValueError(f"message_index must be >= 0, got {self.message_index}")
+        if self.media_id is None:
+            if not self.num_cells == self.num_positions == len(self.token_ids) > 0:
+                raise ValueError(
+                    "a text item needs num_cells == num_positions == len(token_ids) > 0, got "
+                    f"{self.num_cells}, {self.num_positions}, {len(self.token_ids)}"
+                )
+        elif self.token_ids or self.num_cells < 1 or self.num_positions < 1:
+            raise ValueError("a media item needs no token_ids, num_cells >= 1, num_positions >= 1")
+
+    @classmethod
+    def text(
+        cls, token_ids: Sequence[int], message_index: int, *, group: int | None = None
+    ) -> Item:
+        ids = tuple(token_ids)
+        return cls(len(ids), len(ids), message_index, ids, None, group)
+
+    @classmethod
+    def media(
+        cls,
+        media_id: str,
+        num_cells: int,
+        num_positions: int,
+        message_index: int,
+        *,
+        group: int | None = None,
+    ) -> Item:
+        return cls(num_cells, num_positions, message_index, (), media_id, group)
+
+    @property
+    def is_media(self) -> bool:
+        return self.media_id is not None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """An item as it sits in the cache, from position ``pos_start``."""
+
+    item: Item
+    pos_start: int
+    pinned: bool
+
+    @property
+    def num_cells(self) -> int:
+        return self.item.num_cells
+
+    @property
+    def num_positions(self) -> int:
+        return self.item.num_positions
+
+    @property
+    def pos_end(self) -> int:
+        return self.pos_start + self.item.num_positions
+
+    @property
+    def message_index(self) -> int:
+        return self.item.message_index
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.item.token_ids
+
+    @property
+    def media_id(self) -> str | None:
+        return self.item.media_id
+
+    @property
+    def group(self) -> int | None:
+        return self.item.group
+
+    @property
+    def is_media(self) -> bool:
+        return self.item.is_media
+
+
+class _Evicts:
+    """Totals over ``evicted`` (exactly what leaves the cache)."""
+
+    evicted: tuple[Segment, ...]
+
+    @property
+    def num_cells_evicted(self) -> int:
+        return sum(s.num_cells for s in self.evicted)
+
+    @property
+    def num_positions_evicted(self) -> int:
+        return sum(s.num_positions for s in self.evicted)
+
+    @property
+    def media_ids_evicted(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.media_id for s in self.evicted if s.media_id is not None))
+
+
+@dataclass(frozen=True)
+class Fits:
+    """Nothing to do."""
+
+
+@dataclass(frozen=True)
+class Shift(_Evicts):
+    """``seq_rm(p0, p1)``, then ``seq_add(p1, -1, -delta)``: later positions move back."""
+
+    p0: int
+    p1: int
+    evicted: tuple[Segment, ...]
+
+    @property
+    def delta(self) -> int:
+        return self.p1 - self.p0
+
+
+@dataclass(frozen=True)
+class Gap(_Evicts):
+    """``seq_rm(p0, p1)`` only; kept positions do not move."""
+
+    p0: int
+    p1: int
+    evicted: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
+class Reprefill(_Evicts):
+    """Clear the sequence, then decode ``kept`` again from position 0, in order."""
+
+    kept: tuple[Item, ...]
+    evicted: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
+class CannotFit:
+    num_cells_needed: int
+    num_capacity_cells: int
+    num_pinned_cells: int
+
+    @property
+    def message(self) -> str:
+        return (
+            f"needs {self.num_cells_needed} KV cells; the sequence holds "
+            f"{self.num_capacity_cells}, {self.num_pinned_cells} of them pinned"
+        )
+
+
+Plan = Fits | Shift | Gap | Reprefill | CannotFit
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A prompt admitted: decode ``kept`` in order; ``dropped`` were truncated away."""
+
+    kept: tuple[Item, ...]
+    dropped: tuple[Item, ...] = ()
+
+    @property
+    def num_cells_dropped(self) -> int:
+        return sum(i.num_cells for i in self.dropped)
+
+    @property
+    def num_positions_dropped(self) -> int:
+        return sum(i.num_positions for i in self.dropped)
+
+    @property
+    def media_ids_dropped(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(i.media_id for i in self.dropped if i.media_id is not None))
+
+
+def _split(seg: Segment, num_head: int) -> tuple[Segment, Segment]:
+    """Split an ungrouped text segment after ``num_head`` tokens."""
+    ids, index = seg.token_ids, seg.message_index
+    head = Segment(Item.text(ids[:num_head], index), seg.pos_start, seg.pinned)
+    tail = Segment(Item.text(ids[num_head:], index), seg.pos_start + num_head, seg.pinned)
+    return head, tail
+
+
+def _units(segments: Sequence[Segment], unit: EvictionUnit) -> list[list[Segment]]:
+    """Group segments into eviction units: media groups, and whole messages in MESSAGE mode."""
+    units: list[list[Segment]] = []
+    for i, seg in enumerate(segments):
+        prev = segments[i - 1] if i else None
+        joined = prev is not None and (
+            (seg.group is not None and seg.group == prev.group)
+            or (unit is EvictionUnit.MESSAGE and seg.message_index == prev.message_index)
+        )
+        if joined:
+            units[-1].append(seg)
+        else:
+            units.append([seg])
+    return units
+
+
+def _choose(
+    candidates: Sequence[Segment], num_target: int, unit: EvictionUnit
+) -> tuple[list[Segment], list[Segment]]:
+    """Oldest units first until ``num_target`` cells are freed: returns (evicted, rest)."""
+    evicted: list[Segment] = []
+    num_freed = 0
+    for segs in _units(candidates, unit):
+        num_short = num_target - num_freed
+        if num_short <= 0:
+            break
+        seg = segs[0]
+        splittable = unit is EvictionUnit.TOKEN and not seg.is_media and seg.group is None
+        if splittable and seg.num_cells > num_short:
+            head, tail = _split(seg, num_short)
+            return [*evicted, head], [tail, *candidates[len(evicted) + 1 :]]
+        evicted.extend(segs)
+        num_freed += sum(s.num_cells for s in segs)
+    return evicted, list(candidates[len(evicted) :])
+
+
+class Ledger:
+    """The segments of one sequence's KV cache, and the plans that make room in it."""
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        can_shift: bool,
+        n_ctx_train: int,
+        policy: Policy = Policy.AUTO,
+        keep: int = 0,
+        discard_fraction: float = 0.5,
+        unit: EvictionUnit = EvictionUnit.TOKEN,
+    ) -> None:
+        if capacity < 1 or n_ctx_train < 1 or keep < 0:
+            raise ValueError("capacity and n_ctx_train must be >= 1, keep >= 0")
+        if not 0.0 <= discard_fraction <= 1.0:
+            raise ValueError(f"discard_fraction must be in [0, 1], got {discard_fraction}")
+        self.capacity = capacity
+        self.can_shift = can_shift
+        self.n_ctx_train = n_ctx_train
+        self.policy = policy
+        self.keep = keep
+        self.discard_fraction = discard_fraction
+        self.unit = unit
+        self._segments: list[Segment] = []
+        self._recount()
+
+    def _recount(self) -> None:
+        self._num_cells = sum(s.num_cells for s in self._segments)
+        self._num_positions = sum(s.num_positions for s in self._segments)
+        pinned = [s for s in self._segments if s.pinned]
+        self._num_pinned_segments = len(pinned)
+        self._num_pinned_cells = sum(s.num_cells for s in pinned)
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return tuple(self._segments)
+
+    @property
+    def num_cells(self) -> int:
+        return self._num_cells
+
+    @property
+    def num_free_cells(self) -> int:
+        return self.capacity - self._num_cells
+
+    @property
+    def num_pinned_cells(self) -> int:
+        return self._num_pinned_cells
+
+    @property
+    def next_pos(self) -> int:
+        return self._segments[-1].pos_end if self._segments else 0
+
+    def effective_policy(self, num_positions: int = 1) -> Policy:
+        """The policy that applies now: AUTO resolved, SHIFT without shift support resolved."""
+        if self.policy in (Policy.STOP, Policy.REPREFILL):
+            return self.policy
+        if self.policy in (Policy.AUTO, Policy.SHIFT) and self.can_shift:
+            return Policy.SHIFT
+        if self.next_pos + num_positions <= self.n_ctx_train:
+            return Policy.GAP
+        return Policy.REPREFILL
+
+    def _pins(self, last: Segment | None, num_cells_before: int, item: Item) -> bool:
+        if num_cells_before < self.keep:
+            return True
+        return (
+            last is not None and last.pinned and item.group is not None and item.group == last.group
+        )
+
+    def ensure(
+        self, num_cells: int, num_positions: int | None = None, *, group: int | None = None
+    ) -> Plan:
+        """A plan that leaves room for ``num_cells`` more cells and ``num_positions`` positions.
+
+        ``group``: the media group of the item about to be decoded (its open run is kept).
+        """
+        if num_positions is None:
+            num_positions = num_cells
+        if num_cells < 0 or num_positions < 0:
+            raise ValueError(f"counts must be >= 0, got {num_cells}, {num_positions}")
+        policy = self.effective_policy(num_positions)
+        num_needed = self._num_cells + num_cells - self.capacity
+        if num_needed <= 0:
+            if policy is Policy.REPREFILL and self.next_pos > self._num_positions:
+                return Reprefill(kept=tuple(s.item for s in self._segments), evicted=())
+            return Fits()
+        if policy is Policy.STOP:
+            return self._cannot_fit(self._num_cells + num_cells)
+        start, end = self._num_pinned_segments, len(self._segments)
+        while group is not None and end > start and self._segments[end - 1].group == group:
+            end -= 1  # the open run of the group being decoded stays
+        candidates = self._segments[start:end]
+        num_evictable = sum(s.num_cells for s in candidates)
+        if num_evictable < num_needed:
+            return self._cannot_fit(self._num_cells - num_evictable + num_cells)
+        num_target = max(num_needed, math.ceil(self.discard_fraction * num_evictable))
+        chosen, rest = _choose(candidates, num_target, self.unit)
+        evicted = tuple(chosen)
+        if policy is Policy.SHIFT:
+            return Shift(p0=evicted[0].pos_start, p1=evicted[-1].pos_end, evicted=evicted)
+        if policy is Policy.GAP:
+            return Gap(p0=evicted[0].pos_start, p1=evicted[-1].pos_end, evicted=evicted)
+        kept = [*self._segments[:start], *rest, *self._segments[end:]]
+        return Reprefill(kept=tuple(s.item for s in kept), evicted=evicted)
+
+    def _cannot_fit(self, num_cells_needed: int) -> CannotFit:
+        return CannotFit(num_cells_needed, self.capacity, self._num_pinned_cells)
+
+    def apply(self, plan: Plan) -> None:
+        """The engine carried out ``plan``; Reprefill empties the ledger (re-append ``kept``)."""
+        if isinstance(plan, Fits):
+            return
+        if isinstance(plan, CannotFit):
+            raise ValueError("a CannotFit plan has nothing to apply")
+        if isinstance(plan, Reprefill):
+            self.clear()
+            return
+        start = stop = self._num_pinned_segments
+        tail: list[Segment] = []
+        for k, seg in enumerate(plan.evicted):
+            if stop >= len(self._segments):
+                raise ValueError("the plan evicts segments the ledger does not hold")
+            cur = self._segments[stop]
+            stop += 1
+            if seg == cur:
+                continue
+            is_head = (
+                k == len(plan.evicted) - 1
+                and not cur.is_media
+                and cur.group is None
+                and seg.num_cells < cur.num_cells
+                and _split(cur, seg.num_cells)[0] == seg
+            )
+            if not is_head:
+                raise ValueError("the plan does not match the ledger (stale plan?)")
+            tail = [_split(cur, seg.num_cells)[1]]
+        rest = tail + self._segments[stop:]
+        if isinstance(plan, Shift):
+            rest = [replace(s, pos_start=s.pos_start - plan.delta) for s in rest]
+        self._segments[start:] = rest
+        self._recount()
+
+    def append(self, item: Item) -> Segment:
+        """The engine decoded ``item`` at ``next_pos``."""
+        if self._num_cells + item.num_cells > self.capacity:
+            raise ValueError(
+                f"{item.num_cells} cells do not fit: {self.num_free_cells} free (call ensure first)"
+            )
+        last = self._segments[-1] if self._segments else None
+        seg = Segment(item, self.next_pos, self._pins(last, self._num_cells, item))
+        self._segments.append(seg)
+        self._num_cells += item.num_cells
+        self._num_positions += item.num_positions
+        if seg.pinned:
+            self._num_pinned_segments += 1
+            self._num_pinned_cells += item.num_cells
+        return seg
+
+    def admit(self, items: Sequence[Item], *, truncate: bool) -> Admission | CannotFit:
+        """Admit a prompt to be appended after what the ledger holds, with room for 1 token more.
+
+        Cells already held count as staying under STOP; under other policies only the pinned
+        ones do (ensure evicts the rest during prefill). Truncation drops just enough of the
+        oldest unpinned units of ``items``, never the newest unit: if even that is too much,
+        the answer is CannotFit, naming the cells the whole prompt needs.
+        """
+        scratch: list[Segment] = []
+        last = self._segments[-1] if self._segments else None
+        num_cells = self._num_cells
+        for item in items:
+            last = Segment(item, 0, self._pins(last, num_cells, item))
+            scratch.append(last)
+            num_cells += item.num_cells
+        num_staying = self._num_cells if self.policy is Policy.STOP else self._num_pinned_cells
+        pinned = [s for s in scratch if s.pinned]
+        candidates = scratch[len(pinned) :]
+        num_pinned = self._num_pinned_cells + sum(s.num_cells for s in pinned)
+        num_total = num_staying + sum(i.num_cells for i in items) + 1
+        if num_total <= self.capacity:
+            return Admission(kept=tuple(items))
+        if truncate:
+            dropped, rest = _choose(candidates, num_total - self.capacity, self.unit)
+            if rest:
+                kept = tuple(s.item for s in pinned + rest)
+                return Admission(kept=kept, dropped=tuple(s.item for s in dropped))
+        return CannotFit(num_total, self.capacity, num_pinned)
+
+    def clear(self) -> None:
+        self._segments.clear()
+        self._recount()
