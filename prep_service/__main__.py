@@ -54,7 +54,11 @@ async def start(
     """Listen first (health NOT_SERVING), load the models, then report SERVING."""
     server = await create_server(address, [SERVICE], max_message_bytes=max_message_bytes)
     await server.server.start()
-    preparer = await asyncio.to_thread(Preparer, model, mmproj, n_threads=threads)
+    try:
+        preparer = await asyncio.to_thread(Preparer, model, mmproj, n_threads=threads)
+    except BaseException:
+        await server.stop(0)  # don't leave a port open that will never serve
+        raise
     servicer = PrepServicer(preparer, limits=limits, workers=threads)
     prep_pb2_grpc.add_PrepServiceServicer_to_server(servicer, server.server)
     await server.set_serving()

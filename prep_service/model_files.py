@@ -22,6 +22,8 @@ def file_digest(path: Path) -> str:
     Size, the first 16 MiB (all metadata, the tokenizer and the first tensors) and the last MiB:
     two different models do not agree on all three.
     """
+    if not path.is_file():
+        raise FileNotFoundError(f"model file not found: {path}")
     h = hashlib.blake2b(digest_size=16)
     size = os.path.getsize(path)
     h.update(size.to_bytes(8, "little"))

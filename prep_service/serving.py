@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
@@ -48,7 +51,7 @@ async def create_server(
     Register servicers with `server.server` before calling `start()`; see `start_server`.
     """
     server = grpc.aio.server(
-        interceptors=list(interceptors),
+        interceptors=[RequestDecodeInterceptor(), *interceptors],
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -57,7 +60,9 @@ async def create_server(
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection((*services, reflection.SERVICE_NAME, "grpc.health.v1.Health"), server)
+    reflection.enable_server_reflection(
+        (*services, reflection.SERVICE_NAME, "grpc.health.v1.Health"), server
+    )
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}")
@@ -81,6 +86,84 @@ async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
     """End the call with a google.rpc.Status carrying the code and a message a user can act on."""
     status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message)
     await context.abort_with_status(rpc_status.to_status(status))
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes did not parse; the handler is never called with it."""
+
+    def __init__(self, error: DecodeError):
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as e:
+            return _Undecodable(e)
+
+    return deserialize
+
+
+def _undecodable_message(request: _Undecodable) -> str:
+    return f"cannot parse the request: {request.error}"
+
+
+class RequestDecodeInterceptor(grpc.aio.ServerInterceptor):
+    """Answer INVALID_ARGUMENT to a request whose bytes do not parse as its message type.
+
+    grpc itself answers UNKNOWN ("Unexpected DecodeError") when, for example, a string field
+    holds invalid UTF-8. Applies to methods with a single request message (unary-unary and
+    unary-stream); request-streaming methods are passed through unchanged.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        deserializer = _tolerant(handler.request_deserializer)
+        if not handler.response_streaming:
+            behavior = handler.unary_unary
+
+            async def unary_unary(request, context):
+                if isinstance(request, _Undecodable):
+                    await abort(
+                        context, grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request)
+                    )
+                result = behavior(request, context)
+                return await result if inspect.isawaitable(result) else result
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary,
+                request_deserializer=deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        stream = handler.unary_stream
+
+        async def unary_stream(request, context):
+            if isinstance(request, _Undecodable):
+                await abort(
+                    context, grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request)
+                )
+            result = stream(request, context)
+            if hasattr(result, "__aiter__"):
+                try:
+                    async for item in result:
+                        yield item
+                finally:  # closed early (client gone): let the handler's own cleanup run now
+                    if hasattr(result, "aclose"):
+                        await result.aclose()
+            elif inspect.isawaitable(result):  # a handler that writes with context.write
+                await result
+            else:
+                for item in result:
+                    yield item
+
+        return grpc.unary_stream_rpc_method_handler(
+            unary_stream,
+            request_deserializer=deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
 
 def configure_logging(level: str) -> None:
