@@ -9,8 +9,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from slotwise.v1 import infer_pb2, infer_pb2_grpc
+
 from infer_service.engine import Engine
 from infer_service.runtime import Runtime, RuntimeConfig
+from infer_service.session_store import SessionStore
 from infer_service.service import GenerateLimits, InferServicer
 from prep_service.model_files import ModelMismatchError
 from prep_service.native import NativeError
@@ -21,7 +24,6 @@ from prep_service.serving import (
     create_server,
     run_until_signal,
 )
-from slotwise.v1 import infer_pb2, infer_pb2_grpc
 
 log = logging.getLogger("slotwise.infer")
 SERVICE = infer_pb2.DESCRIPTOR.services_by_name["InferService"].full_name
@@ -50,14 +52,24 @@ async def start(
     cache_bytes: int = 1 << 30,
     limits: GenerateLimits = GenerateLimits(),
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    sessions_dir: Path | None = None,
 ) -> RunningInfer:
     """Listen first (health NOT_SERVING), load the model, then report SERVING."""
     server = await create_server(address, [SERVICE], max_message_bytes=max_message_bytes)
     await server.server.start()
-    runtime = await asyncio.to_thread(Runtime, config)
-    engine = Engine(runtime, max_queue=max_queue, cache_bytes=cache_bytes)
+    try:
+        runtime = await asyncio.to_thread(Runtime, config)
+    except BaseException:
+        await server.stop(0)  # don't leave a port open that will never serve
+        raise
+    store = SessionStore(sessions_dir) if sessions_dir else None
+    engine = await asyncio.to_thread(
+        Engine, runtime, max_queue=max_queue, cache_bytes=cache_bytes, store=store
+    )
     engine.start()
-    infer_pb2_grpc.add_InferServiceServicer_to_server(InferServicer(engine, limits=limits), server.server)
+    server.bind(
+        infer_pb2_grpc.add_InferServiceServicer_to_server, InferServicer(engine, limits=limits)
+    )
     await server.set_serving()
     return RunningInfer(server, engine)
 
@@ -67,16 +79,21 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slotwise-infer", description=__doc__)
     p.add_argument("--model", type=Path, required=True, help="text model GGUF")
     p.add_argument("--mmproj", type=Path, help="multimodal projector GGUF (omit for text-only)")
-    p.add_argument("--ctx-size", type=int, default=d.ctx_size, help="KV cells for all slots together")
+    p.add_argument(
+        "--ctx-size", type=int, default=d.ctx_size, help="KV cells for all slots together"
+    )
     p.add_argument("--parallel", type=int, default=d.parallel, help="slots (sequences)")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--ubatch-size", type=int, default=d.ubatch_size)
-    p.add_argument("--gpu-layers", type=int, default=d.gpu_layers, help="layers offloaded (CUDA builds)")
+    p.add_argument(
+        "--gpu-layers", type=int, default=d.gpu_layers, help="layers offloaded (CUDA builds)"
+    )
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50052)
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
     p.add_argument("--media-cache-mb", type=int, default=1024, help="projector output cache")
+    p.add_argument("--sessions-dir", type=Path, help="persist sessions here (survive restarts)")
     p.add_argument("--default-max-tokens", type=int, default=GenerateLimits.default_max_tokens)
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20)
     p.add_argument("--log-level", default="info")
@@ -105,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             cache_bytes=args.media_cache_mb << 20,
             limits=GenerateLimits(default_max_tokens=args.default_max_tokens),
             max_message_bytes=args.max_message_mb << 20,
+            sessions_dir=args.sessions_dir,
         )
         rt = infer.engine.rt
         log.info(

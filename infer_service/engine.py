@@ -3,7 +3,12 @@
 A step carries out each slot's ledger plan, decodes at most one media chunk per slot, then puts
 every slot's next text (one generated token, or up to batch_size prompt tokens) into ONE
 llama_decode, and samples every slot whose logits came out of it. Handlers talk to the engine
-through `submit` and the job's `emit` callback; they never touch llama.cpp.
+through `submit`, `call` and the job's `emit` callback; they never touch llama.cpp.
+
+A finished request leaves its sequence in the slot: the next request that shares a prefix
+(chunk identity: token ids, media ids) decodes only the rest. A session owns its slot between
+turns, is saved after every completed turn, and is swapped out (least recently used) when the
+slots are needed and swapped back in, from disk, on its next turn.
 """
 
 from __future__ import annotations
@@ -13,22 +18,25 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from infer_service.events import (
     ContextShift,
+    ErrorKind,
     Event,
     Finished,
     FinishReason,
     PrefillProgress,
+    Rejected,
     Started,
     TokenDelta,
     Usage,
 )
 from infer_service.ledger import (
-    Admission,
     CannotFit,
-    EvictionUnit,
+    ContextConfig,
     Fits,
     Gap,
     Item,
@@ -40,28 +48,28 @@ from infer_service.ledger import (
 )
 from infer_service.media import MediaHandle, media_key
 from infer_service.runtime import EmbeddingCache, Runtime, SamplingConfig
+from infer_service.session_store import CorruptSessionError, SessionStore
+from infer_service.sessions import Pixels, Session
 from infer_service.text_stream import TextStream
-from prep_service.descriptors import MediaChunk, PreparedPrompt
+from prep_service.descriptors import Fingerprint, MediaChunk, PreparedPrompt
 
 log = logging.getLogger("slotwise.engine")
+T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
     pass
 
 
-@dataclass(frozen=True)
-class ContextConfig:
-    policy: Policy = Policy.AUTO
-    keep: int = 0
-    discard_fraction: float = 0.5
-    unit: EvictionUnit = EvictionUnit.TOKEN
-    truncate_prompt: bool = False
+class SessionError(RuntimeError):
+    def __init__(self, kind: ErrorKind, message: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass
 class Job:
-    admission: Admission
+    items: list[Item]
     media: dict[str, MediaHandle]
     emit: Callable[[Event], None]
     sampling: SamplingConfig = SamplingConfig()
@@ -69,6 +77,8 @@ class Job:
     max_tokens: int = 256
     stop: Sequence[str] = ()
     deadline: float | None = None  # time.monotonic()
+    session_id: str | None = None
+    pixels: dict[str, Pixels] = field(default_factory=dict)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -79,9 +89,11 @@ class Job:
             h.close()
 
 
-def prompt_items(prompt: PreparedPrompt) -> list[Item]:
-    """Descriptor chunks -> ledger items (media keyed per slice of an image)."""
+def prompt_items(prompt: PreparedPrompt) -> tuple[list[Item], dict[str, Pixels]]:
+    """Descriptor chunks -> ledger items (media keyed per slice of an image), and where the
+    pixels of each media key come from."""
     items = []
+    pixels: dict[str, Pixels] = {}
     slices: dict[int, int] = {}
     for c in prompt.chunks:
         group = c.media_group or None
@@ -89,30 +101,22 @@ def prompt_items(prompt: PreparedPrompt) -> list[Item]:
             k = slices.get(c.media_group, 0)
             slices[c.media_group] = k + 1
             key = media_key(c.media_id, k)
-            items.append(Item(c.num_cells, c.num_positions, c.message_index, media_id=key, group=group))
+            pixels[key] = Pixels(c.width, c.height, c.media_id)
+            items.append(
+                Item(c.num_cells, c.num_positions, c.message_index, media_id=key, group=group)
+            )
         else:
             n = len(c.token_ids)
             items.append(Item(n, n, c.message_index, token_ids=c.token_ids, group=group))
-    return items
-
-
-def new_ledger(capacity: int, runtime_can_shift: bool, n_ctx_train: int, ctx: ContextConfig) -> Ledger:
-    return Ledger(
-        capacity,
-        can_shift=runtime_can_shift,
-        n_ctx_train=n_ctx_train,
-        policy=ctx.policy,
-        keep=ctx.keep,
-        discard_fraction=ctx.discard_fraction,
-        unit=ctx.unit,
-    )
+    return items, pixels
 
 
 @dataclass
 class _Slot:
     seq: int
     job: Job | None = None
-    ledger: Ledger | None = None
+    ledger: Ledger | None = None  # what the sequence holds, also between requests
+    owner: str | None = None  # session id whose sequence this is
     pending: deque[Item] = field(default_factory=deque)
     sampler: int = 0
     text: TextStream = field(default_factory=TextStream)
@@ -122,7 +126,6 @@ class _Slot:
     prefilling: bool = True
     reply_index: int = 0  # message index of generated tokens
     t_start: float = 0.0
-    t_first: float = 0.0
 
 
 @dataclass
@@ -132,19 +135,37 @@ class EngineStats:
     num_media_decodes: int = 0
     num_generated_tokens: int = 0
     num_shifts: int = 0
+    num_session_restores: int = 0
+    num_session_reprefills: int = 0
 
 
 class Engine:
-    def __init__(self, runtime: Runtime, *, max_queue: int = 64, cache_bytes: int = 1 << 30):
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        max_queue: int = 64,
+        cache_bytes: int = 1 << 30,
+        store: SessionStore | None = None,
+    ):
         self.rt = runtime
         self.slots = [_Slot(seq) for seq in range(runtime.num_slots)]
         self.max_queue = max_queue
         self.cache = EmbeddingCache(cache_bytes)
         self.stats = EngineStats()
+        self.store = store
+        self.sessions: dict[str, Session] = {}
+        self.broken_sessions: dict[str, SessionError] = {}
         self._waiting: deque[Job] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-writer")
+        self._saves: dict[str, Future[None]] = {}
+        if store is not None:
+            for session_id in store.ids():
+                self._load_session(session_id)
 
     def start(self) -> None:
         self._thread.start()
@@ -154,6 +175,7 @@ class Engine:
             self._stopping = True
             self._wake.notify()
         self._thread.join()
+        self._writer.shutdown(wait=True)
 
     @property
     def num_waiting(self) -> int:
@@ -173,20 +195,43 @@ class Engine:
             self._waiting.append(job)
             self._wake.notify()
 
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run fn on the engine thread between steps (it may touch slots and sessions)."""
+        future: Future[T] = Future()
+        with self._wake:
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return future
+
     def new_ledger(self, ctx: ContextConfig) -> Ledger:
-        return new_ledger(self.rt.num_cells_per_slot, self.rt.can_shift, self.rt.n_ctx_train, ctx)
+        return Ledger(
+            self.rt.num_cells_per_slot,
+            can_shift=self.rt.can_shift,
+            n_ctx_train=self.rt.n_ctx_train,
+            policy=ctx.policy,
+            keep=ctx.keep,
+            discard_fraction=ctx.discard_fraction,
+            unit=ctx.unit,
+        )
 
     # -- the loop ---------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self._waiting and not self.num_active:
+                while not (self._stopping or self._calls or self._has_work()):
                     self._wake.wait()
                 if self._stopping:
                     break
-                self._admit_waiting()
+                calls = list(self._calls)
+                self._calls.clear()
+            for fn, future in calls:
+                try:
+                    future.set_result(fn())
+                except BaseException as e:
+                    future.set_exception(e)
             try:
+                self._admit_waiting()
                 self._step()
             except Exception as e:  # a bug: fail the active jobs, keep serving
                 log.exception("engine step failed")
@@ -200,34 +245,98 @@ class Engine:
             job.emit(Finished(FinishReason.CANCELLED, error="server shutting down"))
             job.release()
 
+    def _has_work(self) -> bool:
+        return bool(self.num_active) or (bool(self._waiting) and self._free_slot_exists())
+
+    def _free_slot_exists(self) -> bool:
+        return any(s.job is None for s in self.slots)
+
     def _admit_waiting(self) -> None:
         now = time.monotonic()
         for job in list(self._waiting):
             if job.cancelled.is_set() or (job.deadline is not None and now > job.deadline):
                 self._waiting.remove(job)
+                self._end_session_turn(job, completed=False)
                 job.emit(Finished(FinishReason.CANCELLED, error="cancelled while queued"))
                 job.release()
-        for slot in self.slots:
-            if slot.job is None and self._waiting:
-                self._start(slot, self._waiting.popleft())
+        for job in list(self._waiting):
+            slot = self._choose_slot(job)
+            if slot is None:
+                continue
+            self._waiting.remove(job)
+            try:
+                self._start(slot, job)
+            except SessionError as e:
+                self._reject(job, e.kind, str(e))
+
+    def _choose_slot(self, job: Job) -> _Slot | None:
+        free = [s for s in self.slots if s.job is None]
+        if not free:
+            return None
+        if job.session_id is not None:
+            session = self.sessions.get(job.session_id)
+            if session is not None and session.slot is not None:
+                return self.slots[session.slot]  # its own slot, never used by others while owned
+        unowned = [s for s in free if s.owner is None]
+        if unowned and job.session_id is None:
+            return max(unowned, key=lambda s: _reusable_cells(s.ledger, job.items))
+        if unowned:
+            return min(unowned, key=lambda s: s.ledger.num_cells if s.ledger else 0)
+        idle = [s for s in free if s.owner is not None]
+        return min(idle, key=lambda s: self.sessions[s.owner].last_used) if idle else None  # type: ignore[index]
 
     def _start(self, slot: _Slot, job: Job) -> None:
-        kept = job.admission.kept
+        if slot.owner is not None and slot.owner != job.session_id:
+            self._swap_out(slot)
+        restore: list[Item] = []
+        if job.session_id is not None:
+            session = self._session(job.session_id)
+            if session.slot is None:
+                restore = self._swap_in(session, slot)
+            session.media.update(job.media)
+            session.pixels.update(job.pixels)
+            job.media = {}  # the session owns the native chunks now
+            ledger = session.ledger
+            start = ledger.generated_tail()
+        else:
+            if slot.ledger is None:
+                slot.ledger = self.new_ledger(job.context)
+            ledger = slot.ledger
+            start = 0
+        ctx = job.context
+        ledger.reconfigure(
+            policy=ctx.policy, keep=ctx.keep, discard_fraction=ctx.discard_fraction, unit=ctx.unit
+        )
+        num_before = sum(seg.num_cells for seg in ledger.segments[:start])
+        si, so, rest = ledger.common_prefix(job.items, start)
+        self.rt.seq_rm(slot.seq, ledger.truncate(si, so), -1)
+        num_reused = ledger.num_cells - num_before
+        # a reused M-RoPE image holds more cells than positions: count its positions
+        num_reused_positions = sum(seg.num_positions for seg in ledger.segments[start:])
+        admission = ledger.admit(rest, truncate=ctx.truncate_prompt)
+        if isinstance(admission, CannotFit):
+            raise SessionError(ErrorKind.RESOURCE_EXHAUSTED, admission.message)
+        if admission.kept and admission.kept[-1].media_id:
+            raise SessionError(
+                ErrorKind.INVALID_ARGUMENT, "the prompt ends with media: add text after it"
+            )
+        kept = admission.kept
         slot.job = job
-        slot.ledger = self.new_ledger(job.context)
-        slot.pending = deque(kept)
+        slot.ledger = ledger
+        slot.pending = deque([*restore, *kept])
         slot.sampler = self.rt.sampler(job.sampling)
         slot.text = TextStream(job.stop)
-        slot.num_prefill_total = sum(i.num_cells for i in kept)
+        slot.num_prefill_total = sum(i.num_cells for i in slot.pending)
         slot.num_prefill_done = 0
         slot.prefilling = True
         slot.reply_index = max((i.message_index for i in kept), default=0)
         slot.usage = Usage(
-            num_prompt_cells=slot.num_prefill_total,
-            num_prompt_positions=sum(i.num_positions for i in kept),
+            num_prompt_cells=num_reused + sum(i.num_cells for i in kept),
+            num_prompt_positions=num_reused_positions + sum(i.num_positions for i in kept),
+            num_reused_cells=num_reused,
         )
         slot.t_start = time.perf_counter()
-        dropped = job.admission.dropped
+        dropped = admission.dropped
         job.emit(
             Started(
                 slot=slot.seq,
@@ -237,8 +346,224 @@ class Engine:
                 num_truncated_cells=sum(i.num_cells for i in dropped),
                 num_truncated_chunks=len(dropped),
                 truncated_media_ids=tuple(i.media_id for i in dropped if i.media_id),
+                num_reused_cells=num_reused,
             )
         )
+
+    def _reject(self, job: Job, kind: ErrorKind, message: str) -> None:
+        self._end_session_turn(job, completed=False)
+        job.emit(Rejected(kind, message))
+        job.release()
+
+    def _media(self, slot: _Slot, key: str) -> MediaHandle:
+        assert slot.job is not None
+        if slot.owner is not None:
+            return self.sessions[slot.owner].media[key]
+        return slot.job.media[key]
+
+    # -- sessions (engine thread only) ------------------------------------------------------
+
+    def create_session(
+        self, session_id: str, context: ContextConfig, sampling: SamplingConfig
+    ) -> Session:
+        if session_id in self.sessions or session_id in self.broken_sessions:
+            raise SessionError(ErrorKind.ALREADY_EXISTS, f"session {session_id!r} already exists")
+        session = Session(session_id, context, sampling, self.new_ledger(context))
+        self.sessions[session_id] = session
+        self._save(session, b"")
+        return session
+
+    def delete_session(self, session_id: str) -> None:
+        self.broken_sessions.pop(session_id, None)
+        session = self.sessions.get(session_id)
+        if session is None:
+            if self.store is None or not self.store.delete(session_id):
+                raise SessionError(ErrorKind.NOT_FOUND, f"no session {session_id!r}")
+            return
+        if session.busy:
+            raise SessionError(
+                ErrorKind.FAILED_PRECONDITION, f"session {session_id!r} has a turn running"
+            )
+        if session.slot is not None:
+            slot = self.slots[session.slot]
+            self.rt.seq_clear(slot.seq)
+            slot.owner, slot.ledger = None, None
+        del self.sessions[session_id]
+        session.release()
+        if self.store is not None:
+            self._flush(session_id)
+            self.store.delete(session_id)
+
+    def save_session(self, session_id: str) -> Session:
+        session = self._session(session_id)
+        if session.busy:
+            raise SessionError(
+                ErrorKind.FAILED_PRECONDITION, f"session {session_id!r} has a turn running"
+            )
+        self._save(session, self.rt.state_get(session.slot) if session.slot is not None else None)
+        self._flush(session_id)
+        return session
+
+    def restore_session(self, session_id: str) -> Session:
+        """Forget the in-memory state and read the session back from disk."""
+        session = self._session(session_id)
+        if session.busy:
+            raise SessionError(
+                ErrorKind.FAILED_PRECONDITION, f"session {session_id!r} has a turn running"
+            )
+        if self.store is None:
+            raise SessionError(
+                ErrorKind.FAILED_PRECONDITION, "sessions are not persisted (no --sessions-dir)"
+            )
+        self._flush(session_id)
+        if session.slot is not None:
+            slot = self.slots[session.slot]
+            self.rt.seq_clear(slot.seq)
+            slot.owner, slot.ledger = None, None
+        session.release()
+        del self.sessions[session_id]
+        self._load_session(session_id)
+        return self._session(session_id)
+
+    def _session(self, session_id: str) -> Session:
+        if session_id in self.broken_sessions:
+            raise self.broken_sessions[session_id]
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionError(ErrorKind.NOT_FOUND, f"no session {session_id!r}")
+        return session
+
+    def get_session(self, session_id: str) -> Session:
+        return self._session(session_id)
+
+    def abort_turn(self, session_id: str) -> None:
+        """A turn refused before it reached the queue: nothing changed."""
+        if session_id in self.sessions:
+            self.sessions[session_id].busy = False
+
+    def begin_turn(self, session_id: str) -> Session:
+        session = self._session(session_id)
+        if session.busy:
+            raise SessionError(
+                ErrorKind.FAILED_PRECONDITION, f"session {session_id!r} has a turn running"
+            )
+        session.busy = True
+        return session
+
+    def _end_session_turn(self, job: Job, *, completed: bool) -> None:
+        if job.session_id is None or job.session_id not in self.sessions:
+            return
+        session = self.sessions[job.session_id]
+        session.busy = False
+        session.last_used = time.monotonic()
+        if completed:
+            session.num_turns += 1
+            assert session.slot is not None
+            self._save(session, self.rt.state_get(session.slot))
+        elif session.slot is not None and self.store is not None:
+            # an unfinished turn is not kept: back to the last completed one on disk
+            slot = self.slots[session.slot]
+            self.rt.seq_clear(slot.seq)
+            slot.owner, slot.ledger = None, None
+            self._flush(session.session_id)
+            session.release()
+            del self.sessions[session.session_id]
+            self._load_session(session.session_id)
+
+    def _save(self, session: Session, kv_state: bytes | None) -> None:
+        if self.store is None:
+            return
+        header = session.header(self.rt.fingerprint, self.rt.layout)
+        store, sid = self.store, session.session_id
+        previous = self._saves.get(sid)
+
+        def write() -> None:
+            if previous is not None:
+                previous.result()
+            state = kv_state
+            if state is None:  # keep the KV bytes already on disk
+                try:
+                    state = store.load(sid).kv_state
+                except (KeyError, CorruptSessionError):
+                    state = b""
+            store.save(sid, header, state)
+
+        self._saves[sid] = self._writer.submit(write)
+
+    def _flush(self, session_id: str) -> None:
+        future = self._saves.pop(session_id, None)
+        if future is not None:
+            future.result()
+
+    def _load_session(self, session_id: str) -> None:
+        """Register a saved session; its KV state is read when it next gets a slot."""
+        assert self.store is not None
+        try:
+            saved = self.store.load(session_id)
+            fp = saved.header.get("fingerprint", {})
+            if Fingerprint(**fp) != self.rt.fingerprint:
+                raise SessionError(
+                    ErrorKind.FAILED_PRECONDITION,
+                    f"session {session_id!r} was saved with another model ({str(fp)[:80]})",
+                )
+            session = Session.from_header(session_id, saved.header, self.new_ledger)
+            for key, px in session.pixels.items():
+                if any(seg.media_id == key for seg in session.ledger.segments):
+                    session.media[key] = self._media_handle(key, px)
+        except SessionError as e:
+            log.warning("%s", e)
+            self.broken_sessions[session_id] = e
+            return
+        except (CorruptSessionError, KeyError, TypeError, ValueError) as e:
+            log.warning("session %r is unreadable: %s", session_id, e)
+            self.broken_sessions[session_id] = SessionError(
+                ErrorKind.DATA_LOSS, f"session {session_id!r} is unreadable: {e}"
+            )
+            return
+        self.sessions[session_id] = session
+
+    def _media_handle(self, key: str, px: Pixels) -> MediaHandle:
+        """Tokenize saved pixels again to get a native chunk to encode."""
+        from prep_service import native
+
+        assert self.store is not None and self.rt.mtmd is not None
+        rgb = self.store.load_media(px.media_id)
+        bitmap = native.Bitmap(px.width, px.height, rgb, px.media_id)
+        with self.rt.mtmd.tokenize(self.rt.mtmd.marker, [bitmap], add_special=False) as chunks:
+            media = [i for i in range(len(chunks)) if chunks.describe()[i].is_media]
+            index = int(key.rpartition(":")[2]) if ":" in key else 0
+            from llama_cpp import mtmd_cpp
+
+            return MediaHandle(mtmd_cpp.mtmd_input_chunk_copy(chunks.native(media[index])), key)
+
+    def _swap_out(self, slot: _Slot) -> None:
+        """The slot's session leaves it; it was saved when its last turn completed."""
+        assert slot.owner is not None
+        session = self.sessions[slot.owner]
+        session.slot = None
+        self.rt.seq_clear(slot.seq)
+        slot.owner, slot.ledger = None, None
+
+    def _swap_in(self, session: Session, slot: _Slot) -> list[Item]:
+        """Put a session's KV state into slot; returns items to re-prefill if it cannot load."""
+        self.rt.seq_clear(slot.seq)
+        if slot.ledger is not None and slot.owner is None:
+            slot.ledger = None
+        session.slot, slot.owner = slot.seq, session.session_id
+        self.stats.num_session_restores += 1
+        state = b""
+        if self.store is not None and session.ledger.num_cells:
+            self._flush(session.session_id)
+            saved = self.store.load(session.session_id)
+            if saved.header.get("layout") == self.rt.layout:
+                state = saved.kv_state
+        if state and self.rt.state_set(slot.seq, state):
+            return []
+        items = [seg.item for seg in session.ledger.segments]
+        session.ledger.clear()
+        if items:
+            self.stats.num_session_reprefills += 1
+        return items
 
     def _step(self) -> None:
         now = time.monotonic()
@@ -262,7 +587,7 @@ class Engine:
         if not slot.pending or slot.pending[0] is not item:
             return  # a reprefill put other items first
         assert slot.job and slot.ledger and item.media_id
-        handle = slot.job.media[item.media_id]
+        handle = self._media(slot, item.media_id)
         embd = self.cache.get(item.media_id)
         if embd is None:
             embd = self.rt.encode_media(handle.chunk)
@@ -270,7 +595,9 @@ class Engine:
         pos = slot.ledger.next_pos
         end = self.rt.decode_media(handle.chunk, embd, pos, slot.seq)
         if end - pos != item.num_positions:
-            raise RuntimeError(f"media advanced {end - pos} positions, ledger expected {item.num_positions}")
+            raise RuntimeError(
+                f"media advanced {end - pos} positions, ledger expected {item.num_positions}"
+            )
         self.stats.num_media_decodes += 1
         slot.ledger.append(item)
         slot.pending.popleft()
@@ -348,11 +675,13 @@ class Engine:
             self._finish(slot, FinishReason.LENGTH)
             return
         job.emit(TokenDelta((token,), text))
-        slot.pending.append(Item(1, 1, slot.reply_index, token_ids=(token,)))
+        slot.pending.append(Item(1, 1, slot.reply_index, token_ids=(token,), generated=True))
 
     # -- the ledger's plans -----------------------------------------------------------------
 
-    def _make_room(self, slot: _Slot, num_cells: int, num_positions: int, group: int | None) -> bool:
+    def _make_room(
+        self, slot: _Slot, num_cells: int, num_positions: int, group: int | None
+    ) -> bool:
         """Carry out the ledger's plan for the next decode; False when the slot cannot go on."""
         ledger = slot.ledger
         assert ledger is not None and slot.job is not None
@@ -377,15 +706,22 @@ class Engine:
             slot.pending.extendleft(reversed(plan.kept))
         slot.usage.num_shifts += 1
         slot.usage.num_evicted_cells += plan.num_cells_evicted
+        if slot.owner is not None:
+            self.sessions[slot.owner].num_shifts += 1
         self.stats.num_shifts += 1
+        if isinstance(plan, Reprefill):  # the ledger is empty until the kept items are decoded
+            used_after = sum(i.num_cells for i in plan.kept)
+            next_pos_after = sum(i.num_positions for i in plan.kept)
+        else:
+            used_after, next_pos_after = ledger.num_cells, ledger.next_pos
         slot.job.emit(
             ContextShift(
                 policy=_policy_of(plan),
                 num_cells_evicted=plan.num_cells_evicted,
                 num_positions_evicted=plan.num_positions_evicted,
                 media_ids_evicted=tuple(plan.media_ids_evicted),
-                num_cells_used_after=ledger.num_cells,
-                next_position_after=ledger.next_pos,
+                num_cells_used_after=used_after,
+                next_position_after=next_pos_after,
             )
         )
         return not isinstance(plan, Reprefill)
@@ -396,23 +732,36 @@ class Engine:
         slot.num_prefill_done += num_cells
         slot.job.emit(PrefillProgress(slot.num_prefill_done, slot.num_prefill_total))
 
-    def _finish(self, slot: _Slot, reason: FinishReason, *, error: str = "", stop_string: str = "") -> None:
+    def _finish(
+        self, slot: _Slot, reason: FinishReason, *, error: str = "", stop_string: str = ""
+    ) -> None:
         job = slot.job
         assert job is not None
         if slot.prefilling:
             slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
-        rest = slot.text.flush() if reason in (FinishReason.STOP, FinishReason.LENGTH) else ""
-        self.rt.seq_clear(slot.seq)
+        completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
+        rest = slot.text.flush() if completed else ""
         self.rt.free_sampler(slot.sampler)
         slot.sampler = 0
         slot.job = None
-        slot.ledger = None
         slot.pending.clear()
+        if reason is FinishReason.ERROR and job.session_id is None:
+            self.rt.seq_clear(slot.seq)
+            slot.ledger = None
+        # otherwise the sequence stays: the next request with the same prefix reuses it
         job.release()
+        self._end_session_turn(job, completed=completed)
         # the slot is free before the client hears about it: its next request finds it so
         if rest:
             job.emit(TokenDelta((), rest))
         job.emit(Finished(reason, slot.usage, stop_string=stop_string, error=error))
+
+
+def _reusable_cells(ledger: Ledger | None, items: Sequence[Item]) -> int:
+    if ledger is None:
+        return 0
+    si, so, _ = ledger.common_prefix(items)
+    return sum(seg.num_cells for seg in ledger.segments[:si]) + so
 
 
 def _text_take_size(item: Item, budget: int) -> int:

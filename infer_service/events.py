@@ -5,8 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from infer_service.ledger import Policy
 from slotwise.v1 import infer_pb2
+
+from infer_service.ledger import Policy
 
 
 class FinishReason(enum.IntEnum):
@@ -23,6 +24,25 @@ POLICY_TO_PB = {
     Policy.REPREFILL: infer_pb2.SHIFT_POLICY_REPREFILL,
     Policy.STOP: infer_pb2.SHIFT_POLICY_STOP,
 }
+
+
+class ErrorKind(enum.Enum):
+    """Why a request was refused; the gRPC edge maps each to its status code."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    DATA_LOSS = "DATA_LOSS"
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The request was refused before anything was decoded (the call ends with a status)."""
+
+    kind: ErrorKind
+    message: str
 
 
 @dataclass(frozen=True)
@@ -133,4 +153,4 @@ class Finished:
         )
 
 
-Event = Started | PrefillProgress | TokenDelta | ContextShift | Finished
+Event = Started | PrefillProgress | TokenDelta | ContextShift | Finished | Rejected

@@ -33,10 +33,12 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 __all__ = [
     "Admission",
     "CannotFit",
+    "ContextConfig",
     "EvictionUnit",
     "Fits",
     "Gap",
@@ -64,6 +66,17 @@ class EvictionUnit(enum.Enum):
 
 
 @dataclass(frozen=True)
+class ContextConfig:
+    """How a request wants its sequence managed when the cache is full."""
+
+    policy: Policy = Policy.AUTO
+    keep: int = 0
+    discard_fraction: float = 0.5
+    unit: EvictionUnit = EvictionUnit.TOKEN
+    truncate_prompt: bool = False
+
+
+@dataclass(frozen=True)
 class Item:
     """What the engine puts in the cache: one prompt chunk, or generated tokens."""
 
@@ -73,6 +86,7 @@ class Item:
     token_ids: tuple[int, ...] = ()
     media_id: str | None = None
     group: int | None = None
+    generated: bool = False  # sampled by the model, not part of a prompt
 
     def __post_init__(self) -> None:
         if self.message_index < 0:
@@ -247,6 +261,27 @@ def _split(seg: Segment, num_head: int) -> tuple[Segment, Segment]:
     head = Segment(Item.text(ids[:num_head], index), seg.pos_start, seg.pinned)
     tail = Segment(Item.text(ids[num_head:], index), seg.pos_start + num_head, seg.pinned)
     return head, tail
+
+
+def _closed(seq: Sequence[Segment] | Sequence[Item], i: int, offset: int) -> bool:
+    """A cut before element i (offset tokens into it) splits no media group."""
+    if offset:
+        return seq[i].group is None
+    if i == 0 or i >= len(seq):
+        return True
+    group = seq[i - 1].group
+    return group is None or seq[i].group != group
+
+
+def _atoms(seq: Sequence[Segment] | Sequence[Item]) -> list[tuple[object, tuple[int, int]]]:
+    """One entry per text token or media chunk: (what it is, (index, token offset))."""
+    atoms: list[tuple[object, tuple[int, int]]] = []
+    for i, x in enumerate(seq):
+        if x.media_id is not None:
+            atoms.append((x.media_id, (i, 0)))
+        else:
+            atoms.extend((t, (i, k)) for k, t in enumerate(x.token_ids))
+    return atoms
 
 
 def _units(segments: Sequence[Segment], unit: EvictionUnit) -> list[list[Segment]]:
@@ -478,3 +513,99 @@ class Ledger:
     def clear(self) -> None:
         self._segments.clear()
         self._recount()
+
+    # -- reuse across requests (prefix cache, sessions) ----------------------------------------
+
+    def reconfigure(
+        self,
+        *,
+        policy: Policy,
+        keep: int,
+        discard_fraction: float,
+        unit: EvictionUnit,
+    ) -> None:
+        """New options for the segments already held (a new request in the same sequence)."""
+        self.policy, self.keep, self.discard_fraction, self.unit = (
+            policy, keep, discard_fraction, unit,
+        )  # fmt: skip
+        held, self._segments = self._segments, []
+        self._recount()
+        for seg in held:
+            last = self._segments[-1] if self._segments else None
+            self._segments.append(replace(seg, pinned=self._pins(last, self._num_cells, seg.item)))
+            self._recount()
+
+    def common_prefix(self, items: Sequence[Item], start: int = 0) -> tuple[int, int, list[Item]]:
+        """How much of ``items`` the cache already holds, from segment ``start`` on.
+
+        Returns (segments kept, tokens kept of the next segment, items still to decode). Text is
+        compared token by token, media by media_id; a media group is reused whole or not at
+        all, and at least one token is left to decode (the next logits come from it).
+        """
+        held = _atoms(self._segments[start:])
+        wanted = _atoms(items)
+        n = 0
+        while n < min(len(held), len(wanted)) and held[n][0] == wanted[n][0]:
+            n += 1
+        for k in range(min(n, len(wanted) - 1), 0, -1):
+            si, so = held[k][1] if k < len(held) else (len(self._segments) - start, 0)
+            ii, io = wanted[k][1]
+            if _closed(self._segments[start:], si, so) and _closed(items, ii, io):
+                rest = list(items[ii:])
+                if io:
+                    rest[0] = Item.text(rest[0].token_ids[io:], rest[0].message_index)
+                return start + si, so, rest
+        return start, 0, list(items)
+
+    def generated_tail(self) -> int:
+        """Index of the first segment of the trailing run of generated tokens."""
+        i = len(self._segments)
+        while i > 0 and self._segments[i - 1].item.generated:
+            i -= 1
+        return i
+
+    def truncate(self, num_segments: int, num_tokens: int = 0) -> int:
+        """Keep the first segments (and num_tokens of the next); returns the position to
+        ``seq_rm`` from (everything at or after it leaves the cache)."""
+        kept = self._segments[:num_segments]
+        if num_tokens:
+            seg = self._segments[num_segments]
+            if seg.is_media or seg.group is not None or num_tokens >= seg.num_cells:
+                raise ValueError("only ungrouped text can be cut inside")
+            kept.append(replace(seg, item=Item.text(seg.token_ids[:num_tokens], seg.message_index)))
+        self._segments = kept
+        self._recount()
+        return self.next_pos
+
+    def to_json(self) -> list[dict[str, object]]:
+        return [
+            {
+                "pos": s.pos_start,
+                "cells": s.num_cells,
+                "positions": s.num_positions,
+                "message": s.message_index,
+                "tokens": list(s.token_ids),
+                "media": s.media_id,
+                "group": s.group,
+                "generated": s.item.generated,
+            }
+            for s in self._segments
+        ]
+
+    def load_json(self, data: Sequence[dict[str, Any]]) -> None:
+        """Segments saved by to_json (pins recomputed from this ledger's keep)."""
+        self._segments = []
+        self._recount()
+        for d in data:
+            item = Item(
+                int(d["cells"]), int(d["positions"]), int(d["message"]), tuple(d["tokens"]),
+                d["media"], d["group"], bool(d.get("generated")),
+            )  # fmt: skip
+            last = self._segments[-1] if self._segments else None
+            pinned = self._pins(last, self._num_cells, item)
+            if last is not None and int(d["pos"]) < last.pos_end:
+                raise ValueError("saved segments overlap")
+            self._segments.append(Segment(item, int(d["pos"]), pinned))
+            self._recount()
+        if self._num_cells > self.capacity:
+            raise ValueError(f"saved segments hold {self._num_cells} cells, over {self.capacity}")

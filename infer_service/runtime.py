@@ -49,7 +49,9 @@ class Runtime:
     def __init__(self, config: RuntimeConfig):
         self.config = config
         self.fingerprint: Fingerprint = model_files.fingerprint(config.model, config.mmproj)
-        self.model = native.load_model(config.model, vocab_only=False, n_gpu_layers=config.gpu_layers)
+        self.model = native.load_model(
+            config.model, vocab_only=False, n_gpu_layers=config.gpu_layers
+        )
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.num_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         params = llama_cpp.llama_context_default_params()
@@ -102,6 +104,26 @@ class Runtime:
 
     def seq_clear(self, seq: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.memory, seq, -1, -1)
+
+    def state_get(self, seq: int) -> bytes:
+        """The sequence's KV state, as llama_state_seq_get_data writes it."""
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq)
+        return bytes(memoryview(buf)[:n])
+
+    def state_set(self, seq: int, data: bytes) -> bool:
+        """Load a saved state into seq; False (and seq left empty) when it does not fit."""
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(data), seq) == 0:
+            self.seq_clear(seq)
+            return False
+        return True
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """What a saved sequence state depends on: it loads only into the same layout."""
+        return {"n_ctx_seq": self.num_cells_per_slot, "n_seq_max": self.num_slots, "kv_unified": 0}
 
     # -- decoding -------------------------------------------------------------------------
 
@@ -193,7 +215,9 @@ class TokenBatch:
         self.size = 0
         self.native.n_tokens = 0
 
-    def add(self, tokens: tuple[int, ...] | list[int], pos: int, seq: int, logits_last: bool) -> int:
+    def add(
+        self, tokens: tuple[int, ...] | list[int], pos: int, seq: int, logits_last: bool
+    ) -> int:
         """Append tokens of one sequence at consecutive positions; returns the last index."""
         i, n = self.size, len(tokens)
         self.tokens[i : i + n] = tokens

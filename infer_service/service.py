@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import grpc
+from slotwise.v1 import infer_pb2, infer_pb2_grpc
 
-from infer_service.engine import ContextConfig, Engine, Job, QueueFullError, prompt_items
-from infer_service.events import Event, Finished, TokenDelta
-from infer_service.ledger import CannotFit, EvictionUnit, Policy
+from infer_service.engine import Engine, Job, QueueFullError, SessionError, prompt_items
+from infer_service.events import POLICY_TO_PB, ErrorKind, Event, Finished, Rejected, TokenDelta
+from infer_service.ledger import CannotFit, ContextConfig, EvictionUnit, Policy
 from infer_service.media import MediaLimits, StaleDescriptorError, verify_prompt
 from infer_service.runtime import SamplingConfig
+from infer_service.session_store import SessionIdError, check_session_id
+from infer_service.sessions import Session
 from prep_service.descriptors import DescriptorError, PreparedPrompt
 from prep_service.serving import abort
-from slotwise.v1 import infer_pb2, infer_pb2_grpc
 
 POLICIES = {
     infer_pb2.SHIFT_POLICY_UNSPECIFIED: Policy.AUTO,
@@ -31,6 +34,11 @@ UNITS = {
     infer_pb2.EVICTION_UNIT_TOKEN: EvictionUnit.TOKEN,
     infer_pb2.EVICTION_UNIT_MESSAGE: EvictionUnit.MESSAGE,
 }
+UNIT_TO_PB = {
+    EvictionUnit.TOKEN: infer_pb2.EVICTION_UNIT_TOKEN,
+    EvictionUnit.MESSAGE: infer_pb2.EVICTION_UNIT_MESSAGE,
+}
+CODES = {kind: getattr(grpc.StatusCode, kind.value) for kind in ErrorKind}
 
 
 class RequestError(ValueError):
@@ -49,7 +57,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         self.engine = engine
         self.limits = limits
 
-    async def GetServerInfo(self, request, context):  # noqa: N802
+    async def GetServerInfo(self, request, context):
         rt, st = self.engine.rt, self.engine.stats
         return infer_pb2.GetServerInfoResponse(
             fingerprint=rt.fingerprint.to_pb(),
@@ -73,65 +81,50 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             ),
         )
 
-    async def Generate(self, request, context):  # noqa: N802
+    async def Generate(self, request, context):
+        session_id = request.session_id or None
         try:
-            job_args = self._parse(request)
+            if session_id is not None:
+                check_session_id(session_id)
             prompt = PreparedPrompt.from_pb(request.prompt)
-        except (RequestError, DescriptorError) as e:
+        except (SessionIdError, DescriptorError) as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
-        rt = self.engine.rt
-        limits = MediaLimits(rt.ubatch_size, bool(rt.mtmd and rt.mtmd.non_causal))
         try:
-            media = await asyncio.to_thread(
-                verify_prompt, prompt, fingerprint=rt.fingerprint, mtmd=rt.mtmd, limits=limits
+            session = (
+                await self._engine_call(self.engine.begin_turn, session_id) if session_id else None
             )
-        except StaleDescriptorError as e:
-            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except SessionError as e:
+            await abort(context, CODES[e.kind], str(e))
             return
-        except ValueError as e:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        made = None
+        try:
+            made = await self._job(request, prompt, session, context)
+        finally:
+            if made is None and session_id is not None:
+                await self._engine_call(self.engine.abort_turn, session_id)
+        if made is None:
             return
-        items = prompt_items(prompt)
-        ctx: ContextConfig = job_args["context"]
-        admission = self.engine.new_ledger(ctx).admit(items, truncate=ctx.truncate_prompt)
-        if isinstance(admission, CannotFit):
-            _release(media)
-            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, admission.message)
-            return
-        if admission.kept[-1].media_id:
-            _release(media)
-            await abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "the prompt ends with media: add text after it (the model needs a text token "
-                "to produce the first logits)",
-            )
-            return
-
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        remaining = context.time_remaining()
-        job = Job(
-            admission=admission,
-            media=media,
-            emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-            deadline=time.monotonic() + remaining if remaining is not None else None,
-            **job_args,
-        )
+        job, queue = made
         try:
             self.engine.submit(job)
         except QueueFullError as e:
             job.release()
+            if session_id is not None:
+                await self._engine_call(self.engine.abort_turn, session_id)
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             return
         finished = False
         try:
             while not finished:
-                event = await events.get()
+                event = await queue.get()
+                if isinstance(event, Rejected):
+                    finished = True
+                    await abort(context, CODES[event.kind], event.message)
+                    return
                 # a slow reader gets the deltas that piled up as one message
-                while isinstance(event, TokenDelta) and not events.empty():
-                    nxt = events.get_nowait()
+                while isinstance(event, TokenDelta) and not queue.empty():
+                    nxt = queue.get_nowait()
                     if not isinstance(nxt, TokenDelta):
                         yield event.to_pb()
                         event = nxt
@@ -143,33 +136,165 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             if not finished:
                 job.cancel()  # client went away or the deadline passed: free the slot
 
-    def _parse(self, request: infer_pb2.GenerateRequest) -> dict:
-        if request.context.policy not in POLICIES:
-            raise RequestError(f"unknown shift policy {request.context.policy}")
-        if request.context.unit not in UNITS:
-            raise RequestError(f"unknown eviction unit {request.context.unit}")
+    async def _job(
+        self, request, prompt: PreparedPrompt, session: Session | None, context
+    ) -> tuple[Job, asyncio.Queue[Event]] | None:
+        """Validate everything that can be checked before queueing; None after an abort."""
+        try:
+            args = self._parse(request, session)
+        except RequestError as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return None
+        rt = self.engine.rt
+        limits = MediaLimits(rt.ubatch_size, bool(rt.mtmd and rt.mtmd.non_causal))
+        try:
+            media = await asyncio.to_thread(
+                verify_prompt, prompt, fingerprint=rt.fingerprint, mtmd=rt.mtmd, limits=limits
+            )
+        except StaleDescriptorError as e:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            return None
+        except ValueError as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return None
+        items, pixels = prompt_items(prompt)
+        message = None
+        if items[-1].media_id:
+            message = (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "the prompt ends with media: add text after it (the model needs a text token "
+                "to produce the first logits)",
+            )
+        elif session is None:  # sessions are admitted by the engine, which knows what they hold
+            admission = self.engine.new_ledger(args["context"]).admit(
+                items, truncate=args["context"].truncate_prompt
+            )
+            if isinstance(admission, CannotFit):
+                message = (grpc.StatusCode.RESOURCE_EXHAUSTED, admission.message)
+        if message is not None:
+            for h in media.values():
+                h.close()
+            await abort(context, *message)
+            return None
+        if session is not None and self.engine.store is not None:
+            store = self.engine.store
+            await asyncio.to_thread(
+                lambda: [store.save_media(c.media_id, c.rgb) for c in prompt.media]
+            )
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        remaining = context.time_remaining()
+        job = Job(
+            items=items,
+            media=media,
+            pixels=pixels,
+            emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+            deadline=time.monotonic() + remaining if remaining is not None else None,
+            session_id=session.session_id if session else None,
+            **args,
+        )
+        return job, events
+
+    async def _engine_call(self, fn, *args):
+        return await asyncio.wrap_future(self.engine.call(lambda: fn(*args)))
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    async def _session_rpc(self, context, fn, session_id: str, *args):
+        try:
+            check_session_id(session_id)
+            return await self._engine_call(fn, session_id, *args)
+        except SessionIdError as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except SessionError as e:
+            await abort(context, CODES[e.kind], str(e))
+
+    async def CreateSession(self, request, context):
+        session_id = request.session_id or uuid.uuid4().hex
+        try:
+            args = self._parse(
+                infer_pb2.GenerateRequest(context=request.context, sampling=request.sampling), None
+            )
+        except RequestError as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        session = await self._session_rpc(
+            context, self.engine.create_session, session_id, args["context"], args["sampling"]
+        )
+        return infer_pb2.CreateSessionResponse(session=session_info(session))
+
+    async def GetSession(self, request, context):
+        session = await self._session_rpc(context, self.engine.get_session, request.session_id)
+        return infer_pb2.GetSessionResponse(session=session_info(session))
+
+    async def ListSessions(self, request, context):
+        sessions = await self._engine_call(lambda: list(self.engine.sessions.values()))
+        return infer_pb2.ListSessionsResponse(sessions=[session_info(s) for s in sessions])
+
+    async def DeleteSession(self, request, context):
+        await self._session_rpc(context, self.engine.delete_session, request.session_id)
+        return infer_pb2.DeleteSessionResponse()
+
+    async def SaveSession(self, request, context):
+        session = await self._session_rpc(context, self.engine.save_session, request.session_id)
+        return infer_pb2.SaveSessionResponse(session=session_info(session))
+
+    async def RestoreSession(self, request, context):
+        session = await self._session_rpc(context, self.engine.restore_session, request.session_id)
+        return infer_pb2.RestoreSessionResponse(session=session_info(session))
+
+    def _parse(self, request: infer_pb2.GenerateRequest, session: Session | None) -> dict[str, Any]:
+        """Request options, with a session's defaults for what the request leaves unset."""
         c = request.context
+        if c.policy not in POLICIES:
+            raise RequestError(f"unknown shift policy {c.policy}")
+        if c.unit not in UNITS:
+            raise RequestError(f"unknown eviction unit {c.unit}")
         fraction = c.discard_fraction if c.HasField("discard_fraction") else 0.5
-        if not 0.0 <= fraction <= 1.0 or math.isnan(fraction):
+        if not 0.0 <= fraction <= 1.0:  # NaN fails too
             raise RequestError(f"discard_fraction must be within [0, 1], got {fraction}")
         max_tokens = request.max_tokens or self.limits.default_max_tokens
         if max_tokens > self.limits.max_tokens:
-            raise RequestError(f"max_tokens {max_tokens} is over the limit {self.limits.max_tokens}")
+            raise RequestError(
+                f"max_tokens {max_tokens} is over the limit {self.limits.max_tokens}"
+            )
         if len(request.stop) > self.limits.max_stop_strings:
             raise RequestError(f"at most {self.limits.max_stop_strings} stop strings")
+        ctx = ContextConfig(POLICIES[c.policy], c.keep, fraction, UNITS[c.unit], c.truncate_prompt)
+        if session is not None and not request.HasField("context"):
+            ctx = session.context
         return {
-            "context": ContextConfig(
-                POLICIES[c.policy], c.keep, fraction, UNITS[c.unit], c.truncate_prompt
+            "context": ctx,
+            "sampling": _sampling(
+                request.sampling, session.sampling if session else SamplingConfig()
             ),
-            "sampling": _sampling(request.sampling),
             "max_tokens": max_tokens,
             "stop": tuple(request.stop),
         }
 
 
-def _sampling(pb: infer_pb2.SamplingParams) -> SamplingConfig:
-    d = SamplingConfig()
+def session_info(s: Session) -> infer_pb2.SessionInfo:
+    c = s.context
+    return infer_pb2.SessionInfo(
+        session_id=s.session_id,
+        num_turns=s.num_turns,
+        num_cells=s.ledger.num_cells,
+        next_position=s.ledger.next_pos,
+        resident=s.slot is not None,
+        context=infer_pb2.ContextOptions(
+            policy=POLICY_TO_PB[c.policy],
+            keep=c.keep,
+            discard_fraction=c.discard_fraction,
+            unit=UNIT_TO_PB[c.unit],
+            truncate_prompt=c.truncate_prompt,
+        ),
+        sampling=infer_pb2.SamplingParams(**asdict(s.sampling)),
+        num_shifts=s.num_shifts,
+        num_media=sum(1 for seg in s.ledger.segments if seg.is_media),
+    )
 
+
+def _sampling(pb: infer_pb2.SamplingParams, d: SamplingConfig) -> SamplingConfig:
     def get(name: str, default: float) -> float:
         return getattr(pb, name) if pb.HasField(name) else default
 
@@ -198,8 +323,3 @@ def _sampling(pb: infer_pb2.SamplingParams) -> SamplingConfig:
         if not lo <= value <= hi:  # NaN fails too
             raise RequestError(f"sampling.{name} must be within [{lo}, {hi}], got {value}")
     return s
-
-
-def _release(media: dict) -> None:
-    for h in media.values():
-        h.close()

@@ -60,7 +60,7 @@ async def start(
         await server.stop(0)  # don't leave a port open that will never serve
         raise
     servicer = PrepServicer(preparer, limits=limits, workers=threads)
-    prep_pb2_grpc.add_PrepServiceServicer_to_server(servicer, server.server)
+    server.bind(prep_pb2_grpc.add_PrepServiceServicer_to_server, servicer)
     await server.set_serving()
     return RunningPrep(server, servicer)
 

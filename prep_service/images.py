@@ -36,7 +36,9 @@ def media_id(width: int, height: int, rgb: bytes) -> str:
     return h.hexdigest()
 
 
-def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS, max_side: int = 0) -> RgbImage:
+def decode_image(
+    data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS, max_side: int = 0
+) -> RgbImage:
     """Decode PNG/JPEG/WebP/GIF/BMP bytes to RGB.
 
     EXIF orientation is applied, alpha is composited on white, animations give their first

@@ -93,7 +93,9 @@ def tokenize_text(vocab: int, text: str, *, add_special: bool, parse_special: bo
     data = text.encode()
     capacity = len(data) + 8
     tokens = (llama_cpp.llama_token * capacity)()
-    n = llama_cpp.llama_tokenize(vocab, data, len(data), tokens, capacity, add_special, parse_special)
+    n = llama_cpp.llama_tokenize(
+        vocab, data, len(data), tokens, capacity, add_special, parse_special
+    )
     if n < 0:
         capacity = -n
         tokens = (llama_cpp.llama_token * capacity)()
@@ -182,9 +184,7 @@ class Multimodal:
                 mtmd_cpp.mtmd_bitmap_free(h)
             mtmd_cpp.mtmd_input_chunks_free(chunks)
 
-    def count(
-        self, text: str, bitmaps: Sequence[Bitmap], *, add_special: bool
-    ) -> list[RawChunk]:
+    def count(self, text: str, bitmaps: Sequence[Bitmap], *, add_special: bool) -> list[RawChunk]:
         with self.tokenize(text, bitmaps, add_special=add_special) as chunks:
             return chunks.describe()
 

@@ -88,7 +88,9 @@ class Preparer:
         self._model = native.load_model(model, vocab_only=True)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         try:
-            self.mtmd = native.Multimodal(mmproj, self._model, n_threads=n_threads) if mmproj else None
+            self.mtmd = (
+                native.Multimodal(mmproj, self._model, n_threads=n_threads) if mmproj else None
+            )
         except Exception:
             native.free_model(self._model)
             raise
@@ -124,24 +126,31 @@ class Preparer:
             self._model = None
 
     def _piece(self, token: int) -> str:
-        return native.token_piece(self._vocab, token).decode("utf-8", "replace") if token >= 0 else ""
+        return (
+            native.token_piece(self._vocab, token).decode("utf-8", "replace") if token >= 0 else ""
+        )
 
     # -- the two operations ---------------------------------------------------------------
 
-    def prepare(self, request: Sequence[Message] | RawPrompt) -> tuple[PreparedPrompt, str]:
+    def prepare(
+        self, request: Sequence[Message] | RawPrompt, first_message: int = 0
+    ) -> tuple[PreparedPrompt, str]:
         """Chunks with pixels; also returns the rendered prompt text."""
-        segments = self._segments(request)
+        segments = self._segments(request, first_message)
         chunks = [c for s in _numbered_images(segments) for c in self._tokenize(s)]
         return PreparedPrompt(self.fingerprint, tuple(chunks)), "".join(s.text for s in segments)
 
-    def count(self, request: Sequence[Message] | RawPrompt) -> list[Chunk]:
+    def count(self, request: Sequence[Message] | RawPrompt, first_message: int = 0) -> list[Chunk]:
         """Like prepare, but images may be sizes only; media chunks come back without pixels."""
-        return [c for s in _numbered_images(self._segments(request)) for c in self._tokenize(s)]
+        segments = _numbered_images(self._segments(request, first_message))
+        return [c for s in segments for c in self._tokenize(s)]
 
     # -- internals --------------------------------------------------------------------------
 
-    def _segments(self, request: Sequence[Message] | RawPrompt) -> list[_Segment]:
+    def _segments(self, request: Sequence[Message] | RawPrompt, first: int = 0) -> list[_Segment]:
         if isinstance(request, RawPrompt):
+            if first:
+                raise InputError("first_message applies to chat input only")
             if not request.text:
                 raise InputError("raw prompt is empty")
             n_markers = request.text.count(self.marker)
@@ -157,7 +166,9 @@ class Preparer:
         images: list[list[ImageRef]] = []
         for i, message in enumerate(request):
             if message.role not in ROLES:
-                raise InputError(f"message {i}: unknown role {message.role!r} (use {', '.join(ROLES)})")
+                raise InputError(
+                    f"message {i}: unknown role {message.role!r} (use {', '.join(ROLES)})"
+                )
             if not message.parts:
                 raise InputError(f"message {i} has no parts")
             text = []
@@ -181,10 +192,27 @@ class Preparer:
             # the template moved text across messages: one segment, owned by the last message
             segments = [_Segment("".join(pieces[:-1]), sum(images, []), len(turns) - 1)]
         segments.append(_Segment(pieces[-1], [], len(turns)))  # the generation prompt
+        if first:
+            return self._continuation(turns, segments, first)
         # BOS once: from the vocabulary's add_special unless the template wrote it already
         bos = self._piece(self.info.bos_token_id)
         segments[0].add_special = not (bos and pieces[0].startswith(bos))
         return [s for s in segments if s.text]
+
+    def _continuation(
+        self, turns: list[Turn], segments: list[_Segment], first: int
+    ) -> list[_Segment]:
+        """Segments of messages[first:], for a session that holds everything before."""
+        assert self.template is not None
+        if first >= len(turns):
+            raise InputError(f"first_message {first} is past the last message ({len(turns) - 1})")
+        rest = [s for s in segments if s.message_index >= first]
+        if turns[first].role == "assistant":
+            before = self.template.render(turns[:first], add_generation_prompt=False)
+            prompt = self.template.render(turns[:first], add_generation_prompt=True)[len(before) :]
+            if rest and rest[0].message_index == first and rest[0].text.startswith(prompt):
+                rest[0].text = rest[0].text[len(prompt) :]
+        return [s for s in rest if s.text]
 
     def _tokenize(self, segment: _Segment) -> list[Chunk]:
         if not segment.images:

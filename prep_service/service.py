@@ -14,7 +14,14 @@ from prep_service import native
 from prep_service.chat import TemplateError
 from prep_service.descriptors import MediaChunk
 from prep_service.images import DEFAULT_MAX_PIXELS, ImageError, decode_image
-from prep_service.preparer import ImageRef, InputError, Message, Preparer, RawPrompt, UnsupportedError
+from prep_service.preparer import (
+    ImageRef,
+    InputError,
+    Message,
+    Preparer,
+    RawPrompt,
+    UnsupportedError,
+)
 from prep_service.serving import abort
 from slotwise.v1 import prep_pb2, prep_pb2_grpc
 
@@ -61,14 +68,18 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
 
     async def Prepare(self, request, context):  # noqa: N802
         def work() -> prep_pb2.PrepareResponse:
-            prompt, text = self.preparer.prepare(self._request(request, sizes_allowed=False))
+            prompt, text = self.preparer.prepare(
+                self._request(request, sizes_allowed=False), request.first_message
+            )
             return prep_pb2.PrepareResponse(prompt=prompt.to_pb(), rendered_text=text)
 
         return await self._run(work, context)
 
     async def CountTokens(self, request, context):  # noqa: N802
         def work() -> prep_pb2.CountTokensResponse:
-            chunks = self.preparer.count(self._request(request, sizes_allowed=True))
+            chunks = self.preparer.count(
+                self._request(request, sizes_allowed=True), request.first_message
+            )
             return prep_pb2.CountTokensResponse(
                 num_cells=sum(c.num_cells for c in chunks),
                 num_positions=sum(c.num_positions for c in chunks),

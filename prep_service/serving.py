@@ -23,12 +23,50 @@ log = logging.getLogger("slotwise")
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20  # a PreparedPrompt carries raw RGB: several 4K images
 
 
+class _LateHandlers(grpc.GenericRpcHandler):
+    """Handlers registered before start that servicers fill in once the model is loaded.
+
+    grpc does not take handlers after start, and a server must listen (health NOT_SERVING)
+    while a model loads; meanwhile calls to its services end with UNAVAILABLE.
+    """
+
+    def __init__(self, services: Sequence[str]):
+        self.services = tuple(services)
+        self.handlers: list[grpc.GenericRpcHandler] = []
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self.handlers.extend(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.handlers.append(grpc.method_handlers_generic_handler(service, handlers))
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        for h in self.handlers:
+            found = h.service(handler_call_details)
+            if found is not None:
+                return found
+        service = handler_call_details.method.strip("/").partition("/")[0]
+        return _loading_handler() if service in self.services else None
+
+
+def _loading_handler() -> grpc.RpcMethodHandler:
+    async def loading(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await abort(context, grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry")
+
+    return grpc.unary_unary_rpc_method_handler(loading)
+
+
 @dataclass
 class Server:
     server: grpc.aio.Server
     port: int
     health: HealthServicer
     services: tuple[str, ...]
+    _late: _LateHandlers
+
+    def bind(self, add_to_server: Callable[[Any, Any], None], servicer: Any) -> None:
+        """Attach a servicer to the running server (until then its methods say UNAVAILABLE)."""
+        add_to_server(servicer, self._late)
 
     async def set_serving(self) -> None:
         for name in ("", *self.services):
@@ -63,12 +101,14 @@ async def create_server(
     reflection.enable_server_reflection(
         (*services, reflection.SERVICE_NAME, "grpc.health.v1.Health"), server
     )
+    late = _LateHandlers(services)
+    server.add_generic_rpc_handlers((late,))
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     for name in ("", *services):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return Server(server, port, health, tuple(services))
+    return Server(server, port, health, tuple(services), late)
 
 
 async def run_until_signal(server: Server, grace: float = 5.0) -> None:

@@ -108,7 +108,7 @@ def infer_server(loop_thread: LoopThread, tiny: dict[str, TinyPair]) -> Iterator
     from infer_service.runtime import RuntimeConfig
 
     started: list[Any] = []
-    start_options = {"max_queue", "cache_bytes", "limits", "max_message_bytes"}
+    start_options = {"max_queue", "cache_bytes", "limits", "max_message_bytes", "sessions_dir"}
 
     def start_one(name: str, **kwargs: Any) -> Any:
         pair = tiny[name]

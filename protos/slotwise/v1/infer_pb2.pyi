@@ -130,18 +130,20 @@ class ContextOptions(_message.Message):
     def __init__(self, policy: _Optional[_Union[ShiftPolicy, str]] = ..., keep: _Optional[int] = ..., discard_fraction: _Optional[float] = ..., unit: _Optional[_Union[EvictionUnit, str]] = ..., truncate_prompt: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "sampling", "max_tokens", "stop", "context")
+    __slots__ = ("prompt", "sampling", "max_tokens", "stop", "context", "session_id")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     prompt: _prompt_pb2.PreparedPrompt
     sampling: SamplingParams
     max_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     context: ContextOptions
-    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("slot", "num_prompt_cells", "num_prompt_positions", "num_capacity_cells", "num_truncated_cells", "truncated_media_ids", "num_truncated_chunks", "num_reused_cells")
@@ -240,3 +242,97 @@ class GenerateResponse(_message.Message):
     shift: ContextShift
     finished: Finished
     def __init__(self, started: _Optional[_Union[Started, _Mapping]] = ..., prefill: _Optional[_Union[PrefillProgress, _Mapping]] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., shift: _Optional[_Union[ContextShift, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "num_turns", "num_cells", "next_position", "resident", "context", "sampling", "num_shifts", "num_media")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CELLS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHIFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MEDIA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_turns: int
+    num_cells: int
+    next_position: int
+    resident: bool
+    context: ContextOptions
+    sampling: SamplingParams
+    num_shifts: int
+    num_media: int
+    def __init__(self, session_id: _Optional[str] = ..., num_turns: _Optional[int] = ..., num_cells: _Optional[int] = ..., next_position: _Optional[int] = ..., resident: _Optional[bool] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_shifts: _Optional[int] = ..., num_media: _Optional[int] = ...) -> None: ...
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ("session_id", "context", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    context: ContextOptions
+    sampling: SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class CreateSessionResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: SessionInfo
+    def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class GetSessionResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: SessionInfo
+    def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class DeleteSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SaveSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class SaveSessionResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: SessionInfo
+    def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
+
+class RestoreSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class RestoreSessionResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: SessionInfo
+    def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...

@@ -44,6 +44,36 @@ class InferServiceStub:
                 request_serializer=slotwise_dot_v1_dot_infer__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=slotwise_dot_v1_dot_infer__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.CreateSession = channel.unary_unary(
+                '/slotwise.v1.InferService/CreateSession',
+                request_serializer=slotwise_dot_v1_dot_infer__pb2.CreateSessionRequest.SerializeToString,
+                response_deserializer=slotwise_dot_v1_dot_infer__pb2.CreateSessionResponse.FromString,
+                _registered_method=True)
+        self.GetSession = channel.unary_unary(
+                '/slotwise.v1.InferService/GetSession',
+                request_serializer=slotwise_dot_v1_dot_infer__pb2.GetSessionRequest.SerializeToString,
+                response_deserializer=slotwise_dot_v1_dot_infer__pb2.GetSessionResponse.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/slotwise.v1.InferService/ListSessions',
+                request_serializer=slotwise_dot_v1_dot_infer__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=slotwise_dot_v1_dot_infer__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
+        self.DeleteSession = channel.unary_unary(
+                '/slotwise.v1.InferService/DeleteSession',
+                request_serializer=slotwise_dot_v1_dot_infer__pb2.DeleteSessionRequest.SerializeToString,
+                response_deserializer=slotwise_dot_v1_dot_infer__pb2.DeleteSessionResponse.FromString,
+                _registered_method=True)
+        self.SaveSession = channel.unary_unary(
+                '/slotwise.v1.InferService/SaveSession',
+                request_serializer=slotwise_dot_v1_dot_infer__pb2.SaveSessionRequest.SerializeToString,
+                response_deserializer=slotwise_dot_v1_dot_infer__pb2.SaveSessionResponse.FromString,
+                _registered_method=True)
+        self.RestoreSession = channel.unary_unary(
+                '/slotwise.v1.InferService/RestoreSession',
+                request_serializer=slotwise_dot_v1_dot_infer__pb2.RestoreSessionRequest.SerializeToString,
+                response_deserializer=slotwise_dot_v1_dot_infer__pb2.RestoreSessionResponse.FromString,
+                _registered_method=True)
 
 
 class InferServiceServicer:
@@ -56,7 +86,49 @@ class InferServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
+        """One request, or one turn of a session when session_id is set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateSession(self, request, context):
+        """Sessions keep a sequence and its ledger between turns, like an interactive executor. Each
+        turn appends its chunks after what the session holds; the session is saved after every
+        completed turn and survives restarts (with --sessions-dir).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveSession(self, request, context):
+        """Write the session to disk now (it also is after every completed turn).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreSession(self, request, context):
+        """Drop the in-memory state and read the session back from disk.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -73,6 +145,36 @@ def add_InferServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=slotwise_dot_v1_dot_infer__pb2.GenerateRequest.FromString,
                     response_serializer=slotwise_dot_v1_dot_infer__pb2.GenerateResponse.SerializeToString,
+            ),
+            'CreateSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSession,
+                    request_deserializer=slotwise_dot_v1_dot_infer__pb2.CreateSessionRequest.FromString,
+                    response_serializer=slotwise_dot_v1_dot_infer__pb2.CreateSessionResponse.SerializeToString,
+            ),
+            'GetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSession,
+                    request_deserializer=slotwise_dot_v1_dot_infer__pb2.GetSessionRequest.FromString,
+                    response_serializer=slotwise_dot_v1_dot_infer__pb2.GetSessionResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=slotwise_dot_v1_dot_infer__pb2.ListSessionsRequest.FromString,
+                    response_serializer=slotwise_dot_v1_dot_infer__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'DeleteSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSession,
+                    request_deserializer=slotwise_dot_v1_dot_infer__pb2.DeleteSessionRequest.FromString,
+                    response_serializer=slotwise_dot_v1_dot_infer__pb2.DeleteSessionResponse.SerializeToString,
+            ),
+            'SaveSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveSession,
+                    request_deserializer=slotwise_dot_v1_dot_infer__pb2.SaveSessionRequest.FromString,
+                    response_serializer=slotwise_dot_v1_dot_infer__pb2.SaveSessionResponse.SerializeToString,
+            ),
+            'RestoreSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreSession,
+                    request_deserializer=slotwise_dot_v1_dot_infer__pb2.RestoreSessionRequest.FromString,
+                    response_serializer=slotwise_dot_v1_dot_infer__pb2.RestoreSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +231,168 @@ class InferService:
             '/slotwise.v1.InferService/Generate',
             slotwise_dot_v1_dot_infer__pb2.GenerateRequest.SerializeToString,
             slotwise_dot_v1_dot_infer__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slotwise.v1.InferService/CreateSession',
+            slotwise_dot_v1_dot_infer__pb2.CreateSessionRequest.SerializeToString,
+            slotwise_dot_v1_dot_infer__pb2.CreateSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slotwise.v1.InferService/GetSession',
+            slotwise_dot_v1_dot_infer__pb2.GetSessionRequest.SerializeToString,
+            slotwise_dot_v1_dot_infer__pb2.GetSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slotwise.v1.InferService/ListSessions',
+            slotwise_dot_v1_dot_infer__pb2.ListSessionsRequest.SerializeToString,
+            slotwise_dot_v1_dot_infer__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slotwise.v1.InferService/DeleteSession',
+            slotwise_dot_v1_dot_infer__pb2.DeleteSessionRequest.SerializeToString,
+            slotwise_dot_v1_dot_infer__pb2.DeleteSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slotwise.v1.InferService/SaveSession',
+            slotwise_dot_v1_dot_infer__pb2.SaveSessionRequest.SerializeToString,
+            slotwise_dot_v1_dot_infer__pb2.SaveSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slotwise.v1.InferService/RestoreSession',
+            slotwise_dot_v1_dot_infer__pb2.RestoreSessionRequest.SerializeToString,
+            slotwise_dot_v1_dot_infer__pb2.RestoreSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

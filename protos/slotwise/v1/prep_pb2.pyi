@@ -94,12 +94,14 @@ class RawPrompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., add_special: _Optional[bool] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
-    __slots__ = ("chat", "raw")
+    __slots__ = ("chat", "raw", "first_message")
     CHAT_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
+    FIRST_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     chat: Chat
     raw: RawPrompt
-    def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ..., raw: _Optional[_Union[RawPrompt, _Mapping]] = ...) -> None: ...
+    first_message: int
+    def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ..., raw: _Optional[_Union[RawPrompt, _Mapping]] = ..., first_message: _Optional[int] = ...) -> None: ...
 
 class PrepareResponse(_message.Message):
     __slots__ = ("prompt", "rendered_text")
@@ -110,12 +112,14 @@ class PrepareResponse(_message.Message):
     def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., rendered_text: _Optional[str] = ...) -> None: ...
 
 class CountTokensRequest(_message.Message):
-    __slots__ = ("chat", "raw")
+    __slots__ = ("chat", "raw", "first_message")
     CHAT_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
+    FIRST_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     chat: Chat
     raw: RawPrompt
-    def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ..., raw: _Optional[_Union[RawPrompt, _Mapping]] = ...) -> None: ...
+    first_message: int
+    def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ..., raw: _Optional[_Union[RawPrompt, _Mapping]] = ..., first_message: _Optional[int] = ...) -> None: ...
 
 class ChunkCount(_message.Message):
     __slots__ = ("message_index", "media_group", "is_media", "num_cells", "num_positions")
