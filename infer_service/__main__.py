@@ -12,17 +12,22 @@ from pathlib import Path
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 
 from infer_service.engine import Engine
+from infer_service.metrics import engine_metrics
 from infer_service.runtime import Runtime, RuntimeConfig
-from infer_service.session_store import SessionStore
 from infer_service.service import GenerateLimits, InferServicer
+from infer_service.session_store import SessionStore
+from prep_service.metrics import ServiceMetrics
 from prep_service.model_files import ModelMismatchError
 from prep_service.native import NativeError
 from prep_service.serving import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    Security,
     Server,
+    add_security_arguments,
     configure_logging,
     create_server,
     run_until_signal,
+    security_from_args,
 )
 
 log = logging.getLogger("slotwise.infer")
@@ -53,9 +58,14 @@ async def start(
     limits: GenerateLimits = GenerateLimits(),
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     sessions_dir: Path | None = None,
+    security: Security = Security(),
+    metrics_port: int | None = None,
 ) -> RunningInfer:
     """Listen first (health NOT_SERVING), load the model, then report SERVING."""
-    server = await create_server(address, [SERVICE], max_message_bytes=max_message_bytes)
+    metrics = ServiceMetrics("infer")
+    server = await create_server(
+        address, [SERVICE], max_message_bytes=max_message_bytes, security=security, metrics=metrics
+    )
     await server.server.start()
     try:
         runtime = await asyncio.to_thread(Runtime, config)
@@ -66,10 +76,13 @@ async def start(
     engine = await asyncio.to_thread(
         Engine, runtime, max_queue=max_queue, cache_bytes=cache_bytes, store=store
     )
+    metrics.collect_from(engine_metrics(engine, metrics))
     engine.start()
     server.bind(
         infer_pb2_grpc.add_InferServiceServicer_to_server, InferServicer(engine, limits=limits)
     )
+    if metrics_port is not None:
+        metrics.serve(metrics_port)
     await server.set_serving()
     return RunningInfer(server, engine)
 
@@ -96,6 +109,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sessions-dir", type=Path, help="persist sessions here (survive restarts)")
     p.add_argument("--default-max-tokens", type=int, default=GenerateLimits.default_max_tokens)
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20)
+    add_security_arguments(p)
     p.add_argument("--log-level", default="info")
     return p
 
@@ -123,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             limits=GenerateLimits(default_max_tokens=args.default_max_tokens),
             max_message_bytes=args.max_message_mb << 20,
             sessions_dir=args.sessions_dir,
+            security=security_from_args(args),
+            metrics_port=args.metrics_port,
         )
         rt = infer.engine.rt
         log.info(
@@ -134,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         asyncio.run(run())
-    except (FileNotFoundError, ModelMismatchError, NativeError) as e:
+    except (FileNotFoundError, ModelMismatchError, NativeError, ValueError) as e:
         log.error("%s", e)
         return 2
     return 0

@@ -137,6 +137,8 @@ class EngineStats:
     num_shifts: int = 0
     num_session_restores: int = 0
     num_session_reprefills: int = 0
+    num_evicted_cells: int = 0
+    shifts_by_policy: dict[str, int] = field(default_factory=dict)
 
 
 class Engine:
@@ -163,6 +165,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-writer")
         self._saves: dict[str, Future[None]] = {}
+        self.on_first_token: Callable[[float], None] = lambda seconds: None  # TTFT
         if store is not None:
             for session_id in store.ids():
                 self._load_session(session_id)
@@ -627,8 +630,8 @@ class Engine:
             item = _take_text(slot.pending, n)
             assert slot.ledger is not None
             last = not slot.pending
-            index = batch.add(item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=last)
-            taken.append((slot, item, index if last else None))
+            end = batch.add(item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=last)
+            taken.append((slot, item, end if last else None))
             budget -= n
         if not taken:
             return
@@ -643,15 +646,15 @@ class Engine:
                 self._finish(slot, FinishReason.ERROR, error=f"llama_decode failed (rc={rc})")
             return
         elapsed = time.perf_counter() - t0
-        for slot, item, index in taken:
+        for slot, item, logits_at in taken:
             assert slot.ledger is not None
             slot.ledger.append(item)
             if slot.prefilling:
                 self._progress(slot, item.num_cells)
             else:
                 slot.usage.decode_seconds += elapsed
-            if index is not None:
-                self._sample(slot, index)
+            if logits_at is not None:
+                self._sample(slot, logits_at)
 
     def _sample(self, slot: _Slot, index: int) -> None:
         job = slot.job
@@ -659,6 +662,7 @@ class Engine:
         if slot.prefilling:
             slot.prefilling = False
             slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
+            self.on_first_token(slot.usage.prefill_seconds)
         token = self.rt.sample(slot.sampler, index)
         if self.rt.is_eog(token):
             self._finish(slot, FinishReason.STOP)
@@ -709,6 +713,9 @@ class Engine:
         if slot.owner is not None:
             self.sessions[slot.owner].num_shifts += 1
         self.stats.num_shifts += 1
+        self.stats.num_evicted_cells += plan.num_cells_evicted
+        used = _policy_of(plan).value
+        self.stats.shifts_by_policy[used] = self.stats.shifts_by_policy.get(used, 0) + 1
         if isinstance(plan, Reprefill):  # the ledger is empty until the kept items are decoded
             used_after = sum(i.num_cells for i in plan.kept)
             next_pos_after = sum(i.num_positions for i in plan.kept)

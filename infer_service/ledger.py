@@ -263,7 +263,7 @@ def _split(seg: Segment, num_head: int) -> tuple[Segment, Segment]:
     return head, tail
 
 
-def _closed(seq: Sequence[Segment] | Sequence[Item], i: int, offset: int) -> bool:
+def _closed(seq: Sequence[Segment | Item], i: int, offset: int) -> bool:
     """A cut before element i (offset tokens into it) splits no media group."""
     if offset:
         return seq[i].group is None
@@ -273,7 +273,7 @@ def _closed(seq: Sequence[Segment] | Sequence[Item], i: int, offset: int) -> boo
     return group is None or seq[i].group != group
 
 
-def _atoms(seq: Sequence[Segment] | Sequence[Item]) -> list[tuple[object, tuple[int, int]]]:
+def _atoms(seq: Sequence[Segment | Item]) -> list[tuple[object, tuple[int, int]]]:
     """One entry per text token or media chunk: (what it is, (index, token offset))."""
     atoms: list[tuple[object, tuple[int, int]]] = []
     for i, x in enumerate(seq):

@@ -178,17 +178,20 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             return None
         if session is not None and self.engine.store is not None:
             store = self.engine.store
-            await asyncio.to_thread(
-                lambda: [store.save_media(c.media_id, c.rgb) for c in prompt.media]
-            )
+            for chunk in prompt.media:
+                await asyncio.to_thread(store.save_media, chunk.media_id, chunk.rgb)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         remaining = context.time_remaining()
+
+        def emit(event: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
         job = Job(
             items=items,
             media=media,
             pixels=pixels,
-            emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+            emit=emit,
             deadline=time.monotonic() + remaining if remaining is not None else None,
             session_id=session.session_id if session else None,
             **args,

@@ -9,19 +9,24 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from slotwise.v1 import prep_pb2, prep_pb2_grpc
+
 from prep_service.images import DEFAULT_MAX_PIXELS
+from prep_service.metrics import ServiceMetrics
 from prep_service.model_files import ModelMismatchError
 from prep_service.native import NativeError
 from prep_service.preparer import Preparer
 from prep_service.service import Limits, PrepServicer
 from prep_service.serving import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    Security,
     Server,
+    add_security_arguments,
     configure_logging,
     create_server,
     run_until_signal,
+    security_from_args,
 )
-from slotwise.v1 import prep_pb2, prep_pb2_grpc
 
 log = logging.getLogger("slotwise.prep")
 SERVICE = prep_pb2.DESCRIPTOR.services_by_name["PrepService"].full_name
@@ -50,9 +55,14 @@ async def start(
     threads: int = 2,
     limits: Limits = Limits(),
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    security: Security = Security(),
+    metrics_port: int | None = None,
 ) -> RunningPrep:
     """Listen first (health NOT_SERVING), load the models, then report SERVING."""
-    server = await create_server(address, [SERVICE], max_message_bytes=max_message_bytes)
+    metrics = ServiceMetrics("prep")
+    server = await create_server(
+        address, [SERVICE], max_message_bytes=max_message_bytes, security=security, metrics=metrics
+    )
     await server.server.start()
     try:
         preparer = await asyncio.to_thread(Preparer, model, mmproj, n_threads=threads)
@@ -61,6 +71,8 @@ async def start(
         raise
     servicer = PrepServicer(preparer, limits=limits, workers=threads)
     server.bind(prep_pb2_grpc.add_PrepServiceServicer_to_server, servicer)
+    if metrics_port is not None:
+        metrics.serve(metrics_port)
     await server.set_serving()
     return RunningPrep(server, servicer)
 
@@ -76,6 +88,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-side", type=int, default=0, help="downscale images above this side")
     p.add_argument("--max-images", type=int, default=64, help="images per request")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20)
+    add_security_arguments(p)
     p.add_argument("--log-level", default="info")
     return p
 
@@ -92,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
             limits=Limits(args.max_pixels, args.max_side, args.max_images),
             max_message_bytes=args.max_message_mb << 20,
+            security=security_from_args(args),
+            metrics_port=args.metrics_port,
         )
         log.info("prep_service serving on %s:%d", args.host, prep.port)
         await run_until_signal(prep.server)
@@ -99,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         asyncio.run(run())
-    except (FileNotFoundError, ModelMismatchError, NativeError) as e:
+    except (FileNotFoundError, ModelMismatchError, NativeError, ValueError) as e:
         log.error("%s", e)
         return 2
     return 0

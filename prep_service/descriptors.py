@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prep_service.images import media_id
 from slotwise.v1 import prompt_pb2
+
+from prep_service.images import media_id
 
 
 class DescriptorError(ValueError):

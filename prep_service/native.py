@@ -16,8 +16,8 @@ from pathlib import Path
 
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort must not attach gdb to the server
 
-import llama_cpp  # noqa: E402
-from llama_cpp import mtmd_cpp  # noqa: E402
+import llama_cpp
+from llama_cpp import mtmd_cpp
 
 _LOG_LOCK = threading.Lock()
 _log_callbacks: list[object] = []  # ctypes callbacks must outlive every native call

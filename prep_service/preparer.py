@@ -123,7 +123,7 @@ class Preparer:
             self.mtmd.close()
         if self._model:
             native.free_model(self._model)
-            self._model = None
+            self._model = 0
 
     def _piece(self, token: int) -> str:
         return (
@@ -187,10 +187,16 @@ class Preparer:
         if self.template is None:
             raise UnsupportedError("the model has no chat template: send a raw prompt instead")
         pieces = self.template.pieces(turns)
-        segments = [_Segment(p, imgs, i) for i, (p, imgs) in enumerate(zip(pieces, images))]
+        segments = [
+            _Segment(p, imgs, i) for i, (p, imgs) in enumerate(zip(pieces, images, strict=False))
+        ]
         if any(s.text.count(self.marker) != len(s.images) for s in segments):
             # the template moved text across messages: one segment, owned by the last message
-            segments = [_Segment("".join(pieces[:-1]), sum(images, []), len(turns) - 1)]
+            segments = [
+                _Segment(
+                    "".join(pieces[:-1]), [im for imgs in images for im in imgs], len(turns) - 1
+                )
+            ]
         segments.append(_Segment(pieces[-1], [], len(turns)))  # the generation prompt
         if first:
             return self._continuation(turns, segments, first)
@@ -285,8 +291,8 @@ def _group(
         lead = tuple(t for g in shape[:first] for t in g.token_ids)
         trail = tuple(t for g in shape[last + 1 :] for t in g.token_ids)
         if lead:
-            prev = out.pop() if out and isinstance(out[-1], TextChunk) else None
-            if prev is None or prev.token_ids[-len(lead) :] != lead:
+            prev = out.pop() if out else None
+            if not isinstance(prev, TextChunk) or prev.token_ids[-len(lead) :] != lead:
                 raise native.NativeError("libmtmd's image wrapper tokens are not where expected")
             if prev.token_ids[: -len(lead)]:
                 out.append(TextChunk(prev.token_ids[: -len(lead)], msg, prev.media_group))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
+from slotwise.v1 import prep_pb2, prep_pb2_grpc
 
 from prep_service import native
 from prep_service.chat import TemplateError
@@ -23,7 +24,6 @@ from prep_service.preparer import (
     UnsupportedError,
 )
 from prep_service.serving import abort
-from slotwise.v1 import prep_pb2, prep_pb2_grpc
 
 log = logging.getLogger("slotwise.prep")
 
@@ -47,7 +47,7 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    async def GetModelInfo(self, request, context):  # noqa: N802
+    async def GetModelInfo(self, request, context):
         i = self.preparer.info
         return prep_pb2.GetModelInfoResponse(
             info=prep_pb2.ModelInfo(
@@ -66,7 +66,7 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
             )
         )
 
-    async def Prepare(self, request, context):  # noqa: N802
+    async def Prepare(self, request, context):
         def work() -> prep_pb2.PrepareResponse:
             prompt, text = self.preparer.prepare(
                 self._request(request, sizes_allowed=False), request.first_message
@@ -75,7 +75,7 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
 
         return await self._run(work, context)
 
-    async def CountTokens(self, request, context):  # noqa: N802
+    async def CountTokens(self, request, context):
         def work() -> prep_pb2.CountTokensResponse:
             chunks = self.preparer.count(
                 self._request(request, sizes_allowed=True), request.first_message

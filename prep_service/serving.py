@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import hmac
 import inspect
 import logging
 import signal
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,6 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
+
+from prep_service.metrics import ServiceMetrics
 
 log = logging.getLogger("slotwise")
 
@@ -82,14 +88,15 @@ async def create_server(
     services: Sequence[str],
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    security: Security | None = None,
+    metrics: ServiceMetrics | None = None,
 ) -> Server:
     """A started grpc.aio server on address (port 0 picks a free one), NOT_SERVING until told.
 
     Register servicers with `server.server` before calling `start()`; see `start_server`.
     """
     server = grpc.aio.server(
-        interceptors=[RequestDecodeInterceptor(), *interceptors],
+        interceptors=[EdgeInterceptor(token=security.token if security else None, metrics=metrics)],
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -103,7 +110,11 @@ async def create_server(
     )
     late = _LateHandlers(services)
     server.add_generic_rpc_handlers((late,))
-    port = server.add_insecure_port(address)
+    credentials = security.credentials() if security else None
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     for name in ("", *services):
@@ -145,33 +156,57 @@ def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
-def _undecodable_message(request: _Undecodable) -> str:
-    return f"cannot parse the request: {request.error}"
+_OPEN_SERVICES = ("grpc.health.v1.Health", reflection.SERVICE_NAME)
 
 
-class RequestDecodeInterceptor(grpc.aio.ServerInterceptor):
-    """Answer INVALID_ARGUMENT to a request whose bytes do not parse as its message type.
+class EdgeInterceptor(grpc.aio.ServerInterceptor):
+    """What every call of ours passes through: auth, request decoding, metrics.
 
-    grpc itself answers UNKNOWN ("Unexpected DecodeError") when, for example, a string field
-    holds invalid UTF-8. Applies to methods with a single request message (unary-unary and
-    unary-stream); request-streaming methods are passed through unchanged.
+    - With a token, calls must carry `authorization: Bearer <token>` (health and reflection
+      stay open for probes): else UNAUTHENTICATED.
+    - A request whose bytes do not parse (e.g. invalid UTF-8 in a string field) gets
+      INVALID_ARGUMENT; grpc itself would answer UNKNOWN ("Unexpected DecodeError").
+    - Latency and status codes are counted per method.
+    Request-streaming methods are passed through unchanged.
     """
+
+    def __init__(self, *, token: str | None = None, metrics: ServiceMetrics | None = None):
+        self._expected = f"Bearer {token}".encode() if token else None
+        self._metrics = metrics
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        method = handler_call_details.method
+        if handler is None:
+            return handler
+        is_open = method.strip("/").partition("/")[0] in _OPEN_SERVICES
+        if (
+            self._expected is not None
+            and not is_open
+            and not self._authorized(handler_call_details)
+        ):
+            return _refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        if handler.request_streaming or handler.request_deserializer is None:
             return handler
         deserializer = _tolerant(handler.request_deserializer)
+        metrics = self._metrics
         if not handler.response_streaming:
             behavior = handler.unary_unary
 
             async def unary_unary(request, context):
-                if isinstance(request, _Undecodable):
-                    await abort(
-                        context, grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request)
-                    )
-                result = behavior(request, context)
-                return await result if inspect.isawaitable(result) else result
+                start = time.perf_counter()
+                code = grpc.StatusCode.OK
+                try:
+                    if isinstance(request, _Undecodable):
+                        await abort(context, grpc.StatusCode.INVALID_ARGUMENT, _message(request))
+                    result = behavior(request, context)
+                    return await result if inspect.isawaitable(result) else result
+                except BaseException:
+                    code = context.code() or grpc.StatusCode.UNKNOWN
+                    raise
+                finally:
+                    if metrics:
+                        metrics.observe(method, code, time.perf_counter() - start)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary,
@@ -181,29 +216,91 @@ class RequestDecodeInterceptor(grpc.aio.ServerInterceptor):
         stream = handler.unary_stream
 
         async def unary_stream(request, context):
-            if isinstance(request, _Undecodable):
-                await abort(
-                    context, grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request)
-                )
-            result = stream(request, context)
-            if hasattr(result, "__aiter__"):
-                try:
-                    async for item in result:
+            start = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                if isinstance(request, _Undecodable):
+                    await abort(context, grpc.StatusCode.INVALID_ARGUMENT, _message(request))
+                result = stream(request, context)
+                if hasattr(result, "__aiter__"):
+                    try:
+                        async for item in result:
+                            yield item
+                    finally:  # closed early (client gone): let the handler's own cleanup run now
+                        if hasattr(result, "aclose"):
+                            await result.aclose()
+                elif inspect.isawaitable(result):  # a handler that writes with context.write
+                    await result
+                else:
+                    for item in result:
                         yield item
-                finally:  # closed early (client gone): let the handler's own cleanup run now
-                    if hasattr(result, "aclose"):
-                        await result.aclose()
-            elif inspect.isawaitable(result):  # a handler that writes with context.write
-                await result
-            else:
-                for item in result:
-                    yield item
+            except BaseException:
+                code = context.code() or grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                if metrics:
+                    metrics.observe(method, code, time.perf_counter() - start)
 
         return grpc.unary_stream_rpc_method_handler(
             unary_stream,
             request_deserializer=deserializer,
             response_serializer=handler.response_serializer,
         )
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else value
+                return hmac.compare_digest(got, self._expected or b"")
+        return False
+
+
+def _message(request: _Undecodable) -> str:
+    return f"cannot parse the request: {request.error}"
+
+
+def _refuse(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await abort(context, code, message)
+
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+@dataclass(frozen=True)
+class Security:
+    """TLS (server cert/key, optional client CA for mutual TLS) and a bearer token."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    client_ca: Path | None = None
+    token: str | None = None
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        if self.cert is None and self.key is None:
+            return None
+        if self.cert is None or self.key is None:
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        ca = self.client_ca.read_bytes() if self.client_ca else None
+        return grpc.ssl_server_credentials(
+            [(self.key.read_bytes(), self.cert.read_bytes())],
+            root_certificates=ca,
+            require_client_auth=ca is not None,
+        )
+
+
+def add_security_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", type=Path, help="server certificate (PEM): serve TLS")
+    p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", type=Path, help="require client certificates from this CA")
+    p.add_argument(
+        "--token-file", type=Path, help="require `authorization: Bearer <token>` (token in file)"
+    )
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+
+
+def security_from_args(args: argparse.Namespace) -> Security:
+    token = args.token_file.read_text().strip() if args.token_file else None
+    return Security(args.tls_cert, args.tls_key, args.tls_client_ca, token)
 
 
 def configure_logging(level: str) -> None:

@@ -814,7 +814,9 @@ def test_health_not_serving_until_loaded_then_serving(
                 assert health.Check(req, wait_for_ready=True, timeout=20).status == not_serving
             with pytest.raises(grpc.RpcError) as err:
                 prep.GetModelInfo(prep_pb2.GetModelInfoRequest(), timeout=5)
-            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            # the service is registered before the model loads and says so
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "loading" in err.value.details()
             assert not future.done()
         running = future.result(30)
         for name in ("", SERVICE):

@@ -1,0 +1,58 @@
+"""The engine's state as Prometheus metrics, read at scrape time (nothing on the hot path)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from infer_service.engine import Engine
+from prep_service.metrics import ServiceMetrics
+
+
+def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iterable[Metric]]:
+    ttft = Histogram(
+        "slotwise_infer_time_to_first_token_seconds",
+        "from the start of a request in its slot to its first sampled token",
+        registry=metrics.registry,
+        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    )
+    engine.on_first_token = ttft.observe
+
+    def collect() -> Iterable[Metric]:
+        st = engine.stats
+        cells = GaugeMetricFamily(
+            "slotwise_infer_cells_used", "KV cells held by each slot's sequence", labels=["slot"]
+        )
+        for slot in engine.slots:
+            cells.add_metric([str(slot.seq)], slot.ledger.num_cells if slot.ledger else 0)
+        yield cells
+        yield GaugeMetricFamily(
+            "slotwise_infer_capacity_cells", "KV cells per slot", value=engine.rt.num_cells_per_slot
+        )
+        yield GaugeMetricFamily(
+            "slotwise_infer_queue_depth", "requests waiting", value=engine.num_waiting
+        )
+        yield GaugeMetricFamily(
+            "slotwise_infer_active", "slots generating", value=engine.num_active
+        )
+        shifts = CounterMetricFamily("slotwise_infer_shifts", "context shifts", labels=["policy"])
+        for policy, n in sorted(st.shifts_by_policy.items()):
+            shifts.add_metric([policy], n)
+        yield shifts
+        yield CounterMetricFamily(
+            "slotwise_infer_evicted_cells", "cells evicted", value=st.num_evicted_cells
+        )
+        yield CounterMetricFamily(
+            "slotwise_infer_generated_tokens", "tokens sampled (rate() = tokens/s)",
+            value=st.num_generated_tokens,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "slotwise_infer_decodes", "llama_decode calls", value=st.num_decodes
+        )
+        yield CounterMetricFamily(
+            "slotwise_infer_media_cache_hits", "projector outputs reused", value=engine.cache.hits
+        )
+
+    return collect
