@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from infer_service.events import (
@@ -291,11 +291,11 @@ class Engine:
     def _start(self, slot: _Slot, job: Job) -> None:
         if slot.owner is not None and slot.owner != job.session_id:
             self._swap_out(slot)
-        restore: list[Item] = []
+        reprefill = False  # the session's KV state did not load: decode its ledger again
         if job.session_id is not None:
             session = self._session(job.session_id)
             if session.slot is None:
-                restore = self._swap_in(session, slot)
+                reprefill = not self._swap_in(session, slot)
             session.media.update(job.media)
             session.pixels.update(job.pixels)
             job.media = {}  # the session owns the native chunks now
@@ -312,17 +312,31 @@ class Engine:
         )
         num_before = sum(seg.num_cells for seg in ledger.segments[:start])
         si, so, rest = ledger.common_prefix(job.items, start)
-        self.rt.seq_rm(slot.seq, ledger.truncate(si, so), -1)
+        cut = ledger.truncate(si, so)
         num_reused = ledger.num_cells - num_before
         # a reused M-RoPE image holds more cells than positions: count its positions
         num_reused_positions = sum(seg.num_positions for seg in ledger.segments[start:])
         admission = ledger.admit(rest, truncate=ctx.truncate_prompt)
+        error = None
         if isinstance(admission, CannotFit):
-            raise SessionError(ErrorKind.RESOURCE_EXHAUSTED, admission.message)
-        if admission.kept and admission.kept[-1].media_id:
-            raise SessionError(
+            error = SessionError(ErrorKind.RESOURCE_EXHAUSTED, admission.message)
+        elif admission.kept and admission.kept[-1].media_id:
+            error = SessionError(
                 ErrorKind.INVALID_ARGUMENT, "the prompt ends with media: add text after it"
             )
+        restore: list[Item] = []
+        if reprefill and error is not None:
+            self._swap_out(slot)  # its ledger stays: the next turn re-prefills it
+        elif reprefill:
+            # what the session keeps (the reused reply included) is decoded again from 0
+            restore = [seg.item for seg in ledger.segments]
+            ledger.clear()
+            self.stats.num_session_reprefills += 1
+        else:
+            self.rt.seq_rm(slot.seq, cut, -1)
+        if error is not None:
+            raise error
+        assert not isinstance(admission, CannotFit)
         kept = admission.kept
         slot.job = job
         slot.ledger = ledger
@@ -547,26 +561,30 @@ class Engine:
         self.rt.seq_clear(slot.seq)
         slot.owner, slot.ledger = None, None
 
-    def _swap_in(self, session: Session, slot: _Slot) -> list[Item]:
-        """Put a session's KV state into slot; returns items to re-prefill if it cannot load."""
+    def _swap_in(self, session: Session, slot: _Slot) -> bool:
+        """Put a session's KV state into slot; False when it must be re-prefilled from its
+        ledger instead (no saved state, another context layout, or a state that does not load).
+        """
         self.rt.seq_clear(slot.seq)
         if slot.ledger is not None and slot.owner is None:
             slot.ledger = None
         session.slot, slot.owner = slot.seq, session.session_id
         self.stats.num_session_restores += 1
+        if not session.ledger.segments:
+            return True
         state = b""
-        if self.store is not None and session.ledger.num_cells:
+        if self.store is not None:
             self._flush(session.session_id)
-            saved = self.store.load(session.session_id)
-            if saved.header.get("layout") == self.rt.layout:
-                state = saved.kv_state
-        if state and self.rt.state_set(slot.seq, state):
-            return []
-        items = [seg.item for seg in session.ledger.segments]
-        session.ledger.clear()
-        if items:
-            self.stats.num_session_reprefills += 1
-        return items
+            try:
+                saved = self.store.load(session.session_id)
+            except (KeyError, CorruptSessionError) as e:  # removed or damaged since it loaded
+                log.warning(
+                    "session %r: saved state unusable (%s); re-prefilling", session.session_id, e
+                )
+            else:
+                if saved.header.get("layout") == self.rt.layout:
+                    state = saved.kv_state
+        return bool(state) and self.rt.state_set(slot.seq, state)
 
     def _step(self) -> None:
         now = time.monotonic()
@@ -621,7 +639,7 @@ class Engine:
         for slot in ready:
             if budget == 0:
                 break
-            n = _text_take_size(slot.pending[0], budget)
+            n = _text_take_size(slot.pending[0], budget, self.rt.batch_size)
             if n == 0:
                 continue
             head = slot.pending[0]
@@ -771,11 +789,12 @@ def _reusable_cells(ledger: Ledger | None, items: Sequence[Item]) -> int:
     return sum(seg.num_cells for seg in ledger.segments[:si]) + so
 
 
-def _text_take_size(item: Item, budget: int) -> int:
-    """How many tokens of the front text item fit this batch; grouped (wrapper) text goes whole."""
+def _text_take_size(item: Item, budget: int, batch_size: int) -> int:
+    """How many tokens of the front text item fit this batch; grouped (wrapper) text goes whole
+    unless it is larger than a whole batch."""
     if item.num_cells <= budget:
         return item.num_cells
-    return 0 if item.group is not None else budget
+    return 0 if item.group is not None and item.num_cells <= batch_size else budget
 
 
 def _take_text(pending: deque[Item], n: int) -> Item:
@@ -783,8 +802,9 @@ def _take_text(pending: deque[Item], n: int) -> Item:
     if n == item.num_cells:
         return pending.popleft()
     rest = item.token_ids[n:]
-    pending[0] = Item(len(rest), len(rest), item.message_index, token_ids=rest)
-    return Item(n, n, item.message_index, token_ids=item.token_ids[:n])
+    pending[0] = replace(item, num_cells=len(rest), num_positions=len(rest), token_ids=rest)
+    head = item.token_ids[:n]
+    return replace(item, num_cells=n, num_positions=n, token_ids=head)
 
 
 def _policy_of(plan: Plan) -> Policy:

@@ -59,8 +59,8 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                 supports_audio=i.supports_audio,
                 n_ctx_train=i.n_ctx_train,
                 num_vocab=i.num_vocab,
-                bos_token_id=i.bos_token_id,
-                eos_token_id=i.eos_token_id,
+                bos_token_id=i.bos_token_id if i.bos_token_id >= 0 else None,
+                eos_token_id=i.eos_token_id if i.eos_token_id >= 0 else None,
                 has_chat_template=i.has_chat_template,
                 model_description=i.description,
             )

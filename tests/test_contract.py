@@ -1,0 +1,456 @@
+"""The contract, pinned two ways.
+
+1. Golden fixtures (tests/contract/golden/, regenerated deliberately by
+   `python tests/contract/make_golden.py`): the prep side (prep_service.descriptors), the infer
+   side (infer_service.events' to_pb, PreparedPrompt.from_pb as the infer servicer reads it) and
+   a client (the raw generated stubs) read and write them identically: the same bytes after a
+   round trip, the same canonical JSON. The real services still produce / accept them.
+2. Compatibility, buf-breaking style: the current .proto files compiled to a FileDescriptorSet
+   are compared with the committed baseline protos/baseline/descriptor_set.binpb
+   (`python protos/baseline.py --update` accepts a deliberate break). Mutated descriptors show
+   that the check does fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pb2, json_format
+from google.protobuf.message import Message
+from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2_grpc, prompt_pb2
+
+from prep_service.descriptors import MediaChunk, PreparedPrompt, TextChunk
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "contract" / "golden"
+REGENERATE = "python tests/contract/make_golden.py"
+
+
+def load_module(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_golden = load_module("slotwise_make_golden", ROOT / "tests" / "contract" / "make_golden.py")
+baseline = load_module("slotwise_proto_baseline", ROOT / "protos" / "baseline.py")
+
+FIXTURES = sorted(p.stem for p in GOLDEN.glob("*.binpb"))
+EVENT_FIXTURES = [n for n in FIXTURES if n.startswith("generate_response_")]
+
+
+def message_class(name: str) -> type[Message]:
+    return prompt_pb2.PreparedPrompt if name == "prepared_prompt" else infer_pb2.GenerateResponse
+
+
+def golden_bytes(name: str) -> bytes:
+    return (GOLDEN / f"{name}.binpb").read_bytes()
+
+
+def golden_json(name: str) -> dict:
+    return json.loads((GOLDEN / f"{name}.json").read_text())
+
+
+def golden_message(name: str) -> Message:
+    return message_class(name).FromString(golden_bytes(name))
+
+
+def wire(message: Message) -> bytes:
+    return message.SerializeToString(deterministic=True)
+
+
+def as_json(message: Message) -> dict:
+    return json.loads(json_format.MessageToJson(message))
+
+
+def golden_prompt() -> prompt_pb2.PreparedPrompt:
+    pb = golden_message("prepared_prompt")
+    assert isinstance(pb, prompt_pb2.PreparedPrompt)
+    return pb
+
+
+# -- the fixtures themselves -----------------------------------------------------------------
+
+
+def test_fixture_set_is_complete() -> None:
+    kinds = {f.name for f in infer_pb2.GenerateResponse.DESCRIPTOR.oneofs_by_name["event"].fields}
+    covered = {golden_message(n).WhichOneof("event") for n in EVENT_FIXTURES}
+    assert covered == kinds, f"an event kind has no golden fixture: run {REGENERATE}"
+    assert "prepared_prompt" in FIXTURES
+    for name in FIXTURES:
+        assert (GOLDEN / f"{name}.json").is_file(), f"{name}.json missing: run {REGENERATE}"
+    assert sorted(p.stem for p in GOLDEN.glob("*.json")) == FIXTURES
+
+
+def _unset_fields(messages: list[Message], prefix: str = "") -> set[str]:
+    """Fields (recursively) that none of the messages puts on the wire."""
+    if not messages:
+        return set()
+    descriptor = messages[0].DESCRIPTOR
+    missing = set()
+    for field in descriptor.fields:
+        present = [m for m in messages if field.name in {f.name for f, _ in m.ListFields()}]
+        name = f"{prefix}{descriptor.name}.{field.name}"
+        if not present:
+            missing.add(name)
+        elif field.message_type is not None and not field.is_repeated:
+            missing |= _unset_fields([getattr(m, field.name) for m in present], prefix)
+    return missing
+
+
+def test_event_fixtures_put_every_field_on_the_wire() -> None:
+    """proto3 omits default values: a field left at its default in every fixture is untested."""
+    by_kind: dict[str, list[Message]] = {}
+    for name in EVENT_FIXTURES:
+        event = golden_message(name)
+        kind = event.WhichOneof("event")
+        by_kind.setdefault(kind, []).append(getattr(event, kind))
+    missing = set().union(*(_unset_fields(msgs) for msgs in by_kind.values()))
+    assert not missing, (
+        f"no golden event sets {sorted(missing)}: extend events() and run {REGENERATE}"
+    )
+
+
+def test_prompt_fixture_shows_what_the_contract_is_about() -> None:
+    pb = golden_prompt()
+    assert pb.fingerprint.model and pb.fingerprint.mmproj
+    kinds = [c.WhichOneof("kind") for c in pb.chunks]
+    assert "text" in kinds and "media" in kinds
+    media = [c for c in pb.chunks if c.WhichOneof("kind") == "media"]
+    assert len(media) == 1
+    m = media[0].media
+    # M-RoPE: the point of the whole project is that cells and positions differ
+    assert m.num_cells != m.num_positions
+    assert (m.width, m.height) == make_golden.IMAGE_SIZE and m.width != m.height
+    assert len(m.rgb) == m.width * m.height * 3
+    group = [c for c in pb.chunks if c.media_group == media[0].media_group]
+    assert [c.WhichOneof("kind") for c in group] == ["text", "media", "text"]  # vision_start/end
+    assert any(c.message_index > 0 for c in pb.chunks)
+    assert len(wire(pb)) < 8 << 10, "keep the fixture small"
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_binary_and_json_forms_agree(name: str) -> None:
+    from_json = json_format.Parse((GOLDEN / f"{name}.json").read_text(), message_class(name)())
+    assert from_json == golden_message(name)
+    assert wire(from_json) == golden_bytes(name)
+
+
+# -- client: the raw generated stubs ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_raw_stubs_round_trip(name: str) -> None:
+    message = golden_message(name)
+    assert wire(message) == golden_bytes(name)
+    assert as_json(message) == golden_json(name)
+    assert make_golden.to_json(message) == (GOLDEN / f"{name}.json").read_text()
+
+
+# -- prep side: descriptors ------------------------------------------------------------------
+
+
+def test_prep_descriptors_round_trip() -> None:
+    prompt = PreparedPrompt.from_pb(golden_prompt())
+    assert wire(prompt.to_pb()) == golden_bytes("prepared_prompt")
+    assert as_json(prompt.to_pb()) == golden_json("prepared_prompt")
+    # the domain view agrees with the fixture's own totals
+    pb = golden_prompt()
+    assert (prompt.num_cells, prompt.num_positions) == (pb.num_cells, pb.num_positions)
+    assert [isinstance(c, MediaChunk) for c in prompt.chunks] == [
+        c.WhichOneof("kind") == "media" for c in pb.chunks
+    ]
+    assert all(isinstance(c, TextChunk | MediaChunk) for c in prompt.chunks)
+
+
+def test_prep_service_still_prepares_the_golden_prompt(
+    prep_servers: Callable[[str], int], channel_to: Callable[[int], grpc.Channel]
+) -> None:
+    stub = prep_pb2_grpc.PrepServiceStub(channel_to(prep_servers(make_golden.PAIR)))
+    response = stub.Prepare(make_golden.prepare_request(), timeout=60)
+    assert wire(response.prompt) == golden_bytes("prepared_prompt"), (
+        f"the prep service no longer produces the golden prompt; if that is deliberate, run "
+        f"{REGENERATE} and commit the diff"
+    )
+
+
+# -- infer side: events and reading the prompt -----------------------------------------------
+
+
+@pytest.mark.parametrize("name", EVENT_FIXTURES)
+def test_infer_events_write_the_golden_bytes(name: str) -> None:
+    pb = golden_prompt()
+    media_id = next(c.media.media_id for c in pb.chunks if c.WhichOneof("kind") == "media")
+    event = make_golden.events(media_id)[name.removeprefix("generate_response_")]
+    assert wire(event.to_pb()) == golden_bytes(name)
+    assert as_json(event.to_pb()) == golden_json(name)
+
+
+def test_infer_reads_the_golden_prompt_as_its_servicer_does() -> None:
+    """infer_service.service parses a GenerateRequest and calls PreparedPrompt.from_pb on it."""
+    request_bytes = wire(infer_pb2.GenerateRequest(prompt=golden_prompt(), max_tokens=4))
+    request = infer_pb2.GenerateRequest.FromString(request_bytes)
+    prompt = PreparedPrompt.from_pb(request.prompt)
+    pb = golden_prompt()
+    assert len(prompt.chunks) == len(pb.chunks)
+    assert (prompt.num_cells, prompt.num_positions) == (pb.num_cells, pb.num_positions)
+    assert [m.media_id for m in prompt.media] == [
+        c.media.media_id for c in pb.chunks if c.WhichOneof("kind") == "media"
+    ]
+    assert wire(prompt.to_pb()) == golden_bytes("prepared_prompt")
+
+
+def test_infer_service_accepts_the_golden_prompt(
+    infer_server: Callable[..., object], channel_to: Callable[[int], grpc.Channel]
+) -> None:
+    running = infer_server(make_golden.PAIR)
+    stub = infer_pb2_grpc.InferServiceStub(channel_to(running.port))  # type: ignore[attr-defined]
+    request = infer_pb2.GenerateRequest(
+        prompt=golden_prompt(), sampling=infer_pb2.SamplingParams(temperature=0), max_tokens=3
+    )
+    events = list(stub.Generate(request, timeout=60))
+    started, finished = events[0], events[-1]
+    pb = golden_prompt()
+    assert started.WhichOneof("event") == "started"
+    assert started.started.num_prompt_cells == pb.num_cells
+    assert started.started.num_prompt_positions == pb.num_positions
+    assert finished.WhichOneof("event") == "finished"
+    assert finished.finished.usage.num_generated_tokens == 3
+
+
+# -- compatibility with the committed baseline (buf breaking) --------------------------------
+
+
+@pytest.fixture(scope="module")
+def current() -> descriptor_pb2.FileDescriptorSet:
+    return baseline.compile_descriptor_set()
+
+
+def test_current_protos_are_compatible_with_the_committed_baseline(
+    current: descriptor_pb2.FileDescriptorSet,
+) -> None:
+    committed = baseline.load()
+    names = {f"slotwise/v1/{n}.proto" for n in ("prompt", "prep", "infer")}
+    assert names <= {f.name for f in committed.file}, "the baseline is not a snapshot of protos/"
+    problems = baseline.breaking_changes(committed, current)
+    assert not problems, (
+        "breaking proto changes (reserve deleted numbers; a deliberate break needs a new "
+        "package version and python protos/baseline.py --update):\n" + "\n".join(problems)
+    )
+
+
+def _message(fds: descriptor_pb2.FileDescriptorSet, name: str) -> descriptor_pb2.DescriptorProto:
+    return next(m for f in fds.file for m in f.message_type if m.name == name)
+
+
+def _field(
+    fds: descriptor_pb2.FileDescriptorSet, message: str, field: str
+) -> descriptor_pb2.FieldDescriptorProto:
+    return next(f for f in _message(fds, message).field if f.name == field)
+
+
+def _enum(fds: descriptor_pb2.FileDescriptorSet, name: str) -> descriptor_pb2.EnumDescriptorProto:
+    return next(e for f in fds.file for e in f.enum_type if e.name == name)
+
+
+def _service(
+    fds: descriptor_pb2.FileDescriptorSet, name: str
+) -> descriptor_pb2.ServiceDescriptorProto:
+    return next(s for f in fds.file for s in f.service if s.name == name)
+
+
+def _delete_field(fds, message: str, field: str, *, reserve: bool = False) -> None:
+    m = _message(fds, message)
+    f = _field(fds, message, field)
+    if reserve:
+        m.reserved_range.add(start=f.number, end=f.number + 1)
+        m.reserved_name.append(f.name)
+    m.field.remove(f)
+
+
+def _delete_enum_value(fds, enum: str, value: str, *, reserve: bool = False) -> None:
+    e = _enum(fds, enum)
+    v = next(v for v in e.value if v.name == value)
+    if reserve:
+        e.reserved_range.add(start=v.number, end=v.number)
+    e.value.remove(v)
+
+
+def _into_oneof(fds, message: str, field: str, oneof: str) -> None:
+    m = _message(fds, message)
+    index = [o.name for o in m.oneof_decl].index(oneof)
+    _field(fds, message, field).oneof_index = index
+
+
+def _drop_proto3_optional(fds, message: str, field: str) -> None:
+    f = _field(fds, message, field)
+    f.proto3_optional = False
+    f.ClearField("oneof_index")
+
+
+BREAKING: dict[str, tuple[Callable[[descriptor_pb2.FileDescriptorSet], None], str]] = {
+    "field renumbered": (
+        lambda d: setattr(_field(d, "MediaChunk", "num_cells"), "number", 12),
+        "slotwise.v1.MediaChunk.num_cells (field 2): deleted without reserving its number",
+    ),
+    "field deleted": (
+        lambda d: _delete_field(d, "Chunk", "message_index"),
+        "slotwise.v1.Chunk.message_index (field 1): deleted without reserving its number",
+    ),
+    "field type changed": (
+        lambda d: setattr(
+            _field(d, "MediaChunk", "num_positions"),
+            "type",
+            descriptor_pb2.FieldDescriptorProto.TYPE_UINT64,
+        ),
+        "slotwise.v1.MediaChunk.num_positions (field 3): type changed from uint32 to uint64",
+    ),
+    "field message type changed": (
+        lambda d: setattr(_field(d, "Chunk", "text"), "type_name", ".slotwise.v1.MediaChunk"),
+        "slotwise.v1.Chunk.text (field 3): type changed from slotwise.v1.TextChunk to "
+        "slotwise.v1.MediaChunk",
+    ),
+    "field label changed": (
+        lambda d: setattr(
+            _field(d, "TextChunk", "token_ids"),
+            "label",
+            descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
+        ),
+        "slotwise.v1.TextChunk.token_ids (field 1): label changed from repeated to optional",
+    ),
+    "field moved into a oneof": (
+        lambda d: _into_oneof(d, "Chunk", "media_group", "kind"),
+        "slotwise.v1.Chunk.media_group (field 2): oneof changed from '(none)' to 'kind'",
+    ),
+    "field presence changed": (
+        lambda d: _drop_proto3_optional(d, "SamplingParams", "temperature"),
+        "slotwise.v1.SamplingParams.temperature (field 1): presence changed (optional -> implicit)",
+    ),
+    "field renamed": (
+        lambda d: setattr(_field(d, "Fingerprint", "mmproj"), "name", "projector"),
+        "slotwise.v1.Fingerprint.mmproj (field 2): renamed to 'projector'",
+    ),
+    "message deleted": (
+        lambda d: next(f for f in d.file if f.name.endswith("prep.proto")).message_type.remove(
+            _message(d, "ImageSize")
+        ),
+        "slotwise.v1.ImageSize: message deleted",
+    ),
+    "enum value deleted": (
+        lambda d: _delete_enum_value(d, "ShiftPolicy", "SHIFT_POLICY_GAP"),
+        "slotwise.v1.ShiftPolicy.SHIFT_POLICY_GAP (value 3): deleted without reserving its number",
+    ),
+    "enum value renamed": (
+        lambda d: setattr(_enum(d, "FinishReason").value[1], "name", "FINISH_REASON_EOS"),
+        "slotwise.v1.FinishReason.FINISH_REASON_STOP (value 1): renamed to 'FINISH_REASON_EOS'",
+    ),
+    "method deleted": (
+        lambda d: _service(d, "PrepService").method.remove(
+            next(m for m in _service(d, "PrepService").method if m.name == "CountTokens")
+        ),
+        "slotwise.v1.PrepService.CountTokens: method deleted",
+    ),
+    "method stops streaming": (
+        lambda d: setattr(
+            next(m for m in _service(d, "InferService").method if m.name == "Generate"),
+            "server_streaming",
+            False,
+        ),
+        "slotwise.v1.InferService.Generate: server_streaming changed to False",
+    ),
+    "method response type changed": (
+        lambda d: setattr(
+            next(m for m in _service(d, "PrepService").method if m.name == "Prepare"),
+            "output_type",
+            ".slotwise.v1.CountTokensResponse",
+        ),
+        "slotwise.v1.PrepService.Prepare: output_type changed from slotwise.v1.PrepareResponse to "
+        "slotwise.v1.CountTokensResponse",
+    ),
+    "service deleted": (
+        lambda d: next(f for f in d.file if f.name.endswith("infer.proto")).ClearField("service"),
+        "slotwise.v1.InferService: service deleted",
+    ),
+}
+
+
+def mutated(
+    current: descriptor_pb2.FileDescriptorSet,
+    change: Callable[[descriptor_pb2.FileDescriptorSet], None],
+) -> descriptor_pb2.FileDescriptorSet:
+    copy = descriptor_pb2.FileDescriptorSet()
+    copy.CopyFrom(current)
+    change(copy)
+    return copy
+
+
+@pytest.mark.parametrize("case", sorted(BREAKING))
+def test_breaking_change_is_reported(case: str, current: descriptor_pb2.FileDescriptorSet) -> None:
+    change, expected = BREAKING[case]
+    problems = baseline.breaking_changes(current, mutated(current, change))
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def _add_everything(d: descriptor_pb2.FileDescriptorSet) -> None:
+    chunk = _message(d, "Chunk")
+    chunk.field.add(
+        name="note",
+        number=9,
+        type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
+        json_name="note",
+    )
+    prompt_file = next(f for f in d.file if f.name.endswith("prompt.proto"))
+    prompt_file.message_type.add(name="Extra")
+    _enum(d, "FinishReason").value.add(name="FINISH_REASON_TIMEOUT", number=9)
+    _service(d, "PrepService").method.add(
+        name="Ping",
+        input_type=".slotwise.v1.GetModelInfoRequest",
+        output_type=".slotwise.v1.GetModelInfoResponse",
+    )
+
+
+COMPATIBLE: dict[str, Callable[[descriptor_pb2.FileDescriptorSet], None]] = {
+    "nothing changed": lambda d: None,
+    "additions": _add_everything,
+    "field deleted with its number reserved": lambda d: _delete_field(
+        d, "Chunk", "message_index", reserve=True
+    ),
+    "enum value deleted with its number reserved": lambda d: _delete_enum_value(
+        d, "ShiftPolicy", "SHIFT_POLICY_GAP", reserve=True
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPATIBLE))
+def test_compatible_change_passes(case: str, current: descriptor_pb2.FileDescriptorSet) -> None:
+    assert baseline.breaking_changes(current, mutated(current, COMPATIBLE[case])) == []
+
+
+def test_command_line_fails_on_breakage_and_update_accepts(
+    tmp_path: Path, current: descriptor_pb2.FileDescriptorSet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a baseline that still has a field the current protos lack: current "deleted" it
+    older = mutated(
+        current,
+        lambda d: _message(d, "Chunk").field.add(
+            name="legacy",
+            number=15,
+            type=descriptor_pb2.FieldDescriptorProto.TYPE_BOOL,
+            json_name="legacy",
+        ),
+    )
+    path = tmp_path / "descriptor_set.binpb"
+    path.write_bytes(older.SerializeToString(deterministic=True))
+    assert baseline.main(["--baseline", str(path)]) == 1
+    assert "slotwise.v1.Chunk.legacy (field 15): deleted" in capsys.readouterr().err
+    assert baseline.main(["--update", "--baseline", str(path)]) == 0
+    assert baseline.main(["--baseline", str(path)]) == 0
+    assert baseline.load(path) == current
