@@ -1,0 +1,728 @@
+"""slotwise: talk to the slotwise services, or run them.
+
+  slotwise generate --prompt TEXT [--image PATH ...]   one reply, streamed to stdout
+  slotwise chat                                        interactive conversation on stdin
+  slotwise count --prompt TEXT [--image-size WxH ...]  KV cells and positions of a prompt
+  slotwise info                                        both services' model and engine info
+  slotwise serve --model PATH --mmproj PATH            both services in one process
+  slotwise demo                                        tiny models, a conversation, a table
+
+Addresses default to $SLOTWISE_PREP / $SLOTWISE_INFER, else localhost:50051 / localhost:50052.
+Exit status: 0 ok, 1 the server reported an error (its status code and message are printed),
+2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from clients.client import (
+    Completion,
+    Count,
+    Delta,
+    Event,
+    FinishReason,
+    ImageSize,
+    Message,
+    Policy,
+    Prefill,
+    Shift,
+    SlotwiseClient,
+    SlotwiseError,
+    Started,
+    Tls,
+    Unit,
+)
+
+EXIT_OK, EXIT_SERVER, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A mistake on the command line that argparse could not catch (exit 2)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# argument types
+
+
+def image_size(text: str) -> ImageSize:
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected WIDTHxHEIGHT, e.g. 640x480, got {text!r}"
+        ) from None
+    if w <= 0 or h <= 0:
+        raise argparse.ArgumentTypeError(f"width and height must be positive, got {text!r}")
+    return ImageSize(w, h)
+
+
+def keep_value(text: str) -> int | str:
+    if text == "system":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of cells or 'system', got {text!r}"
+        ) from None
+    if n < 0:
+        raise argparse.ArgumentTypeError("keep must be >= 0")
+    return n
+
+
+def positive_int(text: str) -> int:
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {n}")
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# the parser
+
+
+def _connection(p: argparse.ArgumentParser, *, prep: bool = True, infer: bool = True) -> None:
+    g = p.add_argument_group("connection")
+    if prep:
+        g.add_argument(
+            "--prep",
+            default=os.environ.get("SLOTWISE_PREP", "localhost:50051"),
+            metavar="ADDR",
+            help="PrepService address (default $SLOTWISE_PREP or %(default)s)",
+        )
+    if infer:
+        g.add_argument(
+            "--infer",
+            default=os.environ.get("SLOTWISE_INFER", "localhost:50052"),
+            metavar="ADDR",
+            help="InferService address (default $SLOTWISE_INFER or %(default)s)",
+        )
+    g.add_argument(
+        "--token", default=os.environ.get("SLOTWISE_TOKEN"), help="bearer token ($SLOTWISE_TOKEN)"
+    )
+    g.add_argument("--token-file", type=Path, help="read the bearer token from this file")
+    g.add_argument("--tls-ca", type=Path, metavar="PEM", help="use TLS, trusting these roots")
+    g.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate (mTLS)")
+    g.add_argument("--tls-key", type=Path, metavar="PEM", help="client private key (mTLS)")
+    g.add_argument("--tls", action="store_true", help="use TLS with the system's roots")
+    g.add_argument("--tls-server-name", help="name to check in the server's certificate")
+    g.add_argument(
+        "--timeout", type=float, default=30.0, help="deadline of prepare/count/info calls (s)"
+    )
+
+
+def _prompt_args(p: argparse.ArgumentParser, *, sizes: bool) -> None:
+    p.add_argument("--prompt", help="the user message (default: read stdin)")
+    p.add_argument(
+        "--image",
+        dest="images",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="PATH",
+        help="attach an image file (repeatable, in order)",
+    )
+    if sizes:
+        p.add_argument(
+            "--image-size",
+            dest="images",
+            action="append",
+            type=image_size,
+            metavar="WxH",
+            help="count an image by its size only (repeatable)",
+        )
+    p.add_argument("--system", help="a system message before the user message")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="send --prompt as is (no chat template); each media marker takes the next image",
+    )
+
+
+def _generation_args(p: argparse.ArgumentParser, *, keep_default: int | str = 0) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-tokens", type=int, default=0, help="0: the server's default")
+    g.add_argument("--temperature", type=float, help="0 is greedy (server default 0.8)")
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--repeat-penalty", type=float)
+    g.add_argument("--seed", type=int, help="sampling seed (default: random)")
+    g.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
+    )
+    g.add_argument("--timeout-generate", type=float, help="deadline of the generation (s)")
+    c = p.add_argument_group("context")
+    c.add_argument(
+        "--policy",
+        choices=[x.value for x in Policy],
+        default="auto",
+        help="what to do when the context is full (default %(default)s)",
+    )
+    c.add_argument(
+        "--keep",
+        type=keep_value,
+        default=keep_default,
+        metavar="N|system",
+        help="pin the first N cells, or the system message (default %(default)s)",
+    )
+    c.add_argument("--unit", choices=[u.value for u in Unit], default="token", help="eviction unit")
+    c.add_argument("--discard-fraction", type=float, help="share of evictable cells per shift")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slotwise", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--log-level", default="warning", help="client-side logging (default warning)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    g = sub.add_parser("generate", help="one reply, streamed to stdout; a summary on stderr")
+    _prompt_args(g, sizes=False)
+    _generation_args(g)
+    g.add_argument(
+        "--truncate", action="store_true", help="drop the oldest part of a prompt too long"
+    )
+    g.add_argument("-v", "--verbose", action="store_true", help="report context shifts on stderr")
+    _connection(g)
+
+    c = sub.add_parser("chat", help="an interactive conversation (stdin); /help for commands")
+    c.add_argument("--system", help="the system message")
+    _generation_args(c, keep_default="system")
+    c.add_argument(
+        "--no-truncate",
+        action="store_true",
+        help="refuse a conversation longer than the context instead of dropping its oldest part",
+    )
+    _connection(c)
+
+    n = sub.add_parser("count", help="KV cells and positions of a prompt (images may be sizes)")
+    _prompt_args(n, sizes=True)
+    n.add_argument("-v", "--verbose", action="store_true", help="one line per chunk")
+    _connection(n, infer=False)
+
+    i = sub.add_parser("info", help="both services' model and engine information")
+    _connection(i)
+
+    s = sub.add_parser("serve", help="both services in one process, until SIGTERM/SIGINT")
+    s.add_argument("--model", type=Path, required=True, help="text model GGUF")
+    s.add_argument("--mmproj", type=Path, help="multimodal projector GGUF (omit for text-only)")
+    s.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
+    s.add_argument("--prep-port", type=int, default=50051, help="0: any free port")
+    s.add_argument("--infer-port", type=int, default=50052, help="0: any free port")
+    s.add_argument("--ctx-size", type=positive_int, default=4096, help="KV cells, all slots")
+    s.add_argument("--parallel", type=positive_int, default=1, help="slots (sequences)")
+    s.add_argument("--batch-size", type=positive_int, default=512)
+    s.add_argument("--ubatch-size", type=positive_int, default=512)
+    s.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded (CUDA builds)")
+    s.add_argument("--threads", type=positive_int, help="inference threads (default: cores / 2)")
+    s.add_argument("--prep-threads", type=positive_int, default=2, help="tokenizing threads")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
+    s.add_argument("--media-cache-mb", type=int, default=1024, help="projector output cache")
+    s.add_argument("--default-max-tokens", type=positive_int, default=1024)
+    s.add_argument("--max-message-mb", type=positive_int, default=256)
+    s.add_argument("--grace", type=float, default=5.0, help="seconds to drain on shutdown")
+    s.add_argument("--sessions-dir", type=Path, help="keep sessions on disk (survive restarts)")
+    h = s.add_argument_group("hardening")
+    h.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate: serve TLS")
+    h.add_argument("--tls-key", type=Path, metavar="PEM", help="server private key")
+    h.add_argument("--tls-client-ca", type=Path, metavar="PEM", help="require client certificates")
+    h.add_argument("--token-file", type=Path, help="require `authorization: Bearer <token>`")
+    h.add_argument("--prep-metrics-port", type=int, help="Prometheus metrics of the prep service")
+    h.add_argument("--infer-metrics-port", type=int, help="Prometheus metrics of the infer service")
+
+    d = sub.add_parser("demo", help="a multimodal conversation that forces context shifts")
+    d.add_argument("--model", type=Path, help="a real text model GGUF (default: tiny models)")
+    d.add_argument("--mmproj", type=Path, help="its projector GGUF (with --model)")
+    d.add_argument("--turns", type=positive_int, default=5, help="turns (default %(default)s)")
+    d.add_argument("--ctx-size", type=positive_int, help="KV cells (tiny: 256, real: 1024)")
+    d.add_argument("--max-tokens", type=positive_int, help="per turn (tiny: 64, real: 96)")
+    d.add_argument("--threads", type=positive_int, help="inference threads (tiny: 1)")
+    d.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded (CUDA builds)")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# shared helpers
+
+
+def make_client(args: argparse.Namespace) -> SlotwiseClient:
+    tls = None
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise UsageError("--tls-cert and --tls-key go together")
+        try:
+            tls = Tls.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+        except OSError as e:
+            raise UsageError(f"cannot read a TLS file: {e}") from None
+    token = read_token(args.token_file) if args.token_file else args.token
+    return SlotwiseClient(
+        getattr(args, "prep", None),
+        getattr(args, "infer", None),
+        tls=tls,
+        token=token,
+        timeout=args.timeout,
+    )
+
+
+def read_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except OSError as e:
+        raise UsageError(f"cannot read the token file {path}: {e.strerror or e}") from None
+    if not token:
+        raise UsageError(f"the token file {path} is empty")
+    return token
+
+
+def read_images(paths: Sequence[Any]) -> list[Any]:
+    """Paths -> file bytes (sizes pass through); a missing file is a usage error."""
+    out = []
+    for p in paths:
+        if isinstance(p, Path):
+            try:
+                out.append(p.read_bytes())
+            except OSError as e:
+                raise UsageError(f"cannot read image {p}: {e.strerror or e}") from None
+        else:
+            out.append(p)
+    return out
+
+
+def prompt_input(args: argparse.Namespace) -> tuple[str | list[Message], list[Any]]:
+    """(prompt, images) for prepare/count: a raw prompt, or a system + user conversation."""
+    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    images = read_images(args.images)
+    if args.raw:
+        if args.system:
+            raise UsageError("--system does not go with --raw")
+        return text, images
+    if not text and not images:
+        raise UsageError("nothing to send: give --prompt (or text on stdin) or --image")
+    messages = [Message.system(args.system)] if args.system else []
+    messages.append(Message.user(*images, *([text] if text else [])))
+    return messages, []
+
+
+def generation_options(args: argparse.Namespace, *, keep: int) -> dict[str, Any]:
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repeat_penalty": args.repeat_penalty,
+        "seed": args.seed,
+        "stop": args.stop,
+        "policy": args.policy,
+        "keep": keep,
+        "unit": args.unit,
+        "discard_fraction": args.discard_fraction,
+        "timeout": args.timeout_generate,
+    }
+
+
+def describe_shift(s: Shift) -> str:
+    media = f", {len(s.media_ids_evicted)} media" if s.media_ids_evicted else ""
+    return (
+        f"context shift ({s.policy.value}): evicted {s.num_cells_evicted} cells / "
+        f"{s.num_positions_evicted} positions{media}; {s.num_cells_used_after} cells used, "
+        f"next position {s.next_position_after}"
+    )
+
+
+def describe_truncation(s: Started) -> str:
+    media = f", {len(s.truncated_media_ids)} media" if s.truncated_media_ids else ""
+    return (
+        f"prompt truncated: the oldest {s.num_truncated_cells} cells ({s.num_truncated_chunks} "
+        f"chunks{media}) did not fit the {s.num_capacity_cells}-cell context"
+    )
+
+
+def summary_line(done: Completion) -> str:
+    u = done.usage
+    started = done.started
+    policies = "/".join(dict.fromkeys(s.policy.value for s in done.shifts)) or "-"
+    return (
+        f"[slotwise] prompt_cells={u.num_prompt_cells} prompt_positions={u.num_prompt_positions} "
+        f"generated_tokens={u.num_generated_tokens} shifts={u.num_shifts} "
+        f"evicted_cells={u.num_evicted_cells} evicted_media={done.num_evicted_media} "
+        f"policy={policies} truncated_cells={started.num_truncated_cells if started else 0} "
+        f"finish={done.reason.value} prefill_s={u.prefill_seconds:.3f} "
+        f"decode_s={u.decode_seconds:.3f}"
+    )
+
+
+class Progress:
+    """A prefill progress line on stderr once prefill has taken more than `after` seconds."""
+
+    def __init__(self, err: TextIO, after: float = 0.5):
+        self.err = err
+        self.after = after
+        self.t0 = time.monotonic()
+        self.last = 0.0
+        self.shown = False
+        self.tty = err.isatty()
+
+    def update(self, p: Prefill) -> None:
+        now = time.monotonic()
+        if now - self.t0 < self.after or now - self.last < (0.1 if self.tty else 1.0):
+            return
+        self.last = now
+        pct = 100 * p.num_cells_done / max(1, p.num_cells_total)
+        line = f"prefill {p.num_cells_done}/{p.num_cells_total} cells ({pct:.0f}%)"
+        if self.tty:
+            self.err.write(f"\r\x1b[K{line}")
+        else:
+            self.err.write(line + "\n")
+        self.err.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown and self.tty:
+            self.err.write("\r\x1b[K")
+            self.err.flush()
+        self.shown = False
+
+
+def stream_reply(
+    events: Iterator[Event],
+    out: TextIO,
+    err: TextIO,
+    *,
+    shift_notes: bool,
+) -> Completion:
+    """Write deltas to `out` as they come; progress and (optionally) shift notes to `err`."""
+    done = Completion()
+    progress = Progress(err)
+    for event in events:
+        done.add(event)
+        if isinstance(event, Prefill):
+            progress.update(event)
+        elif isinstance(event, Delta):
+            progress.clear()
+            if event.text:
+                out.write(event.text)
+                out.flush()
+        elif isinstance(event, Shift) and shift_notes:
+            progress.clear()
+            err.write(f"\n[{describe_shift(event)}]\n")
+            err.flush()
+        elif isinstance(event, Started) and shift_notes and event.num_truncated_cells:
+            err.write(f"[{describe_truncation(event)}]\n")
+            err.flush()
+    progress.clear()
+    return done
+
+
+def finish_status(done: Completion, err: TextIO) -> int:
+    f = done.finished
+    if f is None:
+        print("slotwise: error: the stream ended without a finished event", file=err)
+        return EXIT_SERVER
+    if f.reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return EXIT_OK
+    print(f"slotwise: error: generation {f.reason.value}: {f.error or 'no reason given'}", file=err)
+    return EXIT_SERVER
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt, images = prompt_input(args)
+    with make_client(args) as client:
+        prepared = client.prepare(prompt, images)
+        keep = args.keep
+        if keep == "system":
+            keep = prepared.num_cells_of(0) if args.system else 0
+        options = generation_options(args, keep=keep)
+        options["truncate_prompt"] = args.truncate
+        events = client.generate(prepared, **options)
+        try:
+            done = stream_reply(events, sys.stdout, sys.stderr, shift_notes=args.verbose)
+        finally:
+            events.close()  # cancels the call if we stopped early (Ctrl-C)
+    if done.text and not done.text.endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(summary_line(done), file=sys.stderr)
+    return finish_status(done, sys.stderr)
+
+
+CHAT_HELP = """commands:
+  /image PATH   attach an image to your next message (repeatable)
+  /reset        forget the conversation (the system message stays)
+  /history      show the conversation's messages
+  /help         this text
+  /quit         leave (so does end of input)"""
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    inp, out, err = sys.stdin, sys.stdout, sys.stderr
+    interactive = inp.isatty()
+    with make_client(args) as client:
+        marker = client.model_info().media_marker
+        system = [Message.system(args.system)] if args.system else []
+        history: list[Message] = list(system)
+        pending: list[bytes] = []
+        failed = False
+        if interactive:
+            print("slotwise chat: type a message, /help for commands, /quit to leave", file=err)
+        while True:
+            if interactive:
+                err.write("you> ")
+                err.flush()
+            line = inp.readline()
+            if not line:
+                break
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if line.startswith("/"):
+                command, _, rest = line.partition(" ")
+                if command == "/quit":
+                    break
+                if command == "/help":
+                    print(CHAT_HELP, file=err)
+                elif command == "/image":
+                    path = Path(rest.strip()).expanduser()
+                    try:
+                        pending.append(path.read_bytes())
+                        print(f"[image {path} attached to your next message]", file=err)
+                    except OSError as e:
+                        print(f"[cannot read {path}: {e.strerror or e}]", file=err)
+                elif command == "/reset":
+                    history = list(system)
+                    pending.clear()
+                    print("[conversation forgotten]", file=err)
+                elif command == "/history":
+                    for k, m in enumerate(history):
+                        images = f" [{m.num_images} image(s)]" if m.num_images else ""
+                        print(f"{k:3d} {m.role}:{images} {m.text[:70]!r}", file=err)
+                else:
+                    print(f"[unknown command {command}; /help lists them]", file=err)
+                continue
+            history.append(Message.user(*pending, line))
+            pending = []
+            ok = chat_turn(client, history, args, marker, out, err)
+            if not ok:
+                history.pop()  # forget the failed turn; the user may try again
+                failed = True
+    return EXIT_SERVER if failed else EXIT_OK
+
+
+def chat_turn(
+    client: SlotwiseClient,
+    history: list[Message],
+    args: argparse.Namespace,
+    marker: str,
+    out: TextIO,
+    err: TextIO,
+) -> bool:
+    try:
+        prepared = client.prepare(history)
+        keep = args.keep
+        if keep == "system":
+            keep = prepared.num_cells_of(0) if history[0].role == "system" else 0
+        options = generation_options(args, keep=keep)
+        options["truncate_prompt"] = not args.no_truncate
+        events = client.generate(prepared, **options)
+        try:
+            done = stream_reply(events, out, err, shift_notes=False)
+        finally:
+            events.close()
+    except SlotwiseError as e:
+        print(f"\n[error: {e}]", file=err)
+        return False
+    out.write("\n")
+    out.flush()
+    notes = []
+    if done.started and done.started.num_truncated_cells:
+        notes.append(describe_truncation(done.started))
+    notes += [describe_shift(s) for s in done.shifts]
+    for note in notes:
+        print(f"[note: {note}]", file=err)
+    if finish_status(done, err) != EXIT_OK:
+        return False
+    history.append(Message.assistant(done.text.replace(marker, "") or "."))
+    return True
+
+
+def print_count(c: Count, verbose: bool) -> None:
+    print(f"cells={c.num_cells} positions={c.num_positions} chunks={len(c.chunks)}")
+    if not verbose:
+        return
+    print(
+        f"{'chunk':>5}  {'message':>7}  {'group':>5}  {'kind':<5}  {'cells':>6}  {'positions':>9}"
+    )
+    for k, ch in enumerate(c.chunks):
+        kind = "media" if ch.is_media else "text"
+        print(
+            f"{k:>5}  {ch.message_index:>7}  {ch.media_group:>5}  {kind:<5}  "
+            f"{ch.num_cells:>6}  {ch.num_positions:>9}"
+        )
+
+
+def cmd_count(args: argparse.Namespace) -> int:
+    prompt, images = prompt_input(args)
+    with make_client(args) as client:
+        print_count(client.count(prompt, images), args.verbose)
+    return EXIT_OK
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    status = EXIT_OK
+    fingerprints = []
+    with make_client(args) as client:
+        for which, call in (("prep", client.model_info), ("infer", client.server_info)):
+            address = args.prep if which == "prep" else args.infer
+            print(f"{which} ({address}):")
+            try:
+                info = call()
+            except SlotwiseError as e:
+                print(f"  error: {e}")
+                status = EXIT_SERVER
+                continue
+            fingerprints.append((info.model_fingerprint, info.mmproj_fingerprint))
+            for key, value in vars(info).items():
+                if key == "stats":
+                    for k, v in vars(value).items():
+                        print(f"  stats.{k}: {v}")
+                else:
+                    print(f"  {key}: {value}")
+    if len(fingerprints) == 2:
+        same = fingerprints[0] == fingerprints[1]
+        print(f"fingerprints match: {'yes' if same else 'NO (prompts from prep will be refused)'}")
+    return status
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from clients.launch import ServeConfig, Services, serve_until_signal
+
+    for path in (args.model, args.mmproj, args.tls_cert, args.tls_key, args.tls_client_ca):
+        if path is not None and not path.is_file():
+            raise UsageError(f"no such file: {path}")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    token = read_token(args.token_file)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+    config = ServeConfig(
+        model=args.model,
+        mmproj=args.mmproj,
+        host=args.host,
+        prep_port=args.prep_port,
+        infer_port=args.infer_port,
+        ctx_size=args.ctx_size,
+        parallel=args.parallel,
+        batch_size=args.batch_size,
+        ubatch_size=args.ubatch_size,
+        gpu_layers=args.gpu_layers,
+        threads=args.threads or ServeConfig.threads,
+        prep_threads=args.prep_threads,
+        max_queue=args.max_queue,
+        media_cache_mb=args.media_cache_mb,
+        default_max_tokens=args.default_max_tokens,
+        max_message_mb=args.max_message_mb,
+        sessions_dir=args.sessions_dir,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        token=token,
+        prep_metrics_port=args.prep_metrics_port,
+        infer_metrics_port=args.infer_metrics_port,
+    )
+
+    def ready(s: Services) -> None:
+        rt = s.infer.engine.rt
+        print(
+            f"slotwise serve: prep on {s.prep_address}, infer on {s.infer_address} "
+            f"({rt.num_slots} slots x {rt.num_cells_per_slot} cells, can_shift={rt.can_shift}, "
+            f"mrope={rt.uses_mrope}); SIGTERM or Ctrl-C stops",
+            flush=True,
+        )
+
+    try:
+        asyncio.run(serve_until_signal(config, ready, grace=args.grace))
+    except Exception as e:  # the model failed to load, a port is taken, ...
+        name = type(e).__name__
+        print(f"slotwise serve: {name}: {e}", file=sys.stderr)
+        return EXIT_USAGE if name in ("ModelMismatchError", "FileNotFoundError") else EXIT_SERVER
+    print("slotwise serve: stopped", flush=True)
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from clients.demo import run_demo
+
+    if (args.model is None) != (args.mmproj is None):
+        raise UsageError("--model and --mmproj go together (the demo sends images)")
+    for path in (args.model, args.mmproj):
+        if path is not None and not path.is_file():
+            raise UsageError(f"no such file: {path}")
+    return run_demo(
+        args.model,
+        args.mmproj,
+        num_turns=args.turns,
+        ctx_size=args.ctx_size,
+        max_tokens=args.max_tokens,
+        threads=args.threads,
+        gpu_layers=args.gpu_layers,
+    )
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "count": cmd_count,
+    "info": cmd_info,
+    "serve": cmd_serve,
+    "demo": cmd_demo,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+    args = parser().parse_args(argv)
+    if args.command != "serve":
+        logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING))
+    try:
+        return COMMANDS[args.command](args)
+    except UsageError as e:
+        print(f"slotwise {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except SlotwiseError as e:
+        print(f"slotwise {args.command}: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return EXIT_SERVER
+    except ValueError as e:  # e.g. an image given by size to prepare, a bad option value
+        print(f"slotwise {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # stdout closed early (e.g. piped into head): not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
