@@ -2,9 +2,10 @@
 
 With no model given, it writes the tiny random-weight pairs into a temporary folder, starts
 both services in this process on free loopback ports, and talks to them through the client:
-each turn adds a Pillow-made image and a question, the whole conversation (earlier replies as
-assistant messages) is prepared again and generated with `truncate_prompt`, so the oldest
-units leave as the conversation grows and the context shifts while the reply is generated.
+the conversation is one session, like an interactive executor: each turn sends a Pillow-made
+image and a question (and the previous reply as the chat template writes it, which the session
+reuses from its cache), and the session's sequence shifts whenever the next decode would not
+fit, images included, with the system prompt pinned.
 """
 
 from __future__ import annotations
@@ -43,21 +44,21 @@ SCRIPT: tuple[tuple[str, tuple[int, int], str], ...] = (
 
 TINY_NOTE = (
     "note: the tiny models have random weights, so their text is gibberish; the cells, "
-    "positions, truncations, shifts and evictions in the table are real llama.cpp behaviour."
+    "positions, shifts and evictions in the table are real llama.cpp behaviour."
 )
 
 
 @dataclass
 class TurnResult:
     turn: int
-    num_prompt_cells: int = 0
-    num_prompt_positions: int = 0
-    num_truncated_cells: int = 0
-    num_truncated_media: int = 0
+    num_turn_cells: int = 0  # the chunks this turn sends
+    num_reused_cells: int = 0  # of those, already in the cache (the previous reply)
     num_generated: int = 0
     num_shifts: int = 0
     num_evicted_cells: int = 0
     num_evicted_media: int = 0
+    num_session_cells: int = 0  # what the session's sequence holds after the turn
+    next_position: int = 0
     policies: str = "-"
     finish: str = "-"
     error: str = ""
@@ -102,9 +103,12 @@ def run_conversation(
     temperature: float = 0.8,
     media_marker: str = "",
 ) -> list[TurnResult]:
-    """Play the script; every turn prepares the whole conversation again."""
+    """Play the script as one session: each turn sends only what is new since the last one."""
     conversation: list[Message] = [Message.system(SYSTEM)]
+    system_cells = client.prepare(conversation).num_cells_of(0)
+    session = client.create_session(keep=system_cells, truncate_prompt=True)
     results = []
+    first = 0  # the first message this turn sends: the session holds the ones before
     for k in range(num_turns):
         question, (w, h), kind = SCRIPT[k % len(SCRIPT)]
         size = (max(28, int(w * image_scale)), max(28, int(h * image_scale)))
@@ -112,31 +116,30 @@ def run_conversation(
         row = TurnResult(turn=k + 1)
         results.append(row)
         try:
-            prepared = client.prepare(conversation)
-            row.num_prompt_cells = prepared.num_cells
-            row.num_prompt_positions = prepared.num_positions
+            prepared = client.prepare(conversation, first_message=first)
+            row.num_turn_cells = prepared.num_cells
             done: Completion = collect(
                 client.generate(
                     prepared,
+                    session_id=session.session_id,
                     max_tokens=max_tokens,
                     temperature=temperature,
                     seed=seed + k,
-                    keep=prepared.num_cells_of(0),  # pin the system prompt
-                    truncate_prompt=True,
                 )
             )
+            held = client.get_session(session.session_id)
         except SlotwiseError as e:
             row.error = str(e)
             row.finish = "error"
             break
-        started, finished = done.started, done.finished
-        if started:
-            row.num_truncated_cells = started.num_truncated_cells
-            row.num_truncated_media = len(started.truncated_media_ids)
+        finished = done.finished
+        row.num_reused_cells = done.started.num_reused_cells if done.started else 0
         row.num_generated = done.usage.num_generated_tokens
         row.num_shifts = len(done.shifts)
         row.num_evicted_cells = done.num_evicted_cells
         row.num_evicted_media = done.num_evicted_media
+        row.num_session_cells = held.num_cells
+        row.next_position = held.next_position
         row.policies = "/".join(dict.fromkeys(s.policy.value for s in done.shifts)) or "-"
         row.finish = done.reason.value
         row.reply = done.text
@@ -145,19 +148,21 @@ def run_conversation(
             break
         reply = done.text.replace(media_marker, "") if media_marker else done.text
         conversation.append(Message.assistant(reply or "."))
+        first = len(conversation) - 1  # next turn starts with this reply, as the template writes it
+    client.delete_session(session.session_id)
     return results
 
 
 COLUMNS = (
     ("turn", "turn"),
-    ("prompt cells", "num_prompt_cells"),
-    ("prompt pos", "num_prompt_positions"),
-    ("trunc cells", "num_truncated_cells"),
-    ("trunc media", "num_truncated_media"),
+    ("turn cells", "num_turn_cells"),
+    ("reused", "num_reused_cells"),
     ("generated", "num_generated"),
     ("shifts", "num_shifts"),
     ("evicted cells", "num_evicted_cells"),
     ("evicted media", "num_evicted_media"),
+    ("session cells", "num_session_cells"),
+    ("next pos", "next_position"),
     ("policy", "policies"),
     ("finish", "finish"),
 )
@@ -217,7 +222,7 @@ def run_pair(run: DemoRun, *, num_turns: int, out: TextIO) -> bool:
             print(f"turn {r.turn} reply: {printable(r.reply)}", file=out)
     print(
         f"{run.name}: {sum(r.num_shifts for r in rows)} shifts, "
-        f"{sum(r.num_truncated_cells for r in rows)} cells truncated, "
+        f"{sum(r.num_evicted_cells for r in rows)} cells evicted, "
         f"{stats.num_media_decodes} media decodes "
         f"({stats.num_media_cache_hits} embedding cache hits), "
         f"{time.perf_counter() - t0:.2f} s",
@@ -253,7 +258,7 @@ def run_demo(
                     pair.mmproj,
                     prep_port=0,
                     infer_port=0,
-                    ctx_size=ctx_size or 256,
+                    ctx_size=ctx_size or 512,
                     threads=threads or 1,
                     prep_threads=1,
                 )

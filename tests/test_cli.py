@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import re
 import shutil
@@ -307,7 +308,7 @@ def parse_table(text: str) -> list[dict[str, str]]:
     lines = text.splitlines()
     rows = []
     for i, line in enumerate(lines):
-        if line.lstrip().startswith("turn  prompt cells"):
+        if line.lstrip().startswith("turn  turn cells"):
             header = re.split(r"\s{2,}", line.strip())
             for row in lines[i + 2 :]:
                 if not re.match(r"\s*\d+\s", row):
@@ -328,11 +329,16 @@ def test_demo_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     rows = parse_table(r.stdout)
     assert len(rows) == 10  # 5 turns on each pair
     assert sum(int(row["shifts"]) for row in rows) > 0
-    assert sum(int(row["trunc cells"]) for row in rows) > 0
+    assert sum(int(row["evicted media"]) for row in rows) > 0  # images leave, whole
     policies = {row["policy"] for row in rows}
     assert "gap" in policies and "shift" in policies  # M-RoPE cannot seq_add; RoPE can
-    mrope = rows[:5]
-    assert all(int(row["prompt pos"]) < int(row["prompt cells"]) for row in mrope)
+    capacity = int(re.search(r"1 slot x (\d+) cells", r.stdout).group(1))
+    assert all(int(row["session cells"]) <= capacity for row in rows)
+    mrope, rope = rows[:5], rows[5:]
+    # the session keeps its sequence between turns: on M-RoPE positions only grow (GAP), with
+    # RoPE they stay equal to the cells (SHIFT moves the kept cells back)
+    assert all(int(a["next pos"]) < int(b["next pos"]) for a, b in itertools.pairwise(mrope))
+    assert all(row["next pos"] == row["session cells"] for row in rope)
     assert all(row["finish"] in ("stop", "length") for row in rows)
     assert re.search(r"demo ok in [\d.]+ s", r.stdout)
     assert wall < 30
