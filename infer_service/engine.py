@@ -13,6 +13,7 @@ slots are needed and swapped back in, from disk, on its next turn.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -260,7 +261,8 @@ class Engine:
             if job.cancelled.is_set() or (job.deadline is not None and now > job.deadline):
                 self._waiting.remove(job)
                 self._end_session_turn(job, completed=False)
-                job.emit(Finished(FinishReason.CANCELLED, error="cancelled while queued"))
+                why = "cancelled" if job.cancelled.is_set() else "deadline exceeded"
+                job.emit(Finished(FinishReason.CANCELLED, error=f"{why} while queued"))
                 job.release()
         for job in list(self._waiting):
             slot = self._choose_slot(job)
@@ -639,7 +641,7 @@ class Engine:
         for slot in ready:
             if budget == 0:
                 break
-            n = _text_take_size(slot.pending[0], budget, self.rt.batch_size)
+            n = _text_take_size(slot.pending, budget, self.rt.batch_size)
             if n == 0:
                 continue
             head = slot.pending[0]
@@ -660,8 +662,7 @@ class Engine:
             self.stats.num_multi_seq_decodes += 1
         if rc != 0:
             log.error("llama_decode returned %d for a batch the ledgers admitted", rc)
-            for slot, _, _ in taken:
-                self._finish(slot, FinishReason.ERROR, error=f"llama_decode failed (rc={rc})")
+            self._decode_alone(taken)  # a failed decode changes nothing: find the culprit
             return
         elapsed = time.perf_counter() - t0
         for slot, item, logits_at in taken:
@@ -673,6 +674,23 @@ class Engine:
                 slot.usage.decode_seconds += elapsed
             if logits_at is not None:
                 self._sample(slot, logits_at)
+
+    def _decode_alone(self, taken: list[tuple[_Slot, Item, int | None]]) -> None:
+        """Decode each sequence of a failed batch on its own: only those that fail again end."""
+        batch = self.rt.batch
+        for slot, item, logits_at in taken:
+            assert slot.ledger is not None
+            batch.clear()
+            end = batch.add(item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=True)
+            rc = self.rt.decode()
+            self.stats.num_decodes += 1
+            if rc != 0:
+                self._finish(slot, FinishReason.ERROR, error=f"llama_decode failed (rc={rc})")
+                continue
+            slot.ledger.append(item)
+            self._progress(slot, item.num_cells)
+            if logits_at is not None:
+                self._sample(slot, end)  # before the next decode wipes these logits
 
     def _sample(self, slot: _Slot, index: int) -> None:
         job = slot.job
@@ -789,22 +807,48 @@ def _reusable_cells(ledger: Ledger | None, items: Sequence[Item]) -> int:
     return sum(seg.num_cells for seg in ledger.segments[:si]) + so
 
 
-def _text_take_size(item: Item, budget: int, batch_size: int) -> int:
-    """How many tokens of the front text item fit this batch; grouped (wrapper) text goes whole
-    unless it is larger than a whole batch."""
-    if item.num_cells <= budget:
-        return item.num_cells
-    return 0 if item.group is not None and item.num_cells <= batch_size else budget
+def _text_take_size(pending: deque[Item], budget: int, batch_size: int) -> int:
+    """How many tokens of the front text items go into this batch.
+
+    Grouped (wrapper) text goes whole unless it is larger than a whole batch; ungrouped text of
+    one message joins the next items of the same message and origin (a re-prefill after a long
+    reply would otherwise cost a llama_decode per generated token).
+    """
+    first = pending[0]
+    if first.num_cells > budget:
+        return 0 if first.group is not None and first.num_cells <= batch_size else budget
+    n = first.num_cells
+    if first.group is not None:
+        return n
+    for item in itertools.islice(pending, 1, None):
+        if not _joins(first, item) or n == budget:
+            break
+        n += min(item.num_cells, budget - n)
+    return n
+
+
+def _joins(first: Item, item: Item) -> bool:
+    return (
+        item.media_id is None
+        and item.group is None
+        and (item.message_index, item.generated) == (first.message_index, first.generated)
+    )
 
 
 def _take_text(pending: deque[Item], n: int) -> Item:
-    item = pending[0]
-    if n == item.num_cells:
-        return pending.popleft()
-    rest = item.token_ids[n:]
-    pending[0] = replace(item, num_cells=len(rest), num_positions=len(rest), token_ids=rest)
-    head = item.token_ids[:n]
-    return replace(item, num_cells=n, num_positions=n, token_ids=head)
+    """Pop n tokens from the front text items (as _text_take_size counted them) as one item."""
+    first = pending[0]
+    tokens: list[int] = []
+    while len(tokens) < n:
+        item = pending[0]
+        k = min(item.num_cells, n - len(tokens))
+        tokens.extend(item.token_ids[:k])
+        if k == item.num_cells:
+            pending.popleft()
+        else:
+            rest = item.token_ids[k:]
+            pending[0] = replace(item, num_cells=len(rest), num_positions=len(rest), token_ids=rest)
+    return replace(first, num_cells=n, num_positions=n, token_ids=tuple(tokens))
 
 
 def _policy_of(plan: Plan) -> Policy:

@@ -18,7 +18,7 @@ from infer_service.media import MediaLimits, StaleDescriptorError, verify_prompt
 from infer_service.runtime import SamplingConfig
 from infer_service.session_store import SessionIdError, check_session_id
 from infer_service.sessions import Session
-from prep_service.descriptors import DescriptorError, PreparedPrompt
+from prep_service.descriptors import DescriptorError, PreparedPrompt, TextChunk
 from prep_service.serving import abort
 
 POLICIES = {
@@ -142,6 +142,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         """Validate everything that can be checked before queueing; None after an abort."""
         try:
             args = self._parse(request, session)
+            _check_token_ids(prompt, self.engine.rt.num_vocab)
         except RequestError as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return None
@@ -274,6 +275,22 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             "max_tokens": max_tokens,
             "stop": tuple(request.stop),
         }
+
+
+def _check_token_ids(prompt: PreparedPrompt, num_vocab: int) -> None:
+    """Token ids outside the vocabulary make llama_decode fail for the whole batch: refuse them.
+
+    (llama.cpp rejects such a batch with rc -1, which would end every sequence decoded with it,
+    other clients' included.)
+    """
+    for i, chunk in enumerate(prompt.chunks):
+        if isinstance(chunk, TextChunk) and (
+            min(chunk.token_ids) < 0 or max(chunk.token_ids) >= num_vocab
+        ):
+            bad = next(t for t in chunk.token_ids if not 0 <= t < num_vocab)
+            raise RequestError(
+                f"chunk {i}: token id {bad} is outside this model's vocabulary [0, {num_vocab})"
+            )
 
 
 def session_info(s: Session) -> infer_pb2.SessionInfo:

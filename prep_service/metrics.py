@@ -58,4 +58,10 @@ class ServiceMetrics:
         self.registry.register(_Live())
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+
+    def close(self) -> None:
+        http = getattr(self, "_http", None)
+        if http is not None:
+            http.shutdown()
+            http.server_close()

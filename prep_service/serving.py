@@ -69,6 +69,7 @@ class Server:
     health: HealthServicer
     services: tuple[str, ...]
     _late: _LateHandlers
+    metrics: ServiceMetrics | None = None
 
     def bind(self, add_to_server: Callable[[Any, Any], None], servicer: Any) -> None:
         """Attach a servicer to the running server (until then its methods say UNAVAILABLE)."""
@@ -81,6 +82,8 @@ class Server:
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 async def create_server(
@@ -119,7 +122,7 @@ async def create_server(
         raise OSError(f"cannot listen on {address}")
     for name in ("", *services):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return Server(server, port, health, tuple(services), late)
+    return Server(server, port, health, tuple(services), late, metrics)
 
 
 async def run_until_signal(server: Server, grace: float = 5.0) -> None:
@@ -185,7 +188,12 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
             and not is_open
             and not self._authorized(handler_call_details)
         ):
-            return _refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            return _refuse(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong bearer token",
+                method=method,
+                metrics=self._metrics,
+            )
         if handler.request_streaming or handler.request_deserializer is None:
             return handler
         deserializer = _tolerant(handler.request_deserializer)
@@ -259,8 +267,14 @@ def _message(request: _Undecodable) -> str:
     return f"cannot parse the request: {request.error}"
 
 
-def _refuse(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+def _refuse(
+    code: grpc.StatusCode, message: str, *, method: str, metrics: ServiceMetrics | None
+) -> grpc.RpcMethodHandler:
+    """A handler that only refuses; refusals are counted like any call (worth watching)."""
+
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if metrics:
+            metrics.observe(method, code, 0.0)
         await abort(context, code, message)
 
     return grpc.unary_unary_rpc_method_handler(refuse)

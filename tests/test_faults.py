@@ -1,0 +1,270 @@
+"""Faults around the services: clients that vanish mid-stream or while queued, a prep server that
+goes away and comes back (or is still loading), a server stopped with streams in flight.
+
+Covered elsewhere, not repeated: call.cancel() freeing the slot, the full queue answering
+RESOURCE_EXHAUSTED and a deadline expiring mid-prefill (test_infer_service); a client that
+retries a server that was never up, or comes up late (test_client); an infer process killed
+with SIGKILL mid-turn and restarted on the same --sessions-dir, sessions listed and intact
+(test_sessions::test_sessions_survive_sigkill_mid_turn_and_a_clean_restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from conftest import LoopThread
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_helpers import channel, prepare, rpc_error, run, server_info
+from grpc_helpers import request as make_request
+from slotwise.v1 import infer_pb2, infer_pb2_grpc
+
+from clients.client import Message, RetryPolicy, SlotwiseClient, SlotwiseError
+from infer_service.__main__ import start as start_infer
+from infer_service.runtime import RuntimeConfig
+from prep_service import native
+from prep_service.__main__ import start as start_prep
+from prep_service.tiny_models import TinyPair
+
+LENGTH = infer_pb2.FINISH_REASON_LENGTH
+CANCELLED = infer_pb2.FINISH_REASON_CANCELLED
+FOREVER = 1 << 20  # max_tokens of a generation that only ends when its client goes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> float:
+    """Seconds it took for predicate() to hold."""
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def one_slot(loop_thread: LoopThread, tiny: dict[str, TinyPair]) -> Iterator[Any]:
+    """An mrope infer server with a single slot, so that a stuck slot would block the next call."""
+    pair = tiny["mrope"]
+    config = RuntimeConfig(pair.model, pair.mmproj, ctx_size=256, parallel=1, threads=1)
+    running = loop_thread.run(start_infer(config, max_queue=4))
+    yield running
+    loop_thread.run(running.stop(0))
+
+
+@pytest.fixture(scope="module")
+def prompt(prep_servers: Callable[[str], int]) -> Any:
+    return prepare(prep_servers("mrope"), raw="Once upon a time")
+
+
+def generated(port: int) -> int:
+    return server_info(port).stats.num_generated_tokens
+
+
+def start_streaming(ch: grpc.Channel, prompt: Any, *, n_deltas: int = 3, **kw: Any) -> Any:
+    """A Generate call on ch that is past its first n_deltas token deltas."""
+    call = infer_pb2_grpc.InferServiceStub(ch).Generate(
+        make_request(prompt, max_tokens=FOREVER, **kw), timeout=60
+    )
+    deltas = 0
+    for e in call:
+        deltas += e.HasField("delta")
+        if deltas == n_deltas:
+            return call
+    raise AssertionError("the stream ended early")
+
+
+# -- clients that vanish ------------------------------------------------------------------------
+
+
+def test_closing_the_channel_mid_stream_frees_the_slot_at_once(one_slot: Any, prompt: Any) -> None:
+    port = one_slot.port
+    ch = channel(port)
+    call = start_streaming(ch, prompt)  # kept: dropping the call object would cancel it
+    assert server_info(port).num_active == 1
+    ch.close()  # no cancel(): the connection just goes away
+    took = wait_until(lambda: server_info(port).num_active == 0, timeout=5)
+    assert took < 2.0
+    stopped_at = generated(port)
+    time.sleep(0.1)
+    assert generated(port) == stopped_at  # nothing runs on for the vanished client
+    assert rpc_error(lambda: list(call)).code() == grpc.StatusCode.CANCELLED
+    # the only slot is free: the next request is served right away
+    s = run(port, make_request(prompt, max_tokens=4), timeout=10)
+    assert (s.finished.reason, len(s.token_ids)) == (LENGTH, 4)
+
+
+def test_queued_clients_that_leave_never_take_the_slot(one_slot: Any, prompt: Any) -> None:
+    port = one_slot.port
+    with channel(port) as first_ch:
+        first = start_streaming(first_ch, prompt)
+        # one waiter closes its channel, another one's deadline passes while it waits
+        gone = channel(port)
+        waiter = infer_pb2_grpc.InferServiceStub(gone).Generate(  # kept: dropping it cancels
+            make_request(prompt, max_tokens=50), timeout=60
+        )
+        wait_until(lambda: server_info(port).num_queued == 1)
+        # the engine drops it at its deadline; the client sees whichever comes first, the
+        # engine's finished event or grpc's DEADLINE_EXCEEDED
+        try:
+            late = run(port, make_request(prompt, max_tokens=50), timeout=0.5)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        else:
+            f = late.finished
+            assert (f.reason, late.token_ids) == (CANCELLED, [])
+            assert f.error == "cancelled while queued"
+        gone.close()
+        wait_until(lambda: server_info(port).num_queued == 0, timeout=5)
+        assert rpc_error(lambda: list(waiter)).code() == grpc.StatusCode.CANCELLED
+        first.cancel()
+    wait_until(lambda: server_info(port).num_active == 0, timeout=5)
+    stopped_at = generated(port)
+    time.sleep(0.2)
+    info = server_info(port)
+    assert (info.num_active, info.num_queued) == (0, 0)
+    assert info.stats.num_generated_tokens == stopped_at  # neither waiter ever ran
+    s = run(port, make_request(prompt, max_tokens=3), timeout=10)
+    assert (s.finished.reason, len(s.token_ids)) == (LENGTH, 3)
+
+
+def test_a_client_reading_slowly_gets_every_token(one_slot: Any, prompt: Any) -> None:
+    """Deltas pile up while the client sleeps; they arrive merged, none lost, in order."""
+    port = one_slot.port
+    fast = run(port, make_request(prompt, max_tokens=60, temperature=0.0))
+    with channel(port) as ch:
+        call = infer_pb2_grpc.InferServiceStub(ch).Generate(
+            make_request(prompt, max_tokens=60, temperature=0.0), timeout=60
+        )
+        tokens: list[int] = []
+        for e in call:
+            if e.HasField("delta"):
+                tokens.extend(e.delta.token_ids)
+                time.sleep(0.05)
+    assert tokens == fast.token_ids
+
+
+# -- the prep server goes away, or is not ready yet ---------------------------------------------
+
+PATIENT = RetryPolicy(max_attempts=30, initial_backoff=0.05, max_backoff=0.2, jitter=0.0)
+BRIEF = RetryPolicy(max_attempts=3, initial_backoff=0.05, multiplier=2.0, jitter=0.0)
+
+
+def retries(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "slotwise.client" and "retrying" in r.getMessage()
+    ]
+
+
+def test_prep_down_then_back_the_same_client_recovers(
+    loop_thread: LoopThread, tiny: dict[str, TinyPair], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="slotwise.client")
+    pair = tiny["mrope"]
+    address = f"127.0.0.1:{free_port()}"
+    question = [Message.user((224, 224), "what is this?")]
+    prep = loop_thread.run(start_prep(pair.model, pair.mmproj, address=address))
+    restarted: list[Any] = []
+    try:
+        with SlotwiseClient(address, retry=BRIEF) as client:
+            expected = client.count(question)
+            loop_thread.run(prep.stop(0))
+            # down: a few attempts with backoff, then a clear error
+            t0 = time.monotonic()
+            with pytest.raises(SlotwiseError) as err:
+                client.count(question)
+            assert time.monotonic() - t0 >= 0.05 + 0.1
+            e = err.value
+            assert e.code() == grpc.StatusCode.UNAVAILABLE
+            assert str(e).startswith("UNAVAILABLE: ") and e.details()
+            assert len(retries(caplog)) == BRIEF.max_attempts - 1
+            assert all("UNAVAILABLE: attempt" in m for m in retries(caplog))
+
+            # back on the same port a moment later: the same client gets through
+            def restart() -> None:
+                time.sleep(0.3)
+                restarted.append(
+                    loop_thread.run(start_prep(pair.model, pair.mmproj, address=address))
+                )
+
+            starter = threading.Thread(target=restart)
+            starter.start()
+            client._s.retry = PATIENT  # the same channel, a more patient caller
+            try:
+                assert client.count(question) == expected
+            finally:
+                starter.join()
+    finally:
+        for r in restarted:
+            loop_thread.run(r.stop(0))
+
+
+def test_a_loading_prep_server_is_retried_until_it_serves(
+    loop_thread: LoopThread, tiny: dict[str, TinyPair], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server listens while its model loads and says UNAVAILABLE ("still loading")."""
+    caplog.set_level(logging.INFO, logger="slotwise.client")
+    pair = tiny["rope"]
+    address = f"127.0.0.1:{free_port()}"
+    future = None
+    result: list[Any] = []
+    try:
+        with SlotwiseClient(address, retry=PATIENT) as client:
+            asker = threading.Thread(
+                target=lambda: result.append(client.count([Message.user("hi")]))
+            )
+            with native._LOG_LOCK:  # held: start() listens, then waits to load the model
+                future = asyncio.run_coroutine_threadsafe(
+                    start_prep(pair.model, pair.mmproj, address=address), loop_thread.loop
+                )
+                wait_until(lambda: client.health("prep") == "NOT_SERVING")
+                asker.start()
+                wait_until(lambda: len(retries(caplog)) >= 2)
+            asker.join(30)
+        assert result and result[0].num_cells > 0
+        assert all("UNAVAILABLE" in m for m in retries(caplog))
+    finally:
+        if future is not None:
+            loop_thread.run(future.result(30).stop(0))
+
+
+# -- stopping a server with streams in flight ---------------------------------------------------
+
+
+def test_stopping_the_server_ends_streams_and_refuses_new_calls(
+    loop_thread: LoopThread, tiny: dict[str, TinyPair], prompt: Any
+) -> None:
+    pair = tiny["mrope"]
+    config = RuntimeConfig(pair.model, pair.mmproj, ctx_size=512, parallel=2, threads=1)
+    infer = loop_thread.run(start_infer(config))
+    port = infer.port
+    with channel(port) as ch:
+        streams = [start_streaming(ch, prompt), start_streaming(ch, prompt, n_deltas=1)]
+        health = health_pb2_grpc.HealthStub(ch)
+        t0 = time.monotonic()
+        stopping = asyncio.run_coroutine_threadsafe(infer.stop(0.3), loop_thread.loop)
+        # the streams end (drained, then cancelled): nobody hangs
+        for call in streams:
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in call:
+                    pass
+            assert err.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+        stopping.result(10)
+        assert time.monotonic() - t0 < 5
+        assert not infer.engine._thread.is_alive()
+        err = rpc_error(lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
