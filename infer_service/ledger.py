@@ -255,11 +255,17 @@ class Admission:
         return tuple(dict.fromkeys(i.media_id for i in self.dropped if i.media_id is not None))
 
 
+def _text_like(item: Item, token_ids: tuple[int, ...]) -> Item:
+    """Part of a text item: same message, group and origin, fewer tokens."""
+    n = len(token_ids)
+    return replace(item, num_cells=n, num_positions=n, token_ids=token_ids)
+
+
 def _split(seg: Segment, num_head: int) -> tuple[Segment, Segment]:
     """Split an ungrouped text segment after ``num_head`` tokens."""
-    ids, index = seg.token_ids, seg.message_index
-    head = Segment(Item.text(ids[:num_head], index), seg.pos_start, seg.pinned)
-    tail = Segment(Item.text(ids[num_head:], index), seg.pos_start + num_head, seg.pinned)
+    ids = seg.token_ids
+    head = Segment(_text_like(seg.item, ids[:num_head]), seg.pos_start, seg.pinned)
+    tail = Segment(_text_like(seg.item, ids[num_head:]), seg.pos_start + num_head, seg.pinned)
     return head, tail
 
 
@@ -524,16 +530,24 @@ class Ledger:
         discard_fraction: float,
         unit: EvictionUnit,
     ) -> None:
-        """New options for the segments already held (a new request in the same sequence)."""
+        """New options for the segments already held (a new request in the same sequence).
+
+        Pins are recomputed only when ``keep`` changes: after evictions, a later run of a reused
+        group id can sit right after a pinned run, and recomputing would pin it as well.
+        """
+        same_keep = keep == self.keep
         self.policy, self.keep, self.discard_fraction, self.unit = (
             policy, keep, discard_fraction, unit,
         )  # fmt: skip
+        if same_keep:
+            return
         held, self._segments = self._segments, []
-        self._recount()
+        num_cells = 0  # counted as we go: a recount per segment would be quadratic
         for seg in held:
             last = self._segments[-1] if self._segments else None
-            self._segments.append(replace(seg, pinned=self._pins(last, self._num_cells, seg.item)))
-            self._recount()
+            self._segments.append(replace(seg, pinned=self._pins(last, num_cells, seg.item)))
+            num_cells += seg.num_cells
+        self._recount()
 
     def common_prefix(self, items: Sequence[Item], start: int = 0) -> tuple[int, int, list[Item]]:
         """How much of ``items`` the cache already holds, from segment ``start`` on.
@@ -553,7 +567,7 @@ class Ledger:
             if _closed(self._segments[start:], si, so) and _closed(items, ii, io):
                 rest = list(items[ii:])
                 if io:
-                    rest[0] = Item.text(rest[0].token_ids[io:], rest[0].message_index)
+                    rest[0] = _text_like(rest[0], rest[0].token_ids[io:])
                 return start + si, so, rest
         return start, 0, list(items)
 
@@ -572,7 +586,7 @@ class Ledger:
             seg = self._segments[num_segments]
             if seg.is_media or seg.group is not None or num_tokens >= seg.num_cells:
                 raise ValueError("only ungrouped text can be cut inside")
-            kept.append(replace(seg, item=Item.text(seg.token_ids[:num_tokens], seg.message_index)))
+            kept.append(replace(seg, item=_text_like(seg.item, seg.token_ids[:num_tokens])))
         self._segments = kept
         self._recount()
         return self.next_pos
@@ -588,24 +602,33 @@ class Ledger:
                 "media": s.media_id,
                 "group": s.group,
                 "generated": s.item.generated,
+                "pinned": s.pinned,
             }
             for s in self._segments
         ]
 
     def load_json(self, data: Sequence[dict[str, Any]]) -> None:
-        """Segments saved by to_json (pins recomputed from this ledger's keep)."""
-        self._segments = []
-        self._recount()
+        """Segments saved by to_json, pinned as saved (recomputed from this ledger's keep for
+        data without pins). On malformed data (KeyError, TypeError, ValueError) the ledger is
+        left as it was."""
+        segments: list[Segment] = []
+        num_cells = 0  # counted as we go: a recount per segment would be quadratic
         for d in data:
             item = Item(
                 int(d["cells"]), int(d["positions"]), int(d["message"]), tuple(d["tokens"]),
                 d["media"], d["group"], bool(d.get("generated")),
             )  # fmt: skip
-            last = self._segments[-1] if self._segments else None
-            pinned = self._pins(last, self._num_cells, item)
+            last = segments[-1] if segments else None
+            pinned = d.get("pinned")
+            if pinned is None:
+                pinned = self._pins(last, num_cells, item)
+            elif not isinstance(pinned, bool) or (pinned and last is not None and not last.pinned):
+                raise ValueError("saved pins must be booleans on a prefix of the segments")
             if last is not None and int(d["pos"]) < last.pos_end:
                 raise ValueError("saved segments overlap")
-            self._segments.append(Segment(item, int(d["pos"]), pinned))
-            self._recount()
-        if self._num_cells > self.capacity:
-            raise ValueError(f"saved segments hold {self._num_cells} cells, over {self.capacity}")
+            segments.append(Segment(item, int(d["pos"]), pinned))
+            num_cells += item.num_cells
+        if num_cells > self.capacity:
+            raise ValueError(f"saved segments hold {num_cells} cells, over {self.capacity}")
+        self._segments = segments
+        self._recount()
