@@ -273,6 +273,10 @@ class Engine:
                 self._start(slot, job)
             except SessionError as e:
                 self._reject(job, e.kind, str(e))
+            except Exception as e:  # a bug: the request fails, the engine goes on
+                log.exception("starting a request failed")
+                slot.job = None
+                self._reject(job, ErrorKind.INTERNAL, f"internal error: {e}")
 
     def _choose_slot(self, job: Job) -> _Slot | None:
         free = [s for s in self.slots if s.job is None]
@@ -296,6 +300,8 @@ class Engine:
         reprefill = False  # the session's KV state did not load: decode its ledger again
         if job.session_id is not None:
             session = self._session(job.session_id)
+            # what an unfinished turn rolls back to: its last completed turn
+            session.snapshot = (session.ledger.to_json(), session.num_shifts)
             if session.slot is None:
                 reprefill = not self._swap_in(session, slot)
             session.media.update(job.media)
@@ -469,29 +475,29 @@ class Engine:
         session.busy = True
         return session
 
-    def _end_session_turn(self, job: Job, *, completed: bool) -> None:
+    def _end_session_turn(self, job: Job, *, completed: bool) -> Future[None] | None:
+        """Completed: save the session (returns the write). Not: back to the last completed
+        turn (the ledger from the snapshot; the KV state from disk, or re-prefilled)."""
         if job.session_id is None or job.session_id not in self.sessions:
-            return
+            return None
         session = self.sessions[job.session_id]
         session.busy = False
         session.last_used = time.monotonic()
+        snapshot, session.snapshot = session.snapshot, None
         if completed:
             session.num_turns += 1
             assert session.slot is not None
-            self._save(session, self.rt.state_get(session.slot))
-        elif session.slot is not None and self.store is not None:
-            # an unfinished turn is not kept: back to the last completed one on disk
-            slot = self.slots[session.slot]
-            self.rt.seq_clear(slot.seq)
-            slot.owner, slot.ledger = None, None
-            self._flush(session.session_id)
-            session.release()
-            del self.sessions[session.session_id]
-            self._load_session(session.session_id)
+            return self._save(session, self.rt.state_get(session.slot))
+        if snapshot is not None:
+            if session.slot is not None:
+                self._swap_out(self.slots[session.slot])
+            session.ledger.load_json(snapshot[0])
+            session.num_shifts = snapshot[1]
+        return None
 
-    def _save(self, session: Session, kv_state: bytes | None) -> None:
+    def _save(self, session: Session, kv_state: bytes | None) -> Future[None] | None:
         if self.store is None:
-            return
+            return None
         header = session.header(self.rt.fingerprint, self.rt.layout)
         store, sid = self.store, session.session_id
         previous = self._saves.get(sid)
@@ -507,7 +513,8 @@ class Engine:
                     state = b""
             store.save(sid, header, state)
 
-        self._saves[sid] = self._writer.submit(write)
+        self._saves[sid] = future = self._writer.submit(write)
+        return future
 
     def _flush(self, session_id: str) -> None:
         future = self._saves.pop(session_id, None)
@@ -793,11 +800,20 @@ class Engine:
             slot.ledger = None
         # otherwise the sequence stays: the next request with the same prefix reuses it
         job.release()
-        self._end_session_turn(job, completed=completed)
+        saved = self._end_session_turn(job, completed=completed)
         # the slot is free before the client hears about it: its next request finds it so
         if rest:
             job.emit(TokenDelta((), rest))
-        job.emit(Finished(reason, slot.usage, stop_string=stop_string, error=error))
+        finished = Finished(reason, slot.usage, stop_string=stop_string, error=error)
+        if saved is None:
+            job.emit(finished)
+            return
+
+        def report(write: Future[None]) -> None:  # a finished turn is on disk when it says so
+            e = write.exception()
+            job.emit(replace(finished, error=f"the turn was not saved: {e}") if e else finished)
+
+        saved.add_done_callback(report)
 
 
 def _reusable_cells(ledger: Ledger | None, items: Sequence[Item]) -> int:

@@ -35,6 +35,7 @@ class ErrorKind(enum.Enum):
     NOT_FOUND = "NOT_FOUND"
     ALREADY_EXISTS = "ALREADY_EXISTS"
     DATA_LOSS = "DATA_LOSS"
+    INTERNAL = "INTERNAL"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ class Session:
     num_shifts: int = 0
     slot: int | None = None  # the slot whose sequence holds it, if any
     busy: bool = False  # a turn is running
-    kv_state: bytes | None = None  # loaded from disk, not yet put into a slot
+    # the ledger and shift count of the last completed turn while a turn runs
+    snapshot: tuple[list[dict[str, Any]], int] | None = None
     last_used: float = field(default_factory=time.monotonic)
 
     def release(self) -> None:

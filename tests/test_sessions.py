@@ -714,20 +714,7 @@ def wait_idle(stub: infer_pb2_grpc.InferServiceStub) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize(
-    "persisted",
-    [
-        True,
-        pytest.param(
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="without --sessions-dir an unfinished turn is not rolled back: its prompt "
-                "and partial reply stay in the session",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("persisted", [True, False])
 def test_an_unfinished_turn_leaves_no_trace(
     persisted: bool, servers: Servers, prep_servers: Callable[[str], int], tmp_path: Path
 ) -> None:
