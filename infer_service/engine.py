@@ -47,12 +47,13 @@ from infer_service.ledger import (
     Reprefill,
     Shift,
 )
-from infer_service.media import MediaHandle, media_key
+from infer_service.media import MediaHandle, media_handle, media_key
 from infer_service.runtime import EmbeddingCache, Runtime, SamplingConfig
 from infer_service.session_store import CorruptSessionError, SessionStore
 from infer_service.sessions import Pixels, Session
 from infer_service.text_stream import TextStream
 from prep_service.descriptors import Fingerprint, MediaChunk, PreparedPrompt
+from prep_service.native import Bitmap
 
 log = logging.getLogger("slotwise.engine")
 T = TypeVar("T")
@@ -405,14 +406,9 @@ class Engine:
             if self.store is None or not self.store.delete(session_id):
                 raise SessionError(ErrorKind.NOT_FOUND, f"no session {session_id!r}")
             return
-        if session.busy:
-            raise SessionError(
-                ErrorKind.FAILED_PRECONDITION, f"session {session_id!r} has a turn running"
-            )
+        self._idle_session(session_id)
         if session.slot is not None:
-            slot = self.slots[session.slot]
-            self.rt.seq_clear(slot.seq)
-            slot.owner, slot.ledger = None, None
+            self._swap_out(self.slots[session.slot])
         del self.sessions[session_id]
         session.release()
         if self.store is not None:
@@ -420,31 +416,21 @@ class Engine:
             self.store.delete(session_id)
 
     def save_session(self, session_id: str) -> Session:
-        session = self._session(session_id)
-        if session.busy:
-            raise SessionError(
-                ErrorKind.FAILED_PRECONDITION, f"session {session_id!r} has a turn running"
-            )
+        session = self._idle_session(session_id)
         self._save(session, self.rt.state_get(session.slot) if session.slot is not None else None)
         self._flush(session_id)
         return session
 
     def restore_session(self, session_id: str) -> Session:
         """Forget the in-memory state and read the session back from disk."""
-        session = self._session(session_id)
-        if session.busy:
-            raise SessionError(
-                ErrorKind.FAILED_PRECONDITION, f"session {session_id!r} has a turn running"
-            )
+        session = self._idle_session(session_id)
         if self.store is None:
             raise SessionError(
                 ErrorKind.FAILED_PRECONDITION, "sessions are not persisted (no --sessions-dir)"
             )
         self._flush(session_id)
         if session.slot is not None:
-            slot = self.slots[session.slot]
-            self.rt.seq_clear(slot.seq)
-            slot.owner, slot.ledger = None, None
+            self._swap_out(self.slots[session.slot])
         session.release()
         del self.sessions[session_id]
         self._load_session(session_id)
@@ -458,6 +444,14 @@ class Engine:
             raise SessionError(ErrorKind.NOT_FOUND, f"no session {session_id!r}")
         return session
 
+    def _idle_session(self, session_id: str) -> Session:
+        session = self._session(session_id)
+        if session.busy:
+            raise SessionError(
+                ErrorKind.FAILED_PRECONDITION, f"session {session_id!r} has a turn running"
+            )
+        return session
+
     def get_session(self, session_id: str) -> Session:
         return self._session(session_id)
 
@@ -467,11 +461,7 @@ class Engine:
             self.sessions[session_id].busy = False
 
     def begin_turn(self, session_id: str) -> Session:
-        session = self._session(session_id)
-        if session.busy:
-            raise SessionError(
-                ErrorKind.FAILED_PRECONDITION, f"session {session_id!r} has a turn running"
-            )
+        session = self._idle_session(session_id)
         session.busy = True
         return session
 
@@ -549,18 +539,10 @@ class Engine:
         self.sessions[session_id] = session
 
     def _media_handle(self, key: str, px: Pixels) -> MediaHandle:
-        """Tokenize saved pixels again to get a native chunk to encode."""
-        from prep_service import native
-
+        """A native chunk to encode, from the saved pixels."""
         assert self.store is not None and self.rt.mtmd is not None
         rgb = self.store.load_media(px.media_id)
-        bitmap = native.Bitmap(px.width, px.height, rgb, px.media_id)
-        with self.rt.mtmd.tokenize(self.rt.mtmd.marker, [bitmap], add_special=False) as chunks:
-            media = [i for i in range(len(chunks)) if chunks.describe()[i].is_media]
-            index = int(key.rpartition(":")[2]) if ":" in key else 0
-            from llama_cpp import mtmd_cpp
-
-            return MediaHandle(mtmd_cpp.mtmd_input_chunk_copy(chunks.native(media[index])), key)
+        return media_handle(self.rt.mtmd, key, Bitmap(px.width, px.height, rgb, px.media_id))
 
     def _swap_out(self, slot: _Slot) -> None:
         """The slot's session leaves it; it was saved when its last turn completed."""

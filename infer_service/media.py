@@ -122,3 +122,11 @@ def _verify_group(
 def media_key(media_id: str, slice_index: int) -> str:
     """Which media chunk of an image: tiling projectors make several of one image."""
     return media_id if slice_index == 0 else f"{media_id}:{slice_index}"
+
+
+def media_handle(mtmd: native.Multimodal, key: str, bitmap: native.Bitmap) -> MediaHandle:
+    """The native media chunk `key` names (its slice of the image), tokenized from pixels."""
+    slice_index = int(key.rpartition(":")[2]) if ":" in key else 0
+    with mtmd.tokenize(mtmd.marker, [bitmap], add_special=False) as chunks:
+        media = [i for i, c in enumerate(chunks.describe()) if c.is_media]
+        return MediaHandle(mtmd_cpp.mtmd_input_chunk_copy(chunks.native(media[slice_index])), key)
