@@ -37,6 +37,7 @@ import grpc
 import grpc.aio
 from google.rpc import status_pb2
 from PIL.Image import Image as PILImage
+
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 
 __all__ = [

@@ -9,8 +9,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from slotwise.v1 import infer_pb2, infer_pb2_grpc
-
 from infer_service.engine import Engine
 from infer_service.metrics import engine_metrics
 from infer_service.runtime import Runtime, RuntimeConfig
@@ -29,6 +27,7 @@ from prep_service.serving import (
     run_until_signal,
     security_from_args,
 )
+from slotwise.v1 import infer_pb2, infer_pb2_grpc
 
 log = logging.getLogger("slotwise.infer")
 SERVICE = infer_pb2.DESCRIPTOR.services_by_name["InferService"].full_name

@@ -5,9 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from slotwise.v1 import infer_pb2
-
 from infer_service.ledger import Policy
+from slotwise.v1 import infer_pb2
 
 
 class FinishReason(enum.IntEnum):

@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import grpc
-from slotwise.v1 import infer_pb2, infer_pb2_grpc
 
 from infer_service.engine import Engine, Job, QueueFullError, SessionError, prompt_items
 from infer_service.events import POLICY_TO_PB, ErrorKind, Event, Finished, Rejected, TokenDelta
@@ -20,6 +19,7 @@ from infer_service.session_store import SessionIdError, check_session_id
 from infer_service.sessions import Session
 from prep_service.descriptors import DescriptorError, PreparedPrompt, TextChunk
 from prep_service.serving import abort
+from slotwise.v1 import infer_pb2, infer_pb2_grpc
 
 POLICIES = {
     infer_pb2.SHIFT_POLICY_UNSPECIFIED: Policy.AUTO,

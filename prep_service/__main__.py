@@ -9,8 +9,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from slotwise.v1 import prep_pb2, prep_pb2_grpc
-
 from prep_service.images import DEFAULT_MAX_PIXELS
 from prep_service.metrics import ServiceMetrics
 from prep_service.model_files import ModelMismatchError
@@ -27,6 +25,7 @@ from prep_service.serving import (
     run_until_signal,
     security_from_args,
 )
+from slotwise.v1 import prep_pb2, prep_pb2_grpc
 
 log = logging.getLogger("slotwise.prep")
 SERVICE = prep_pb2.DESCRIPTOR.services_by_name["PrepService"].full_name

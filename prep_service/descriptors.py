@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slotwise.v1 import prompt_pb2
-
 from prep_service.images import media_id
+from slotwise.v1 import prompt_pb2
 
 
 class DescriptorError(ValueError):

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
-from slotwise.v1 import prep_pb2, prep_pb2_grpc
 
 from prep_service import native
 from prep_service.chat import TemplateError
@@ -24,6 +23,7 @@ from prep_service.preparer import (
     UnsupportedError,
 )
 from prep_service.serving import abort
+from slotwise.v1 import prep_pb2, prep_pb2_grpc
 
 log = logging.getLogger("slotwise.prep")
 

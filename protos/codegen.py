@@ -1,7 +1,7 @@
 """Regenerate the committed Python stubs from protos/slotwise/v1/*.proto.
 
-    python protos/codegen.py            # write next to the .proto files
-    python protos/codegen.py --out DIR  # write elsewhere (the drift test compares the two)
+python protos/codegen.py            # write next to the .proto files
+python protos/codegen.py --out DIR  # write elsewhere (the drift test compares the two)
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ import io
 import os
 import threading
 from collections.abc import Callable, Coroutine, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -16,7 +15,7 @@ from PIL import Image
 
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")
 
-from prep_service.tiny_models import TinyPair, write_tiny_models  # noqa: E402
+from prep_service.tiny_models import TinyPair, write_tiny_models
 
 T = TypeVar("T")
 
@@ -50,7 +49,9 @@ def loop_thread() -> Iterator[LoopThread]:
 
 
 @pytest.fixture(scope="session")
-def prep_servers(loop_thread: LoopThread, tiny: dict[str, TinyPair]) -> Iterator[Callable[[str], int]]:
+def prep_servers(
+    loop_thread: LoopThread, tiny: dict[str, TinyPair]
+) -> Iterator[Callable[[str], int]]:
     """port_of(pair_name) -> port of a PrepService for that pair, started once per session."""
     from prep_service.__main__ import start
 
@@ -87,7 +88,9 @@ def channel_to() -> Iterator[Callable[[int], grpc.Channel]]:
         ch.close()
 
 
-def image_bytes(width: int, height: int, fmt: str = "PNG", *, seed: int = 0, mode: str = "RGB") -> bytes:
+def image_bytes(
+    width: int, height: int, fmt: str = "PNG", *, seed: int = 0, mode: str = "RGB"
+) -> bytes:
     """A real encoded image with content that depends on seed."""
     img = Image.new(mode, (width, height))
     px = img.load()
@@ -102,8 +105,10 @@ def image_bytes(width: int, height: int, fmt: str = "PNG", *, seed: int = 0, mod
 
 
 @pytest.fixture
-def infer_server(loop_thread: LoopThread, tiny: dict[str, TinyPair]) -> Iterator[Callable[..., Any]]:
-    """start(pair_name, **RuntimeConfig fields and start() options) -> RunningInfer; stopped after."""
+def infer_server(
+    loop_thread: LoopThread, tiny: dict[str, TinyPair]
+) -> Iterator[Callable[..., Any]]:
+    """start(pair, **RuntimeConfig fields and start() options) -> RunningInfer; stopped after."""
     from infer_service.__main__ import start
     from infer_service.runtime import RuntimeConfig
 

@@ -113,7 +113,14 @@ async def stream_loop(
 
 
 async def run(streams: int, seconds: float, pair: str, warmup: float) -> dict[str, object]:
-    models = write_tiny_models(Path(tempfile.mkdtemp(prefix="slotwise-load-")), [pair])[pair]
+    with tempfile.TemporaryDirectory(prefix="slotwise-load-") as tmp:
+        return await _run(Path(tmp), streams, seconds, pair, warmup)
+
+
+async def _run(
+    tmp: Path, streams: int, seconds: float, pair: str, warmup: float
+) -> dict[str, object]:
+    models = write_tiny_models(tmp, [pair])[pair]
     prep_port, infer_port = free_port(), free_port()
     env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
     common = ["--model", str(models.model), "--mmproj", str(models.mmproj), "--host", "127.0.0.1"]
@@ -141,7 +148,10 @@ async def run(streams: int, seconds: float, pair: str, warmup: float) -> dict[st
             prep, infer = prep_pb2_grpc.PrepServiceStub(pch), infer_pb2_grpc.InferServiceStub(ich)
             warm: Counter[str] = Counter()
             await asyncio.gather(
-                *(stream_loop(prep, infer, time.monotonic() + warmup, s, warm) for s in range(streams))
+                *(
+                    stream_loop(prep, infer, time.monotonic() + warmup, s, warm)
+                    for s in range(streams)
+                )
             )
             rss_start = rss_bytes(procs[1].pid)
             stats: Counter[str] = Counter()

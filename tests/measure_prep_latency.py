@@ -21,10 +21,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 from PIL import Image
-from slotwise.v1 import prep_pb2, prep_pb2_grpc
 
 from prep_service.__main__ import start
 from prep_service.tiny_models import write_tiny_models
+from slotwise.v1 import prep_pb2, prep_pb2_grpc
 
 MARKER = "<__media__>"
 

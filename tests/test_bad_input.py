@@ -24,12 +24,12 @@ from grpc_helpers import Stream, channel, message, prepare, rpc_error, run, serv
 from grpc_helpers import request as make_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 
 from infer_service.__main__ import start as start_infer
 from infer_service.runtime import RuntimeConfig
 from infer_service.service import GenerateLimits
 from prep_service.tiny_models import TinyPair
+from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 
 Code = grpc.StatusCode
 IA, FP, RE = Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED

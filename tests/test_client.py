@@ -18,7 +18,6 @@ from typing import Any
 import grpc
 import pytest
 from PIL import Image, ImageDraw
-from slotwise.v1 import prep_pb2
 
 from clients.client import (
     NO_RETRY,
@@ -40,6 +39,7 @@ from clients.client import (
     collect,
     image_pb,
 )
+from slotwise.v1 import prep_pb2
 
 CTX = 256  # cells per slot: small, so conversations outgrow it
 

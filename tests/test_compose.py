@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from slotwise.v1 import infer_pb2, prep_pb2
 
 ROOT = Path(__file__).resolve().parents[1]

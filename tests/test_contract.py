@@ -23,9 +23,9 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2, json_format
 from google.protobuf.message import Message
-from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2_grpc, prompt_pb2
 
 from prep_service.descriptors import MediaChunk, PreparedPrompt, TextChunk
+from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2_grpc, prompt_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "contract" / "golden"

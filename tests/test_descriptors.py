@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from slotwise.v1 import prompt_pb2
 
 from prep_service.descriptors import (
     DescriptorError,
@@ -15,6 +14,7 @@ from prep_service.descriptors import (
     TextChunk,
 )
 from prep_service.images import media_id
+from slotwise.v1 import prompt_pb2
 
 U32 = st.integers(0, 2**32 - 1)
 COUNT = st.integers(1, 100_000)  # totals must still fit the proto's uint32

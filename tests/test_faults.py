@@ -24,7 +24,6 @@ from conftest import LoopThread
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_helpers import channel, prepare, rpc_error, run, server_info
 from grpc_helpers import request as make_request
-from slotwise.v1 import infer_pb2, infer_pb2_grpc
 
 from clients.client import Message, RetryPolicy, SlotwiseClient, SlotwiseError
 from infer_service.__main__ import start as start_infer
@@ -32,6 +31,7 @@ from infer_service.runtime import RuntimeConfig
 from prep_service import native
 from prep_service.__main__ import start as start_prep
 from prep_service.tiny_models import TinyPair
+from slotwise.v1 import infer_pb2, infer_pb2_grpc
 
 LENGTH = infer_pb2.FINISH_REASON_LENGTH
 CANCELLED = infer_pb2.FINISH_REASON_CANCELLED

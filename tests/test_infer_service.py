@@ -30,11 +30,11 @@ from grpc_helpers import (
 )
 from grpc_helpers import request as make_request
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from slotwise.v1 import infer_pb2, infer_pb2_grpc, prompt_pb2
 
 from prep_service import native
 from prep_service.images import decode_image, media_id
 from prep_service.tiny_models import TinyPair
+from slotwise.v1 import infer_pb2, infer_pb2_grpc, prompt_pb2
 
 SERVICE = "slotwise.v1.InferService"
 AUTO = infer_pb2.SHIFT_POLICY_AUTO

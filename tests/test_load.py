@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from load import run  # noqa: E402
+from load import run
 
 
 def test_sixteen_streams_for_five_seconds_without_errors() -> None:

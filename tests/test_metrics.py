@@ -15,13 +15,13 @@ from conftest import LoopThread, image_bytes
 from grpc_helpers import channel, message, prepare, rpc_error, run, server_info
 from grpc_helpers import request as make_request
 from prometheus_client.parser import text_string_to_metric_families
-from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 
 from infer_service.__main__ import start as start_infer
 from infer_service.runtime import RuntimeConfig
 from prep_service.__main__ import start as start_prep
 from prep_service.serving import Security
 from prep_service.tiny_models import TinyPair
+from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 
 GAP = infer_pb2.SHIFT_POLICY_GAP
 

@@ -17,6 +17,7 @@ import grpc
 import pytest
 from conftest import image_bytes
 from google.protobuf import json_format
+
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,7 +25,6 @@ from gguf import GGUFReader
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from PIL import ExifTags, Image, ImageOps
-from slotwise.v1 import prep_pb2, prep_pb2_grpc
 
 from prep_service import model_files, native
 from prep_service.__main__ import SERVICE, start
@@ -33,6 +32,7 @@ from prep_service.images import media_id
 from prep_service.model_files import ModelMismatchError
 from prep_service.service import Limits
 from prep_service.tiny_models import ALL, TinyPair
+from slotwise.v1 import prep_pb2, prep_pb2_grpc
 
 MARKER = "<__media__>"
 IA = grpc.StatusCode.INVALID_ARGUMENT

@@ -19,7 +19,6 @@ from conftest import LoopThread, image_bytes
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_helpers import OPTIONS
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 
 from clients.client import (
     NO_RETRY,
@@ -37,6 +36,7 @@ from prep_service import __main__ as prep_main
 from prep_service.images import decode_image
 from prep_service.serving import Security, security_from_args
 from prep_service.tiny_models import TinyPair
+from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 

@@ -73,9 +73,9 @@ def prepare_request():
 async def prepare_via_service(model: Path, mmproj: Path):
     """Start the real prep service on a free port and call Prepare through the raw stubs."""
     import grpc
-    from slotwise.v1 import prep_pb2_grpc
 
     from prep_service.__main__ import start
+    from slotwise.v1 import prep_pb2_grpc
 
     prep = await start(model, mmproj, threads=1)
     try:
