@@ -125,7 +125,7 @@ def test_queued_clients_that_leave_never_take_the_slot(one_slot: Any, prompt: An
         else:
             f = late.finished
             assert (f.reason, late.token_ids) == (CANCELLED, [])
-            assert f.error == "cancelled while queued"
+            assert f.error == "deadline exceeded while queued"
         gone.close()
         wait_until(lambda: server_info(port).num_queued == 0, timeout=5)
         assert rpc_error(lambda: list(waiter)).code() == grpc.StatusCode.CANCELLED
