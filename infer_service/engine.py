@@ -836,6 +836,8 @@ def _joins(first: Item, item: Item) -> bool:
 def _take_text(pending: deque[Item], n: int) -> Item:
     """Pop n tokens from the front text items (as _text_take_size counted them) as one item."""
     first = pending[0]
+    if n == first.num_cells:  # the common case: one generated token, or one whole chunk
+        return pending.popleft()
     tokens: list[int] = []
     while len(tokens) < n:
         item = pending[0]
