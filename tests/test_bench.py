@@ -1,0 +1,78 @@
+"""Smoke test of the benchmark: every row comes out, with positive finite figures.
+
+Runs `clients.bench` end to end (services as subprocesses on loopback, the raw reference loop in
+process) on the tiny `rope` pair with tiny counts. Timing targets are not checked here: the
+figures of a random-weight model on a shared machine mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from clients import bench
+from prep_service.tiny_models import TinyPair
+
+EXPECTED = [
+    bench.ROW_STREAM1,
+    bench.ROW_TTFT,
+    bench.ROW_STREAM4,
+    bench.ROW_GAIN4,
+    *bench.ROW_SHIFT.values(),
+    bench.ROW_COUNT,
+    bench.ROW_PREPARE,
+    bench.ROW_PREPARE8,
+]
+
+
+def test_bench_smoke_on_tiny_rope(
+    tiny: dict[str, TinyPair], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "rows.json"
+    argv = ["--model", str(tiny["rope"].model), "--threads", "1", "--repeats", "1"]
+    argv += ["--tokens", "8", "--ctx", "2048", "--prep-requests", "2", "--json", str(out)]
+    argv += ["--shift-ctx", "256", "--shift-tokens", "300"]
+    assert bench.main(argv) == 0
+
+    printed = capsys.readouterr().out
+    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    assert sorted(rows) == sorted(EXPECTED)
+    for name in EXPECTED:
+        assert name in printed
+        r = rows[name]
+        for key in ("ours", "reference", "ratio"):
+            v = r[key]
+            if v is not None:
+                assert math.isfinite(v) and v > 0, (name, key, v)
+        if name not in (bench.ROW_COUNT, bench.ROW_PREPARE):
+            assert r["ratio"] is not None, name
+    # no llama-server given: its rows are skipped, not printed empty
+    assert bench.ROW_SERVER1 not in rows and bench.ROW_SERVER4 not in rows
+    # the shift rows really shifted, with the policy they asked for
+    for name, row in bench.ROW_SHIFT.items():
+        assert "shifts by " + name in rows[row]["note"], rows[row]["note"]
+
+
+def test_streamed_rate_counts_tokens_after_the_latest_first_token() -> None:
+    a = bench.Stream(arrivals=[(1.0, 1), (2.0, 1), (3.0, 2)])
+    b = bench.Stream(arrivals=[(1.5, 1), (2.5, 1), (3.5, 1)])
+    # after t=1.5: a has 1 + 2, b has 1 + 1 -> 5 tokens over 3.5 - 1.5 s
+    assert bench.streamed_rate([a, b]) == pytest.approx(5 / 2.0)
+    # one message with every token: timed from the request
+    assert bench.streamed_rate([bench.Stream(arrivals=[(3.0, 8)], t_sent=1.0)]) == 4.0
+    with pytest.raises(bench.BenchError):
+        bench.streamed_rate([bench.Stream(arrivals=[(1.0, 1)])])
+
+
+def test_table_marks_targets() -> None:
+    rows = [
+        bench.Row("fast enough", 99.0, "tok/s", 100.0, 0.99, ">= 0.97"),
+        bench.Row("too slow", 90.0, "tok/s", 100.0, 0.90, ">= 0.97"),
+        bench.Row("no target", 12.5, "ms"),
+    ]
+    lines = bench.format_table(rows).splitlines()
+    assert lines[2].endswith("ok") and lines[3].endswith("MISS")
+    assert not lines[4].rstrip().endswith(("ok", "MISS"))
