@@ -239,6 +239,7 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--prep-metrics-port", type=int, help="Prometheus metrics of the prep service")
     h.add_argument("--infer-metrics-port", type=int, help="Prometheus metrics of the infer service")
 
+    sub.add_parser("bench", help="throughput and latency ratios (slotwise bench -h)", add_help=False)
     d = sub.add_parser("demo", help="a multimodal conversation that forces context shifts")
     d.add_argument("--model", type=Path, help="a real text model GGUF (default: tiny models)")
     d.add_argument("--mmproj", type=Path, help="its projector GGUF (with --model)")
@@ -700,6 +701,11 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the benchmark has its own options (python -m clients.bench -h)
+        from clients import bench
+
+        return bench.main(argv[1:])
     args = parser().parse_args(argv)
     if args.command != "serve":
         logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING))
