@@ -509,6 +509,9 @@ def prepare_text(prep: prep_pb2_grpc.PrepServiceStub, text: str) -> Any:
     return r.prompt
 
 
+STREAM_TOKENS = [1]  # GenerateRequest.stream_tokens of every slotwise stream (--stream-tokens)
+
+
 def prompt_tokens(prompt: Any) -> list[int]:
     return [t for c in prompt.chunks for t in c.text.token_ids]
 
@@ -531,6 +534,7 @@ def generate(
         sampling=infer_pb2.SamplingParams(temperature=0.0),
         max_tokens=max_tokens,
         context=ctx,
+        stream_tokens=STREAM_TOKENS[0],
     )
     s = Stream(t_sent=time.perf_counter() if t_sent is None else t_sent)
     for r in infer.Generate(req, timeout=600):
@@ -978,6 +982,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians reported")
     p.add_argument("--tokens", type=int, default=128, help="tokens per stream (max_tokens)")
     p.add_argument(
+        "--stream-tokens", type=int, default=1, help="tokens per TokenDelta message (default 1)"
+    )
+    p.add_argument(
         "--ctx", type=int, default=1024, help="KV cells per sequence for the stream rows"
     )
     p.add_argument("--llama-server", metavar="PATH", help="llama-server binary for the extra rows")
@@ -993,6 +1000,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    STREAM_TOKENS[0] = args.stream_tokens
     if args.repeats < 1 or args.tokens < 2:
         parser().error("--repeats must be >= 1 and --tokens >= 2")
     try:

@@ -239,7 +239,7 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--prep-metrics-port", type=int, help="Prometheus metrics of the prep service")
     h.add_argument("--infer-metrics-port", type=int, help="Prometheus metrics of the infer service")
 
-    sub.add_parser("bench", help="throughput and latency ratios (slotwise bench -h)", add_help=False)
+    sub.add_parser("bench", help="throughput and latency ratios (see: slotwise bench -h)")
     d = sub.add_parser("demo", help="a multimodal conversation that forces context shifts")
     d.add_argument("--model", type=Path, help="a real text model GGUF (default: tiny models)")
     d.add_argument("--mmproj", type=Path, help="its projector GGUF (with --model)")

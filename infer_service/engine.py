@@ -80,6 +80,7 @@ class Job:
     stop: Sequence[str] = ()
     deadline: float | None = None  # time.monotonic()
     session_id: str | None = None
+    stream_tokens: int = 1  # tokens per TokenDelta
     pixels: dict[str, Pixels] = field(default_factory=dict)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -122,6 +123,7 @@ class _Slot:
     pending: deque[Item] = field(default_factory=deque)
     sampler: int = 0
     text: TextStream = field(default_factory=TextStream)
+    unsent: TokenDelta | None = None  # tokens held for the next TokenDelta (stream_tokens > 1)
     usage: Usage = field(default_factory=Usage)
     num_prefill_total: int = 0
     num_prefill_done: int = 0
@@ -694,17 +696,25 @@ class Engine:
             return
         slot.usage.num_generated_tokens += 1
         self.stats.num_generated_tokens += 1
-        text = slot.text.push(self.rt.piece(token))
+        delta = TokenDelta((token,), slot.text.push(self.rt.piece(token)))
+        slot.unsent = slot.unsent.merged(delta) if slot.unsent else delta
         if slot.text.stopped_by is not None:
-            job.emit(TokenDelta((token,), text))
             self._finish(slot, FinishReason.STOP, stop_string=slot.text.stopped_by)
             return
         if slot.usage.num_generated_tokens >= job.max_tokens:
-            job.emit(TokenDelta((token,), text + slot.text.flush()))
             self._finish(slot, FinishReason.LENGTH)
             return
-        job.emit(TokenDelta((token,), text))
+        n = len(slot.unsent.token_ids)
+        if n >= job.stream_tokens or slot.usage.num_generated_tokens == 1:
+            self._send_delta(slot)
         slot.pending.append(Item(1, 1, slot.reply_index, token_ids=(token,), generated=True))
+
+    def _send_delta(self, slot: _Slot, tail: str = "") -> None:
+        delta, slot.unsent = slot.unsent, None
+        if tail:
+            delta = delta.merged(TokenDelta((), tail)) if delta else TokenDelta((), tail)
+        if delta is not None and slot.job is not None:
+            slot.job.emit(delta)
 
     # -- the ledger's plans -----------------------------------------------------------------
 
@@ -738,6 +748,7 @@ class Engine:
         if slot.owner is not None:
             self.sessions[slot.owner].num_shifts += 1
         self.stats.num_shifts += 1
+        self._send_delta(slot)  # the tokens before the shift go before it
         self.stats.num_evicted_cells += plan.num_cells_evicted
         used = _policy_of(plan).value
         self.stats.shifts_by_policy[used] = self.stats.shifts_by_policy.get(used, 0) + 1
@@ -772,7 +783,7 @@ class Engine:
         if slot.prefilling:
             slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
         completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
-        rest = slot.text.flush() if completed else ""
+        self._send_delta(slot, slot.text.flush() if completed else "")
         self.rt.free_sampler(slot.sampler)
         slot.sampler = 0
         slot.job = None
@@ -784,8 +795,6 @@ class Engine:
         job.release()
         saved = self._end_session_turn(job, completed=completed)
         # the slot is free before the client hears about it: its next request finds it so
-        if rest:
-            job.emit(TokenDelta((), rest))
         finished = Finished(reason, slot.usage, stop_string=stop_string, error=error)
         if saved is None:
             job.emit(finished)

@@ -298,6 +298,8 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             )
         if len(request.stop) > self.limits.max_stop_strings:
             raise RequestError(f"at most {self.limits.max_stop_strings} stop strings")
+        if request.stream_tokens > 256:
+            raise RequestError(f"stream_tokens must be at most 256, got {request.stream_tokens}")
         ctx = ContextConfig(POLICIES[c.policy], c.keep, fraction, UNITS[c.unit], c.truncate_prompt)
         if session is not None and not request.HasField("context"):
             ctx = session.context
@@ -308,6 +310,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             ),
             "max_tokens": max_tokens,
             "stop": tuple(request.stop),
+            "stream_tokens": max(1, request.stream_tokens),
         }
 
 

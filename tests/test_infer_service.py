@@ -844,3 +844,26 @@ def test_health_serving_and_reflection_lists_the_service(infer_server) -> None:
     assert {SERVICE, "grpc.health.v1.Health"} <= names
     files = described.file_descriptor_response.file_descriptor_proto
     assert any(b"InferService" in f for f in files)
+
+
+def test_stream_tokens_groups_deltas_without_changing_the_output(
+    prep_servers, infer_server
+) -> None:
+    server = infer_server("rope", ctx_size=512)
+    prompt = text_prompt(prep_servers("rope"), "A stream of tokens, grouped or not")
+    every = run(server.port, make_request(prompt, max_tokens=200, temperature=0.0))
+    req = make_request(prompt, max_tokens=200, temperature=0.0)
+    req.stream_tokens = 4
+    grouped = run(server.port, req)
+    assert (grouped.token_ids, grouped.text) == (every.token_ids, every.text)
+    sizes = [len(d.token_ids) for d in grouped.of("delta")]
+    assert sum(sizes) == len(every.token_ids)
+    # the first token goes alone, then groups of 4, the rest at the end; a reader slower than
+    # the engine gets several of these merged into one message, never split
+    head = sizes[:-1]
+    assert not head or (head[0] % 4 == 1 and all(n % 4 == 0 for n in head[1:])), sizes
+    assert len(sizes) <= 2 + math.ceil((len(every.token_ids) - 1) / 4)
+    req.stream_tokens = 1000
+    with pytest.raises(grpc.RpcError) as err:
+        run(server.port, req)
+    assert err.value.code() == Code.INVALID_ARGUMENT and "stream_tokens" in err.value.details()
