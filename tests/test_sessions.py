@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 import pytest
 from conftest import LoopThread, image_bytes
+from grpc_helpers import Stream
 
 from prep_service.tiny_models import TinyPair
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
@@ -74,44 +75,12 @@ def prepare(
     return prep.Prepare(request, timeout=30).prompt
 
 
-@dataclass
-class Stream:
-    """The events of one Generate call."""
-
-    events: list[infer_pb2.GenerateResponse]
-
-    def of(self, kind: str) -> list[Any]:
-        return [getattr(e, kind) for e in self.events if e.WhichOneof("event") == kind]
-
-    @property
-    def started(self) -> infer_pb2.Started:
-        (s,) = self.of("started")
-        return s
-
-    @property
-    def finished(self) -> infer_pb2.Finished:
-        (f,) = self.of("finished")
-        return f
-
-    @property
-    def shifts(self) -> list[infer_pb2.ContextShift]:
-        return self.of("shift")
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t for d in self.of("delta") for t in d.token_ids]
-
-    @property
-    def text(self) -> str:
-        return "".join(d.text for d in self.of("delta"))
-
-    @property
-    def num_decoded_generated(self) -> int:
-        """Generated tokens that went into the cache: the last sampled one does not when the
-        turn ends by max_tokens (an end-of-generation token is never counted)."""
-        usage = self.finished.usage
-        length = self.finished.reason == infer_pb2.FINISH_REASON_LENGTH
-        return usage.num_generated_tokens - (1 if length else 0)
+def decoded_generated(stream: Stream) -> int:
+    """Generated tokens that went into the cache: the last sampled one does not when the turn
+    ends by max_tokens (an end-of-generation token is never counted)."""
+    usage = stream.finished.usage
+    length = stream.finished.reason == infer_pb2.FINISH_REASON_LENGTH
+    return usage.num_generated_tokens - (1 if length else 0)
 
 
 def generate(stub: infer_pb2_grpc.InferServiceStub, **fields: Any) -> Stream:
@@ -323,7 +292,7 @@ def test_a_session_turn_reuses_the_generated_reply_and_decodes_only_the_rest(
         reused = stream.started.num_reused_cells
         # greedy: the reply comes back exactly as generated, so all of it that was decoded is
         # reused (the last sampled token of a max_tokens turn never was)
-        assert reused == (previous.num_decoded_generated if previous else 0)
+        assert reused == (decoded_generated(previous) if previous else 0)
         if previous:
             assert reused > 0
         assert stream.finished.usage.num_reused_cells == reused
@@ -335,14 +304,14 @@ def test_a_session_turn_reuses_the_generated_reply_and_decodes_only_the_rest(
         # the session holds what it held before, plus this turn (less what it reused), plus
         # what it generated and decoded
         s = session_info(stub, "s")
-        expected = cells_before + prompt.num_cells - reused + stream.num_decoded_generated
+        expected = cells_before + prompt.num_cells - reused + decoded_generated(stream)
         assert s.num_cells == expected
         cells_before = s.num_cells
         # and it is exactly the chat a client would send whole, then the reply so far
         whole = prepare(prep, chat.messages[:-1])
         held, gen = held_atoms(infer.engine, "s")
         assert held == atoms_of_prompt(whole)
-        assert gen == stream.token_ids[: stream.num_decoded_generated]
+        assert gen == stream.token_ids[: decoded_generated(stream)]
         previous = stream
 
 
