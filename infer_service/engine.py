@@ -416,6 +416,16 @@ class Engine:
         if self.store is not None:
             self._flush(session_id)
             self.store.delete(session_id)
+            self._forget_media(session)
+
+    def _forget_media(self, session: Session) -> None:
+        """Delete saved pixels no other session refers to (a broken one might: keep them then)."""
+        assert self.store is not None
+        if self.broken_sessions:
+            return
+        used = {px.media_id for s in self.sessions.values() for px in s.pixels.values()}
+        for media_id in {px.media_id for px in session.pixels.values()} - used:
+            self.store.delete_media(media_id)
 
     def save_session(self, session_id: str) -> Session:
         session = self._idle_session(session_id)

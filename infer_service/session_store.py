@@ -106,6 +106,9 @@ class SessionStore:
         tmp.write_bytes(rgb)
         os.replace(tmp, target)
 
+    def delete_media(self, media_id: str) -> None:
+        (self.root / "media" / f"{check_session_id(media_id)}.rgb").unlink(missing_ok=True)
+
     def load_media(self, media_id: str) -> bytes:
         try:
             return (self.root / "media" / f"{check_session_id(media_id)}.rgb").read_bytes()

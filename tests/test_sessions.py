@@ -654,10 +654,12 @@ def test_session_errors_have_clear_statuses_and_the_service_goes_on(
     assert stream.started.num_reused_cells == 0
     assert session_info(stub, "busy").num_turns == 1
 
-    # DeleteSession removes the file
+    # DeleteSession removes the file, and the pixels no other session refers to
     assert (tmp_path / "busy.session").is_file()
+    assert len(list((tmp_path / "media").iterdir())) == 1
     stub.DeleteSession(infer_pb2.DeleteSessionRequest(session_id="busy"), timeout=10)
     assert not (tmp_path / "busy.session").exists()
+    assert list((tmp_path / "media").iterdir()) == []
     assert status_of(lambda: session_info(stub, "busy")).code() == grpc.StatusCode.NOT_FOUND
     listed = stub.ListSessions(infer_pb2.ListSessionsRequest(), timeout=10).sessions
     assert sorted(s.session_id for s in listed) == sorted([picked, "x" * 64])
