@@ -266,8 +266,13 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         return infer_pb2.GetSessionResponse(session=session_info(session))
 
     async def ListSessions(self, request, context):
-        sessions = await self._engine_call(lambda: list(self.engine.sessions.values()))
-        return infer_pb2.ListSessionsResponse(sessions=[session_info(s) for s in sessions])
+        sessions, broken = await self._engine_call(
+            lambda: (list(self.engine.sessions.values()), dict(self.engine.broken_sessions))
+        )
+        return infer_pb2.ListSessionsResponse(
+            sessions=[session_info(s) for s in sessions]
+            + [infer_pb2.SessionInfo(session_id=i, error=str(e)) for i, e in sorted(broken.items())]
+        )
 
     async def DeleteSession(self, request, context):
         await self._session_rpc(context, self.engine.delete_session, request.session_id)

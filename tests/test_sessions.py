@@ -801,7 +801,21 @@ def test_corrupt_and_foreign_session_files_are_reported_not_fatal(
     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "another model" in e.details()
 
     listed = stub.ListSessions(infer_pb2.ListSessionsRequest(), timeout=10).sessions
-    assert sorted(s.session_id for s in listed) == ["good", "kv-cut", "template"]
+    assert sorted(s.session_id for s in listed if not s.error) == ["good", "kv-cut", "template"]
+    broken = {s.session_id: s.error for s in listed if s.error}
+    assert sorted(broken) == sorted(
+        [
+            "garbage",
+            "empty",
+            "cut-header",
+            "bad-json",
+            "no-ledger",
+            "future",
+            "no-pixels",
+            "foreign",
+        ]
+    )
+    assert "another model" in broken["foreign"] and "unreadable" in broken["garbage"]
     for sid in ("good", "kv-cut"):
         stream = chats[sid].turn("and again ", image(80), " ok")
         assert stream.finished.reason in OK_REASONS

@@ -246,7 +246,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, started: _Optional[_Union[Started, _Mapping]] = ..., prefill: _Optional[_Union[PrefillProgress, _Mapping]] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., shift: _Optional[_Union[ContextShift, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "num_turns", "num_cells", "next_position", "resident", "context", "sampling", "num_shifts", "num_media")
+    __slots__ = ("session_id", "num_turns", "num_cells", "next_position", "resident", "context", "sampling", "num_shifts", "num_media", "error")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
     NUM_CELLS_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +256,7 @@ class SessionInfo(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_SHIFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_MEDIA_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_turns: int
     num_cells: int
@@ -265,7 +266,8 @@ class SessionInfo(_message.Message):
     sampling: SamplingParams
     num_shifts: int
     num_media: int
-    def __init__(self, session_id: _Optional[str] = ..., num_turns: _Optional[int] = ..., num_cells: _Optional[int] = ..., next_position: _Optional[int] = ..., resident: _Optional[bool] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_shifts: _Optional[int] = ..., num_media: _Optional[int] = ...) -> None: ...
+    error: str
+    def __init__(self, session_id: _Optional[str] = ..., num_turns: _Optional[int] = ..., num_cells: _Optional[int] = ..., next_position: _Optional[int] = ..., resident: _Optional[bool] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_shifts: _Optional[int] = ..., num_media: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
     __slots__ = ("session_id", "context", "sampling")
