@@ -914,13 +914,8 @@ def _prepared_pb(prompt: Prepared | prompt_pb2.PreparedPrompt) -> prompt_pb2.Pre
 # the blocking client
 
 
-class SlotwiseClient:
-    """Blocking client for a PrepService and an InferService (either address may be omitted).
-
-    timeout: default deadline in seconds for every call but Generate (None: no deadline).
-    retry: backoff for UNAVAILABLE on Prepare/CountTokens/GetModelInfo/GetServerInfo.
-    token: sent as `authorization: Bearer <token>` on every call.
-    """
+class _ClientBase:
+    """What both clients are made of: addresses, security, deadlines, retries."""
 
     def __init__(
         self,
@@ -944,10 +939,26 @@ class SlotwiseClient:
             max_message_bytes=max_message_bytes,
             metadata=metadata,
         )
+        self._connect()
+
+    def _connect(self) -> None:
+        raise NotImplementedError
+
+
+class SlotwiseClient(_ClientBase):
+    """Blocking client for a PrepService and an InferService (either address may be omitted).
+
+    timeout: default deadline in seconds for every call but Generate (None: no deadline).
+    retry: backoff for UNAVAILABLE on Prepare/CountTokens/GetModelInfo/GetServerInfo.
+    token: sent as `authorization: Bearer <token>` on every call.
+    """
+
+    def _connect(self) -> None:
         self._channels: dict[str, grpc.Channel] = {}
-        self._prep = prep_pb2_grpc.PrepServiceStub(self._open("prep")) if prep_address else None
+        s = self._s
+        self._prep = prep_pb2_grpc.PrepServiceStub(self._open("prep")) if s.prep_address else None
         self._infer = (
-            infer_pb2_grpc.InferServiceStub(self._open("infer")) if infer_address else None
+            infer_pb2_grpc.InferServiceStub(self._open("infer")) if s.infer_address else None
         )
 
     def _open(self, which: str) -> grpc.Channel:
@@ -1151,36 +1162,16 @@ class SlotwiseClient:
 # the asyncio client
 
 
-class AsyncSlotwiseClient:
+class AsyncSlotwiseClient(_ClientBase):
     """The grpc.aio twin of `SlotwiseClient`: same arguments, awaitable methods, and
     `generate`/`chat` are async iterators of the same events."""
 
-    def __init__(
-        self,
-        prep_address: str | None = None,
-        infer_address: str | None = None,
-        *,
-        tls: Tls | None = None,
-        token: str | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        retry: RetryPolicy = RetryPolicy(),
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        metadata: Sequence[tuple[str, str]] = (),
-    ):
-        self._s = _Settings(
-            prep_address,
-            infer_address,
-            tls=tls,
-            token=token,
-            timeout=timeout,
-            retry=retry,
-            max_message_bytes=max_message_bytes,
-            metadata=metadata,
-        )
+    def _connect(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._prep = prep_pb2_grpc.PrepServiceStub(self._open("prep")) if prep_address else None
+        s = self._s
+        self._prep = prep_pb2_grpc.PrepServiceStub(self._open("prep")) if s.prep_address else None
         self._infer = (
-            infer_pb2_grpc.InferServiceStub(self._open("infer")) if infer_address else None
+            infer_pb2_grpc.InferServiceStub(self._open("infer")) if s.infer_address else None
         )
 
     def _open(self, which: str) -> grpc.aio.Channel:
