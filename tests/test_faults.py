@@ -268,3 +268,41 @@ def test_stopping_the_server_ends_streams_and_refuses_new_calls(
         assert not infer.engine._thread.is_alive()
         err = rpc_error(lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2))
         assert err.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# -- a batch llama.cpp refuses ------------------------------------------------------------------
+
+
+def test_a_sequence_llama_cpp_refuses_ends_alone(
+    infer_server: Callable[..., Any], prep_servers: Callable[[str], int]
+) -> None:
+    """When llama_decode refuses a batch, each sequence is decoded again on its own: only the
+    one llama.cpp refuses ends (ERROR), the others go on with every token."""
+    from infer_service.ledger import Item
+
+    server = infer_server("rope", ctx_size=1024, parallel=2)
+    text = prepare(prep_servers("rope"), raw="Two streams side by side")
+    with channel(server.port) as ch:
+        stub = infer_pb2_grpc.InferServiceStub(ch)
+        calls = {}
+        for seed in (1, 2):
+            call = stub.Generate(make_request(text, max_tokens=300, seed=seed), timeout=60)
+            calls[next(call).started.slot] = call
+            assert next(call).HasField("prefill")
+
+        def break_one_ledger() -> tuple[int, int]:
+            # the ledger now promises 3 cells llama.cpp never received: the next position it
+            # asks for is past the sequence's end, which llama.cpp refuses (Y != X + 1)
+            active = [s for s in server.engine.slots if s.job is not None]
+            assert active[0].ledger is not None
+            active[0].ledger.append(Item.text([5, 6, 7], 0))
+            return active[0].seq, len(active)
+
+        broken, num_active = server.engine.call(break_one_ledger).result(10)
+        assert num_active == 2  # both in the batch llama.cpp refuses
+        finished = {slot: list(call)[-1].finished for slot, call in calls.items()}
+    refused, other = finished[broken], finished[1 - broken]
+    assert refused.reason == infer_pb2.FINISH_REASON_ERROR
+    assert "llama_decode failed" in refused.error
+    assert other.reason == infer_pb2.FINISH_REASON_LENGTH and other.error == ""
+    assert other.usage.num_generated_tokens == 300
