@@ -204,8 +204,8 @@ class Stream:
 def streamed_rate(streams: Sequence[Stream]) -> float:
     """Aggregate tokens/s after the latest first token (all streams under way) to the end.
 
-    When nothing arrived after that (a tiny model's whole answer in one message), the rate is
-    taken from the request instead, prefill included.
+    When (almost) nothing arrived after that (a tiny model's whole answer in one message), the
+    rate is taken from the request instead, prefill included.
     """
     live = [s for s in streams if s.arrivals]
     if not live:
@@ -213,7 +213,7 @@ def streamed_rate(streams: Sequence[Stream]) -> float:
     t0 = max(s.arrivals[0][0] for s in live)
     t1 = max(s.arrivals[-1][0] for s in live)
     n = sum(k for s in live for t, k in s.arrivals if t > t0)
-    if n == 0 or t1 <= t0:
+    if n < 2 or t1 <= t0:  # (nearly) everything came in one message per stream
         t0 = min(s.t_sent for s in live)
         n = sum(s.num_tokens for s in live)
     if n < 2 or t1 <= t0:
