@@ -290,7 +290,7 @@ class Engine:
             if session is not None and session.slot is not None:
                 return self.slots[session.slot]  # its own slot, never used by others while owned
         unowned = [s for s in free if s.owner is None]
-        if unowned and job.session_id is None:
+        if len(unowned) > 1 and job.session_id is None:  # (_start matches the chosen one again)
             return max(unowned, key=lambda s: _reusable_cells(s.ledger, job.items))
         if unowned:
             return min(unowned, key=lambda s: s.ledger.num_cells if s.ledger else 0)
@@ -535,8 +535,9 @@ class Engine:
                     f"session {session_id!r} was saved with another model ({str(fp)[:80]})",
                 )
             session = Session.from_header(session_id, saved.header, self.new_ledger)
+            held = {seg.media_id for seg in session.ledger.segments if seg.is_media}
             for key, px in session.pixels.items():
-                if any(seg.media_id == key for seg in session.ledger.segments):
+                if key in held:
                     session.media[key] = self._media_handle(key, px)
         except SessionError as e:
             log.warning("%s", e)
