@@ -35,7 +35,8 @@ from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
-from google.rpc import status_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 from PIL.Image import Image as PILImage
 
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
@@ -88,7 +89,11 @@ class SlotwiseError(grpc.RpcError):
     """A call failed: the gRPC status code and the server's message.
 
     Like the errors grpc raises, `code()` is a `grpc.StatusCode` and `details()` the message;
-    `status` holds the google.rpc.Status with its details, when the server sent one.
+    `status` holds the google.rpc.Status with its details, when the server sent one: `reason`
+    and `metadata` come from its ErrorInfo (e.g. PROMPT_TOO_LONG with cells_needed and
+    capacity, QUEUE_FULL, STALE_DESCRIPTOR, SESSION_NOT_SAVED), `retry_delay` from RetryInfo,
+    `field_violations` from BadRequest. `finished` is the stream's Finished event when the
+    failure came after it (a turn that completed but was not saved, or an error mid-stream).
     """
 
     def __init__(
@@ -98,6 +103,23 @@ class SlotwiseError(grpc.RpcError):
         self._code = code
         self.message = message
         self.status = status
+        self.reason = ""
+        self.metadata: dict[str, str] = {}
+        self.retry_delay: float | None = None
+        self.field_violations: dict[str, str] = {}
+        self.finished: Finished | None = None
+        for detail in status.details if status is not None else ():
+            info, retry, bad = (
+                error_details_pb2.ErrorInfo(),
+                error_details_pb2.RetryInfo(),
+                error_details_pb2.BadRequest(),
+            )
+            if detail.Unpack(info):
+                self.reason, self.metadata = info.reason, dict(info.metadata)
+            elif detail.Unpack(retry):
+                self.retry_delay = retry.retry_delay.ToTimedelta().total_seconds()
+            elif detail.Unpack(bad):
+                self.field_violations = {v.field: v.description for v in bad.field_violations}
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -114,15 +136,19 @@ class SlotwiseError(grpc.RpcError):
             return e
         code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
         message = (e.details() if hasattr(e, "details") else None) or str(e)
-        status = None
-        trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
-        for key, value in trailing or ():
-            if key == "grpc-status-details-bin":
-                try:
-                    status = status_pb2.Status.FromString(value)
-                except Exception:  # a malformed detail must not hide the error itself
-                    status = None
+        try:
+            status = rpc_status.from_call(e) if hasattr(e, "trailing_metadata") else None
+        except Exception:  # a malformed or mismatched detail must not hide the error itself
+            status = None
         return cls(code or grpc.StatusCode.UNKNOWN, message, status=status)
+
+
+def _stream_error(e: grpc.RpcError, finished: Finished | None) -> SlotwiseError:
+    """A stream's non-OK status; after its Finished event (a turn not saved, an error
+    mid-stream) the error carries that event."""
+    error = SlotwiseError.from_rpc_error(e)
+    error.finished = finished
+    return error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -512,12 +538,26 @@ class Usage:
     decode_seconds: float = 0.0
 
 
+class Persistence(str, enum.Enum):
+    """Whether a session turn's result is on disk (see Finished.persistence)."""
+
+    UNSPECIFIED = "unspecified"  # not a session turn, or it did not complete
+    MEMORY = "memory"  # the server keeps sessions in memory only
+    SAVED = "saved"
+    NOT_SAVED = "not_saved"  # completed and kept in memory, but not on disk (error says why)
+
+
 @dataclass(frozen=True)
 class Finished:
     reason: FinishReason
     usage: Usage = field(default_factory=Usage)
     stop_string: str = ""
     error: str = ""
+    persistence: Persistence = Persistence.UNSPECIFIED
+
+    @property
+    def saved(self) -> bool:
+        return self.persistence is Persistence.SAVED
 
 
 Event = Started | Prefill | Delta | Shift | Finished
@@ -568,8 +608,16 @@ def event_from_pb(pb: infer_pb2.GenerateResponse) -> Event | None:
             ),
             stop_string=f.stop_string,
             error=f.error,
+            persistence=_PERSISTENCE_FROM_PB.get(f.persistence, Persistence.UNSPECIFIED),
         )
     return None
+
+
+_PERSISTENCE_FROM_PB = {
+    infer_pb2.PERSISTENCE_MEMORY: Persistence.MEMORY,
+    infer_pb2.PERSISTENCE_SAVED: Persistence.SAVED,
+    infer_pb2.PERSISTENCE_NOT_SAVED: Persistence.NOT_SAVED,
+}
 
 
 def sampling_pb(
@@ -607,17 +655,21 @@ def context_pb(
     unit: Unit | str | None = None,
     truncate_prompt: bool | None = None,
 ) -> infer_pb2.ContextOptions | None:
-    """ContextOptions, or None when no option is given (the server's or session's apply)."""
+    """ContextOptions with the options given, or None when none is: the server's defaults (or,
+    on a session turn, the session's options) apply to every option left out, one by one."""
     if all(v is None for v in (policy, keep, discard_fraction, unit, truncate_prompt)):
         return None
-    context = infer_pb2.ContextOptions(
-        policy=_POLICY_TO_PB[Policy(policy or Policy.AUTO)],
-        keep=keep or 0,
-        unit=_UNIT_TO_PB[Unit(unit or Unit.TOKEN)],
-        truncate_prompt=bool(truncate_prompt),
-    )
+    context = infer_pb2.ContextOptions()
+    if policy is not None:
+        context.policy = _POLICY_TO_PB[Policy(policy)]
+    if keep is not None:
+        context.keep = keep
     if discard_fraction is not None:
         context.discard_fraction = discard_fraction
+    if unit is not None:
+        context.unit = _UNIT_TO_PB[Unit(unit)]
+    if truncate_prompt is not None:
+        context.truncate_prompt = truncate_prompt
     return context
 
 
@@ -1078,17 +1130,17 @@ class SlotwiseClient(_ClientBase):
     ) -> Generator[Event, None, None]:
         assert self._infer is not None
         call = self._infer.Generate(request, timeout=timeout, metadata=self._s.metadata)
-        finished = False
+        finished: Finished | None = None
         try:
             for pb in call:
                 event = event_from_pb(pb)
                 if event is not None:
-                    finished = isinstance(event, Finished)
+                    finished = event if isinstance(event, Finished) else None
                     yield event
         except grpc.RpcError as e:
-            raise SlotwiseError.from_rpc_error(e) from None
+            raise _stream_error(e, finished) from None
         finally:
-            if not finished:
+            if finished is None:
                 call.cancel()
 
     # -- sessions (InferService) --------------------------------------------------------------
@@ -1280,17 +1332,17 @@ class AsyncSlotwiseClient(_ClientBase):
             pb = (await self.prepare(prompt, images, timeout=prepare_timeout)).prompt
         request = generate_request(pb, **options)
         call = self._infer.Generate(request, timeout=timeout, metadata=self._s.metadata)
-        finished = False
+        finished: Finished | None = None
         try:
             async for pb_event in call:
                 event = event_from_pb(pb_event)
                 if event is not None:
-                    finished = isinstance(event, Finished)
+                    finished = event if isinstance(event, Finished) else None
                     yield event
         except grpc.RpcError as e:
-            raise SlotwiseError.from_rpc_error(e) from None
+            raise _stream_error(e, finished) from None
         finally:
-            if not finished:
+            if finished is None:
                 call.cancel()
 
     # -- sessions (InferService) --------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 from dataclasses import dataclass
@@ -33,10 +34,14 @@ log = logging.getLogger("slotwise.infer")
 SERVICE = infer_pb2.DESCRIPTOR.services_by_name["InferService"].full_name
 
 
+EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: compose and Kubernetes restart the process
+
+
 @dataclass
 class RunningInfer:
     server: Server
     engine: Engine
+    died: asyncio.Event  # the engine thread died: health is NOT_SERVING, the process must go
 
     @property
     def port(self) -> int:
@@ -76,6 +81,18 @@ async def start(
         Engine, runtime, max_queue=max_queue, cache_bytes=cache_bytes, store=store
     )
     metrics.collect_from(engine_metrics(engine, metrics))
+    loop = asyncio.get_running_loop()
+    died = asyncio.Event()
+
+    async def report_death() -> None:
+        await server.set_not_serving()
+        died.set()
+
+    def on_death(error: BaseException) -> None:  # on the dying engine thread
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
+            asyncio.run_coroutine_threadsafe(report_death(), loop)
+
+    engine.on_death = on_death
     engine.start()
     server.bind(
         infer_pb2_grpc.add_InferServiceServicer_to_server, InferServicer(engine, limits=limits)
@@ -83,7 +100,7 @@ async def start(
     if metrics_port is not None:
         metrics.serve(metrics_port)
     await server.set_serving()
-    return RunningInfer(server, engine)
+    return RunningInfer(server, engine, died)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -127,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
     )
 
-    async def run() -> None:
+    async def run() -> int:
         infer = await start(
             config,
             address=f"{args.host}:{args.port}",
@@ -144,15 +161,20 @@ def main(argv: list[str] | None = None) -> int:
             "infer_service serving on %s:%d: %d slots x %d cells, can_shift=%s, mrope=%s",
             args.host, infer.port, rt.num_slots, rt.num_cells_per_slot, rt.can_shift, rt.uses_mrope,
         )  # fmt: skip
-        await run_until_signal(infer.server)
+        await run_until_signal(infer.server, failed=infer.died)
         await asyncio.to_thread(infer.engine.stop)
+        if infer.died.is_set():
+            log.critical(
+                "the engine died: exiting with %d so that it is restarted", EXIT_ENGINE_DIED
+            )
+            return EXIT_ENGINE_DIED
+        return 0
 
     try:
-        asyncio.run(run())
+        return asyncio.run(run())
     except (FileNotFoundError, ModelMismatchError, NativeError, ValueError) as e:
         log.error("%s", e)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ slots are needed and swapped back in, from disk, on its next turn.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -29,11 +30,17 @@ from infer_service.events import (
     Event,
     Finished,
     FinishReason,
+    Persistence,
     PrefillProgress,
+    Problem,
+    ProblemError,
+    Reason,
     Rejected,
     Started,
     TokenDelta,
     Usage,
+    problem,
+    storage_problem,
 )
 from infer_service.ledger import (
     CannotFit,
@@ -49,9 +56,10 @@ from infer_service.ledger import (
 )
 from infer_service.media import MediaHandle, media_handle, media_key
 from infer_service.runtime import EmbeddingCache, Runtime, SamplingConfig
-from infer_service.session_store import CorruptSessionError, SessionStore
+from infer_service.session_store import CorruptSessionError, SessionStore, ledger_digest
 from infer_service.sessions import Pixels, Session
 from infer_service.text_stream import TextStream
+from prep_service import native
 from prep_service.descriptors import Fingerprint, MediaChunk, PreparedPrompt
 from prep_service.native import Bitmap
 
@@ -59,17 +67,24 @@ log = logging.getLogger("slotwise.engine")
 T = TypeVar("T")
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(ProblemError):
     pass
 
 
-class SessionError(RuntimeError):
-    def __init__(self, kind: ErrorKind, message: str):
-        super().__init__(message)
-        self.kind = kind
+class SessionError(ProblemError):
+    def __init__(self, kind: ErrorKind, message: str, reason: Reason = Reason.INTERNAL):
+        super().__init__(Problem(kind, message, reason))
 
 
-@dataclass
+class EngineStoppedError(ProblemError):
+    """The engine thread is gone (stopped, or died): nothing more will run."""
+
+
+def _session_error(kind: ErrorKind, reason: Reason, message: str) -> SessionError:
+    return SessionError(kind, message, reason)
+
+
+@dataclass(eq=False)  # a job is itself: the wait queue removes this one, not an equal one
 class Job:
     items: list[Item]
     media: dict[str, MediaHandle]
@@ -82,6 +97,7 @@ class Job:
     session_id: str | None = None
     stream_tokens: int = 1  # tokens per TokenDelta
     pixels: dict[str, Pixels] = field(default_factory=dict)
+    rgb: dict[str, bytes] = field(default_factory=dict)  # media_id -> pixels (session turns)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -162,14 +178,19 @@ class Engine:
         self.store = store
         self.sessions: dict[str, Session] = {}
         self.broken_sessions: dict[str, SessionError] = {}
-        self._waiting: deque[Job] = deque()
+        self._waiting: deque[Job] = deque()  # touched only under _wake
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._wake = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-writer")
-        self._saves: dict[str, Future[None]] = {}
+        self.died: BaseException | None = None
+        self._thread = threading.Thread(target=self._supervise, name="llama-engine", daemon=True)
+        # disk work, in order: session writes, reads before a swap-in, deletions
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-io")
+        self._writes = _Writes()
+        self._prefetch: dict[str, Future[_Prefetched]] = {}  # session id -> its swap-in read
+        self._restoring: set[str] = set()
         self.on_first_token: Callable[[float], None] = lambda seconds: None  # TTFT
+        self.on_death: Callable[[BaseException], None] = lambda error: None
         if store is not None:
             for session_id in store.ids():
                 self._load_session(session_id)
@@ -181,8 +202,13 @@ class Engine:
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join()
-        self._writer.shutdown(wait=True)
+        if self._thread.is_alive() or self._thread.ident is not None:
+            self._thread.join()
+        self._io.shutdown(wait=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.died is None and not self._stopping
 
     @property
     def num_waiting(self) -> int:
@@ -194,21 +220,47 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         with self._wake:
+            self._check_alive()
             if len(self._waiting) >= self.max_queue:
                 raise QueueFullError(
-                    f"all {len(self.slots)} slots are busy and {len(self._waiting)} requests "
-                    f"wait (queue limit {self.max_queue}); retry later"
+                    Problem(
+                        ErrorKind.RESOURCE_EXHAUSTED,
+                        f"all {len(self.slots)} slots are busy and {len(self._waiting)} requests "
+                        f"wait (queue limit {self.max_queue}); retry later",
+                        Reason.QUEUE_FULL,
+                        (("queue_limit", str(self.max_queue)), ("slots", str(len(self.slots)))),
+                        retry_after=1.0,
+                    )
                 )
             self._waiting.append(job)
             self._wake.notify()
 
     def call(self, fn: Callable[[], T]) -> Future[T]:
-        """Run fn on the engine thread between steps (it may touch slots and sessions)."""
+        """Run fn on the engine thread between steps (it may touch slots and sessions).
+
+        A caller that gives up cancels the future: fn is then skipped, never run late.
+        """
         future: Future[T] = Future()
         with self._wake:
+            self._check_alive()
             self._calls.append((fn, future))
             self._wake.notify()
         return future
+
+    def _check_alive(self) -> None:
+        if self.died is not None or self._stopping:
+            why = "died" if self.died is not None else "is shutting down"
+            raise EngineStoppedError(
+                Problem(
+                    ErrorKind.UNAVAILABLE,
+                    f"the engine {why}; retry on another replica or after the restart",
+                    Reason.ENGINE_DIED if self.died is not None else Reason.SHUTTING_DOWN,
+                )
+            )
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
 
     def new_ledger(self, ctx: ContextConfig) -> Ledger:
         return Ledger(
@@ -223,6 +275,34 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------------
 
+    def _supervise(self) -> None:
+        """Crash-only: if the loop ever dies, every caller hears it and the process is told
+        (on_death), instead of a thread that is gone while health says SERVING."""
+        try:
+            self._run()
+        except BaseException as e:
+            with self._wake:
+                self.died = e
+            log.critical("the engine thread died", exc_info=e)
+            gone = Problem(ErrorKind.UNAVAILABLE, f"the engine died: {e!r}", Reason.ENGINE_DIED)
+            self._end_everything(gone)
+            self.on_death(e)
+
+    def _end_everything(self, why: Problem) -> None:
+        """Every active, queued and pending caller gets `why`; nothing waits forever."""
+        for slot in self.slots:
+            if slot.job:
+                job, slot.job = slot.job, None
+                _safely(job.emit, Finished(FinishReason.CANCELLED, error=why.message, problem=why))
+        with self._wake:
+            waiting, self._waiting = list(self._waiting), deque()
+            calls, self._calls = list(self._calls), deque()
+        for job in waiting:
+            _safely(job.emit, Rejected(why))
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineStoppedError(why))
+
     def _run(self) -> None:
         while True:
             with self._wake:
@@ -233,10 +313,14 @@ class Engine:
                 calls = list(self._calls)
                 self._calls.clear()
             for fn, future in calls:
+                if not future.set_running_or_notify_cancel():
+                    continue  # its caller went away (deadline, cancel): nobody wants it now
                 try:
-                    future.set_result(fn())
+                    result = fn()
                 except BaseException as e:
                     future.set_exception(e)
+                else:
+                    future.set_result(result)
             try:
                 self._admit_waiting()
                 self._step()
@@ -245,12 +329,9 @@ class Engine:
                 for slot in self.slots:
                     if slot.job:
                         self._finish(slot, FinishReason.ERROR, error=f"internal error: {e}")
-        for slot in self.slots:
-            if slot.job:
-                self._finish(slot, FinishReason.CANCELLED, error="server shutting down")
-        for job in self._waiting:
-            job.emit(Finished(FinishReason.CANCELLED, error="server shutting down"))
-            job.release()
+        self._end_everything(
+            Problem(ErrorKind.UNAVAILABLE, "server shutting down", Reason.SHUTTING_DOWN)
+        )
 
     def _has_work(self) -> bool:
         return bool(self.num_active) or (bool(self._waiting) and self._free_slot_exists())
@@ -260,26 +341,59 @@ class Engine:
 
     def _admit_waiting(self) -> None:
         now = time.monotonic()
-        for job in list(self._waiting):
-            if job.cancelled.is_set() or (job.deadline is not None and now > job.deadline):
+        with self._wake:
+            gone = [
+                job
+                for job in self._waiting
+                if job.cancelled.is_set() or (job.deadline is not None and now > job.deadline)
+            ]
+            for job in gone:
                 self._waiting.remove(job)
-                self._end_session_turn(job, completed=False)
-                why = "cancelled" if job.cancelled.is_set() else "deadline exceeded"
-                job.emit(Finished(FinishReason.CANCELLED, error=f"{why} while queued"))
-                job.release()
-        for job in list(self._waiting):
+            waiting = list(self._waiting)
+        for job in gone:
+            self._end_session_turn(job, completed=False)
+            deadline = not job.cancelled.is_set()
+            why = "deadline exceeded" if deadline else "cancelled"
+            job.emit(
+                Finished(
+                    FinishReason.CANCELLED,
+                    error=f"{why} while queued",
+                    problem=_cancelled(deadline, f"{why} while queued"),
+                )
+            )
+            job.release()
+        for job in waiting:
             slot = self._choose_slot(job)
-            if slot is None:
+            if slot is None or not self._ready_to_start(job):
                 continue
-            self._waiting.remove(job)
+            with self._wake:
+                self._waiting.remove(job)
             try:
                 self._start(slot, job)
-            except SessionError as e:
-                self._reject(job, e.kind, str(e))
+            except ProblemError as e:
+                slot.job = None
+                self._reject(job, e.problem)
             except Exception as e:  # a bug: the request fails, the engine goes on
                 log.exception("starting a request failed")
                 slot.job = None
-                self._reject(job, ErrorKind.INTERNAL, f"internal error: {e}")
+                self._reject(job, Problem(ErrorKind.INTERNAL, f"internal error: {e}"))
+
+    def _ready_to_start(self, job: Job) -> bool:
+        """A session that is not in a slot has its saved state read off the engine thread
+        first; until then its turn waits (and the engine wakes when the read is done)."""
+        if job.session_id is None or self.store is None:
+            return True
+        session = self.sessions.get(job.session_id)
+        if session is None or session.slot is not None or not session.ledger.segments:
+            return True
+        prefetch = self._prefetch.get(job.session_id)
+        if prefetch is None:
+            prefetch = self._io.submit(self._read_for_swap_in, session.session_id,
+                                       ledger_digest(session.ledger.to_json()),
+                                       dict(session.pixels), dict(session.rgb))  # fmt: skip
+            self._prefetch[job.session_id] = prefetch
+            prefetch.add_done_callback(lambda _: self._notify())
+        return prefetch.done()
 
     def _choose_slot(self, job: Job) -> _Slot | None:
         free = [s for s in self.slots if s.job is None]
@@ -309,7 +423,8 @@ class Engine:
                 reprefill = not self._swap_in(session, slot)
             session.media.update(job.media)
             session.pixels.update(job.pixels)
-            job.media = {}  # the session owns the native chunks now
+            session.rgb.update(job.rgb)
+            job.media, job.rgb = {}, {}  # the session owns the native chunks and pixels now
             ledger = session.ledger
             start = ledger.generated_tail()
         else:
@@ -322,18 +437,22 @@ class Engine:
             policy=ctx.policy, keep=ctx.keep, discard_fraction=ctx.discard_fraction, unit=ctx.unit
         )
         num_before = sum(seg.num_cells for seg in ledger.segments[:start])
-        si, so, rest = ledger.common_prefix(job.items, start)
+        # a session continues what it holds; any other request reuses only what equals a
+        # fresh prefill of its prefix (same tokens in, same tokens out, whatever came before)
+        si, so, rest = ledger.common_prefix(job.items, start, exact=job.session_id is None)
         cut = ledger.truncate(si, so)
         num_reused = ledger.num_cells - num_before
         # a reused M-RoPE image holds more cells than positions: count its positions
         num_reused_positions = sum(seg.num_positions for seg in ledger.segments[start:])
         admission = ledger.admit(rest, truncate=ctx.truncate_prompt)
-        error = None
+        error: ProblemError | None = None
         if isinstance(admission, CannotFit):
-            error = SessionError(ErrorKind.RESOURCE_EXHAUSTED, admission.message)
+            error = ProblemError(too_long(admission))
         elif admission.kept and admission.kept[-1].media_id:
             error = SessionError(
-                ErrorKind.INVALID_ARGUMENT, "the prompt ends with media: add text after it"
+                ErrorKind.INVALID_ARGUMENT,
+                "the prompt ends with media: add text after it",
+                Reason.BAD_REQUEST,
             )
         restore: list[Item] = []
         if reprefill and error is not None:
@@ -378,89 +497,138 @@ class Engine:
             )
         )
 
-    def _reject(self, job: Job, kind: ErrorKind, message: str) -> None:
+    def _reject(self, job: Job, why: Problem) -> None:
         self._end_session_turn(job, completed=False)
-        job.emit(Rejected(kind, message))
+        job.emit(Rejected(why))
         job.release()
 
     def _media(self, slot: _Slot, key: str) -> MediaHandle:
         assert slot.job is not None
-        if slot.owner is not None:
-            return self.sessions[slot.owner].media[key]
-        return slot.job.media[key]
+        if slot.owner is None:
+            return slot.job.media[key]
+        session = self.sessions[slot.owner]
+        handle = session.media.get(key)
+        if handle is None:  # swapped in from its KV state: handles are made when needed
+            px = session.pixels[key]
+            rgb = session.rgb.get(px.media_id)
+            if rgb is None:
+                assert self.store is not None
+                rgb = self.store.load_media(px.media_id, px.width, px.height)
+            handle = session.media[key] = self._media_handle(key, px, rgb)
+        return handle
 
     # -- sessions (engine thread only) ------------------------------------------------------
 
     def create_session(
         self, session_id: str, context: ContextConfig, sampling: SamplingConfig
-    ) -> Session:
-        if session_id in self.sessions or session_id in self.broken_sessions:
-            raise SessionError(ErrorKind.ALREADY_EXISTS, f"session {session_id!r} already exists")
+    ) -> tuple[Session, Future[None] | None]:
+        """The new session, and its first write (await it off the engine thread)."""
+        if (
+            session_id in self.sessions
+            or session_id in self.broken_sessions
+            or (session_id in self._restoring)
+        ):
+            raise _session_error(
+                ErrorKind.ALREADY_EXISTS,
+                Reason.SESSION_EXISTS,
+                f"session {session_id!r} already exists",
+            )
         session = Session(session_id, context, sampling, self.new_ledger(context))
         self.sessions[session_id] = session
-        self._save(session, b"")
-        return session
+        return session, self._save(session, b"")
 
-    def delete_session(self, session_id: str) -> None:
-        self.broken_sessions.pop(session_id, None)
+    def delete_session(self, session_id: str) -> Future[bool] | None:
+        """Forget the session; returns the disk deletion (ordered after its pending writes),
+        whose result says whether a file was there."""
+        was_broken = self.broken_sessions.pop(session_id, None) is not None
         session = self.sessions.get(session_id)
-        if session is None:
-            if self.store is None or not self.store.delete(session_id):
-                raise SessionError(ErrorKind.NOT_FOUND, f"no session {session_id!r}")
-            return
-        self._idle_session(session_id)
-        if session.slot is not None:
-            self._swap_out(self.slots[session.slot])
-        del self.sessions[session_id]
-        session.release()
-        if self.store is not None:
-            self._flush(session_id)
-            self.store.delete(session_id)
-            self._forget_media(session)
-
-    def _forget_media(self, session: Session) -> None:
-        """Delete saved pixels no other session refers to (a broken one might: keep them then)."""
-        assert self.store is not None
-        if self.broken_sessions:
-            return
+        if session is None and self.store is None:
+            raise self._not_found(session_id)
+        if session is not None:
+            self._idle_session(session_id)
+            if session.slot is not None:
+                self._swap_out(self.slots[session.slot], save=False)
+            del self.sessions[session_id]
+            session.release()
+        if self.store is None:
+            return None
+        store = self.store
+        media = {px.media_id for px in session.pixels.values()} if session else set()
         used = {px.media_id for s in self.sessions.values() for px in s.pixels.values()}
-        for media_id in {px.media_id for px in session.pixels.values()} - used:
-            self.store.delete_media(media_id)
+        # pixels another session refers to stay (a broken one might: keep them all then)
+        orphans = set() if self.broken_sessions else media - used
 
-    def save_session(self, session_id: str) -> Session:
+        def delete() -> bool:
+            found = store.delete(session_id)
+            for media_id in orphans:
+                store.delete_media(media_id)
+            if not (found or was_broken or session is not None):
+                raise self._not_found(session_id)
+            return found
+
+        return self._io.submit(delete)
+
+    def save_session(self, session_id: str) -> tuple[Session, Future[None] | None]:
         session = self._idle_session(session_id)
-        self._save(session, self.rt.state_get(session.slot) if session.slot is not None else None)
-        self._flush(session_id)
-        return session
+        state = self.rt.state_get(session.slot) if session.slot is not None else None
+        return session, self._save(session, state)
 
-    def restore_session(self, session_id: str) -> Session:
-        """Forget the in-memory state and read the session back from disk."""
+    def restore_session(self, session_id: str) -> Future[Session]:
+        """Forget the in-memory state and read the session back from disk. The read runs on
+        the io thread (after pending writes) and the restore completes even if its caller has
+        gone; the future gives the restored session."""
         session = self._idle_session(session_id)
         if self.store is None:
-            raise SessionError(
-                ErrorKind.FAILED_PRECONDITION, "sessions are not persisted (no --sessions-dir)"
+            raise _session_error(
+                ErrorKind.FAILED_PRECONDITION,
+                Reason.NOT_PERSISTED,
+                "sessions are not persisted (no --sessions-dir)",
             )
-        self._flush(session_id)
         if session.slot is not None:
-            self._swap_out(self.slots[session.slot])
+            self._swap_out(self.slots[session.slot], save=False)
         session.release()
         del self.sessions[session_id]
-        self._load_session(session_id)
-        return self._session(session_id)
+        self._restoring.add(session_id)
+        done: Future[Session] = Future()
+
+        def register(header: dict[str, Any] | BaseException) -> None:  # engine thread
+            self._restoring.discard(session_id)
+            self._register(session_id, header)
+            try:
+                done.set_result(self._session(session_id))
+            except ProblemError as e:
+                done.set_exception(e)
+
+        def read() -> None:  # io thread
+            header = self._read_header(session_id)
+            try:
+                self.call(lambda: register(header))
+            except EngineStoppedError as e:
+                done.set_exception(e)
+
+        self._io.submit(read)
+        return done
+
+    def _not_found(self, session_id: str) -> SessionError:
+        return _session_error(
+            ErrorKind.NOT_FOUND, Reason.SESSION_NOT_FOUND, f"no session {session_id!r}"
+        )
 
     def _session(self, session_id: str) -> Session:
         if session_id in self.broken_sessions:
             raise self.broken_sessions[session_id]
         session = self.sessions.get(session_id)
         if session is None:
-            raise SessionError(ErrorKind.NOT_FOUND, f"no session {session_id!r}")
+            raise self._not_found(session_id)
         return session
 
     def _idle_session(self, session_id: str) -> Session:
         session = self._session(session_id)
         if session.busy:
-            raise SessionError(
-                ErrorKind.FAILED_PRECONDITION, f"session {session_id!r} has a turn running"
+            raise _session_error(
+                ErrorKind.FAILED_PRECONDITION,
+                Reason.SESSION_BUSY,
+                f"session {session_id!r} has a turn running",
             )
         return session
 
@@ -480,6 +648,7 @@ class Engine:
     def _end_session_turn(self, job: Job, *, completed: bool) -> Future[None] | None:
         """Completed: save the session (returns the write). Not: back to the last completed
         turn (the ledger from the snapshot; the KV state from disk, or re-prefilled)."""
+        self._prefetch.pop(job.session_id or "", None)
         if job.session_id is None or job.session_id not in self.sessions:
             return None
         session = self.sessions[job.session_id]
@@ -488,87 +657,182 @@ class Engine:
         snapshot, session.snapshot = session.snapshot, None
         if completed:
             session.num_turns += 1
+            session.prune()
             assert session.slot is not None
             return self._save(session, self.rt.state_get(session.slot))
         if snapshot is not None:
             if session.slot is not None:
-                self._swap_out(self.slots[session.slot])
+                self._swap_out(self.slots[session.slot], save=False)
             session.ledger.load_json(snapshot[0])
             session.num_shifts = snapshot[1]
+        session.prune()
         return None
 
-    def _save(self, session: Session, kv_state: bytes | None) -> Future[None] | None:
+    def _save(
+        self, session: Session, kv_state: bytes | bytearray | memoryview | None
+    ) -> Future[None] | None:
+        """Write the session's whole current state (KV state None: keep the KV bytes on disk).
+
+        The write runs on the io thread and depends on no earlier write: after a failure the
+        next save writes everything again. A save queued behind a running one is replaced by a
+        newer one of the same session (pending saves stay bounded).
+        """
         if self.store is None:
             return None
-        header = session.header(self.rt.fingerprint, self.rt.layout)
-        store, sid = self.store, session.session_id
-        previous = self._saves.get(sid)
+        header = session.header(self.rt.fingerprint, self.rt.layout, "")
+        kv_digest = ledger_digest(header["ledger"]) if kv_state is not None else ""
+        media = {px.media_id for px in session.pixels.values() if px.media_id in session.rgb}
+        future: Future[None] = Future()
+        sid = session.session_id
+        session.dirty = True
+        session.num_saves += 1
+        number = session.num_saves
+        write = _Write(header, kv_state, kv_digest, [(m, session.rgb[m]) for m in media], [future])
+        if self._writes.queue(sid, write):
+            self._io.submit(self._write, sid)
 
-        def write() -> None:
-            if previous is not None:
-                previous.result()
-            state = kv_state
-            if state is None:  # keep the KV bytes already on disk
-                try:
-                    state = store.load(sid).kv_state
-                except (KeyError, CorruptSessionError):
-                    state = b""
-            store.save(sid, header, state)
+        def saved(done: Future[None]) -> None:  # back on the engine thread: drop what is on disk
+            if done.exception() is None:
+                with contextlib.suppress(EngineStoppedError):
+                    self.call(lambda: self._saved(sid, number, media))
 
-        self._saves[sid] = future = self._writer.submit(write)
+        future.add_done_callback(saved)
         return future
 
-    def _flush(self, session_id: str) -> None:
-        future = self._saves.pop(session_id, None)
-        if future is not None:
-            future.result()
+    def _write(self, session_id: str) -> None:
+        """On the io thread: the newest queued state of one session, pixels first."""
+        assert self.store is not None
+        write = self._writes.take(session_id)
+        if write is None:
+            return
+        try:
+            for media_id, rgb in write.pixels:
+                self.store.save_media(media_id, rgb)
+            state, write.header["kv_digest"] = write.kv_state, write.kv_digest
+            if state is None:  # the KV bytes on disk stay, with the digest of their ledger
+                try:
+                    saved = self.store.load(session_id)
+                    state, write.header["kv_digest"] = saved.kv_state, saved.header["kv_digest"]
+                except (KeyError, CorruptSessionError):
+                    state, write.header["kv_digest"] = b"", ""
+            self.store.save(session_id, write.header, state)
+        except OSError as e:
+            log.warning("session %r not saved: %s", session_id, e)
+            failure = ProblemError(storage_problem(e, "the turn was not saved"))
+            for f in write.futures:
+                f.set_exception(failure)
+        else:
+            for f in write.futures:
+                f.set_result(None)
+
+    def _saved(self, session_id: str, number: int, media_ids: set[str]) -> None:
+        session = self.sessions.get(session_id)
+        if session is None:
+            return
+        if number == session.num_saves:  # the newest save asked for is on disk
+            session.dirty = False
+        for media_id in media_ids:
+            session.rgb.pop(media_id, None)
 
     def _load_session(self, session_id: str) -> None:
-        """Register a saved session; its KV state is read when it next gets a slot."""
+        """Register a saved session from its header; its KV state is read on its next turn."""
+        self._register(session_id, self._read_header(session_id))
+
+    def _read_header(self, session_id: str) -> dict[str, Any] | BaseException:
+        """A session file's header (or why it is unusable), off the engine thread: the pixels
+        of every image its ledger holds must be there too (they are hashed when read)."""
         assert self.store is not None
         try:
-            saved = self.store.load(session_id)
-            fp = saved.header.get("fingerprint", {})
+            header = self.store.load_header(session_id)
+            held = {seg.get("media") for seg in header.get("ledger", ())} - {None}
+            for key, px in dict(header.get("pixels", {})).items():
+                if key in held and not self.store.has_media(px["media_id"]):
+                    raise CorruptSessionError(f"pixels of media {px['media_id'][:12]} are missing")
+        except (KeyError, CorruptSessionError, OSError, TypeError, AttributeError) as e:
+            return e
+        return header
+
+    def _register(self, session_id: str, header: dict[str, Any] | BaseException) -> None:
+        try:
+            if isinstance(header, BaseException):
+                raise header
+            fp = header.get("fingerprint", {})
             if Fingerprint(**fp) != self.rt.fingerprint:
-                raise SessionError(
+                raise _session_error(
                     ErrorKind.FAILED_PRECONDITION,
+                    Reason.SESSION_FOREIGN,
                     f"session {session_id!r} was saved with another model ({str(fp)[:80]})",
                 )
-            session = Session.from_header(session_id, saved.header, self.new_ledger)
-            held = {seg.media_id for seg in session.ledger.segments if seg.is_media}
-            for key, px in session.pixels.items():
-                if key in held:
-                    session.media[key] = self._media_handle(key, px)
+            session = Session.from_header(session_id, header, self.new_ledger)
+            session.prune()
         except SessionError as e:
             log.warning("%s", e)
             self.broken_sessions[session_id] = e
             return
-        except (CorruptSessionError, KeyError, TypeError, ValueError) as e:
-            log.warning("session %r is unreadable: %s", session_id, e)
-            self.broken_sessions[session_id] = SessionError(
-                ErrorKind.DATA_LOSS, f"session {session_id!r} is unreadable: {e}"
-            )
+        except KeyError as e:
+            if e.args == (session_id,):  # no file (deleted meanwhile)
+                return
+            self._unreadable(session_id, e)
+            return
+        except (CorruptSessionError, OSError, TypeError, ValueError) as e:
+            self._unreadable(session_id, e)
             return
         self.sessions[session_id] = session
 
-    def _media_handle(self, key: str, px: Pixels) -> MediaHandle:
-        """A native chunk to encode, from the saved pixels."""
-        assert self.store is not None and self.rt.mtmd is not None
-        rgb = self.store.load_media(px.media_id)
+    def _unreadable(self, session_id: str, e: BaseException) -> None:
+        log.warning("session %r is unreadable: %s", session_id, e)
+        self.broken_sessions[session_id] = _session_error(
+            ErrorKind.DATA_LOSS,
+            Reason.SESSION_UNREADABLE,
+            f"session {session_id!r} is unreadable: {e}",
+        )
+
+    def _media_handle(self, key: str, px: Pixels, rgb: bytes) -> MediaHandle:
+        """A native chunk to encode, from the pixels."""
+        assert self.rt.mtmd is not None
         return media_handle(self.rt.mtmd, key, Bitmap(px.width, px.height, rgb, px.media_id))
 
-    def _swap_out(self, slot: _Slot) -> None:
-        """The slot's session leaves it; it was saved when its last turn completed."""
+    def _swap_out(self, slot: _Slot, *, save: bool = True) -> None:
+        """The slot's session leaves it, and its media handles are freed. It was saved when its
+        last turn completed; if that save failed, this is the chance to write it again."""
         assert slot.owner is not None
         session = self.sessions[slot.owner]
+        if save and session.dirty and self.store is not None:
+            self._save(session, self.rt.state_get(slot.seq))
         session.slot = None
+        session.release()
         self.rt.seq_clear(slot.seq)
         slot.owner, slot.ledger = None, None
 
+    def _read_for_swap_in(
+        self, session_id: str, digest: str, pixels: dict[str, Pixels], rgb: dict[str, bytes]
+    ) -> _Prefetched:
+        """On the io thread: the KV state if it belongs to the session's ledger (digest) and
+        this context's layout; otherwise the pixels its re-prefill needs."""
+        assert self.store is not None
+        try:
+            saved = self.store.load(session_id)
+        except (KeyError, CorruptSessionError, OSError) as e:
+            log.warning("session %r: saved state unusable (%s); re-prefilling", session_id, e)
+        else:
+            header = saved.header
+            if header.get("layout") == self.rt.layout and header.get("kv_digest") == digest:
+                return _Prefetched(saved.kv_state, {})
+            if saved.kv_state:
+                log.info(
+                    "session %r: KV state on disk is not its ledger's: re-prefilling", session_id
+                )
+        loaded: dict[str, bytes] = {}
+        for px in pixels.values():
+            if px.media_id not in rgb and px.media_id not in loaded:
+                with contextlib.suppress(CorruptSessionError, OSError):  # the turn says so later
+                    loaded[px.media_id] = self.store.load_media(px.media_id, px.width, px.height)
+        return _Prefetched(b"", loaded)
+
     def _swap_in(self, session: Session, slot: _Slot) -> bool:
         """Put a session's KV state into slot; False when it must be re-prefilled from its
-        ledger instead (no saved state, another context layout, or a state that does not load).
-        """
+        ledger instead (no saved state, another context layout or ledger, or a state that does
+        not load)."""
         self.rt.seq_clear(slot.seq)
         if slot.ledger is not None and slot.owner is None:
             slot.ledger = None
@@ -576,31 +840,44 @@ class Engine:
         self.stats.num_session_restores += 1
         if not session.ledger.segments:
             return True
-        state = b""
-        if self.store is not None:
-            self._flush(session.session_id)
-            try:
-                saved = self.store.load(session.session_id)
-            except (KeyError, CorruptSessionError) as e:  # removed or damaged since it loaded
-                log.warning(
-                    "session %r: saved state unusable (%s); re-prefilling", session.session_id, e
-                )
-            else:
-                if saved.header.get("layout") == self.rt.layout:
-                    state = saved.kv_state
-        return bool(state) and self.rt.state_set(slot.seq, state)
+        prefetch = self._prefetch.pop(session.session_id, None)
+        if prefetch is None or prefetch.exception() is not None:
+            return False
+        got = prefetch.result()
+        if got.kv_state and self.rt.state_set(slot.seq, got.kv_state):
+            return True
+        for key, px in session.pixels.items():  # a re-prefill encodes them: handles now
+            rgb = got.rgb.get(px.media_id) or session.rgb.get(px.media_id)
+            if rgb is not None and key not in session.media:
+                session.media[key] = self._media_handle(key, px, rgb)
+        return False
 
     def _step(self) -> None:
         now = time.monotonic()
         for slot in self.slots:
             job = slot.job
             if job and job.cancelled.is_set():
-                self._finish(slot, FinishReason.CANCELLED, error="cancelled by the client")
+                why = "cancelled by the client"
+                self._finish(
+                    slot, FinishReason.CANCELLED, error=why, problem=_cancelled(False, why)
+                )
             elif job and job.deadline is not None and now > job.deadline:
-                self._finish(slot, FinishReason.CANCELLED, error="deadline exceeded")
+                why = "deadline exceeded"
+                self._finish(slot, FinishReason.CANCELLED, error=why, problem=_cancelled(True, why))
         for slot in self.slots:
             if slot.job and slot.pending and slot.pending[0].media_id:
-                self._decode_media(slot)
+                try:
+                    self._decode_media(slot)
+                except (native.NativeError, CorruptSessionError, OSError, KeyError) as e:
+                    # this request's image: it ends alone (its sequence is cleared or rolled back)
+                    log.warning("slot %d: media failed: %s", slot.seq, e)
+                    lost = isinstance(e, CorruptSessionError)
+                    failed = Problem(
+                        ErrorKind.DATA_LOSS if lost else ErrorKind.INTERNAL,
+                        f"the image could not be decoded: {e}",
+                        Reason.MEDIA_FAILED,
+                    )
+                    self._finish(slot, FinishReason.ERROR, error=failed.message, problem=failed)
         self._decode_text()
 
     # -- media ------------------------------------------------------------------------------
@@ -687,7 +964,10 @@ class Engine:
             rc = self.rt.decode()
             self.stats.num_decodes += 1
             if rc != 0:
-                self._finish(slot, FinishReason.ERROR, error=f"llama_decode failed (rc={rc})")
+                why = Problem(
+                    ErrorKind.INTERNAL, f"llama_decode failed (rc={rc})", Reason.DECODE_FAILED
+                )
+                self._finish(slot, FinishReason.ERROR, error=why.message, problem=why)
                 continue
             slot.ledger.append(item)
             self._progress(slot, item.num_cells)
@@ -740,7 +1020,8 @@ class Engine:
             return True
         if isinstance(plan, CannotFit):
             if slot.prefilling:
-                self._finish(slot, FinishReason.ERROR, error=plan.message)
+                why = too_long(plan)
+                self._finish(slot, FinishReason.ERROR, error=why.message, problem=why)
             else:
                 self._finish(slot, FinishReason.LENGTH)
             return False
@@ -787,10 +1068,18 @@ class Engine:
         slot.job.emit(PrefillProgress(slot.num_prefill_done, slot.num_prefill_total))
 
     def _finish(
-        self, slot: _Slot, reason: FinishReason, *, error: str = "", stop_string: str = ""
+        self,
+        slot: _Slot,
+        reason: FinishReason,
+        *,
+        error: str = "",
+        stop_string: str = "",
+        problem: Problem | None = None,
     ) -> None:
         job = slot.job
         assert job is not None
+        if reason is FinishReason.ERROR and problem is None:
+            problem = Problem(ErrorKind.INTERNAL, error or "internal error")
         if slot.prefilling:
             slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
         completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
@@ -806,14 +1095,39 @@ class Engine:
         job.release()
         saved = self._end_session_turn(job, completed=completed)
         # the slot is free before the client hears about it: its next request finds it so
-        finished = Finished(reason, slot.usage, stop_string=stop_string, error=error)
+        finished = Finished(
+            reason, slot.usage, stop_string=stop_string, error=error, problem=problem
+        )
         if saved is None:
+            if completed and job.session_id is not None:
+                finished = replace(finished, persistence=Persistence.MEMORY)
             job.emit(finished)
             return
 
         def report(write: Future[None]) -> None:  # a finished turn is on disk when it says so
             e = write.exception()
-            job.emit(replace(finished, error=f"the turn was not saved: {e}") if e else finished)
+            if e is None:
+                job.emit(replace(finished, persistence=Persistence.SAVED))
+                return
+            why = (
+                e.problem
+                if isinstance(e, ProblemError)
+                else storage_problem(
+                    e if isinstance(e, OSError) else OSError(str(e)), "the turn was not saved"
+                )
+            )
+            why = replace(why, reason=Reason.SESSION_NOT_SAVED, metadata=(
+                *why.metadata, ("session_id", job.session_id or ""),
+                ("storage", why.reason.value),
+            ))  # fmt: skip
+            job.emit(
+                replace(
+                    finished,
+                    persistence=Persistence.NOT_SAVED,
+                    error=f"{why.message} (the session goes on in memory)",
+                    problem=why,
+                )
+            )
 
         saved.add_done_callback(report)
 
@@ -821,7 +1135,7 @@ class Engine:
 def _reusable_cells(ledger: Ledger | None, items: Sequence[Item]) -> int:
     if ledger is None:
         return 0
-    si, so, _ = ledger.common_prefix(items)
+    si, so, _ = ledger.common_prefix(items, exact=True)
     return sum(seg.num_cells for seg in ledger.segments[:si]) + so
 
 
@@ -869,6 +1183,77 @@ def _take_text(pending: deque[Item], n: int) -> Item:
             rest = item.token_ids[k:]
             pending[0] = replace(item, num_cells=len(rest), num_positions=len(rest), token_ids=rest)
     return replace(first, num_cells=n, num_positions=n, token_ids=tuple(tokens))
+
+
+def too_long(plan: CannotFit) -> Problem:
+    """A prompt that can never fit: INVALID_ARGUMENT, not the transient RESOURCE_EXHAUSTED."""
+    return problem(
+        ErrorKind.INVALID_ARGUMENT,
+        Reason.PROMPT_TOO_LONG,
+        plan.message,
+        cells_needed=plan.num_cells_needed,
+        capacity=plan.num_capacity_cells,
+        pinned_cells=plan.num_pinned_cells,
+    )
+
+
+def _cancelled(deadline: bool, why: str) -> Problem:
+    if deadline:
+        return Problem(ErrorKind.DEADLINE_EXCEEDED, why, Reason.DEADLINE_EXCEEDED)
+    return Problem(ErrorKind.CANCELLED, why, Reason.CANCELLED)
+
+
+def _safely(emit: Callable[[Event], None], event: Event) -> None:
+    """Tell a caller that may already be gone (its loop closed): that must not stop us."""
+    try:
+        emit(event)
+    except Exception:
+        log.debug("a caller could not be told %r", event, exc_info=True)
+
+
+@dataclass
+class _Prefetched:
+    """What a swap-in needs, read on the io thread: a usable KV state, or pixels to
+    re-prefill with."""
+
+    kv_state: bytes
+    rgb: dict[str, bytes]
+
+
+@dataclass
+class _Write:
+    header: dict[str, Any]
+    kv_state: bytes | bytearray | memoryview | None
+    kv_digest: str
+    pixels: list[tuple[str, bytes]]
+    futures: list[Future[None]]
+
+
+class _Writes:
+    """Per session, the newest state waiting for the io thread: one queued write each, so a
+    slow or full disk holds at most one pending state per session, not one per turn."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queued: dict[str, _Write] = {}
+
+    def queue(self, session_id: str, write: _Write) -> bool:
+        """True when a write must be scheduled (none was queued for this session)."""
+        with self._lock:
+            old = self._queued.get(session_id)
+            if old is None:
+                self._queued[session_id] = write
+                return True
+            if write.kv_state is None:  # keeps the KV bytes: those of the queued write
+                write.kv_state, write.kv_digest = old.kv_state, old.kv_digest
+            write.pixels[:0] = old.pixels
+            write.futures[:0] = old.futures
+            self._queued[session_id] = write
+            return False
+
+    def take(self, session_id: str) -> _Write | None:
+        with self._lock:
+            return self._queued.pop(session_id, None)
 
 
 def _policy_of(plan: Plan) -> Policy:

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import enum
+import errno
 from dataclasses import dataclass, field
 
 from infer_service.ledger import Policy
 from slotwise.v1 import infer_pb2
+
+
+class Persistence(enum.IntEnum):
+    UNSPECIFIED = infer_pb2.PERSISTENCE_UNSPECIFIED
+    MEMORY = infer_pb2.PERSISTENCE_MEMORY
+    SAVED = infer_pb2.PERSISTENCE_SAVED
+    NOT_SAVED = infer_pb2.PERSISTENCE_NOT_SAVED
 
 
 class FinishReason(enum.IntEnum):
@@ -26,7 +34,7 @@ POLICY_TO_PB = {
 
 
 class ErrorKind(enum.Enum):
-    """Why a request was refused; the gRPC edge maps each to its status code."""
+    """Why a request failed; the gRPC edge maps each to the status code of the same name."""
 
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
@@ -35,14 +43,89 @@ class ErrorKind(enum.Enum):
     ALREADY_EXISTS = "ALREADY_EXISTS"
     DATA_LOSS = "DATA_LOSS"
     INTERNAL = "INTERNAL"
+    UNAVAILABLE = "UNAVAILABLE"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    CANCELLED = "CANCELLED"
+
+
+class Reason(enum.Enum):
+    """The google.rpc.ErrorInfo reason a client can branch on (the message is for people)."""
+
+    PROMPT_TOO_LONG = "PROMPT_TOO_LONG"
+    QUEUE_FULL = "QUEUE_FULL"
+    STALE_DESCRIPTOR = "STALE_DESCRIPTOR"
+    SESSION_NOT_SAVED = "SESSION_NOT_SAVED"
+    SESSION_NOT_FOUND = "SESSION_NOT_FOUND"
+    SESSION_EXISTS = "SESSION_EXISTS"
+    SESSION_BUSY = "SESSION_BUSY"
+    SESSION_UNREADABLE = "SESSION_UNREADABLE"
+    SESSION_FOREIGN = "SESSION_FOREIGN"
+    NOT_PERSISTED = "NOT_PERSISTED"
+    STORAGE_FULL = "STORAGE_FULL"
+    STORAGE_FAILED = "STORAGE_FAILED"
+    BAD_REQUEST = "BAD_REQUEST"
+    MEDIA_FAILED = "MEDIA_FAILED"
+    DECODE_FAILED = "DECODE_FAILED"
+    CANCELLED = "CANCELLED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    ENGINE_DIED = "ENGINE_DIED"
+    INTERNAL = "INTERNAL"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What went wrong, for the edge to report: status code, ErrorInfo reason and metadata."""
+
+    kind: ErrorKind
+    message: str
+    reason: Reason = Reason.INTERNAL
+    metadata: tuple[tuple[str, str], ...] = ()
+    retry_after: float | None = None  # seconds (google.rpc.RetryInfo)
+    field: str = ""  # the request field at fault (google.rpc.BadRequest)
+
+
+class ProblemError(RuntimeError):
+    """An exception that carries its Problem (the engine's and the stores' refusals)."""
+
+    def __init__(self, problem: Problem):
+        super().__init__(problem.message)
+        self.problem = problem
+
+    @property
+    def kind(self) -> ErrorKind:
+        return self.problem.kind
+
+
+def problem(kind: ErrorKind, reason: Reason, message: str, **metadata: object) -> Problem:
+    return Problem(kind, message, reason, tuple((k, str(v)) for k, v in metadata.items()))
+
+
+def storage_problem(e: OSError, doing: str) -> Problem:
+    """An OSError of the sessions directory: a full disk is RESOURCE_EXHAUSTED, the rest
+    UNAVAILABLE (never UNKNOWN)."""
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return problem(
+        ErrorKind.RESOURCE_EXHAUSTED if full else ErrorKind.UNAVAILABLE,
+        Reason.STORAGE_FULL if full else Reason.STORAGE_FAILED,
+        f"{doing}: {e.strerror or e}",
+        errno=errno.errorcode.get(e.errno or 0, str(e.errno)),
+    )
 
 
 @dataclass(frozen=True)
 class Rejected:
     """The request was refused before anything was decoded (the call ends with a status)."""
 
-    kind: ErrorKind
-    message: str
+    problem: Problem
+
+    @property
+    def kind(self) -> ErrorKind:
+        return self.problem.kind
+
+    @property
+    def message(self) -> str:
+        return self.problem.message
 
 
 @dataclass(frozen=True)
@@ -137,10 +220,15 @@ class Usage:
 
 @dataclass(frozen=True)
 class Finished:
+    """The last event. With a problem (an error, or a turn that was not saved) the call then
+    ends with that problem's status."""
+
     reason: FinishReason
     usage: Usage = field(default_factory=Usage)
     stop_string: str = ""
     error: str = ""
+    persistence: Persistence = Persistence.UNSPECIFIED
+    problem: Problem | None = None
 
     def to_pb(self) -> infer_pb2.GenerateResponse:
         return infer_pb2.GenerateResponse(
@@ -149,6 +237,7 @@ class Finished:
                 usage=self.usage.to_pb(),
                 stop_string=self.stop_string,
                 error=self.error,
+                persistence=int(self.persistence),
             )
         )
 

@@ -352,6 +352,9 @@ class Ledger:
         self.discard_fraction = discard_fraction
         self.unit = unit
         self._segments: list[Segment] = []
+        # leading segments whose KV equals a fresh prefill of them: nothing before them was
+        # evicted since they were decoded (an eviction moves or gaps what follows it)
+        self._num_exact = 0
         self._recount()
 
     def _recount(self) -> None:
@@ -368,6 +371,11 @@ class Ledger:
     @property
     def num_cells(self) -> int:
         return self._num_cells
+
+    @property
+    def num_exact_segments(self) -> int:
+        """How many leading segments hold exactly what a fresh prefill of them would."""
+        return self._num_exact
 
     @property
     def num_free_cells(self) -> int:
@@ -469,6 +477,7 @@ class Ledger:
         if isinstance(plan, Shift):
             rest = [replace(s, pos_start=s.pos_start - plan.delta) for s in rest]
         self._segments[start:] = rest
+        self._num_exact = min(self._num_exact, start)
         self._recount()
 
     def append(self, item: Item) -> Segment:
@@ -479,6 +488,8 @@ class Ledger:
             )
         last = self._segments[-1] if self._segments else None
         seg = Segment(item, self.next_pos, self._pins(last, self._num_cells, item))
+        if self._num_exact == len(self._segments):
+            self._num_exact += 1
         self._segments.append(seg)
         self._num_cells += item.num_cells
         self._num_positions += item.num_positions
@@ -518,6 +529,7 @@ class Ledger:
 
     def clear(self) -> None:
         self._segments.clear()
+        self._num_exact = 0
         self._recount()
 
     # -- reuse across requests (prefix cache, sessions) ----------------------------------------
@@ -549,20 +561,25 @@ class Ledger:
             num_cells += seg.num_cells
         self._recount()
 
-    def common_prefix(self, items: Sequence[Item], start: int = 0) -> tuple[int, int, list[Item]]:
+    def common_prefix(
+        self, items: Sequence[Item], start: int = 0, *, exact: bool = False
+    ) -> tuple[int, int, list[Item]]:
         """How much of ``items`` the cache already holds, from segment ``start`` on.
 
         Returns (segments kept, tokens kept of the next segment, items still to decode). Text is
         compared token by token, media by media_id; a media group is reused whole or not at
         all, and at least one token is left to decode (the next logits come from it).
+        ``exact``: match only segments that equal a fresh prefill (``num_exact_segments``), so
+        that what the reused cells attended to is exactly the prefix itself.
         """
-        held = _atoms(self._segments[start:])
+        end = self._num_exact if exact else len(self._segments)
+        held = _atoms(self._segments[start:end])
         wanted = _atoms(items)
         n = 0
         while n < min(len(held), len(wanted)) and held[n][0] == wanted[n][0]:
             n += 1
         for k in range(min(n, len(wanted) - 1), 0, -1):
-            si, so = held[k][1] if k < len(held) else (len(self._segments) - start, 0)
+            si, so = held[k][1] if k < len(held) else (max(0, end - start), 0)
             ii, io = wanted[k][1]
             if _closed(self._segments[start:], si, so) and _closed(items, ii, io):
                 rest = list(items[ii:])
@@ -588,6 +605,7 @@ class Ledger:
                 raise ValueError("only ungrouped text can be cut inside")
             kept.append(replace(seg, item=_text_like(seg.item, seg.token_ids[:num_tokens])))
         self._segments = kept
+        self._num_exact = min(self._num_exact, len(kept))
         self._recount()
         return self.next_pos
 
@@ -631,4 +649,5 @@ class Ledger:
         if num_cells > self.capacity:
             raise ValueError(f"saved segments hold {num_cells} cells, over {self.capacity}")
         self._segments = segments
+        self._num_exact = 0  # what a saved sequence attended to is not known
         self._recount()

@@ -68,13 +68,22 @@ class Runtime:
             native.free_model(self.model)
             raise native.NativeError("llama_init_from_model failed (context too large?)")
         self.memory = llama_cpp.llama_get_memory(self.ctx)
-        self.mtmd = (
-            native.Multimodal(
-                config.mmproj, self.model, n_threads=config.threads, use_gpu=config.gpu_layers > 0
+        self.mtmd: native.Multimodal | None = None
+        self._batch: TokenBatch | None = None
+        try:
+            if config.mmproj:
+                self.mtmd = native.Multimodal(
+                    config.mmproj,
+                    self.model,
+                    n_threads=config.threads,
+                    use_gpu=config.gpu_layers > 0,
+                )
+            self.batch = self._batch = TokenBatch(
+                llama_cpp.llama_n_batch(self.ctx), config.parallel
             )
-            if config.mmproj
-            else None
-        )
+        except BaseException:  # nothing loaded so far stays behind
+            self.close()
+            raise
         self.num_slots = config.parallel
         self.num_cells_per_slot = llama_cpp.llama_n_ctx_seq(self.ctx)
         self.batch_size = llama_cpp.llama_n_batch(self.ctx)
@@ -83,15 +92,22 @@ class Runtime:
         self.n_embd = llama_cpp.llama_model_n_embd_inp(self.model)
         self.can_shift = bool(llama_cpp.llama_memory_can_shift(self.memory))
         self.uses_mrope = bool(self.mtmd and self.mtmd.uses_mrope)
-        self.batch = TokenBatch(self.batch_size, config.parallel)
         self._null_callback = mtmd_cpp.mtmd_helper_post_decode_callback(0)
 
     def close(self) -> None:
-        self.batch.close()
-        if self.mtmd:
+        """Free everything; safe to call twice."""
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
+        if self.mtmd is not None:
             self.mtmd.close()
-        llama_cpp.llama_free(self.ctx)
-        native.free_model(self.model)
+            self.mtmd = None
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = 0
+        if self.model:
+            native.free_model(self.model)
+            self.model = 0
 
     # -- memory ---------------------------------------------------------------------------
 
@@ -105,16 +121,22 @@ class Runtime:
     def seq_clear(self, seq: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.memory, seq, -1, -1)
 
-    def state_get(self, seq: int) -> bytes:
-        """The sequence's KV state, as llama_state_seq_get_data writes it."""
+    def state_get(self, seq: int) -> memoryview:
+        """The sequence's KV state, as llama_state_seq_get_data writes it: one copy, into a
+        buffer the caller owns (written to disk as it is)."""
         size = llama_cpp.llama_state_seq_get_size(self.ctx, seq)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq)
-        return bytes(memoryview(buf)[:n])
+        buf = bytearray(size)
+        n = llama_cpp.llama_state_seq_get_data(
+            self.ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, seq
+        )
+        return memoryview(buf)[:n]
 
-    def state_set(self, seq: int, data: bytes) -> bool:
+    def state_set(self, seq: int, data: bytes | bytearray) -> bool:
         """Load a saved state into seq; False (and seq left empty) when it does not fit."""
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if isinstance(data, bytearray):
+            buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
+        else:
+            buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(data), seq) == 0:
             self.seq_clear(seq)
             return False

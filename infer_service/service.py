@@ -3,16 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import threading
 import time
 import uuid
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import grpc
 
-from infer_service.engine import Engine, Job, QueueFullError, SessionError, prompt_items
-from infer_service.events import POLICY_TO_PB, ErrorKind, Event, Finished, Rejected, TokenDelta
+from infer_service.engine import Engine, EngineStoppedError, Job, prompt_items, too_long
+from infer_service.events import (
+    POLICY_TO_PB,
+    ErrorKind,
+    Event,
+    Finished,
+    PrefillProgress,
+    Problem,
+    ProblemError,
+    Reason,
+    Rejected,
+    TokenDelta,
+    storage_problem,
+)
 from infer_service.ledger import CannotFit, ContextConfig, EvictionUnit, Policy
 from infer_service.media import MediaLimits, StaleDescriptorError, verify_prompt
 from infer_service.runtime import SamplingConfig
@@ -21,6 +37,8 @@ from infer_service.sessions import Session
 from prep_service.descriptors import DescriptorError, PreparedPrompt, TextChunk
 from prep_service.serving import abort
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
+
+log = logging.getLogger("slotwise.infer")
 
 POLICIES = {
     infer_pb2.SHIFT_POLICY_UNSPECIFIED: Policy.AUTO,
@@ -42,8 +60,36 @@ UNIT_TO_PB = {
 CODES = {kind: getattr(grpc.StatusCode, kind.value) for kind in ErrorKind}
 
 
+class Mailbox:
+    """One stream's events on the event loop, bounded however slowly its client reads:
+    token deltas that pile up merge into one, prefill progress keeps only the newest."""
+
+    def __init__(self) -> None:
+        self._events: deque[Event] = deque()
+        self._ready = asyncio.Event()
+
+    def put(self, event: Event) -> None:
+        last = self._events[-1] if self._events else None
+        if isinstance(event, TokenDelta) and isinstance(last, TokenDelta):
+            self._events[-1] = last.merged(event)
+        elif isinstance(event, PrefillProgress) and isinstance(last, PrefillProgress):
+            self._events[-1] = event
+        else:
+            self._events.append(event)
+        self._ready.set()
+
+    async def get(self) -> Event:
+        while not self._events:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._events.popleft()
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+
 class EventRelay:
-    """Events from the engine thread to the handlers' queues on one event loop.
+    """Events from the engine thread to the handlers' mailboxes on one event loop.
 
     What the engine emits while a hand-off is pending rides along with it: one loop wake-up
     (a self-pipe write) per batch of events instead of one per token and stream.
@@ -52,24 +98,44 @@ class EventRelay:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue[Event], Event]] = []
+        self._items: list[tuple[Mailbox, Event]] = []
 
-    def send(self, queue: asyncio.Queue[Event], event: Event) -> None:
+    def send(self, mailbox: Mailbox, event: Event) -> None:
         with self._lock:
-            self._items.append((queue, event))
+            self._items.append((mailbox, event))
             if len(self._items) > 1:
                 return  # a delivery is already on its way
-        self._loop.call_soon_threadsafe(self._deliver)
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: nobody is left to tell
+            with self._lock:
+                self._items.clear()
 
     def _deliver(self) -> None:
         with self._lock:
             items, self._items = self._items, []
-        for queue, event in items:
-            queue.put_nowait(event)
+        for mailbox, event in items:
+            mailbox.put(event)
 
 
 class RequestError(ValueError):
-    """INVALID_ARGUMENT: the request can never work as sent."""
+    """INVALID_ARGUMENT: the request can never work as sent (field: the one at fault)."""
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(message)
+        self.field = field
+
+
+async def abort_problem(context: grpc.aio.ServicerContext, p: Problem) -> None:
+    await abort(
+        context,
+        CODES[p.kind],
+        p.message,
+        reason=p.reason.value,
+        metadata=p.metadata,
+        retry_after=p.retry_after,
+        field=p.field,
+    )
 
 
 @dataclass(frozen=True)
@@ -115,64 +181,86 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             if session_id is not None:
                 check_session_id(session_id)
             prompt = PreparedPrompt.from_pb(request.prompt)
-        except (SessionIdError, DescriptorError) as e:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except SessionIdError as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), reason="BAD_REQUEST",
+                        field="session_id")  # fmt: skip
             return
-        try:
-            session = (
-                await self._engine_call(self.engine.begin_turn, session_id) if session_id else None
-            )
-        except SessionError as e:
-            await abort(context, CODES[e.kind], str(e))
+        except DescriptorError as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), reason="BAD_REQUEST",
+                        field="prompt")  # fmt: skip
             return
+        session = None
+        if session_id is not None:
+            try:
+                session = await self._begin_turn(session_id)
+            except ProblemError as e:
+                await abort_problem(context, e.problem)
+                return
         made = None
         try:
             made = await self._job(request, prompt, session, context)
         finally:
             if made is None and session_id is not None:
-                await self._engine_call(self.engine.abort_turn, session_id)
+                self._end_turn_later(session_id)  # never awaited: it must happen even if we go
         if made is None:
             return
-        job, queue = made
+        job, mailbox = made
         try:
             self.engine.submit(job)
-        except QueueFullError as e:
+        except ProblemError as e:
             job.release()
             if session_id is not None:
-                await self._engine_call(self.engine.abort_turn, session_id)
-            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                self._end_turn_later(session_id)
+            await abort_problem(context, e.problem)
             return
         finished = False
         try:
             while not finished:
-                event = await queue.get()
+                event = await mailbox.get()
                 if isinstance(event, Rejected):
                     finished = True
-                    await abort(context, CODES[event.kind], event.message)
+                    await abort_problem(context, event.problem)
                     return
-                # a slow reader gets the deltas that piled up as one message
-                while isinstance(event, TokenDelta) and not queue.empty():
-                    nxt = queue.get_nowait()
-                    if not isinstance(nxt, TokenDelta):
-                        yield event.to_pb()
-                        event = nxt
-                        break
-                    event = event.merged(nxt)
                 finished = isinstance(event, Finished)
                 yield event.to_pb()
+                if isinstance(event, Finished) and event.problem is not None:
+                    await abort_problem(context, event.problem)  # non-OK after its Finished
         finally:
             if not finished:
                 job.cancel()  # client went away or the deadline passed: free the slot
 
+    async def _begin_turn(self, session_id: str) -> Session:
+        """Mark the session busy for this turn; if the caller goes away while the engine runs
+        it, the mark is undone (else the session would stay busy for ever)."""
+        future = self._engine_future(lambda: self.engine.begin_turn(session_id))
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if not future.cancel():  # it ran, or runs: undo once it is done
+
+                def undo(done: Future[Session]) -> None:
+                    if not done.cancelled() and done.exception() is None:
+                        self._end_turn_later(session_id)
+
+                future.add_done_callback(undo)
+            raise
+
+    def _end_turn_later(self, session_id: str) -> None:
+        with contextlib.suppress(EngineStoppedError):
+            self.engine.call(lambda: self.engine.abort_turn(session_id))
+
+    def _engine_future(self, fn) -> Future[Any]:
+        return self.engine.call(fn)
+
     async def _job(
         self, request, prompt: PreparedPrompt, session: Session | None, context
-    ) -> tuple[Job, asyncio.Queue[Event]] | None:
+    ) -> tuple[Job, Mailbox] | None:
         """Validate everything that can be checked before queueing; None after an abort."""
         try:
             args = self._parse(request, session)
             _check_token_ids(prompt, self.engine.rt.num_vocab)
         except RequestError as e:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await _bad_request(context, e)
             return None
         rt = self.engine.rt
         limits = MediaLimits(rt.ubatch_size, bool(rt.mtmd and rt.mtmd.non_causal))
@@ -181,51 +269,53 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
                 verify_prompt, prompt, fingerprint=rt.fingerprint, mtmd=rt.mtmd, limits=limits
             )
         except StaleDescriptorError as e:
-            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e),
+                        reason=Reason.STALE_DESCRIPTOR.value)  # fmt: skip
             return None
         except ValueError as e:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e),
+                        reason=Reason.BAD_REQUEST.value, field="prompt")  # fmt: skip
             return None
         items, pixels = prompt_items(prompt)
-        message = None
+        refusal = None
         if items[-1].media_id:
-            message = (
-                grpc.StatusCode.INVALID_ARGUMENT,
+            refusal = Problem(
+                ErrorKind.INVALID_ARGUMENT,
                 "the prompt ends with media: add text after it (the model needs a text token "
                 "to produce the first logits)",
+                Reason.BAD_REQUEST,
+                field="prompt",
             )
         elif session is None:  # sessions are admitted by the engine, which knows what they hold
             admission = self.engine.new_ledger(args["context"]).admit(
                 items, truncate=args["context"].truncate_prompt
             )
             if isinstance(admission, CannotFit):
-                message = (grpc.StatusCode.RESOURCE_EXHAUSTED, admission.message)
-        if message is not None:
+                refusal = too_long(admission)
+        if refusal is not None:
             for h in media.values():
                 h.close()
-            await abort(context, *message)
+            await abort_problem(context, refusal)
             return None
-        if session is not None and self.engine.store is not None:
-            store = self.engine.store
-            for chunk in prompt.media:
-                await asyncio.to_thread(store.save_media, chunk.media_id, chunk.rgb)
         relay = self._relay()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        mailbox = Mailbox()
         remaining = context.time_remaining()
 
         def emit(event: Event) -> None:
-            relay.send(events, event)
+            relay.send(mailbox, event)
 
         job = Job(
             items=items,
             media=media,
             pixels=pixels,
+            # a session keeps the pixels it holds until they are on disk
+            rgb={c.media_id: c.rgb for c in prompt.media} if session is not None else {},
             emit=emit,
             deadline=time.monotonic() + remaining if remaining is not None else None,
             session_id=session.session_id if session else None,
             **args,
         )
-        return job, events
+        return job, mailbox
 
     def _relay(self) -> EventRelay:
         loop = asyncio.get_running_loop()
@@ -233,19 +323,29 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             self._relays[loop] = EventRelay(loop)
         return self._relays[loop]
 
-    async def _engine_call(self, fn, *args):
-        return await asyncio.wrap_future(self.engine.call(lambda: fn(*args)))
-
     # -- sessions ---------------------------------------------------------------------------
 
-    async def _session_rpc(self, context, fn, session_id: str, *args):
+    async def _session_rpc(self, context, fn, session_id: str, *args, doing: str = ""):
+        """Run fn on the engine thread; a future it returns (disk work) is awaited here, off
+        the engine thread. Every failure ends the call with its own status, never UNKNOWN."""
         try:
             check_session_id(session_id)
-            return await self._engine_call(fn, session_id, *args)
+            result = await asyncio.wrap_future(self.engine.call(lambda: fn(session_id, *args)))
+            if isinstance(result, tuple):  # (session, its write)
+                session, write = result
+                if write is not None:
+                    await asyncio.wrap_future(write)
+                return session
+            if isinstance(result, Future):
+                return await asyncio.wrap_future(result)
+            return result
         except SessionIdError as e:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except SessionError as e:
-            await abort(context, CODES[e.kind], str(e))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), reason="BAD_REQUEST",
+                        field="session_id")  # fmt: skip
+        except ProblemError as e:
+            await abort_problem(context, e.problem)
+        except OSError as e:
+            await abort_problem(context, storage_problem(e, doing or "the sessions directory"))
 
     async def CreateSession(self, request, context):
         session_id = request.session_id or uuid.uuid4().hex
@@ -254,60 +354,69 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
                 infer_pb2.GenerateRequest(context=request.context, sampling=request.sampling), None
             )
         except RequestError as e:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await _bad_request(context, e)
             return
         session = await self._session_rpc(
-            context, self.engine.create_session, session_id, args["context"], args["sampling"]
-        )
+            context, self.engine.create_session, session_id, args["context"], args["sampling"],
+            doing="the session was not saved",
+        )  # fmt: skip
         return infer_pb2.CreateSessionResponse(session=session_info(session))
 
     async def GetSession(self, request, context):
-        session = await self._session_rpc(context, self.engine.get_session, request.session_id)
-        return infer_pb2.GetSessionResponse(session=session_info(session))
+        info = await self._session_rpc(  # read on the engine thread: a snapshot
+            context, lambda sid: session_info(self.engine.get_session(sid)), request.session_id
+        )
+        return infer_pb2.GetSessionResponse(session=info)
 
     async def ListSessions(self, request, context):
-        sessions, broken = await self._engine_call(
-            lambda: (list(self.engine.sessions.values()), dict(self.engine.broken_sessions))
-        )
+        try:
+            sessions, broken = await asyncio.wrap_future(
+                self.engine.call(
+                    lambda: (
+                        [session_info(s) for s in self.engine.sessions.values()],
+                        dict(self.engine.broken_sessions),
+                    )
+                )
+            )
+        except ProblemError as e:
+            await abort_problem(context, e.problem)
         return infer_pb2.ListSessionsResponse(
-            sessions=[session_info(s) for s in sessions]
+            sessions=sessions
             + [infer_pb2.SessionInfo(session_id=i, error=str(e)) for i, e in sorted(broken.items())]
         )
 
     async def DeleteSession(self, request, context):
-        await self._session_rpc(context, self.engine.delete_session, request.session_id)
+        await self._session_rpc(
+            context, self.engine.delete_session, request.session_id, doing="delete failed"
+        )
         return infer_pb2.DeleteSessionResponse()
 
     async def SaveSession(self, request, context):
-        session = await self._session_rpc(context, self.engine.save_session, request.session_id)
+        session = await self._session_rpc(
+            context, self.engine.save_session, request.session_id, doing="save failed"
+        )
         return infer_pb2.SaveSessionResponse(session=session_info(session))
 
     async def RestoreSession(self, request, context):
-        session = await self._session_rpc(context, self.engine.restore_session, request.session_id)
+        session = await self._session_rpc(
+            context, self.engine.restore_session, request.session_id, doing="restore failed"
+        )
         return infer_pb2.RestoreSessionResponse(session=session_info(session))
 
     def _parse(self, request: infer_pb2.GenerateRequest, session: Session | None) -> dict[str, Any]:
         """Request options, with a session's defaults for what the request leaves unset."""
-        c = request.context
-        if c.policy not in POLICIES:
-            raise RequestError(f"unknown shift policy {c.policy}")
-        if c.unit not in UNITS:
-            raise RequestError(f"unknown eviction unit {c.unit}")
-        fraction = c.discard_fraction if c.HasField("discard_fraction") else 0.5
-        if not 0.0 <= fraction <= 1.0:  # NaN fails too
-            raise RequestError(f"discard_fraction must be within [0, 1], got {fraction}")
+        ctx = _context(request.context, session.context if session else ContextConfig())
         max_tokens = request.max_tokens or self.limits.default_max_tokens
         if max_tokens > self.limits.max_tokens:
             raise RequestError(
-                f"max_tokens {max_tokens} is over the limit {self.limits.max_tokens}"
+                f"max_tokens {max_tokens} is over the limit {self.limits.max_tokens}", "max_tokens"
             )
         if len(request.stop) > self.limits.max_stop_strings:
-            raise RequestError(f"at most {self.limits.max_stop_strings} stop strings")
+            raise RequestError(f"at most {self.limits.max_stop_strings} stop strings", "stop")
         if request.stream_tokens > 256:
-            raise RequestError(f"stream_tokens must be at most 256, got {request.stream_tokens}")
-        ctx = ContextConfig(POLICIES[c.policy], c.keep, fraction, UNITS[c.unit], c.truncate_prompt)
-        if session is not None and not request.HasField("context"):
-            ctx = session.context
+            raise RequestError(
+                f"stream_tokens must be at most 256, got {request.stream_tokens}", "stream_tokens"
+            )
         return {
             "context": ctx,
             "sampling": _sampling(
@@ -317,6 +426,33 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             "stop": tuple(request.stop),
             "stream_tokens": max(1, request.stream_tokens),
         }
+
+
+def _context(c: infer_pb2.ContextOptions, base: ContextConfig) -> ContextConfig:
+    """The fields the request sets, over base (a session's options, or the defaults)."""
+    if c.HasField("policy") and c.policy not in POLICIES:
+        raise RequestError(f"unknown shift policy {c.policy}", "context.policy")
+    if c.HasField("unit") and c.unit not in UNITS:
+        raise RequestError(f"unknown eviction unit {c.unit}", "context.unit")
+    fraction = c.discard_fraction if c.HasField("discard_fraction") else base.discard_fraction
+    if not 0.0 <= fraction <= 1.0:  # NaN fails too
+        raise RequestError(
+            f"discard_fraction must be within [0, 1], got {fraction}", "context.discard_fraction"
+        )
+    return ContextConfig(
+        policy=POLICIES[c.policy] if c.HasField("policy") else base.policy,
+        keep=c.keep if c.HasField("keep") else base.keep,
+        discard_fraction=fraction,
+        unit=UNITS[c.unit] if c.HasField("unit") else base.unit,
+        truncate_prompt=c.truncate_prompt
+        if c.HasField("truncate_prompt")
+        else base.truncate_prompt,
+    )
+
+
+async def _bad_request(context: grpc.aio.ServicerContext, e: RequestError) -> None:
+    await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), reason="BAD_REQUEST",
+                field=e.field)  # fmt: skip
 
 
 def _check_token_ids(prompt: PreparedPrompt, num_vocab: int) -> None:
@@ -331,7 +467,8 @@ def _check_token_ids(prompt: PreparedPrompt, num_vocab: int) -> None:
         ):
             bad = next(t for t in chunk.token_ids if not 0 <= t < num_vocab)
             raise RequestError(
-                f"chunk {i}: token id {bad} is outside this model's vocabulary [0, {num_vocab})"
+                f"chunk {i}: token id {bad} is outside this model's vocabulary [0, {num_vocab})",
+                f"prompt.chunks[{i}].text.token_ids",
             )
 
 
@@ -383,5 +520,7 @@ def _sampling(pb: infer_pb2.SamplingParams, d: SamplingConfig) -> SamplingConfig
     ]
     for name, value, lo, hi in checks:
         if not lo <= value <= hi:  # NaN fails too
-            raise RequestError(f"sampling.{name} must be within [{lo}, {hi}], got {value}")
+            raise RequestError(
+                f"sampling.{name} must be within [{lo}, {hi}], got {value}", f"sampling.{name}"
+            )
     return s

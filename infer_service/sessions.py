@@ -21,12 +21,18 @@ class Pixels:
 
 @dataclass
 class Session:
+    """What one conversation holds. Memory stays bounded by what its ledger holds: media
+    handles (libmtmd's preprocessed pixels) only while it is in a slot, pixel metadata and
+    RGB bytes only for media its ledger (or the turn being rolled back to) still holds, and
+    RGB bytes only until they are on disk."""
+
     session_id: str
     context: ContextConfig
     sampling: SamplingConfig
     ledger: Ledger
     media: dict[str, MediaHandle] = field(default_factory=dict)  # media key -> native chunk
     pixels: dict[str, Pixels] = field(default_factory=dict)  # media key -> where its pixels are
+    rgb: dict[str, bytes] = field(default_factory=dict)  # media_id -> pixels not on disk
     num_turns: int = 0
     num_shifts: int = 0
     slot: int | None = None  # the slot whose sequence holds it, if any
@@ -34,18 +40,36 @@ class Session:
     # the ledger and shift count of the last completed turn while a turn runs
     snapshot: tuple[list[dict[str, Any]], int] | None = None
     last_used: float = field(default_factory=time.monotonic)
+    dirty: bool = False  # the newest save asked for is not on disk yet (or failed)
+    num_saves: int = 0
 
     def release(self) -> None:
         for h in self.media.values():
             h.close()
         self.media.clear()
 
-    def header(self, fingerprint: Fingerprint, layout: dict[str, int]) -> dict[str, Any]:
-        """What the session file says besides the KV bytes."""
+    def held_keys(self) -> set[str]:
+        return {seg.media_id for seg in self.ledger.segments if seg.media_id is not None}
+
+    def prune(self) -> None:
+        """Forget media the ledger no longer holds (after a completed or rolled-back turn)."""
+        held = self.held_keys()
+        for key in [k for k in self.media if k not in held]:
+            self.media.pop(key).close()
+        self.pixels = {k: p for k, p in self.pixels.items() if k in held}
+        ids = {p.media_id for p in self.pixels.values()}
+        self.rgb = {m: b for m, b in self.rgb.items() if m in ids}
+
+    def header(
+        self, fingerprint: Fingerprint, layout: dict[str, int], kv_digest: str
+    ) -> dict[str, Any]:
+        """What the session file says besides the KV bytes; kv_digest names the ledger those
+        bytes belong to."""
         c = self.context
         return {
             "fingerprint": asdict(fingerprint),
             "layout": layout,
+            "kv_digest": kv_digest,
             "context": {
                 "policy": c.policy.value,
                 "keep": c.keep,

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from prep_service.images import DEFAULT_MAX_PIXELS
+from prep_service.images import DEFAULT_MAX_PIXELS, DEFAULT_MAX_TOTAL_PIXELS
 from prep_service.metrics import ServiceMetrics
 from prep_service.model_files import ModelMismatchError
 from prep_service.native import NativeError
@@ -86,6 +86,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
     p.add_argument("--max-side", type=int, default=0, help="downscale images above this side")
     p.add_argument("--max-images", type=int, default=64, help="images per request")
+    p.add_argument(
+        "--max-total-pixels",
+        type=int,
+        default=DEFAULT_MAX_TOTAL_PIXELS,
+        help="pixels of all images of one request together (checked before decoding)",
+    )
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20)
     add_security_arguments(p)
     p.add_argument("--log-level", default="info")
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             args.mmproj,
             address=f"{args.host}:{args.port}",
             threads=args.threads,
-            limits=Limits(args.max_pixels, args.max_side, args.max_images),
+            limits=Limits(args.max_pixels, args.max_side, args.max_images, args.max_total_pixels),
             max_message_bytes=args.max_message_mb << 20,
             security=security_from_args(args),
             metrics_port=args.metrics_port,

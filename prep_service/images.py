@@ -11,6 +11,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 DEFAULT_MAX_PIXELS = 33_177_600  # 8K UHD (7680x4320): larger files are refused, not decoded
+DEFAULT_MAX_TOTAL_PIXELS = 4 * DEFAULT_MAX_PIXELS  # one request's images together
 
 
 class ImageError(ValueError):
@@ -34,6 +35,18 @@ def media_id(width: int, height: int, rgb: bytes) -> str:
     h.update(f"{width}x{height}:".encode())
     h.update(rgb)
     return h.hexdigest()
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """Width and height from the file's header alone (nothing is decoded); (0, 0) when the
+    header is unreadable (decode_image then says what is wrong)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=FORMATS) as img:
+                return img.size
+    except (Image.DecompressionBombError, OSError, SyntaxError, ValueError, EOFError):
+        return (0, 0)
 
 
 def decode_image(

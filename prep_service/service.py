@@ -13,7 +13,13 @@ import grpc
 from prep_service import native
 from prep_service.chat import TemplateError
 from prep_service.descriptors import MediaChunk
-from prep_service.images import DEFAULT_MAX_PIXELS, ImageError, decode_image
+from prep_service.images import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MAX_TOTAL_PIXELS,
+    ImageError,
+    decode_image,
+    image_size,
+)
 from prep_service.preparer import (
     ImageRef,
     InputError,
@@ -35,6 +41,7 @@ class Limits:
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_side: int = 0  # > 0: downscale larger images so neither side exceeds it
     max_images: int = 64
+    max_total_pixels: int = DEFAULT_MAX_TOTAL_PIXELS  # all images of one request together
 
 
 class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
@@ -112,8 +119,36 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
 
     # -- protobuf -> domain -----------------------------------------------------------------
 
+    def _check_total_pixels(self, request) -> None:
+        """All images of a request together stay within max_total_pixels, read from the file
+        headers before any is decoded (64 images of 33 MP each never reach a decoder)."""
+        which = request.WhichOneof("input")
+        if which == "raw":
+            pbs = list(request.raw.images)
+        elif which == "chat":
+            pbs = [p.image for m in request.chat.messages for p in m.parts if p.HasField("image")]
+        else:
+            return
+        if len(pbs) > self.limits.max_images:
+            raise InputError(f"more than {self.limits.max_images} images in one request")
+        total = 0
+        for k, pb in enumerate(pbs):
+            if pb.WhichOneof("source") == "data":
+                w, h = image_size(pb.data)
+            elif pb.WhichOneof("source") == "size":
+                w, h = pb.size.width, pb.size.height
+            else:
+                continue
+            total += w * h
+            if total > self.limits.max_total_pixels:
+                raise InputError(
+                    f"the images of this request have more than {self.limits.max_total_pixels} "
+                    f"pixels together (image {k} reaches {total}); send fewer or smaller images"
+                )
+
     def _request(self, request, *, sizes_allowed: bool) -> list[Message] | RawPrompt:
         which = request.WhichOneof("input")
+        self._check_total_pixels(request)
         n_images = 0
 
         def image(pb, where: str) -> ImageRef:

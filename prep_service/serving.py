@@ -9,14 +9,15 @@ import inspect
 import logging
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from google.rpc import code_pb2, status_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -27,6 +28,7 @@ from prep_service.metrics import ServiceMetrics
 log = logging.getLogger("slotwise")
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20  # a PreparedPrompt carries raw RGB: several 4K images
+DEFAULT_MAX_CONCURRENT_RPCS = 1024
 
 
 class _LateHandlers(grpc.GenericRpcHandler):
@@ -79,6 +81,10 @@ class Server:
         for name in ("", *self.services):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
+    async def set_not_serving(self) -> None:
+        for name in ("", *self.services):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
@@ -93,8 +99,12 @@ async def create_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     security: Security | None = None,
     metrics: ServiceMetrics | None = None,
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
 ) -> Server:
     """A started grpc.aio server on address (port 0 picks a free one), NOT_SERVING until told.
+
+    Calls beyond max_concurrent_rpcs are refused by grpc with RESOURCE_EXHAUSTED: a flood
+    costs a refusal each, not memory.
 
     Register servicers with `server.server` before calling `start()`; see `start_server`.
     """
@@ -105,6 +115,7 @@ async def create_server(
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
         ],
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -125,21 +136,61 @@ async def create_server(
     return Server(server, port, health, tuple(services), late, metrics)
 
 
-async def run_until_signal(server: Server, grace: float = 5.0) -> None:
-    """Serve until SIGTERM/SIGINT, then report NOT_SERVING and drain in-flight calls."""
+async def run_until_signal(
+    server: Server, grace: float = 5.0, *, failed: asyncio.Event | None = None
+) -> None:
+    """Serve until SIGTERM/SIGINT (or `failed` is set), then report NOT_SERVING and drain
+    in-flight calls."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waits = [asyncio.ensure_future(stop.wait())]
+    if failed is not None:
+        waits.append(asyncio.ensure_future(failed.wait()))
+    _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
     log.info("draining (grace %.1fs)", grace)
     await server.stop(grace)
 
 
-async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-    """End the call with a google.rpc.Status carrying the code and a message a user can act on."""
+ERROR_DOMAIN = "slotwise"
+
+
+def status_of(
+    code: grpc.StatusCode,
+    message: str,
+    *,
+    reason: str = "",
+    metadata: Mapping[str, str] | Sequence[tuple[str, str]] = (),
+    retry_after: float | None = None,
+    field: str = "",
+) -> grpc.Status:
+    """A google.rpc.Status with the details a client branches on: ErrorInfo (reason and the
+    numbers), RetryInfo (when to try again), BadRequest (the field at fault)."""
     status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message)
-    await context.abort_with_status(rpc_status.to_status(status))
+    if reason:
+        info = error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN)
+        info.metadata.update(dict(metadata))
+        status.details.add().Pack(info)
+    if retry_after is not None:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromTimedelta(timedelta(seconds=retry_after))
+        status.details.add().Pack(retry)
+    if field:
+        bad = error_details_pb2.BadRequest()
+        bad.field_violations.add(field=field, description=message)
+        status.details.add().Pack(bad)
+    return rpc_status.to_status(status)
+
+
+async def abort(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, **details: Any
+) -> None:
+    """End the call with a google.rpc.Status: the code, a message a user can act on, and the
+    details of `status_of`."""
+    await context.abort_with_status(status_of(code, message, **details))
 
 
 class _Undecodable:
@@ -209,8 +260,12 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
                         await abort(context, grpc.StatusCode.INVALID_ARGUMENT, _message(request))
                     result = behavior(request, context)
                     return await result if inspect.isawaitable(result) else result
+                except Exception as e:
+                    code = context.code() or grpc.StatusCode.INTERNAL
+                    await _internal(context, method, e)
+                    raise
                 except BaseException:
-                    code = context.code() or grpc.StatusCode.UNKNOWN
+                    code = context.code() or grpc.StatusCode.CANCELLED
                     raise
                 finally:
                     if metrics:
@@ -242,6 +297,10 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
                 else:
                     for item in result:
                         yield item
+            except Exception as e:
+                code = context.code() or grpc.StatusCode.INTERNAL
+                await _internal(context, method, e)
+                raise
             except BaseException:
                 code = context.code() or grpc.StatusCode.CANCELLED
                 raise
@@ -261,6 +320,19 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
                 got = value.encode() if isinstance(value, str) else value
                 return hmac.compare_digest(got, self._expected or b"")
         return False
+
+
+async def _internal(context: grpc.aio.ServicerContext, method: str, e: Exception) -> None:
+    """A handler's unexpected exception: INTERNAL with what it was, never grpc's UNKNOWN."""
+    if isinstance(e, grpc.aio.AbortError):
+        return  # the handler ended the call with its own status
+    log.error("%s failed", method, exc_info=e)
+    await abort(
+        context,
+        grpc.StatusCode.INTERNAL,
+        f"internal error: {type(e).__name__}: {e}",
+        reason="INTERNAL",
+    )
 
 
 def _message(request: _Undecodable) -> str:

@@ -9,8 +9,9 @@ The baseline, protos/baseline/descriptor_set.binpb, is a FileDescriptorSet compi
 
 Breaking (a client or server built from the baseline would misread or fail): a message, enum,
 service or method that disappears; a field number that disappears without being listed in the
-message's `reserved` numbers; a field whose type, message/enum type, label, presence, oneof or
-name (the JSON form uses names) changes; an enum value number that disappears without being
+message's `reserved` numbers; a field whose type, message/enum type, label, oneof or name (the
+JSON form uses names) changes, or that loses presence (gaining it, implicit -> optional, reads
+the same bytes and JSON); an enum value number that disappears without being
 reserved, or is renamed; a method whose request/response type or streaming changes.
 Additions of any kind are fine.
 """
@@ -153,7 +154,7 @@ def _check_message(
             yield (
                 f"{where}: label changed from {_LABEL_NAMES[f.label]} to {_LABEL_NAMES[g.label]}"
             )
-        if g.proto3_optional != f.proto3_optional:
+        if f.proto3_optional and not g.proto3_optional:  # gaining presence is wire-compatible
             yield (
                 f"{where}: presence changed "
                 f"({'optional' if f.proto3_optional else 'implicit'} -> "

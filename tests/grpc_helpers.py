@@ -82,19 +82,21 @@ def request(
     *,
     max_tokens: int = 32,
     stop: Iterable[str] = (),
-    policy: int = infer_pb2.SHIFT_POLICY_UNSPECIFIED,
-    truncate_prompt: bool = False,
-    keep: int = 0,
+    policy: int | None = None,
+    truncate_prompt: bool | None = None,
+    keep: int | None = None,
     **sampling: float | int,
 ) -> infer_pb2.GenerateRequest:
-    """A GenerateRequest; sampling defaults to greedy (temperature 0)."""
+    """A GenerateRequest; sampling defaults to greedy (temperature 0). Context options left
+    out are not set (the server's, or a session's, apply)."""
     sampling.setdefault("temperature", 0.0)
+    context = {"policy": policy, "truncate_prompt": truncate_prompt, "keep": keep}
     return infer_pb2.GenerateRequest(
         prompt=prompt,
         sampling=infer_pb2.SamplingParams(**sampling),  # type: ignore[arg-type]
         max_tokens=max_tokens,
         stop=list(stop),
-        context=infer_pb2.ContextOptions(policy=policy, truncate_prompt=truncate_prompt, keep=keep),
+        context=infer_pb2.ContextOptions(**{k: v for k, v in context.items() if v is not None}),  # type: ignore[arg-type]
     )
 
 

@@ -239,7 +239,7 @@ def test_errors_carry_the_status_code(
     big = client.prepare(conversation((224, 224), (280, 168), (224, 224)))
     with pytest.raises(SlotwiseError) as e:
         list(client.generate(big, policy="stop"))  # cannot fit and may not truncate
-    assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
     # a prompt prepared for another model pair
     with SlotwiseClient(f"127.0.0.1:{prep_servers('rope')}") as other:

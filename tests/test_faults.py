@@ -300,9 +300,15 @@ def test_a_sequence_llama_cpp_refuses_ends_alone(
 
         broken, num_active = server.engine.call(break_one_ledger).result(10)
         assert num_active == 2  # both in the batch llama.cpp refuses
-        finished = {slot: list(call)[-1].finished for slot, call in calls.items()}
-    refused, other = finished[broken], finished[1 - broken]
+        refused_events = []
+        with pytest.raises(grpc.RpcError) as failed:  # a non-OK status after its Finished
+            for event in calls[broken]:
+                refused_events.append(event)
+        other = list(calls[1 - broken])[-1].finished
+    refused = refused_events[-1].finished
     assert refused.reason == infer_pb2.FINISH_REASON_ERROR
     assert "llama_decode failed" in refused.error
+    assert failed.value.code() == grpc.StatusCode.INTERNAL
+    assert "llama_decode failed" in failed.value.details()
     assert other.reason == infer_pb2.FINISH_REASON_LENGTH and other.error == ""
     assert other.usage.num_generated_tokens == 300

@@ -17,6 +17,7 @@ import grpc
 import llama_cpp
 import pytest
 from conftest import image_bytes
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_helpers import (
     Stream,
@@ -30,6 +31,7 @@ from grpc_helpers import (
 )
 from grpc_helpers import request as make_request
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
 
 from prep_service import native
 from prep_service.images import decode_image, media_id
@@ -543,9 +545,33 @@ def test_cancel_frees_the_slot(prep_servers, infer_server) -> None:
 # -- 8. validation errors -----------------------------------------------------------------------
 
 
-def assert_rpc_error(port: int, req: infer_pb2.GenerateRequest, code: Code, details: str) -> None:
+def assert_rpc_error(
+    port: int,
+    req: infer_pb2.GenerateRequest,
+    code: Code,
+    details: str,
+    reason: str | None = None,
+    **metadata: str,
+) -> grpc.RpcError:
+    """The call fails with code and details, and (when given) the google.rpc.ErrorInfo
+    reason and metadata that grpcio-status reads back from the trailers."""
     err = rpc_error(lambda: run(port, req, timeout=30))
     assert (err.code(), err.details()) == (code, details)
+    if reason is not None:
+        info = error_info(err)
+        assert info.reason == reason
+        assert {k: info.metadata[k] for k in metadata} == metadata
+    return err
+
+
+def error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo:
+    status = rpc_status.from_call(err)
+    assert status is not None, "no google.rpc.Status in the trailers"
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info
+    raise AssertionError(f"no ErrorInfo in {status}")
 
 
 def short(fp: prompt_pb2.Fingerprint) -> str:
@@ -664,11 +690,15 @@ def tight(prep_servers, infer_server):
 @pytest.mark.parametrize("policy", [STOP_POLICY, AUTO], ids=["stop", "auto"])
 def test_prompt_that_cannot_fit_is_refused(policy: int, tight, prep_servers) -> None:
     server, prompt = tight
+    # permanent, so not the transient RESOURCE_EXHAUSTED: INVALID_ARGUMENT with the numbers
     assert_rpc_error(
         server.port,
         make_request(prompt, policy=policy),
-        Code.RESOURCE_EXHAUSTED,
+        Code.INVALID_ARGUMENT,
         f"needs {prompt.num_cells + 1} KV cells; the sequence holds 256, 0 of them pinned",
+        "PROMPT_TOO_LONG",
+        cells_needed=str(prompt.num_cells + 1),
+        capacity="256",
     )
     # keep pins whole items: the first chunk (the text before the image)
     first = len(prompt.chunks[0].text.token_ids)
@@ -676,7 +706,7 @@ def test_prompt_that_cannot_fit_is_refused(policy: int, tight, prep_servers) -> 
     assert_rpc_error(
         server.port,
         make_request(prompt, policy=policy, keep=1),
-        Code.RESOURCE_EXHAUSTED,
+        Code.INVALID_ARGUMENT,
         f"needs {prompt.num_cells + 1} KV cells; the sequence holds 256, {first} of them pinned",
     )
     assert_good_request_succeeds(server.port, text_prompt(prep_servers("mrope")))
@@ -766,12 +796,17 @@ def test_full_queue_is_resource_exhausted(prep_servers, infer_server) -> None:
             assert next(running).HasField("started")
             queued = stub.Generate(make_request(prompt, max_tokens=5), timeout=60)
             wait_until(lambda: server_info(server.port).num_queued == 1)
-            assert_rpc_error(
+            err = assert_rpc_error(
                 server.port,
                 make_request(prompt),
                 Code.RESOURCE_EXHAUSTED,
                 "all 1 slots are busy and 1 requests wait (queue limit 1); retry later",
+                "QUEUE_FULL",
+                queue_limit="1",
             )
+            retry = error_details_pb2.RetryInfo()
+            assert any(d.Unpack(retry) for d in rpc_status.from_call(err).details)
+            assert retry.retry_delay.seconds >= 1
         finally:
             running.cancel()
         s = Stream(list(queued))  # the queued one gets the slot once the first is gone

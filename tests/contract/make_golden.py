@@ -100,6 +100,7 @@ def events(media_id: str) -> dict[str, object]:
         ContextShift,
         Finished,
         FinishReason,
+        Persistence,
         PrefillProgress,
         Started,
         TokenDelta,
@@ -141,6 +142,7 @@ def events(media_id: str) -> dict[str, object]:
                 decode_seconds=1.5,
             ),
             stop_string="\n\n",
+            persistence=Persistence.SAVED,
         ),
         "finished_error": Finished(reason=FinishReason.ERROR, error="llama_decode returned -1"),
     }

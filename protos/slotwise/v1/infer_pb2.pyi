@@ -30,6 +30,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class Persistence(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PERSISTENCE_UNSPECIFIED: _ClassVar[Persistence]
+    PERSISTENCE_MEMORY: _ClassVar[Persistence]
+    PERSISTENCE_SAVED: _ClassVar[Persistence]
+    PERSISTENCE_NOT_SAVED: _ClassVar[Persistence]
 SHIFT_POLICY_UNSPECIFIED: ShiftPolicy
 SHIFT_POLICY_AUTO: ShiftPolicy
 SHIFT_POLICY_SHIFT: ShiftPolicy
@@ -44,6 +51,10 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
+PERSISTENCE_UNSPECIFIED: Persistence
+PERSISTENCE_MEMORY: Persistence
+PERSISTENCE_SAVED: Persistence
+PERSISTENCE_NOT_SAVED: Persistence
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
@@ -220,16 +231,18 @@ class Usage(_message.Message):
     def __init__(self, num_prompt_cells: _Optional[int] = ..., num_prompt_positions: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_shifts: _Optional[int] = ..., num_evicted_cells: _Optional[int] = ..., num_reused_cells: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("reason", "usage", "stop_string", "error")
+    __slots__ = ("reason", "usage", "stop_string", "error", "persistence")
     REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENCE_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     usage: Usage
     stop_string: str
     error: str
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stop_string: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    persistence: Persistence
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stop_string: _Optional[str] = ..., error: _Optional[str] = ..., persistence: _Optional[_Union[Persistence, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("started", "prefill", "delta", "shift", "finished")
