@@ -538,7 +538,7 @@ class Usage:
     decode_seconds: float = 0.0
 
 
-class Persistence(str, enum.Enum):
+class Persistence(enum.StrEnum):
     """Whether a session turn's result is on disk (see Finished.persistence)."""
 
     UNSPECIFIED = "unspecified"  # not a session turn, or it did not complete

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -595,16 +595,16 @@ class Engine:
             self._restoring.discard(session_id)
             self._register(session_id, header)
             try:
-                done.set_result(self._session(session_id))
+                _resolve(done, self._session(session_id))
             except ProblemError as e:
-                done.set_exception(e)
+                _resolve(done, error=e)
 
         def read() -> None:  # io thread
             header = self._read_header(session_id)
             try:
                 self.call(lambda: register(header))
             except EngineStoppedError as e:
-                done.set_exception(e)
+                _resolve(done, error=e)
 
         self._io.submit(read)
         return done
@@ -692,7 +692,7 @@ class Engine:
             self._io.submit(self._write, sid)
 
         def saved(done: Future[None]) -> None:  # back on the engine thread: drop what is on disk
-            if done.exception() is None:
+            if not done.cancelled() and done.exception() is None:
                 with contextlib.suppress(EngineStoppedError):
                     self.call(lambda: self._saved(sid, number, media))
 
@@ -720,10 +720,10 @@ class Engine:
             log.warning("session %r not saved: %s", session_id, e)
             failure = ProblemError(storage_problem(e, "the turn was not saved"))
             for f in write.futures:
-                f.set_exception(failure)
+                _resolve(f, error=failure)
         else:
             for f in write.futures:
-                f.set_result(None)
+                _resolve(f, None)
 
     def _saved(self, session_id: str, number: int, media_ids: set[str]) -> None:
         session = self.sessions.get(session_id)
@@ -1105,7 +1105,7 @@ class Engine:
             return
 
         def report(write: Future[None]) -> None:  # a finished turn is on disk when it says so
-            e = write.exception()
+            e = CancelledError() if write.cancelled() else write.exception()
             if e is None:
                 job.emit(replace(finished, persistence=Persistence.SAVED))
                 return
@@ -1201,6 +1201,18 @@ def _cancelled(deadline: bool, why: str) -> Problem:
     if deadline:
         return Problem(ErrorKind.DEADLINE_EXCEEDED, why, Reason.DEADLINE_EXCEEDED)
     return Problem(ErrorKind.CANCELLED, why, Reason.CANCELLED)
+
+
+def _resolve(
+    future: Future[T], result: T | None = None, error: BaseException | None = None
+) -> None:
+    """Settle a future whose waiter may have given up on it (cancelled): that is no error."""
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)  # type: ignore[arg-type]
 
 
 def _safely(emit: Callable[[Event], None], event: Event) -> None:

@@ -331,13 +331,14 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         try:
             check_session_id(session_id)
             result = await asyncio.wrap_future(self.engine.call(lambda: fn(session_id, *args)))
+            # disk work goes on when its caller leaves (shielded): only waiting for it stops
             if isinstance(result, tuple):  # (session, its write)
                 session, write = result
                 if write is not None:
-                    await asyncio.wrap_future(write)
+                    await _outlived(write)
                 return session
             if isinstance(result, Future):
-                return await asyncio.wrap_future(result)
+                return await _outlived(result)
             return result
         except SessionIdError as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), reason="BAD_REQUEST",
@@ -448,6 +449,13 @@ def _context(c: infer_pb2.ContextOptions, base: ContextConfig) -> ContextConfig:
         if c.HasField("truncate_prompt")
         else base.truncate_prompt,
     )
+
+
+async def _outlived(future: Future[Any]) -> Any:
+    """Wait for disk work that goes on if this caller leaves (its outcome is then dropped)."""
+    waited = asyncio.wrap_future(future)
+    waited.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved either way
+    return await asyncio.shield(waited)
 
 
 async def _bad_request(context: grpc.aio.ServicerContext, e: RequestError) -> None:

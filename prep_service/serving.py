@@ -189,8 +189,16 @@ async def abort(
     context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, **details: Any
 ) -> None:
     """End the call with a google.rpc.Status: the code, a message a user can act on, and the
-    details of `status_of`."""
-    await context.abort_with_status(status_of(code, message, **details))
+    details of `status_of`. A call whose client is gone (cancelled, deadline passed) just ends.
+    """
+    if context.cancelled():
+        raise asyncio.CancelledError("the client is gone")
+    try:
+        await context.abort_with_status(status_of(code, message, **details))
+    except grpc.aio.AbortError:
+        raise
+    except Exception as e:  # grpc could not send the status: the client went away meanwhile
+        raise asyncio.CancelledError(f"the client is gone ({type(e).__name__})") from None
 
 
 class _Undecodable:
@@ -327,6 +335,8 @@ async def _internal(context: grpc.aio.ServicerContext, method: str, e: Exception
     if isinstance(e, grpc.aio.AbortError):
         return  # the handler ended the call with its own status
     log.error("%s failed", method, exc_info=e)
+    if context.done():
+        return
     await abort(
         context,
         grpc.StatusCode.INTERNAL,
@@ -394,3 +404,15 @@ def configure_logging(level: str) -> None:
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("grpc._cython.cygrpc").addFilter(_client_gone)
+
+
+def _client_gone(record: logging.LogRecord) -> bool:
+    """grpc logs an ERROR with a traceback whenever a reply cannot be sent because its client
+    left (cancel, deadline, dropped connection): an everyday event, not an error of ours."""
+    if "ExecuteBatchError" not in record.getMessage():
+        return True
+    record.levelno, record.levelname, record.exc_info, record.exc_text = (
+        logging.DEBUG, "DEBUG", None, None,
+    )  # fmt: skip
+    return logging.getLogger("grpc._cython.cygrpc").isEnabledFor(logging.DEBUG)
