@@ -19,6 +19,7 @@ from prep_service.metrics import ServiceMetrics
 from prep_service.model_files import ModelMismatchError
 from prep_service.native import NativeError
 from prep_service.serving import (
+    DEFAULT_MAX_CONCURRENT_RPCS,
     DEFAULT_MAX_MESSAGE_BYTES,
     Security,
     Server,
@@ -61,6 +62,7 @@ async def start(
     cache_bytes: int = 1 << 30,
     limits: GenerateLimits = GenerateLimits(),
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
     sessions_dir: Path | None = None,
     security: Security = Security(),
     metrics_port: int | None = None,
@@ -68,7 +70,12 @@ async def start(
     """Listen first (health NOT_SERVING), load the model, then report SERVING."""
     metrics = ServiceMetrics("infer")
     server = await create_server(
-        address, [SERVICE], max_message_bytes=max_message_bytes, security=security, metrics=metrics
+        address,
+        [SERVICE],
+        max_message_bytes=max_message_bytes,
+        security=security,
+        metrics=metrics,
+        max_concurrent_rpcs=max_concurrent_rpcs,
     )
     await server.server.start()
     try:
@@ -152,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             cache_bytes=args.media_cache_mb << 20,
             limits=GenerateLimits(default_max_tokens=args.default_max_tokens),
             max_message_bytes=args.max_message_mb << 20,
+            max_concurrent_rpcs=args.max_concurrent_rpcs,
             sessions_dir=args.sessions_dir,
             security=security_from_args(args),
             metrics_port=args.metrics_port,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from infer_service.engine import Engine
+from infer_service.engine import Engine, EngineStats, EngineStoppedError
 from prep_service.metrics import ServiceMetrics
 
 
@@ -21,26 +22,30 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
     engine.on_first_token = ttft.observe
 
     def collect() -> Iterable[Metric]:
-        st = engine.stats
+        try:  # read on the engine thread, between steps: a consistent snapshot
+            snap = engine.call(lambda: _snapshot(engine)).result(timeout=2)
+        except (EngineStoppedError, TimeoutError):
+            yield GaugeMetricFamily("slotwise_infer_engine_up", "the engine thread runs", value=0)
+            return
+        yield GaugeMetricFamily("slotwise_infer_engine_up", "the engine thread runs", value=1)
         cells = GaugeMetricFamily(
             "slotwise_infer_cells_used", "KV cells held by each slot's sequence", labels=["slot"]
         )
-        for slot in engine.slots:
-            cells.add_metric([str(slot.seq)], slot.ledger.num_cells if slot.ledger else 0)
+        for seq, n in enumerate(snap.cells):
+            cells.add_metric([str(seq)], n)
         yield cells
         yield GaugeMetricFamily(
             "slotwise_infer_capacity_cells", "KV cells per slot", value=engine.rt.num_cells_per_slot
         )
         yield GaugeMetricFamily(
-            "slotwise_infer_queue_depth", "requests waiting", value=engine.num_waiting
+            "slotwise_infer_queue_depth", "requests waiting", value=snap.waiting
         )
-        yield GaugeMetricFamily(
-            "slotwise_infer_active", "slots generating", value=engine.num_active
-        )
+        yield GaugeMetricFamily("slotwise_infer_active", "slots generating", value=snap.active)
         shifts = CounterMetricFamily("slotwise_infer_shifts", "context shifts", labels=["policy"])
-        for policy, n in sorted(st.shifts_by_policy.items()):
+        for policy, n in sorted(snap.stats.shifts_by_policy.items()):
             shifts.add_metric([policy], n)
         yield shifts
+        st = snap.stats
         yield CounterMetricFamily(
             "slotwise_infer_evicted_cells", "cells evicted", value=st.num_evicted_cells
         )
@@ -52,7 +57,26 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
             "slotwise_infer_decodes", "llama_decode calls", value=st.num_decodes
         )
         yield CounterMetricFamily(
-            "slotwise_infer_media_cache_hits", "projector outputs reused", value=engine.cache.hits
+            "slotwise_infer_media_cache_hits", "projector outputs reused", value=snap.cache_hits
         )
 
     return collect
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    cells: tuple[int, ...]
+    waiting: int
+    active: int
+    cache_hits: int
+    stats: EngineStats
+
+
+def _snapshot(engine: Engine) -> _Snapshot:
+    return _Snapshot(
+        cells=tuple(s.ledger.num_cells if s.ledger else 0 for s in engine.slots),
+        waiting=engine.num_waiting,
+        active=engine.num_active,
+        cache_hits=engine.cache.hits,
+        stats=replace(engine.stats, shifts_by_policy=dict(engine.stats.shifts_by_policy)),
+    )

@@ -16,6 +16,7 @@ from prep_service.native import NativeError
 from prep_service.preparer import Preparer
 from prep_service.service import Limits, PrepServicer
 from prep_service.serving import (
+    DEFAULT_MAX_CONCURRENT_RPCS,
     DEFAULT_MAX_MESSAGE_BYTES,
     Security,
     Server,
@@ -54,13 +55,19 @@ async def start(
     threads: int = 2,
     limits: Limits = Limits(),
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
     security: Security = Security(),
     metrics_port: int | None = None,
 ) -> RunningPrep:
     """Listen first (health NOT_SERVING), load the models, then report SERVING."""
     metrics = ServiceMetrics("prep")
     server = await create_server(
-        address, [SERVICE], max_message_bytes=max_message_bytes, security=security, metrics=metrics
+        address,
+        [SERVICE],
+        max_message_bytes=max_message_bytes,
+        security=security,
+        metrics=metrics,
+        max_concurrent_rpcs=max_concurrent_rpcs,
     )
     await server.server.start()
     try:
@@ -110,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
             limits=Limits(args.max_pixels, args.max_side, args.max_images, args.max_total_pixels),
             max_message_bytes=args.max_message_mb << 20,
+            max_concurrent_rpcs=args.max_concurrent_rpcs,
             security=security_from_args(args),
             metrics_port=args.metrics_port,
         )

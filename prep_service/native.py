@@ -162,8 +162,10 @@ class Multimodal:
         Yields the native chunks; they are freed when the block ends.
         """
         chunks = mtmd_cpp.mtmd_input_chunks_init()
-        handles = [_make_bitmap(b) for b in bitmaps]
+        handles: list[int] = []
         try:
+            for b in bitmaps:  # one by one: a bad one must not leak those made before it
+                handles.append(_make_bitmap(b))
             data = text.encode()
             inp = mtmd_cpp.mtmd_input_text(data, len(data), add_special, parse_special)
             array = (mtmd_cpp.mtmd_bitmap_p_ctypes * max(1, len(handles)))(*handles)
@@ -240,6 +242,6 @@ def _make_bitmap(bitmap: Bitmap) -> int:
     handle = mtmd_cpp.mtmd_bitmap_init(bitmap.width, bitmap.height, data)
     if not handle:
         raise NativeError("mtmd_bitmap_init failed")
-    if bitmap.media_id:
+    if bitmap.media_id:  # (cannot fail: the id is copied)
         mtmd_cpp.mtmd_bitmap_set_id(handle, bitmap.media_id.encode())
     return handle

@@ -392,6 +392,12 @@ def add_security_arguments(p: argparse.ArgumentParser) -> None:
         "--token-file", type=Path, help="require `authorization: Bearer <token>` (token in file)"
     )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_RPCS,
+        help="calls served at once; more are refused with RESOURCE_EXHAUSTED",
+    )
 
 
 def security_from_args(args: argparse.Namespace) -> Security:
