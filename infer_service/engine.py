@@ -58,6 +58,7 @@ from infer_service.media import MediaHandle, media_handle, media_key
 from infer_service.runtime import EmbeddingCache, Runtime, SamplingConfig
 from infer_service.session_store import CorruptSessionError, SessionStore, ledger_digest
 from infer_service.sessions import Pixels, Session
+from infer_service.state_cache import StateCache, reuse_of
 from infer_service.text_stream import TextStream
 from prep_service import native
 from prep_service.descriptors import Fingerprint, MediaChunk, PreparedPrompt
@@ -99,6 +100,7 @@ class Job:
     pixels: dict[str, Pixels] = field(default_factory=dict)
     rgb: dict[str, bytes] = field(default_factory=dict)  # media_id -> pixels (session turns)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    resume: int | None = None  # a StateCache entry to continue (chosen with the slot)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -169,11 +171,13 @@ class Engine:
         max_queue: int = 64,
         cache_bytes: int = 1 << 30,
         store: SessionStore | None = None,
+        state_cache_bytes: int = 256 << 20,
     ):
         self.rt = runtime
         self.slots = [_Slot(seq) for seq in range(runtime.num_slots)]
         self.max_queue = max_queue
         self.cache = EmbeddingCache(cache_bytes)
+        self.states = StateCache(state_cache_bytes)  # stateless conversations that lost a slot
         self.stats = EngineStats()
         self.store = store
         self.sessions: dict[str, Session] = {}
@@ -404,10 +408,18 @@ class Engine:
             if session is not None and session.slot is not None:
                 return self.slots[session.slot]  # its own slot, never used by others while owned
         unowned = [s for s in free if s.owner is None]
-        if len(unowned) > 1 and job.session_id is None:  # (_start matches the chosen one again)
-            return max(unowned, key=lambda s: _reusable_cells(s.ledger, job.items))
+        if unowned and job.session_id is None:  # (_start matches the chosen one again)
+            job.resume = None
+            reuse = {s.seq: _reused_cells(s.ledger, job.items) for s in unowned}
+            # the most reuse; on a tie, the slot whose content is worth least
+            best = max(unowned, key=lambda s: (reuse[s.seq], -_cells(s)))
+            cached = self.states.best(job.items)
+            if cached is not None and cached[1].num_cells > reuse[best.seq]:
+                job.resume = cached[0]  # a conversation that lost its slot: put it back
+                return min(unowned, key=lambda s: (reuse[s.seq], _cells(s)))
+            return best
         if unowned:
-            return min(unowned, key=lambda s: s.ledger.num_cells if s.ledger else 0)
+            return min(unowned, key=_cells)
         idle = [s for s in free if s.owner is not None]
         return min(idle, key=lambda s: self.sessions[s.owner].last_used) if idle else None  # type: ignore[index]
 
@@ -428,6 +440,8 @@ class Engine:
             ledger = session.ledger
             start = ledger.generated_tail()
         else:
+            if job.resume is not None:
+                self._resume(slot, job.resume)
             if slot.ledger is None:
                 slot.ledger = self.new_ledger(job.context)
             ledger = slot.ledger
@@ -437,9 +451,16 @@ class Engine:
             policy=ctx.policy, keep=ctx.keep, discard_fraction=ctx.discard_fraction, unit=ctx.unit
         )
         num_before = sum(seg.num_cells for seg in ledger.segments[:start])
-        # a session continues what it holds; any other request reuses only what equals a
-        # fresh prefill of its prefix (same tokens in, same tokens out, whatever came before)
-        si, so, rest = ledger.common_prefix(job.items, start, exact=job.session_id is None)
+        if job.session_id is not None:  # a session continues what it holds
+            si, so, rest = ledger.common_prefix(job.items, start)
+        else:
+            # a resent conversation continues its sequence (shifted); any other request reuses
+            # only what equals a fresh prefill of its prefix: same tokens in, same tokens out
+            reuse = reuse_of(ledger, job.items)
+            assert reuse is not None
+            si, so, rest = reuse.num_segments, reuse.num_tokens, reuse.rest
+            if ledger.num_cells - reuse.num_cells >= _WORTH_KEEPING and job.resume is None:
+                self._displace(slot)  # what the cut drops may be resumed later
         cut = ledger.truncate(si, so)
         num_reused = ledger.num_cells - num_before
         # a reused M-RoPE image holds more cells than positions: count its positions
@@ -833,9 +854,10 @@ class Engine:
         """Put a session's KV state into slot; False when it must be re-prefilled from its
         ledger instead (no saved state, another context layout or ledger, or a state that does
         not load)."""
-        self.rt.seq_clear(slot.seq)
         if slot.ledger is not None and slot.owner is None:
+            self._displace(slot)
             slot.ledger = None
+        self.rt.seq_clear(slot.seq)
         session.slot, slot.owner = slot.seq, session.session_id
         self.stats.num_session_restores += 1
         if not session.ledger.segments:
@@ -851,6 +873,22 @@ class Engine:
             if rgb is not None and key not in session.media:
                 session.media[key] = self._media_handle(key, px, rgb)
         return False
+
+    # -- stateless conversations that lose their slot -----------------------------------------
+
+    def _displace(self, slot: _Slot) -> None:
+        """Keep a stateless sequence that is about to be overwritten in the host cache."""
+        ledger = slot.ledger
+        if ledger is None or ledger.num_cells < _WORTH_KEEPING or not self.states.max_bytes:
+            return
+        self.states.put(ledger.clone(), self.rt.state_get(slot.seq))
+
+    def _resume(self, slot: _Slot, key: int) -> None:
+        """Put a cached sequence into slot (what the slot held goes to the cache)."""
+        self._displace(slot)
+        ledger, state = self.states.take(key)
+        self.rt.seq_clear(slot.seq)
+        slot.ledger = ledger if self.rt.state_set(slot.seq, bytes(state)) else None
 
     def _step(self) -> None:
         now = time.monotonic()
@@ -1132,11 +1170,16 @@ class Engine:
         saved.add_done_callback(report)
 
 
-def _reusable_cells(ledger: Ledger | None, items: Sequence[Item]) -> int:
-    if ledger is None:
-        return 0
-    si, so, _ = ledger.common_prefix(items, exact=True)
-    return sum(seg.num_cells for seg in ledger.segments[:si]) + so
+_WORTH_KEEPING = 32  # cells: a displaced sequence smaller than this is not worth a cache entry
+
+
+def _reused_cells(ledger: Ledger | None, items: Sequence[Item]) -> int:
+    reuse = reuse_of(ledger, items)
+    return reuse.num_cells if reuse is not None else 0
+
+
+def _cells(slot: _Slot) -> int:
+    return slot.ledger.num_cells if slot.ledger else 0
 
 
 def _text_take_size(pending: deque[Item], budget: int, batch_size: int) -> int:

@@ -29,11 +29,15 @@ Choices worth knowing:
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+# how much evicted history a sequence remembers for `continuation`, in atoms per cell of capacity
+MAX_HISTORY_FACTOR = 64
 
 __all__ = [
     "Admission",
@@ -290,6 +294,28 @@ def _atoms(seq: Sequence[Segment | Item]) -> list[tuple[object, tuple[int, int]]
     return atoms
 
 
+def _match(
+    held: Sequence[Segment | Item], closed: Sequence[Segment | Item], items: Sequence[Item]
+) -> tuple[int, int, list[Item]]:
+    """The longest prefix of ``items`` that ``held`` starts with, cut where neither side
+    splits a media group (``closed``: ``held`` and what follows it) and leaving at least one
+    token of ``items``: (elements of held kept, tokens kept of the next, items left)."""
+    have = _atoms(held)
+    wanted = _atoms(items)
+    n = 0
+    while n < min(len(have), len(wanted)) and have[n][0] == wanted[n][0]:
+        n += 1
+    for k in range(min(n, len(wanted) - 1), 0, -1):
+        si, so = have[k][1] if k < len(have) else (len(held), 0)
+        ii, io = wanted[k][1]
+        if _closed(closed, si, so) and _closed(items, ii, io):
+            rest = list(items[ii:])
+            if io:
+                rest[0] = _text_like(rest[0], rest[0].token_ids[io:])
+            return si, so, rest
+    return 0, 0, list(items)
+
+
 def _units(segments: Sequence[Segment], unit: EvictionUnit) -> list[list[Segment]]:
     """Group segments into eviction units: media groups, and whole messages in MESSAGE mode."""
     units: list[list[Segment]] = []
@@ -355,6 +381,11 @@ class Ledger:
         # leading segments whose KV equals a fresh prefill of them: nothing before them was
         # evicted since they were decoded (an eviction moves or gaps what follows it)
         self._num_exact = 0
+        # what evictions took, oldest first: it sat between the pinned segments and the rest,
+        # so pinned + evicted + rest is everything the sequence ever held, in order
+        self._evicted: list[Item] = []
+        self._num_evicted_atoms = 0
+        self._history_complete = True
         self._recount()
 
     def _recount(self) -> None:
@@ -451,8 +482,11 @@ class Ledger:
             return
         if isinstance(plan, CannotFit):
             raise ValueError("a CannotFit plan has nothing to apply")
+        self._remember(plan.evicted)
         if isinstance(plan, Reprefill):
-            self.clear()
+            self._segments.clear()
+            self._num_exact = 0
+            self._recount()
             return
         start = stop = self._num_pinned_segments
         tail: list[Segment] = []
@@ -530,7 +564,29 @@ class Ledger:
     def clear(self) -> None:
         self._segments.clear()
         self._num_exact = 0
+        self._forget_history()
         self._recount()
+
+    def _remember(self, evicted: Sequence[Segment]) -> None:
+        if not self._history_complete:
+            return
+        self._evicted.extend(s.item for s in evicted)
+        self._num_evicted_atoms += sum(1 if s.is_media else s.num_cells for s in evicted)
+        if self._num_evicted_atoms > MAX_HISTORY_FACTOR * self.capacity:
+            self._forget_history()
+            self._history_complete = False  # too long to match: exact reuse only, from now on
+
+    def _forget_history(self) -> None:
+        self._evicted.clear()
+        self._num_evicted_atoms = 0
+        self._history_complete = True
+
+    def clone(self) -> Ledger:
+        """An independent copy (segments and history), for a cache of sequence states."""
+        other = copy.copy(self)
+        other._segments = list(self._segments)
+        other._evicted = list(self._evicted)
+        return other
 
     # -- reuse across requests (prefix cache, sessions) ----------------------------------------
 
@@ -573,20 +629,31 @@ class Ledger:
         that what the reused cells attended to is exactly the prefix itself.
         """
         end = self._num_exact if exact else len(self._segments)
-        held = _atoms(self._segments[start:end])
-        wanted = _atoms(items)
-        n = 0
-        while n < min(len(held), len(wanted)) and held[n][0] == wanted[n][0]:
-            n += 1
-        for k in range(min(n, len(wanted) - 1), 0, -1):
-            si, so = held[k][1] if k < len(held) else (max(0, end - start), 0)
-            ii, io = wanted[k][1]
-            if _closed(self._segments[start:], si, so) and _closed(items, ii, io):
-                rest = list(items[ii:])
-                if io:
-                    rest[0] = _text_like(rest[0], rest[0].token_ids[io:])
-                return start + si, so, rest
-        return start, 0, list(items)
+        si, so, rest = _match(self._segments[start:end], self._segments[start:], items)
+        return start + si, so, rest
+
+    def continuation(self, items: Sequence[Item]) -> tuple[int, int, list[Item]] | None:
+        """``common_prefix`` for a request that continues what this sequence held, evictions
+        and all: ``items`` equal everything the sequence ever held (its evicted units back in
+        place) up to its trailing generated tokens, then go on. None for any other request.
+
+        A client that resends a whole conversation every turn is recognised by this, and only
+        its new part is decoded after what the sequence holds now (shifted), exactly as a
+        session turn would. Deliberate: unrelated requests follow the exact rule.
+        """
+        if not self._evicted:
+            return None
+        pinned = self._num_pinned_segments
+        logical: list[Segment | Item] = [
+            *self._segments[:pinned],
+            *self._evicted,
+            *self._segments[pinned:],
+        ]
+        li, lo, rest = _match(logical, logical, items)
+        si = li - len(self._evicted)
+        if si < max(pinned, self.generated_tail()):
+            return None  # it differs before the end of what was decoded: not a continuation
+        return si, lo, rest
 
     def generated_tail(self) -> int:
         """Index of the first segment of the trailing run of generated tokens."""
@@ -604,6 +671,8 @@ class Ledger:
             if seg.is_media or seg.group is not None or num_tokens >= seg.num_cells:
                 raise ValueError("only ungrouped text can be cut inside")
             kept.append(replace(seg, item=_text_like(seg.item, seg.token_ids[:num_tokens])))
+        if num_segments < self._num_pinned_segments:
+            self._forget_history()  # the evicted units sat after the cut
         self._segments = kept
         self._num_exact = min(self._num_exact, len(kept))
         self._recount()
@@ -650,4 +719,5 @@ class Ledger:
             raise ValueError(f"saved segments hold {num_cells} cells, over {self.capacity}")
         self._segments = segments
         self._num_exact = 0  # what a saved sequence attended to is not known
+        self._forget_history()
         self._recount()

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from infer_service.engine import Engine, EngineStoppedError, Job, prompt_items, too_long
+from infer_service.engine import Engine, EngineStoppedError, Job, prompt_items
 from infer_service.events import (
     POLICY_TO_PB,
     ErrorKind,
@@ -29,7 +29,7 @@ from infer_service.events import (
     TokenDelta,
     storage_problem,
 )
-from infer_service.ledger import CannotFit, ContextConfig, EvictionUnit, Policy
+from infer_service.ledger import ContextConfig, EvictionUnit, Policy
 from infer_service.media import MediaLimits, StaleDescriptorError, verify_prompt
 from infer_service.runtime import SamplingConfig
 from infer_service.session_store import SessionIdError, check_session_id
@@ -286,12 +286,8 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
                 Reason.BAD_REQUEST,
                 field="prompt",
             )
-        elif session is None:  # sessions are admitted by the engine, which knows what they hold
-            admission = self.engine.new_ledger(args["context"]).admit(
-                items, truncate=args["context"].truncate_prompt
-            )
-            if isinstance(admission, CannotFit):
-                refusal = too_long(admission)
+        # admission is the engine's: a resent conversation longer than the context may continue
+        # what a slot holds (only its new part is decoded)
         if refusal is not None:
             for h in media.values():
                 h.close()

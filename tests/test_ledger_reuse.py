@@ -533,3 +533,87 @@ def test_json_round_trip_preserves_segments(
     )  # fmt: skip
     assert copy.generated_tail() == ledger.generated_tail()
     assert expected_cells(copy) == expected_cells(ledger)
+
+
+# -- continuation: a resent conversation after evictions --------------------------------------
+
+
+def decode_all(ledger: Ledger, items: Sequence[Item]) -> None:
+    """Append items as the engine does: a plan before each (evictions remembered)."""
+    for item in items:
+        plan = ledger.ensure(item.num_cells, item.num_positions, group=item.group)
+        assert not isinstance(plan, CannotFit)
+        ledger.apply(plan)
+        if not isinstance(plan, Fits) and hasattr(plan, "kept"):
+            for kept in plan.kept:  # a re-prefill decodes the kept items again
+                ledger.append(kept)
+        ledger.append(item)
+
+
+conversation_turns = st.lists(
+    st.tuples(
+        st.lists(st.integers(1, 50), min_size=1, max_size=30),  # a user message
+        st.booleans(),  # with an image
+        st.lists(st.integers(51, 99), min_size=1, max_size=25),  # the reply
+    ),
+    min_size=2,
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    turns=conversation_turns,
+    policy=st.sampled_from([Policy.SHIFT, Policy.GAP, Policy.REPREFILL]),
+    keep=st.integers(0, 12),
+    unit=st.sampled_from(list(EvictionUnit)),
+    new=st.lists(st.integers(1, 50), min_size=1, max_size=10),
+)
+def test_a_resent_conversation_continues_what_the_sequence_holds(
+    turns: list[tuple[list[int], bool, list[int]]],
+    policy: Policy,
+    keep: int,
+    unit: EvictionUnit,
+    new: list[int],
+) -> None:
+    ledger = make_ledger(64, policy=policy, keep=keep, unit=unit)
+    history: list[Item] = [text([1, 2, 3], 0)]  # a system prompt
+    decode_all(ledger, history)
+    for k, (user, with_image, reply) in enumerate(turns, start=1):
+        prompt = [text(user, 2 * k - 1)]
+        if with_image:
+            prompt += wrapped(f"img{k}", group=k, message_index=2 * k - 1)
+        prompt += [text([7], 2 * k - 1)]
+        decode_all(ledger, prompt)
+        decode_all(ledger, generated(reply, 2 * k))
+        history += [*prompt, *generated(reply, 2 * k)]
+    request = [*history, text(new, 2 * len(turns) + 1)]
+    found = ledger.continuation(request)
+    if not ledger.segments or ledger._evicted == []:  # nothing evicted: the exact rule applies
+        assert found is None
+        return
+    assert found is not None
+    si, so, rest = found
+    assert (si, so) == (len(ledger.segments), 0)  # all it holds is reused
+    assert atoms(rest) == atoms([text(new, 0)])  # only the new message is left to decode
+
+    # an edited earlier message is not a continuation
+    edited = [text([49] + list(history[0].token_ids[1:]), 0), *request[1:]]
+    assert ledger.continuation(edited) is None
+
+
+def test_a_continuation_may_cut_into_the_generated_reply() -> None:
+    """The template renders the reply's end differently from what the model sampled."""
+    ledger = make_ledger(16, policy=Policy.GAP)
+    decode_all(ledger, [text(list(range(1, 13)), 0)])
+    decode_all(ledger, generated([60, 61, 62, 63, 64, 65], 1))  # evicts the oldest tokens
+    assert ledger._evicted
+    request = [text(list(range(1, 13)), 0), text([60, 61, 62, 99], 1), text([5, 6], 2)]
+    found = ledger.continuation(request)
+    assert found is not None
+    si, so, rest = found
+    kept = ledger.segments[:si]
+    assert [t for s in kept for t in s.token_ids][-3:] == [60, 61, 62]
+    assert atoms(rest) == [99, 5, 6]
+    # a request that stops matching before the reply is not one
+    assert ledger.continuation([text(list(range(1, 12)) + [40], 0), text([5], 2)]) is None

@@ -1,0 +1,87 @@
+"""Sequences that lost their slot, kept in host memory so that their conversation resumes
+without a re-prefill: each entry is a ledger (with its evicted history) and the KV state of
+its sequence, least recently used out first, bounded in bytes.
+
+Pure Python: the engine takes the state out of llama.cpp and puts it back.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from infer_service.ledger import Item, Ledger
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """How much of a request a ledger already holds, and what is left to decode."""
+
+    num_segments: int
+    num_tokens: int  # of the next segment
+    rest: list[Item]
+    num_cells: int  # reused
+    continued: bool  # by the continuation rule (else the exact one)
+
+
+def reuse_of(ledger: Ledger | None, items: Sequence[Item]) -> Reuse | None:
+    """The better of the continuation and the exact-prefix rule for a stateless request."""
+    if ledger is None:
+        return None
+    found = ledger.continuation(items)
+    continued = found is not None
+    if found is None:
+        found = ledger.common_prefix(items, exact=True)
+    si, so, rest = found
+    cells = sum(seg.num_cells for seg in ledger.segments[:si]) + so
+    return Reuse(si, so, rest, cells, continued)
+
+
+@dataclass
+class _Entry:
+    ledger: Ledger
+    state: bytes | bytearray | memoryview
+
+
+class StateCache:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._keys = itertools.count()
+        self.hits = 0
+        self.stored = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, ledger: Ledger, state: bytes | bytearray | memoryview) -> None:
+        if len(state) > self.max_bytes:
+            return
+        self._entries[next(self._keys)] = _Entry(ledger, state)
+        self.num_bytes += len(state)
+        self.stored += 1
+        while self.num_bytes > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.num_bytes -= len(old.state)
+
+    def best(self, items: Sequence[Item]) -> tuple[int, Reuse] | None:
+        """The entry that holds the most of items (continuing it, or by exact prefix)."""
+        found: tuple[int, Reuse] | None = None
+        for key, entry in self._entries.items():
+            reuse = reuse_of(entry.ledger, items)
+            if (
+                reuse is not None
+                and reuse.num_cells
+                and (found is None or reuse.num_cells > found[1].num_cells)
+            ):
+                found = (key, reuse)
+        return found
+
+    def take(self, key: int) -> tuple[Ledger, bytes | bytearray | memoryview]:
+        entry = self._entries.pop(key)
+        self.num_bytes -= len(entry.state)
+        self.hits += 1
+        return entry.ledger, entry.state
