@@ -231,6 +231,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-message-mb", type=positive_int, default=256)
     s.add_argument("--grace", type=float, default=5.0, help="seconds to drain on shutdown")
     s.add_argument("--sessions-dir", type=Path, help="keep sessions on disk (survive restarts)")
+    s.add_argument(
+        "--chat-template", metavar="NAME|FILE", help="llama.cpp built-in name or Jinja file"
+    )
     h = s.add_argument_group("hardening")
     h.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate: serve TLS")
     h.add_argument("--tls-key", type=Path, metavar="PEM", help="server private key")
@@ -238,6 +241,18 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--token-file", type=Path, help="require `authorization: Bearer <token>`")
     h.add_argument("--prep-metrics-port", type=int, help="Prometheus metrics of the prep service")
     h.add_argument("--infer-metrics-port", type=int, help="Prometheus metrics of the infer service")
+    s.add_argument(
+        "--http-port", type=int, help="also serve the OpenAI-compatible HTTP API on this port"
+    )
+    _http_args(s)
+
+    w = sub.add_parser("gateway", help="the OpenAI-compatible HTTP API over running services")
+    w.add_argument("--prep", required=True, metavar="HOST:PORT", help="the PrepService")
+    w.add_argument("--infer", required=True, metavar="HOST:PORT", help="the InferService")
+    w.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
+    w.add_argument("--port", type=int, default=8080, help="HTTP port (default %(default)s)")
+    w.add_argument("--token-file", type=Path, help="bearer token for the gRPC services")
+    _http_args(w)
 
     sub.add_parser("bench", help="throughput and latency ratios (see: slotwise bench -h)")
     d = sub.add_parser("demo", help="a multimodal conversation that forces context shifts")
@@ -249,6 +264,30 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=positive_int, help="inference threads (tiny: 1)")
     d.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded (CUDA builds)")
     return p
+
+
+def _http_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP API")
+    g.add_argument("--model-name", default="slotwise", help="the model's id in /v1/models")
+    g.add_argument("--api-key-file", type=Path, help="require `Authorization: Bearer <key>`")
+    g.add_argument(
+        "--allow-image-urls", action="store_true", help="fetch http(s) image_url (else data:)"
+    )
+    g.add_argument("--max-image-mb", type=positive_int, default=20, help="per image_url")
+
+
+def gateway_config(args: argparse.Namespace, prep: str, infer: str, token: str | None):
+    from clients.gateway import GatewayConfig
+    from clients.gateway.media import MediaPolicy
+
+    return GatewayConfig(
+        prep_address=prep,
+        infer_address=infer,
+        model_name=args.model_name,
+        api_key=read_token(args.api_key_file),
+        media=MediaPolicy(allow_http=args.allow_image_urls, max_bytes=args.max_image_mb << 20),
+        token=token,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -649,24 +688,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
         token=token,
         prep_metrics_port=args.prep_metrics_port,
         infer_metrics_port=args.infer_metrics_port,
+        chat_template=args.chat_template,
     )
 
     def ready(s: Services) -> None:
         rt = s.infer.engine.rt
+        http = f", HTTP API on {args.host}:{s.gateway.port}" if s.gateway else ""
         print(
-            f"slotwise serve: prep on {s.prep_address}, infer on {s.infer_address} "
+            f"slotwise serve: prep on {s.prep_address}, infer on {s.infer_address}{http} "
             f"({rt.num_slots} slots x {rt.num_cells_per_slot} cells, can_shift={rt.can_shift}, "
             f"mrope={rt.uses_mrope}); SIGTERM or Ctrl-C stops",
             flush=True,
         )
 
+    def gateway(s: Services):
+        return gateway_config(args, s.prep_address, s.infer_address, token)
+
+    http = (gateway, args.http_port) if args.http_port is not None else None
     try:
-        asyncio.run(serve_until_signal(config, ready, grace=args.grace))
+        asyncio.run(serve_until_signal(config, ready, grace=args.grace, http=http))
     except Exception as e:  # the model failed to load, a port is taken, ...
         name = type(e).__name__
         print(f"slotwise serve: {name}: {e}", file=sys.stderr)
         return EXIT_USAGE if name in ("ModelMismatchError", "FileNotFoundError") else EXIT_SERVER
     print("slotwise serve: stopped", flush=True)
+    return EXIT_OK
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from clients.gateway.serve import run_gateway
+
+    config = gateway_config(args, args.prep, args.infer, read_token(args.token_file))
+    run_gateway(config, args.host, args.port)
     return EXIT_OK
 
 
@@ -695,6 +748,7 @@ COMMANDS = {
     "count": cmd_count,
     "info": cmd_info,
     "serve": cmd_serve,
+    "gateway": cmd_gateway,
     "demo": cmd_demo,
 }
 

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from PIL.Image import Image as PILImage
 
@@ -1265,6 +1266,19 @@ class AsyncSlotwiseClient(_ClientBase):
                 if sleep is None:
                     raise SlotwiseError.from_rpc_error(e) from None
             await asyncio.sleep(sleep)
+
+    async def serving(self, *, timeout: float = 2.0) -> dict[str, bool]:
+        """Whether each service's gRPC health says SERVING (False when it cannot be asked)."""
+        out = {}
+        for which, channel in self._channels.items():
+            try:
+                r = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=timeout
+                )
+                out[which] = r.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                out[which] = False
+        return out
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         _need(self._s.prep_address, "prep")

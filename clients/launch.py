@@ -48,6 +48,7 @@ class ServeConfig:
     token: str | None = None
     prep_metrics_port: int | None = None  # Prometheus metrics, one port per service
     infer_metrics_port: int | None = None
+    chat_template: str | None = None  # NAME|FILE: for models without one (see prep --help)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Services:
     prep: Any  # prep_service.__main__.RunningPrep
     infer: Any  # infer_service.__main__.RunningInfer
     host: str
+    gateway: Any = None  # clients.gateway.serve.RunningGateway, with --http-port
 
     @property
     def prep_address(self) -> str:
@@ -68,6 +70,8 @@ class Services:
 
     async def stop(self, grace: float = 5.0) -> None:
         """Both report NOT_SERVING, drain in-flight calls for up to `grace` s, free the models."""
+        if self.gateway is not None:
+            await self.gateway.stop()
         await asyncio.gather(self.prep.stop(grace), self.infer.stop(grace))
 
 
@@ -111,6 +115,7 @@ async def start_services(config: ServeConfig) -> Services:
             max_message_bytes=config.max_message_mb << 20,
             security=security,
             metrics_port=config.prep_metrics_port,
+            chat_template=config.chat_template,
         )
     )
     infer_task = asyncio.ensure_future(
@@ -138,15 +143,24 @@ async def start_services(config: ServeConfig) -> Services:
 
 
 async def serve_until_signal(
-    config: ServeConfig, on_ready: Callable[[Services], None] | None = None, grace: float = 5.0
+    config: ServeConfig,
+    on_ready: Callable[[Services], None] | None = None,
+    grace: float = 5.0,
+    http: tuple[Callable[[Services], Any], int] | None = None,
 ) -> None:
-    """Serve both until SIGTERM or SIGINT, then drain and stop them."""
+    """Serve both until SIGTERM or SIGINT, then drain and stop them. http: (the gateway's
+    configuration for the running services, its port) to serve the OpenAI API beside them."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     services = await start_services(config)
     try:
+        if http is not None:
+            from clients.gateway.serve import start_gateway
+
+            make_config, port = http
+            services.gateway = await start_gateway(make_config(services), config.host, port)
         if on_ready:
             on_ready(services)
         await stop.wait()

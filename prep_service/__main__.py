@@ -58,6 +58,7 @@ async def start(
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
     security: Security = Security(),
     metrics_port: int | None = None,
+    chat_template: str | None = None,
 ) -> RunningPrep:
     """Listen first (health NOT_SERVING), load the models, then report SERVING."""
     metrics = ServiceMetrics("prep")
@@ -71,7 +72,9 @@ async def start(
     )
     await server.server.start()
     try:
-        preparer = await asyncio.to_thread(Preparer, model, mmproj, n_threads=threads)
+        preparer = await asyncio.to_thread(
+            Preparer, model, mmproj, n_threads=threads, chat_template=chat_template
+        )
     except BaseException:
         await server.stop(0)  # don't leave a port open that will never serve
         raise
@@ -100,6 +103,12 @@ def parser() -> argparse.ArgumentParser:
         help="pixels of all images of one request together (checked before decoding)",
     )
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20)
+    p.add_argument(
+        "--chat-template",
+        metavar="NAME|FILE",
+        help="a llama.cpp built-in template name (chatml, gemma, llama3, ...) or a Jinja file; "
+        "default: the model's own",
+    )
     add_security_arguments(p)
     p.add_argument("--log-level", default="info")
     return p
@@ -120,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             max_concurrent_rpcs=args.max_concurrent_rpcs,
             security=security_from_args(args),
             metrics_port=args.metrics_port,
+            chat_template=args.chat_template,
         )
         log.info("prep_service serving on %s:%d", args.host, prep.port)
         await run_until_signal(prep.server)

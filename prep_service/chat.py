@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
+import llama_cpp
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -24,7 +27,32 @@ class Turn:
     content: str  # text with media markers where the images go
 
 
-class ChatTemplate:
+class _Template:
+    def render(self, turns: Sequence[Turn], *, add_generation_prompt: bool) -> str:
+        raise NotImplementedError
+
+    def pieces(self, turns: Sequence[Turn]) -> list[str]:
+        """The rendered conversation cut at message boundaries.
+
+        Piece i is what message i adds to the prompt; the last piece is the generation prompt.
+        Templates that are not prefix-stable (rendering n messages does not start with the
+        rendering of n-1) come back as one piece for the last message, which is all they allow.
+        """
+        full = self.render(turns, add_generation_prompt=True)
+        cuts = [self.render(turns[: i + 1], add_generation_prompt=False) for i in range(len(turns))]
+        pieces: list[str] = []
+        done = ""
+        for cut in [*cuts, full]:
+            if not cut.startswith(done):
+                return [""] * (len(turns) - 1) + [full, ""]
+            pieces.append(cut[len(done) :])
+            done = cut
+        return pieces
+
+
+class ChatTemplate(_Template):
+    """A Jinja chat template (the model's own, or a file given with --chat-template)."""
+
     def __init__(self, source: str, *, bos_token: str, eos_token: str):
         env = ImmutableSandboxedEnvironment(
             loader=jinja2.BaseLoader(),
@@ -53,23 +81,58 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template: {e}") from None
 
-    def pieces(self, turns: Sequence[Turn]) -> list[str]:
-        """The rendered conversation cut at message boundaries.
 
-        Piece i is what message i adds to the prompt; the last piece is the generation prompt.
-        Templates that are not prefix-stable (rendering n messages does not start with the
-        rendering of n-1) come back as one piece for the last message, which is all they allow.
-        """
-        full = self.render(turns, add_generation_prompt=True)
-        cuts = [self.render(turns[: i + 1], add_generation_prompt=False) for i in range(len(turns))]
-        pieces: list[str] = []
-        done = ""
-        for cut in [*cuts, full]:
-            if not cut.startswith(done):
-                return [""] * (len(turns) - 1) + [full, ""]
-            pieces.append(cut[len(done) :])
-            done = cut
-        return pieces
+class BuiltinTemplate(_Template):
+    """One of llama.cpp's built-in templates by name (`llama_chat_apply_template`), as
+    llama-server's --chat-template takes them: chatml, gemma, llama3, mistral-v7, ..."""
+
+    def __init__(self, name: str):
+        names = builtin_template_names()
+        if name not in names:
+            raise ValueError(
+                f"unknown chat template {name!r}: give a Jinja file or one of {', '.join(names)}"
+            )
+        self.name = name
+
+    def render(self, turns: Sequence[Turn], *, add_generation_prompt: bool) -> str:
+        roles = [t.role.encode() for t in turns]
+        contents = [t.content.encode() for t in turns]
+        chat = (llama_cpp.llama_chat_message * max(1, len(turns)))()
+        for i in range(len(turns)):
+            chat[i].role, chat[i].content = roles[i], contents[i]
+        size = 4 * sum(len(c) for c in contents) + 1024
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_chat_apply_template(
+                self.name.encode(), chat, len(turns), add_generation_prompt, buf, size
+            )
+            if n < 0:
+                raise TemplateError(f"chat template {self.name!r} refused the conversation")
+            if n <= size:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            size = n + 1
+        raise TemplateError(f"chat template {self.name!r}: output kept growing")
+
+
+def builtin_template_names() -> list[str]:
+    n = llama_cpp.llama_chat_builtin_templates(None, 0)
+    out = (ctypes.c_char_p * n)()
+    llama_cpp.llama_chat_builtin_templates(out, n)
+    return sorted(x.decode() for x in out if x)
+
+
+def load_template(
+    spec: str | None, model_source: str | None, *, bos_token: str, eos_token: str
+) -> _Template | None:
+    """--chat-template (a Jinja file, or a built-in name), else the model's own, else None."""
+    if spec is None:
+        if not model_source:
+            return None
+        return ChatTemplate(model_source, bos_token=bos_token, eos_token=eos_token)
+    path = Path(spec)
+    if path.is_file():
+        return ChatTemplate(path.read_text(), bos_token=bos_token, eos_token=eos_token)
+    return BuiltinTemplate(spec)
 
 
 def _raise(message: str) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import llama_cpp
 
 from prep_service import model_files, native
-from prep_service.chat import ROLES, ChatTemplate, Turn
+from prep_service.chat import ROLES, Turn, load_template
 from prep_service.descriptors import Chunk, Fingerprint, MediaChunk, PreparedPrompt, TextChunk
 from prep_service.images import RgbImage
 
@@ -81,7 +81,14 @@ class _Segment:
 class Preparer:
     """Owns a vocab-only text model and (optionally) an mtmd context; thread-safe to call."""
 
-    def __init__(self, model: Path, mmproj: Path | None = None, *, n_threads: int = 2):
+    def __init__(
+        self,
+        model: Path,
+        mmproj: Path | None = None,
+        *,
+        n_threads: int = 2,
+        chat_template: str | None = None,
+    ):
         if mmproj is not None:
             model_files.check_embedding_sizes(model, mmproj)
         self.fingerprint = model_files.fingerprint(model, mmproj)
@@ -97,12 +104,16 @@ class Preparer:
         self.marker = self.mtmd.marker if self.mtmd else mtmd_default_marker()
         bos = llama_cpp.llama_vocab_bos(self._vocab)
         eos = llama_cpp.llama_vocab_eos(self._vocab)
-        source = native.chat_template(self._model)
-        self.template = (
-            ChatTemplate(source, bos_token=self._piece(bos), eos_token=self._piece(eos))
-            if source
-            else None
-        )
+        try:
+            self.template = load_template(
+                chat_template,
+                native.chat_template(self._model),
+                bos_token=self._piece(bos),
+                eos_token=self._piece(eos),
+            )
+        except Exception:
+            self.close()
+            raise
         self.info = ModelInfo(
             fingerprint=self.fingerprint,
             media_marker=self.marker,
@@ -185,7 +196,11 @@ class Preparer:
             turns.append(Turn(message.role, "".join(text)))
             images.append([p for p in message.parts if isinstance(p, ImageRef)])
         if self.template is None:
-            raise UnsupportedError("the model has no chat template: send a raw prompt instead")
+            raise UnsupportedError(
+                "the model has no chat template: start prep with --chat-template NAME|FILE "
+                "(a llama.cpp built-in name such as chatml or gemma, or a Jinja file), or send "
+                "a raw prompt"
+            )
         pieces = self.template.pieces(turns)
         segments = [
             _Segment(p, imgs, i) for i, (p, imgs) in enumerate(zip(pieces, images, strict=False))

@@ -1,0 +1,6 @@
+"""An OpenAI-compatible HTTP edge over the client library: `slotwise gateway`, or
+`slotwise serve --http-port N`. It imports no llama.cpp: it speaks gRPC to prep and infer."""
+
+from clients.gateway.app import GatewayConfig, create_app
+
+__all__ = ["GatewayConfig", "create_app"]

@@ -1,0 +1,82 @@
+"""Errors in the OpenAI JSON shape, with the HTTP status its SDKs map to their exceptions.
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+400 invalid_request_error (`context_length_exceeded` for a prompt that can never fit), 401 with
+--api-key, 404 for an unknown model, 429 when the queue is full (with Retry-After), 503 while
+loading or draining. Bad input never gets a 500.
+"""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+from fastapi.responses import JSONResponse
+
+from clients.client import SlotwiseError
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.code, self.param, self.retry_after = code, param, retry_after
+
+    def body(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (502, "server_error"),  # our token to the services
+    grpc.StatusCode.PERMISSION_DENIED: (502, "server_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
+    grpc.StatusCode.DATA_LOSS: (500, "server_error"),
+    grpc.StatusCode.INTERNAL: (500, "server_error"),
+}
+
+
+def from_slotwise(e: SlotwiseError) -> ApiError:
+    """A gRPC error of prep or infer, as the OpenAI API would say it."""
+    status, kind = _BY_CODE.get(e.code(), (500, "server_error"))
+    code: str | None = e.reason.lower() or None
+    param = next(iter(e.field_violations), None)
+    if e.reason == "PROMPT_TOO_LONG":
+        code, param = "context_length_exceeded", "messages"
+    elif e.reason in ("STORAGE_FULL", "STORAGE_FAILED", "SESSION_NOT_SAVED"):
+        status, kind = 503, "server_error"
+    return ApiError(status, e.message, type=kind, code=code, param=param,
+                    retry_after=e.retry_delay if status == 429 else None)  # fmt: skip
