@@ -227,6 +227,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--prep-threads", type=positive_int, default=2, help="tokenizing threads")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
     s.add_argument("--media-cache-mb", type=int, default=1024, help="projector output cache")
+    s.add_argument(
+        "--state-cache-mb", type=int, default=256, help="KV states of conversations off a slot"
+    )
     s.add_argument("--default-max-tokens", type=positive_int, default=1024)
     s.add_argument("--max-message-mb", type=positive_int, default=256)
     s.add_argument("--grace", type=float, default=5.0, help="seconds to drain on shutdown")
@@ -679,6 +682,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prep_threads=args.prep_threads,
         max_queue=args.max_queue,
         media_cache_mb=args.media_cache_mb,
+        state_cache_mb=args.state_cache_mb,
         default_max_tokens=args.default_max_tokens,
         max_message_mb=args.max_message_mb,
         sessions_dir=args.sessions_dir,

@@ -38,6 +38,7 @@ class ServeConfig:
     prep_threads: int = 2
     max_queue: int = 64
     media_cache_mb: int = 1024
+    state_cache_mb: int = 256
     default_max_tokens: int = 1024
     max_message_mb: int = 256
     sessions_dir: Path | None = None  # sessions survive restarts when set
@@ -127,6 +128,7 @@ async def start_services(config: ServeConfig) -> Services:
             limits=GenerateLimits(default_max_tokens=config.default_max_tokens),
             max_message_bytes=config.max_message_mb << 20,
             sessions_dir=config.sessions_dir,
+            state_cache_bytes=config.state_cache_mb << 20,
             security=security,
             metrics_port=config.infer_metrics_port,
         )

@@ -64,6 +64,7 @@ async def start(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
     sessions_dir: Path | None = None,
+    state_cache_bytes: int = 256 << 20,
     security: Security = Security(),
     metrics_port: int | None = None,
 ) -> RunningInfer:
@@ -85,7 +86,12 @@ async def start(
         raise
     store = SessionStore(sessions_dir) if sessions_dir else None
     engine = await asyncio.to_thread(
-        Engine, runtime, max_queue=max_queue, cache_bytes=cache_bytes, store=store
+        Engine,
+        runtime,
+        max_queue=max_queue,
+        cache_bytes=cache_bytes,
+        store=store,
+        state_cache_bytes=state_cache_bytes,
     )
     metrics.collect_from(engine_metrics(engine, metrics))
     loop = asyncio.get_running_loop()
@@ -130,6 +136,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
     p.add_argument("--media-cache-mb", type=int, default=1024, help="projector output cache")
     p.add_argument("--sessions-dir", type=Path, help="persist sessions here (survive restarts)")
+    p.add_argument(
+        "--state-cache-mb",
+        type=int,
+        default=256,
+        help="host memory for the KV states of stateless conversations that lost their slot",
+    )
     p.add_argument("--default-max-tokens", type=int, default=GenerateLimits.default_max_tokens)
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20)
     add_security_arguments(p)
@@ -161,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             max_message_bytes=args.max_message_mb << 20,
             max_concurrent_rpcs=args.max_concurrent_rpcs,
             sessions_dir=args.sessions_dir,
+            state_cache_bytes=args.state_cache_mb << 20,
             security=security_from_args(args),
             metrics_port=args.metrics_port,
         )

@@ -598,7 +598,7 @@ def test_a_resent_conversation_continues_what_the_sequence_holds(
     assert atoms(rest) == atoms([text(new, 0)])  # only the new message is left to decode
 
     # an edited earlier message is not a continuation
-    edited = [text([49] + list(history[0].token_ids[1:]), 0), *request[1:]]
+    edited = [text([49, *list(history[0].token_ids[1:])], 0), *request[1:]]
     assert ledger.continuation(edited) is None
 
 
@@ -611,9 +611,9 @@ def test_a_continuation_may_cut_into_the_generated_reply() -> None:
     request = [text(list(range(1, 13)), 0), text([60, 61, 62, 99], 1), text([5, 6], 2)]
     found = ledger.continuation(request)
     assert found is not None
-    si, so, rest = found
+    si, _so, rest = found
     kept = ledger.segments[:si]
     assert [t for s in kept for t in s.token_ids][-3:] == [60, 61, 62]
     assert atoms(rest) == [99, 5, 6]
     # a request that stops matching before the reply is not one
-    assert ledger.continuation([text(list(range(1, 12)) + [40], 0), text([5], 2)]) is None
+    assert ledger.continuation([text([*list(range(1, 12)), 40], 0), text([5], 2)]) is None

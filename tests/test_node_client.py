@@ -170,3 +170,39 @@ def test_protobufjs_reads_and_writes_the_golden_fixtures_identically() -> None:
     assert set(events.values()) == {
         f.name for f in infer_pb2.GenerateResponse.DESCRIPTOR.oneofs_by_name["event"].fields
     }
+
+
+def test_the_openai_npm_package_streams_a_chat_with_an_image(
+    prep_servers: Callable[[str], int], infer_server: Callable[..., object], tmp_path: Path,
+    loop_thread,
+) -> None:  # fmt: skip
+    """The official `openai` npm package against the HTTP gateway: one streamed chat."""
+    if not (NODE_DIR / "node_modules" / "openai").is_dir():
+        pytest.skip("the openai npm package is absent: run (cd tests/contract/node && npm ci)")
+    from clients.gateway import GatewayConfig
+    from clients.gateway.serve import start_gateway
+
+    prep_port = prep_servers("mrope")
+    infer_port = infer_server("mrope").port  # type: ignore[attr-defined]
+    gateway = loop_thread.run(
+        start_gateway(
+            GatewayConfig(f"127.0.0.1:{prep_port}", f"127.0.0.1:{infer_port}"), "127.0.0.1", 0
+        )
+    )
+    try:
+        image = tmp_path / "image.png"
+        image.write_bytes(image_bytes(84, 56, seed=3))
+        done = run_node(
+            "openai_chat.js",
+            *("--base-url", f"http://127.0.0.1:{gateway.port}/v1", "--image", str(image)),
+        )
+    finally:
+        loop_thread.run(gateway.stop())
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["first_role"] == "assistant"
+    assert summary["finish_reason"] in ("stop", "length")
+    usage = summary["usage"]
+    assert usage["completion_tokens"] >= 1
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["slotwise"]["prompt_positions"] < usage["prompt_tokens"]  # an M-RoPE image

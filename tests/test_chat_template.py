@@ -1,0 +1,69 @@
+"""prep --chat-template: a model whose GGUF has no chat template (Gemma 3 270M has none) gets
+one by name (llama.cpp's built-in templates, as llama-server takes them) or from a Jinja file;
+without it, a chat request says which option is missing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prep_service.chat import BuiltinTemplate, Turn, builtin_template_names
+from prep_service.preparer import Message, Preparer, UnsupportedError
+from prep_service.tiny_models import CHAT_TEMPLATE, TinyPair
+
+CHAT = [Message("system", ["Be brief."]), Message("user", ["hi"]), Message("assistant", ["yo"]),
+        Message("user", ["and?"])]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def untemplated(tiny: dict[str, TinyPair], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The rope pair's text model with its chat template removed."""
+    out = tmp_path_factory.mktemp("untemplated") / "model.gguf"
+    subprocess.run(
+        [sys.executable, "-m", "gguf.scripts.gguf_new_metadata", "--remove-metadata",
+         "tokenizer.chat_template", "--force", str(tiny["rope"].model), str(out)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return out
+
+
+def test_a_model_without_a_template_names_the_option(untemplated: Path) -> None:
+    p = Preparer(untemplated)
+    try:
+        assert not p.info.has_chat_template
+        with pytest.raises(UnsupportedError, match="--chat-template"):
+            p.prepare(CHAT)
+    finally:
+        p.close()
+
+
+def test_a_builtin_name_renders_as_llama_cpp_does(tiny: dict[str, TinyPair], untemplated) -> None:
+    own = Preparer(tiny["rope"].model)  # its own template is ChatML
+    named = Preparer(untemplated, chat_template="chatml")
+    try:
+        (a, text_a), (b, text_b) = own.prepare(CHAT), named.prepare(CHAT)
+        assert text_b == text_a
+        assert [c.token_ids for c in b.chunks] == [c.token_ids for c in a.chunks]
+        assert [c.message_index for c in b.chunks] == [c.message_index for c in a.chunks]
+    finally:
+        own.close()
+        named.close()
+    gemma = BuiltinTemplate("gemma").pieces([Turn("user", "hi")])
+    assert gemma == ["<start_of_turn>user\nhi<end_of_turn>\n", "<start_of_turn>model\n"]
+
+
+def test_a_jinja_file_and_an_unknown_name(untemplated: Path, tmp_path: Path) -> None:
+    path = tmp_path / "chatml.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    p = Preparer(untemplated, chat_template=str(path))
+    try:
+        _, text = p.prepare(CHAT)
+        assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    finally:
+        p.close()
+    assert {"chatml", "gemma", "llama3"} <= set(builtin_template_names())
+    with pytest.raises(ValueError, match="unknown chat template 'no-such'"):
+        Preparer(untemplated, chat_template="no-such")
