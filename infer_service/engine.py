@@ -193,6 +193,7 @@ class Engine:
         self._writes = _Writes()
         self._prefetch: dict[str, Future[_Prefetched]] = {}  # session id -> its swap-in read
         self._restoring: set[str] = set()
+        self._orphans: set[str] = set()  # media ids a session stopped referring to
         self.on_first_token: Callable[[float], None] = lambda seconds: None  # TTFT
         self.on_death: Callable[[BaseException], None] = lambda error: None
         if store is not None:
@@ -574,8 +575,8 @@ class Engine:
         if self.store is None:
             return None
         store = self.store
-        media = {px.media_id for px in session.pixels.values()} if session else set()
-        used = {px.media_id for s in self.sessions.values() for px in s.pixels.values()}
+        media = session.referenced_media() if session else set()
+        used = {m for s in self.sessions.values() for m in s.referenced_media()}
         # pixels another session refers to stay (a broken one might: keep them all then)
         orphans = set() if self.broken_sessions else media - used
 
@@ -678,7 +679,7 @@ class Engine:
         snapshot, session.snapshot = session.snapshot, None
         if completed:
             session.num_turns += 1
-            session.prune()
+            self._orphans |= session.prune()
             assert session.slot is not None
             return self._save(session, self.rt.state_get(session.slot))
         if snapshot is not None:
@@ -686,7 +687,7 @@ class Engine:
                 self._swap_out(self.slots[session.slot], save=False)
             session.ledger.load_json(snapshot[0])
             session.num_shifts = snapshot[1]
-        session.prune()
+        self._orphans |= session.prune()
         return None
 
     def _save(
@@ -714,8 +715,9 @@ class Engine:
 
         def saved(done: Future[None]) -> None:  # back on the engine thread: drop what is on disk
             if not done.cancelled() and done.exception() is None:
+                on_disk = {px["media_id"] for px in write.header["pixels"].values()}
                 with contextlib.suppress(EngineStoppedError):
-                    self.call(lambda: self._saved(sid, number, media))
+                    self.call(lambda: self._saved(sid, number, media, on_disk))
 
         future.add_done_callback(saved)
         return future
@@ -746,7 +748,9 @@ class Engine:
             for f in write.futures:
                 _resolve(f, None)
 
-    def _saved(self, session_id: str, number: int, media_ids: set[str]) -> None:
+    def _saved(
+        self, session_id: str, number: int, media_ids: set[str], on_disk: set[str]
+    ) -> None:
         session = self.sessions.get(session_id)
         if session is None:
             return
@@ -754,6 +758,25 @@ class Engine:
             session.dirty = False
         for media_id in media_ids:
             session.rgb.pop(media_id, None)
+        session.disk_media = on_disk
+        self._collect_pixels()
+
+    def _collect_pixels(self) -> None:
+        """Delete saved pixels that no session needs any more, neither for its ledger nor for
+        its file on disk (the disk stays bounded by what sessions hold). With a broken session
+        file around, whose needs are unknown, nothing is deleted."""
+        if self.store is None or not self._orphans or self.broken_sessions:
+            return
+        used = {m for s in self.sessions.values() for m in s.referenced_media()}
+        gone, self._orphans = self._orphans - used, set()
+        store = self.store
+
+        def delete() -> None:  # after the writes queued before it
+            for media_id in gone:
+                store.delete_media(media_id)
+
+        if gone:
+            self._io.submit(delete)
 
     def _load_session(self, session_id: str) -> None:
         """Register a saved session from its header; its KV state is read on its next turn."""
@@ -785,7 +808,8 @@ class Engine:
                     f"session {session_id!r} was saved with another model ({str(fp)[:80]})",
                 )
             session = Session.from_header(session_id, header, self.new_ledger)
-            session.prune()
+            session.disk_media = session.media_ids()
+            self._orphans |= session.prune()
         except SessionError as e:
             log.warning("%s", e)
             self.broken_sessions[session_id] = e

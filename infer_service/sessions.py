@@ -41,6 +41,7 @@ class Session:
     snapshot: tuple[list[dict[str, Any]], int] | None = None
     last_used: float = field(default_factory=time.monotonic)
     dirty: bool = False  # the newest save asked for is not on disk yet (or failed)
+    disk_media: set[str] = field(default_factory=set)  # media ids its file on disk refers to
     num_saves: int = 0
 
     def release(self) -> None:
@@ -51,14 +52,24 @@ class Session:
     def held_keys(self) -> set[str]:
         return {seg.media_id for seg in self.ledger.segments if seg.media_id is not None}
 
-    def prune(self) -> None:
-        """Forget media the ledger no longer holds (after a completed or rolled-back turn)."""
+    def prune(self) -> set[str]:
+        """Forget media the ledger no longer holds (after a completed or rolled-back turn);
+        returns the media ids it no longer refers to in memory."""
         held = self.held_keys()
         for key in [k for k in self.media if k not in held]:
             self.media.pop(key).close()
+        before = self.media_ids()
         self.pixels = {k: p for k, p in self.pixels.items() if k in held}
-        ids = {p.media_id for p in self.pixels.values()}
+        ids = self.media_ids()
         self.rgb = {m: b for m, b in self.rgb.items() if m in ids}
+        return before - ids
+
+    def media_ids(self) -> set[str]:
+        return {p.media_id for p in self.pixels.values()}
+
+    def referenced_media(self) -> set[str]:
+        """Pixels this session needs: for its ledger, and for the file it has on disk."""
+        return self.media_ids() | self.disk_media
 
     def header(
         self, fingerprint: Fingerprint, layout: dict[str, int], kv_digest: str

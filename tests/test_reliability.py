@@ -421,6 +421,10 @@ def test_150_image_turns_keep_memory_bounded(
     assert session_info(stub, "long").num_shifts > 10
     assert set(session.pixels) == held and set(session.media) <= held
     assert not session.rgb  # all of it is on disk
+    # and the disk keeps only the pixels of the images the session still holds
+    time.sleep(0.5)  # the last deletions run after the last write
+    on_disk = {p.stem for p in (tmp_path / "media").glob("*.rgb")}
+    assert on_disk == session.referenced_media(), (len(on_disk), len(held))
     assert growth < 50 << 20, f"RSS grew {growth >> 20} MB over 120 image turns"
 
 
