@@ -336,7 +336,7 @@ def test_a_renamed_or_abbreviated_flag_fails() -> None:
 def test_compose_files_parse() -> None:
     base = read_yaml(COMPOSE)
     assert base["name"] == "slotwise"
-    assert set(base["services"]) == {"prep", "infer", "client"}
+    assert set(base["services"]) == {"prep", "infer", "gateway", "client"}
     assert set(base["volumes"]) == {"sessions"}
     override = read_yaml(CPU_OVERRIDE)
     # the merge model above covers exactly what the override uses
@@ -363,6 +363,26 @@ def test_command_flags_exist_in_the_service_parser(config: dict[str, Any], name:
     assert all(isinstance(a, str) for a in command), "quote numbers: Compose wants strings"
     args = parse_command(command, MODULES[name])
     assert args.host == "0.0.0.0"  # reachable from the other containers and the published port
+
+
+def test_the_gateway_command_parses_and_its_ports_and_healthcheck_agree(
+    config: dict[str, Any],
+) -> None:
+    from clients.cli import parser
+
+    service = config["services"]["gateway"]
+    command = service["command"]
+    assert command[:2] == ["slotwise", "gateway"]
+    sub = parser()._subparsers._group_actions[0].choices["gateway"]  # type: ignore[union-attr]
+    known = set(sub._option_string_actions)
+    assert all(a in known for a in command[2:] if a.startswith("--")), command
+    args = parser().parse_args(command[1:])
+    assert (args.prep, args.infer) == ("prep:50051", "infer:50052")
+    assert args.host == "0.0.0.0"
+    assert container_ports(service) == [("127.0.0.1", 8080, args.port)]
+    assert f"127.0.0.1:{args.port}/ready" in service["healthcheck"]["test"][3]
+    assert set(service["depends_on"]) == {"prep", "infer"}
+    assert service["image"] == config["services"]["prep"]["image"]  # the package is in it
 
 
 @pytest.mark.parametrize("name", ["prep", "infer"])
@@ -511,7 +531,7 @@ def test_docker_compose_config_agrees(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
         theirs = json.loads(done.stdout)["services"]
         ours = compose_config(*files, env={"SLOTWISE_MODELS_DIR": str(tmp_path / "models")})
-        for name in ("prep", "infer", "client"):
+        for name in ("prep", "infer", "gateway", "client"):
             assert theirs[name]["command"] == ours["services"][name]["command"], variant
         assert ("deploy" in theirs["infer"]) == (variant == "gpu")
 

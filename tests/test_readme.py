@@ -10,8 +10,12 @@ from conftest import image_bytes
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
+def examples() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
 def test_the_session_example_runs(prep_servers, infer_server, tmp_path, monkeypatch) -> None:
-    (code,) = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    (code,) = [c for c in examples() if "create_session" in c]
     infer = infer_server("mrope", ctx_size=1024)
     code = code.replace("127.0.0.1:50051", f"127.0.0.1:{prep_servers('mrope')}")
     code = code.replace("127.0.0.1:50052", f"127.0.0.1:{infer.port}")
@@ -32,3 +36,30 @@ def test_the_session_example_runs(prep_servers, infer_server, tmp_path, monkeypa
             .sessions
         )
     assert [s.num_turns for s in sessions] == [2]
+
+
+def test_the_openai_example_runs(
+    prep_servers, infer_server, loop_thread, tmp_path, monkeypatch
+) -> None:
+    from clients.gateway import GatewayConfig
+    from clients.gateway.serve import start_gateway
+
+    (code,) = [c for c in examples() if "from openai import OpenAI" in c]
+    infer = infer_server("mrope", ctx_size=1024)
+    gateway = loop_thread.run(
+        start_gateway(
+            GatewayConfig(f"127.0.0.1:{prep_servers('mrope')}", f"127.0.0.1:{infer.port}"),
+            "127.0.0.1",
+            0,
+        )
+    )
+    try:
+        code = code.replace("127.0.0.1:8080", f"127.0.0.1:{gateway.port}")
+        (tmp_path / "cat.jpg").write_bytes(image_bytes(224, 160, "JPEG"))
+        monkeypatch.chdir(tmp_path)
+        scope: dict[str, object] = {}
+        exec(compile(code, str(README), "exec"), scope)
+    finally:
+        loop_thread.run(gateway.stop())
+    reply = scope["reply"]
+    assert reply.choices[0].finish_reason in ("stop", "length")  # type: ignore[attr-defined]
