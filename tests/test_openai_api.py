@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from conftest import LoopThread, image_bytes
+from long_chat import long_chat
 
 from prep_service.tiny_models import TinyPair
 
@@ -285,33 +286,6 @@ def test_api_key_and_unavailable_services(
 # -- stateless conversations that survive shifts ----------------------------------------------
 
 
-def long_chat(client: openai.OpenAI, turns: int = 30) -> list[dict[str, int]]:
-    """Resend the whole conversation every turn, an image every third turn."""
-    messages: list[dict[str, Any]] = [SYSTEM]
-    rows = []
-    for t in range(turns):
-        text = f"Turn {t}: tell me something about the number {t}."
-        messages.append(image_message(text, seed=t) if t % 3 == 0 else
-                        {"role": "user", "content": text})  # fmt: skip
-        r = client.chat.completions.create(
-            model="slotwise", messages=messages, max_tokens=24, temperature=0.7, seed=t
-        )
-        assert r.usage is not None and r.choices[0].finish_reason in ("stop", "length")
-        extra = r.usage.model_extra["slotwise"]
-        rows.append(
-            {
-                "turn": t,
-                "prompt": r.usage.prompt_tokens,
-                "cached": r.usage.prompt_tokens_details.cached_tokens,
-                "decoded": extra["decoded_prompt_cells"],
-                "shifts": extra["shifts"],
-                "truncated": extra["truncated_cells"],
-            }
-        )
-        messages.append({"role": "assistant", "content": r.choices[0].message.content})
-    return rows
-
-
 @pytest.mark.parametrize("pair", ["mrope", "rope"])
 def test_a_30_turn_chat_resent_every_turn_decodes_only_what_is_new(
     stack: Callable[..., Stack], pair: str
@@ -319,6 +293,7 @@ def test_a_30_turn_chat_resent_every_turn_decodes_only_what_is_new(
     """llama-server stops this chat at turn 6 (context shift is off with an mmproj loaded)."""
     s = stack(pair, ctx_size=1024)
     rows = long_chat(s.client())
+    print(pair, json.dumps(rows))  # the figures, with -s
     assert len(rows) == 30
     assert sum(r["shifts"] for r in rows) >= 2  # the context filled, more than once
     assert all(r["cached"] > 0 for r in rows[1:])
@@ -351,3 +326,16 @@ def test_four_conversations_on_two_slots_each_decode_only_their_new_part(
     for k in range(4):  # after the first turn, each turn decodes only its new message
         assert max(decoded[k][1:]) < 130, decoded[k]
     assert s.infer.engine.states.hits > 0  # resumed from host memory, not re-prefilled
+
+
+def test_the_gateway_imports_no_llama_cpp() -> None:
+    """The HTTP edge speaks gRPC only: it runs where llama.cpp is not installed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import clients.gateway.app, clients.gateway.serve; "
+        "print([m for m in ('llama_cpp', 'prep_service', 'infer_service') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
