@@ -130,7 +130,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gpu-layers", type=int, default=d.gpu_layers, help="layers offloaded (CUDA builds)"
     )
-    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--threads", type=int, default=d.threads, help="decoding threads")
+    p.add_argument(
+        "--encode-threads",
+        type=int,
+        default=d.encode_threads,
+        help="image encoding threads (its own worker, beside decoding)",
+    )
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50052)
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
@@ -161,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         ubatch_size=args.ubatch_size,
         gpu_layers=args.gpu_layers,
         threads=args.threads,
+        encode_threads=args.encode_threads,
     )
 
     async def run() -> int:

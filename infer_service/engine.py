@@ -24,6 +24,9 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+import numpy as np
+from llama_cpp import mtmd_cpp
+
 from infer_service.events import (
     ContextShift,
     ErrorKind,
@@ -60,7 +63,6 @@ from infer_service.session_store import CorruptSessionError, SessionStore, ledge
 from infer_service.sessions import Pixels, Session
 from infer_service.state_cache import StateCache, reuse_of
 from infer_service.text_stream import TextStream
-from prep_service import native
 from prep_service.descriptors import Fingerprint, MediaChunk, PreparedPrompt
 from prep_service.native import Bitmap
 
@@ -190,6 +192,12 @@ class Engine:
         self._thread = threading.Thread(target=self._supervise, name="llama-engine", daemon=True)
         # disk work, in order: session writes, reads before a swap-in, deletions
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-io")
+        # the projector runs here, beside llama_decode: the other slots keep decoding while
+        # an image is encoded (libmtmd's encode and llama.cpp's decode share no state: the
+        # embeddings are copied out of the mtmd context before the engine sees them)
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="media-encode")
+        self._encoding: dict[str, Future[np.ndarray]] = {}  # media key -> its encode
+        self._encoded: dict[str, np.ndarray] = {}  # finished, until their slot decodes them
         self._writes = _Writes()
         self._prefetch: dict[str, Future[_Prefetched]] = {}  # session id -> its swap-in read
         self._restoring: set[str] = set()
@@ -209,6 +217,7 @@ class Engine:
             self._wake.notify()
         if self._thread.is_alive() or self._thread.ident is not None:
             self._thread.join()
+        self._encoder.shutdown(wait=True)
         self._io.shutdown(wait=True)
 
     @property
@@ -312,6 +321,9 @@ class Engine:
         while True:
             with self._wake:
                 while not (self._stopping or self._calls or self._has_work()):
+                    if self._encoding:  # a slot waiting for its image may be cancelled
+                        self._wake.wait(_ENCODE_POLL)
+                        break
                     self._wake.wait()
                 if self._stopping:
                     break
@@ -339,7 +351,12 @@ class Engine:
         )
 
     def _has_work(self) -> bool:
-        return bool(self.num_active) or (bool(self._waiting) and self._free_slot_exists())
+        runnable = any(s.job and not self._waits_for_encode(s) for s in self.slots)
+        return runnable or (bool(self._waiting) and self._free_slot_exists())
+
+    def _waits_for_encode(self, slot: _Slot) -> bool:
+        front = slot.pending[0] if slot.pending else None
+        return front is not None and front.media_id in self._encoding
 
     def _free_slot_exists(self) -> bool:
         return any(s.job is None for s in self.slots)
@@ -748,9 +765,7 @@ class Engine:
             for f in write.futures:
                 _resolve(f, None)
 
-    def _saved(
-        self, session_id: str, number: int, media_ids: set[str], on_disk: set[str]
-    ) -> None:
+    def _saved(self, session_id: str, number: int, media_ids: set[str], on_disk: set[str]) -> None:
         session = self.sessions.get(session_id)
         if session is None:
             return
@@ -926,12 +941,15 @@ class Engine:
             elif job and job.deadline is not None and now > job.deadline:
                 why = "deadline exceeded"
                 self._finish(slot, FinishReason.CANCELLED, error=why, problem=_cancelled(True, why))
+        broken = self._collect_encodes()
         for slot in self.slots:
             if slot.job and slot.pending and slot.pending[0].media_id:
                 try:
+                    if slot.pending[0].media_id in broken:
+                        raise broken[slot.pending[0].media_id]
                     self._decode_media(slot)
-                except (native.NativeError, CorruptSessionError, OSError, KeyError) as e:
-                    # this request's image: it ends alone (its sequence is cleared or rolled back)
+                except Exception as e:  # this request's image: it ends alone (its sequence
+                    # is cleared, or rolled back to its last completed turn)
                     log.warning("slot %d: media failed: %s", slot.seq, e)
                     lost = isinstance(e, CorruptSessionError)
                     failed = Problem(
@@ -941,21 +959,58 @@ class Engine:
                     )
                     self._finish(slot, FinishReason.ERROR, error=failed.message, problem=failed)
         self._decode_text()
+        wanted = {s.pending[0].media_id for s in self.slots if s.job and s.pending}
+        for key in [k for k in self._encoded if k not in wanted]:
+            del self._encoded[key]  # (it is in the embedding cache too)
 
     # -- media ------------------------------------------------------------------------------
 
+    def _collect_encodes(self) -> dict[str, BaseException]:
+        """Take the finished encodes: embeddings to decode, or the errors of those that
+        failed (their requests end alone)."""
+        failed: dict[str, BaseException] = {}
+        for key, future in [(k, f) for k, f in self._encoding.items() if f.done()]:
+            del self._encoding[key]
+            error = future.exception()
+            if error is not None:
+                failed[key] = error
+            else:
+                self._encoded[key] = embd = future.result()
+                self.cache.put(key, embd)
+        return failed
+
+    def _embeddings(self, slot: _Slot, key: str) -> np.ndarray | None:
+        """The projector's output for key, or None while it is being encoded (started here
+        on the encode worker, with its own copy of the chunk: the request may end first)."""
+        embd = self._encoded.get(key)
+        if embd is None:
+            embd = self.cache.get(key)
+        if embd is not None or key in self._encoding:
+            return embd
+        copy = MediaHandle(mtmd_cpp.mtmd_input_chunk_copy(self._media(slot, key).chunk), key)
+
+        def encode() -> np.ndarray:
+            try:
+                return self.rt.encode_media(copy.chunk)
+            finally:
+                copy.close()
+
+        self._encoding[key] = future = self._encoder.submit(encode)
+        future.add_done_callback(lambda _: self._notify())
+        return None
+
     def _decode_media(self, slot: _Slot) -> None:
         item = slot.pending[0]
+        assert item.media_id
+        embd = self._embeddings(slot, item.media_id)
+        if embd is None:
+            return  # encoding: this slot waits, the others go on
         if not self._make_room(slot, item.num_cells, item.num_positions, item.group):
             return
         if not slot.pending or slot.pending[0] is not item:
             return  # a reprefill put other items first
-        assert slot.job and slot.ledger and item.media_id
+        assert slot.job and slot.ledger
         handle = self._media(slot, item.media_id)
-        embd = self.cache.get(item.media_id)
-        if embd is None:
-            embd = self.rt.encode_media(handle.chunk)
-            self.cache.put(item.media_id, embd)
         pos = slot.ledger.next_pos
         end = self.rt.decode_media(handle.chunk, embd, pos, slot.seq)
         if end - pos != item.num_positions:
@@ -1250,6 +1305,9 @@ def _take_text(pending: deque[Item], n: int) -> Item:
             rest = item.token_ids[k:]
             pending[0] = replace(item, num_cells=len(rest), num_positions=len(rest), token_ids=rest)
     return replace(first, num_cells=n, num_positions=n, token_ids=tuple(tokens))
+
+
+_ENCODE_POLL = 0.05  # seconds: how often a slot waiting for its image checks its deadline
 
 
 def too_long(plan: CannotFit) -> Problem:

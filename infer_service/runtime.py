@@ -30,6 +30,8 @@ class RuntimeConfig:
     ubatch_size: int = 512
     gpu_layers: int = 0
     threads: int = max(1, (os.cpu_count() or 2) // 2)  # spinning workers starve on shared cores
+    # the projector runs on its own worker beside decoding, and only while an image waits
+    encode_threads: int = os.cpu_count() or 2
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class Runtime:
                 self.mtmd = native.Multimodal(
                     config.mmproj,
                     self.model,
-                    n_threads=config.threads,
+                    n_threads=config.encode_threads,
                     use_gpu=config.gpu_layers > 0,
                 )
             self.batch = self._batch = TokenBatch(
@@ -153,7 +155,11 @@ class Runtime:
         return int(llama_cpp.llama_decode(self.ctx, self.batch.native))
 
     def encode_media(self, chunk: int) -> np.ndarray:
-        """Run the projector on one media chunk; returns (n_tokens, n_embd) float32 embeddings."""
+        """Run the projector on one media chunk; returns (n_tokens, n_embd) float32 embeddings.
+
+        Called on the encode worker, never on the engine thread, one at a time: the output
+        buffer belongs to the mtmd context, so it is copied out before the next encode.
+        """
         assert self.mtmd is not None
         rc = mtmd_cpp.mtmd_encode_chunk(self.mtmd.ctx, chunk)
         if rc != 0:

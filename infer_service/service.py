@@ -21,7 +21,6 @@ from infer_service.events import (
     ErrorKind,
     Event,
     Finished,
-    PrefillProgress,
     Problem,
     ProblemError,
     Reason,
@@ -61,8 +60,9 @@ CODES = {kind: getattr(grpc.StatusCode, kind.value) for kind in ErrorKind}
 
 
 class Mailbox:
-    """One stream's events on the event loop, bounded however slowly its client reads:
-    token deltas that pile up merge into one, prefill progress keeps only the newest."""
+    """One stream's events on the event loop, bounded however slowly its client reads: token
+    deltas that pile up merge into one. (The other events are bounded by the prompt: one
+    per prefill decode, one per shift.)"""
 
     def __init__(self) -> None:
         self._events: deque[Event] = deque()
@@ -72,8 +72,6 @@ class Mailbox:
         last = self._events[-1] if self._events else None
         if isinstance(event, TokenDelta) and isinstance(last, TokenDelta):
             self._events[-1] = last.merged(event)
-        elif isinstance(event, PrefillProgress) and isinstance(last, PrefillProgress):
-            self._events[-1] = event
         else:
             self._events.append(event)
         self._ready.set()

@@ -82,11 +82,29 @@ _N_HEAD_KV = 2
 _HEAD_DIM = _N_EMBD // _N_HEAD  # 16
 _RMS_EPS = 1e-6
 
-# Vision encoder size (shared by all projectors). Keep n_ff != n_embd: for legacy files of
-# these projector types clip.cpp swaps ffn up/down when ffn_down's ne[0] equals n_embd.
-_V_EMBD = 32
-_V_FF = 64
-_V_HEAD = 2
+
+@dataclass(frozen=True)
+class Vision:
+    """The vision tower's size (all projectors). The default is tiny; a wider, deeper one
+    (e.g. width 512, 8 layers) makes encoding cost what a real one does, for the image-stall
+    benchmark and test, with the same token counts. n_ff = 2 * width keeps n_ff != n_embd: for
+    legacy files of these projector types clip.cpp swaps ffn up/down when they are equal."""
+
+    width: int = 32
+    layers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.width < 32 or self.width % 32 or self.layers < 1:
+            raise ValueError("vision width must be a multiple of 32, layers >= 1")
+
+    @property
+    def ff(self) -> int:
+        return 2 * self.width
+
+    @property
+    def heads(self) -> int:
+        return max(2, self.width // 32)
+
 
 _TOKEN_NORMAL = 1
 _TOKEN_CONTROL = 3
@@ -242,15 +260,18 @@ def _text_tensors(seed: int, gemma: bool = False) -> _Tensors:
 # projectors (general.architecture "clip")
 
 
-def _clip_kv(projector: str, n_layer: int, image_size: int, patch_size: int, extra: dict[str, int]):
+def _clip_kv(
+    projector: str, v: Vision, n_layer: int, image_size: int, patch_size: int,
+    extra: dict[str, int],
+):  # fmt: skip
     def add(w) -> None:
         w.add_string("general.name", f"slotwise-tiny-mmproj-{projector}")
         w.add_string("clip.projector_type", projector)
         w.add_bool("clip.has_vision_encoder", True)
-        w.add_uint32("clip.vision.embedding_length", _V_EMBD)
-        w.add_uint32("clip.vision.feed_forward_length", _V_FF)
+        w.add_uint32("clip.vision.embedding_length", v.width)
+        w.add_uint32("clip.vision.feed_forward_length", v.ff)
         w.add_uint32("clip.vision.block_count", n_layer)
-        w.add_uint32("clip.vision.attention.head_count", _V_HEAD)
+        w.add_uint32("clip.vision.attention.head_count", v.heads)
         w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
         w.add_uint32("clip.vision.projection_dim", _N_EMBD)
         w.add_uint32("clip.vision.image_size", image_size)
@@ -264,61 +285,62 @@ def _clip_kv(projector: str, n_layer: int, image_size: int, patch_size: int, ext
     return add
 
 
-def _vit_blocks(t: _Tensors, n_layer: int) -> None:
+def _vit_blocks(t: _Tensors, v: Vision, n_layer: int) -> None:
     # Attention biases are needed by the qwen2vl graph (without them: segfault on encode).
     for i in range(n_layer):
         p = f"v.blk.{i}"
         for proj in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            t.linear(f"{p}.{proj}", _V_EMBD, _V_EMBD, bias=True)
-        t.layer_norm(f"{p}.ln1", _V_EMBD)
-        t.layer_norm(f"{p}.ln2", _V_EMBD)
-        t.linear(f"{p}.ffn_up", _V_EMBD, _V_FF, bias=True)
-        t.linear(f"{p}.ffn_down", _V_FF, _V_EMBD, bias=True)
+            t.linear(f"{p}.{proj}", v.width, v.width, bias=True)
+        t.layer_norm(f"{p}.ln1", v.width)
+        t.layer_norm(f"{p}.ln2", v.width)
+        t.linear(f"{p}.ffn_up", v.width, v.ff, bias=True)
+        t.linear(f"{p}.ffn_down", v.ff, v.width, bias=True)
 
 
-def _mmproj_qwen2vl(seed: int) -> tuple[Callable[[object], None], _Tensors]:
+def _mmproj_qwen2vl(seed: int, v: Vision) -> tuple[Callable[[object], None], _Tensors]:
     patch = 14
     t = _Tensors(seed)
     # qwen2vl splits its 3D patch conv into two 2D convs: both .weight and .weight.1 needed.
-    t.rand("v.patch_embd.weight", patch, patch, 3, _V_EMBD)
-    t.rand("v.patch_embd.weight.1", patch, patch, 3, _V_EMBD)
-    _vit_blocks(t, 1)
-    t.layer_norm("v.post_ln", _V_EMBD)
-    merged = _V_EMBD * 4  # 2x2 spatial merge
+    t.rand("v.patch_embd.weight", patch, patch, 3, v.width)
+    t.rand("v.patch_embd.weight.1", patch, patch, 3, v.width)
+    _vit_blocks(t, v, v.layers)
+    t.layer_norm("v.post_ln", v.width)
+    merged = v.width * 4  # 2x2 spatial merge
     t.linear("mm.0", merged, merged, bias=True)
     t.linear("mm.2", merged, _N_EMBD, bias=True)
-    kv = _clip_kv("qwen2vl_merger", 1, 224, patch, {"clip.vision.spatial_merge_size": 2})
+    kv = _clip_kv("qwen2vl_merger", v, v.layers, 224, patch, {"clip.vision.spatial_merge_size": 2})
     return kv, t
 
 
-def _mmproj_mlp(seed: int) -> tuple[Callable[[object], None], _Tensors]:
-    patch, size, n_layer = 14, 112, 2  # the llava graph runs n_layer - 1 ViT layers
+def _mmproj_mlp(seed: int, v: Vision) -> tuple[Callable[[object], None], _Tensors]:
+    patch, size = 14, 112
+    n_layer = v.layers + 1  # the llava graph runs n_layer - 1 ViT layers
     n_patches = (size // patch) ** 2  # 64
     t = _Tensors(seed)
-    t.rand("v.patch_embd.weight", patch, patch, 3, _V_EMBD)
-    t.rand("v.position_embd.weight", _V_EMBD, n_patches)
-    t.layer_norm("v.pre_ln", _V_EMBD)
-    _vit_blocks(t, n_layer)
-    t.linear("mm.0", _V_EMBD, _N_EMBD, bias=True)
+    t.rand("v.patch_embd.weight", patch, patch, 3, v.width)
+    t.rand("v.position_embd.weight", v.width, n_patches)
+    t.layer_norm("v.pre_ln", v.width)
+    _vit_blocks(t, v, n_layer)
+    t.linear("mm.0", v.width, _N_EMBD, bias=True)
     # mm.2 is mandatory: the projector's output size (must equal text n_embd) is read from it
     t.linear("mm.2", _N_EMBD, _N_EMBD, bias=True)
-    return _clip_kv("mlp", n_layer, size, patch, {}), t
+    return _clip_kv("mlp", v, n_layer, size, patch, {}), t
 
 
-def _mmproj_gemma3(seed: int) -> tuple[Callable[[object], None], _Tensors]:
+def _mmproj_gemma3(seed: int, v: Vision) -> tuple[Callable[[object], None], _Tensors]:
     # SigLIP: 224/14 = 16x16 patches, avg-pooled by scale_factor 2 -> 8x8 = 64 image tokens.
     patch, size, scale = 14, 224, 2
     n_patches = (size // patch) ** 2  # 256
     t = _Tensors(seed)
-    t.rand("v.patch_embd.weight", patch, patch, 3, _V_EMBD)
-    t.rand("v.patch_embd.bias", _V_EMBD)
-    t.rand("v.position_embd.weight", _V_EMBD, n_patches)
-    _vit_blocks(t, 1)
-    t.layer_norm("v.post_ln", _V_EMBD)
-    t.ones("mm.soft_emb_norm.weight", _V_EMBD)
+    t.rand("v.patch_embd.weight", patch, patch, 3, v.width)
+    t.rand("v.patch_embd.bias", v.width)
+    t.rand("v.position_embd.weight", v.width, n_patches)
+    _vit_blocks(t, v, v.layers)
+    t.layer_norm("v.post_ln", v.width)
+    t.ones("mm.soft_emb_norm.weight", v.width)
     # used transposed: ne[0] is the output size (text n_embd)
-    t.rand("mm.input_projection.weight", _N_EMBD, _V_EMBD)
-    kv = _clip_kv("gemma3", 1, size, patch, {"clip.vision.projector.scale_factor": scale})
+    t.rand("mm.input_projection.weight", _N_EMBD, v.width)
+    kv = _clip_kv("gemma3", v, v.layers, size, patch, {"clip.vision.projector.scale_factor": scale})
     return kv, t
 
 
@@ -326,23 +348,23 @@ def _mmproj_gemma3(seed: int) -> tuple[Callable[[object], None], _Tensors]:
 # pairs
 
 
-def _write_mrope(d: Path, seed: int) -> None:
+def _write_mrope(d: Path, seed: int, v: Vision) -> None:
     def sections(w) -> None:
         # required by qwen2vl; sum must be head_dim / 2
         w.add_array("qwen2vl.rope.dimension_sections", [2, 3, 3, 0])
 
     _write(d / "model.gguf", "qwen2vl", _text_kv("qwen2vl", "qwen2", sections), _text_tensors(seed))
-    kv, t = _mmproj_qwen2vl(seed + 1)
+    kv, t = _mmproj_qwen2vl(seed + 1, v)
     _write(d / "mmproj.gguf", "clip", kv, t)
 
 
-def _write_rope(d: Path, seed: int) -> None:
+def _write_rope(d: Path, seed: int, v: Vision) -> None:
     _write(d / "model.gguf", "llama", _text_kv("llama", "gpt-2"), _text_tensors(seed))
-    kv, t = _mmproj_mlp(seed + 1)
+    kv, t = _mmproj_mlp(seed + 1, v)
     _write(d / "mmproj.gguf", "clip", kv, t)
 
 
-def _write_noncausal(d: Path, seed: int) -> None:
+def _write_noncausal(d: Path, seed: int, v: Vision) -> None:
     # Text arch gemma3 (the projector's real partner) works: mtmd toggles causal attention off
     # around the image batch via llama_set_causal_attn, which the gemma3 graph honours. No
     # sliding-window key is written, so gemma3 uses a plain (non-SWA) KV cache and stays
@@ -354,18 +376,20 @@ def _write_noncausal(d: Path, seed: int) -> None:
         _text_kv("gemma3", "gpt-2"),
         _text_tensors(seed, gemma=True),
     )
-    kv, t = _mmproj_gemma3(seed + 1)
+    kv, t = _mmproj_gemma3(seed + 1, v)
     _write(d / "mmproj.gguf", "clip", kv, t)
 
 
-_WRITERS: dict[str, Callable[[Path, int], None]] = {
+_WRITERS: dict[str, Callable[[Path, int, Vision], None]] = {
     "mrope": _write_mrope,
     "rope": _write_rope,
     "noncausal": _write_noncausal,
 }
 
 
-def write_tiny_models(out_dir: Path, names: Iterable[str] = ALL) -> dict[str, TinyPair]:
+def write_tiny_models(
+    out_dir: Path, names: Iterable[str] = ALL, *, vision: Vision = Vision()
+) -> dict[str, TinyPair]:
     """Write ``out_dir/<name>/{model,mmproj}.gguf`` for each name; same bytes every run."""
     out_dir = Path(out_dir)
     names = list(dict.fromkeys(names))
@@ -375,7 +399,7 @@ def write_tiny_models(out_dir: Path, names: Iterable[str] = ALL) -> dict[str, Ti
     pairs: dict[str, TinyPair] = {}
     for name in names:
         d = out_dir / name
-        _WRITERS[name](d, _SEEDS[name])
+        _WRITERS[name](d, _SEEDS[name], vision)
         pairs[name] = TinyPair(name, d / "model.gguf", d / "mmproj.gguf")
     return pairs
 
@@ -389,8 +413,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", nargs="+", choices=ALL, metavar="NAME", help=f"subset of {', '.join(ALL)}"
     )
+    parser.add_argument(
+        "--vision-width", type=int, default=Vision.width, help="vision tower width (x32)"
+    )
+    parser.add_argument(
+        "--vision-layers", type=int, default=Vision.layers, help="vision tower layers"
+    )
     args = parser.parse_args(argv)
-    pairs = write_tiny_models(args.out_dir, args.only or ALL)
+    try:
+        vision = Vision(args.vision_width, args.vision_layers)
+    except ValueError as e:
+        parser.error(str(e))
+    pairs = write_tiny_models(args.out_dir, args.only or ALL, vision=vision)
     for p in pairs.values():
         print(f"{p.name}: model={p.model} mmproj={p.mmproj}")
     return 0

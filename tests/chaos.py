@@ -48,7 +48,8 @@ from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc
 
 OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 MEDIA_CACHE_MB = 32  # every image is new: the projector-output cache fills to its bound
-RSS_BOUND_MB = 2 * MEDIA_CACHE_MB + 48
+STATE_CACHE_MB = 16  # KV states of stateless sequences that lost their slot
+RSS_BOUND_MB = 2 * MEDIA_CACHE_MB + STATE_CACHE_MB + 48
 # what a call may end with under chaos; anything else (UNKNOWN, INTERNAL, ...) is a failure
 EXPECTED = {
     "OK",
@@ -300,7 +301,7 @@ def start_infer(models, port: int, sessions: Path, env: dict[str, str]) -> subpr
             "--mmproj", str(models.mmproj), "--host", "127.0.0.1", "--port", str(port),
             "--ctx-size", "2048", "--parallel", "4", "--threads", "1", "--max-queue", "32",
             "--sessions-dir", str(sessions), "--log-level", "error",
-            "--media-cache-mb", str(MEDIA_CACHE_MB),
+            "--media-cache-mb", str(MEDIA_CACHE_MB), "--state-cache-mb", str(STATE_CACHE_MB),
         ],
         env=env,
     )  # fmt: skip
