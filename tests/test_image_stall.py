@@ -2,11 +2,12 @@
 projector heavy enough to take a while), the other slots keep decoding.
 
 Asserts on how many tokens stream A received while B's image was being prepared in the engine
-(B admitted -> B's first token), never on a time: without the worker A gets one or two.
+(B admitted -> B's first token), never on a time: here A gets about 1,500 with the encode worker, 7 without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -60,11 +61,12 @@ def test_a_stream_keeps_receiving_tokens_while_another_requests_image_is_encoded
     stop = threading.Event()
 
     def read_a() -> None:
-        for event in a:
-            if event.HasField("delta"):
-                a_times.extend([time.monotonic()] * len(event.delta.token_ids))
-            if stop.is_set():
-                break
+        with contextlib.suppress(grpc.RpcError):  # cancelled at the end
+            for event in a:
+                if event.HasField("delta"):
+                    a_times.extend([time.monotonic()] * len(event.delta.token_ids))
+                if stop.is_set():
+                    break
 
     reader = threading.Thread(target=read_a)
     reader.start()
@@ -84,4 +86,4 @@ def test_a_stream_keeps_receiving_tokens_while_another_requests_image_is_encoded
     reader.join(10)
     during = sum(1 for t in a_times if admitted <= t <= first)
     assert infer.engine.stats.num_media_decodes >= 1  # type: ignore[attr-defined]
-    assert during >= 10, f"A got {during} tokens while B's image was encoded"
+    assert during >= 100, f"A got {during} tokens while B's image was encoded (1541 here)"
