@@ -2,7 +2,8 @@
 projector heavy enough to take a while), the other slots keep decoding.
 
 Asserts on how many tokens stream A received while B's image was being prepared in the engine
-(B admitted -> B's first token), never on a time: here A gets about 1,500 with the encode worker, 7 without it.
+(B admitted -> B's first token), never on a time: here A gets about 1,500 with the encode
+worker, 7 without it.
 """
 
 from __future__ import annotations
