@@ -137,6 +137,13 @@ def parser() -> argparse.ArgumentParser:
         default=d.encode_threads,
         help="image encoding threads (its own worker, beside decoding)",
     )
+    p.add_argument(
+        "--extra-bufts",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="llama.cpp's repacked weight buffers (AMX among them); auto: off where the CPU "
+        "reports AMX and the kernel refuses it",
+    )
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50052)
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
@@ -168,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_layers=args.gpu_layers,
         threads=args.threads,
         encode_threads=args.encode_threads,
+        extra_bufts={"auto": None, "on": True, "off": False}[args.extra_bufts],
     )
 
     async def run() -> int:

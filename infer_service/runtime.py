@@ -7,6 +7,7 @@ tokenizes, is the exception: libmtmd's tokenizer is thread-safe).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from llama_cpp import mtmd_cpp
 
 from prep_service import model_files, native
 from prep_service.descriptors import Fingerprint
+
+log = logging.getLogger("slotwise.runtime")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class RuntimeConfig:
     threads: int = max(1, (os.cpu_count() or 2) // 2)  # spinning workers starve on shared cores
     # the projector runs on its own worker beside decoding, and only while an image waits
     encode_threads: int = os.cpu_count() or 2
+    extra_bufts: bool | None = None  # None: unless the CPU reports AMX the kernel refuses
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,17 @@ class Runtime:
     def __init__(self, config: RuntimeConfig):
         self.config = config
         self.fingerprint: Fingerprint = model_files.fingerprint(config.model, config.mmproj)
+        extra_bufts = config.extra_bufts
+        if extra_bufts is None:
+            extra_bufts, why = native.extra_bufts_decision(
+                native.cpu_flags(), native.amx_tile_permission
+            )
+            (log.info if extra_bufts else log.warning)("extra buffer types: %s", why)
         self.model = native.load_model(
-            config.model, vocab_only=False, n_gpu_layers=config.gpu_layers
+            config.model,
+            vocab_only=False,
+            n_gpu_layers=config.gpu_layers,
+            extra_bufts=extra_bufts,
         )
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.num_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)

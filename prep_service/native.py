@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +44,13 @@ def quiet_native_logs() -> None:
         _log_callbacks.extend([llama_cb, mtmd_cb])
 
 
-def load_model(path: Path, *, vocab_only: bool, n_gpu_layers: int = 0) -> int:
-    """Load a GGUF text model and return its handle (freed with free_model)."""
+def load_model(
+    path: Path, *, vocab_only: bool, n_gpu_layers: int = 0, extra_bufts: bool = True
+) -> int:
+    """Load a GGUF text model and return its handle (freed with free_model).
+
+    extra_bufts False: no repacked weight buffers (the AMX ones among them; see amx_usable).
+    """
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
     quiet_native_logs()
@@ -53,10 +58,57 @@ def load_model(path: Path, *, vocab_only: bool, n_gpu_layers: int = 0) -> int:
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = vocab_only
     params.n_gpu_layers = n_gpu_layers
+    params.use_extra_bufts = extra_bufts
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise NativeError(f"llama.cpp could not load {path} (not a GGUF text model?)")
     return model
+
+
+# -- AMX: reported by the CPU is not the same as usable -----------------------------------------
+
+_SYS_ARCH_PRCTL = 158  # x86-64
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def amx_tile_permission() -> bool:
+    """Ask the kernel for AMX tile data (Linux >= 5.16 wants this before a thread uses it);
+    some VMs report AMX in cpuinfo and refuse it here."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def extra_bufts_decision(flags: set[str], permission: Callable[[], bool]) -> tuple[bool, str]:
+    """Whether llama.cpp may use its extra (repacked) weight buffers, and why.
+
+    llama.cpp's AMX buffer type is picked whenever the CPU reports amx_tile; where the kernel
+    refuses tile data, the first Q4_K decode then segfaults in ggml_backend_amx_mul_mat. Such a
+    host loads without extra buffer types (slower matmuls, no crash).
+    """
+    if "amx_tile" not in flags:
+        return True, "the CPU reports no AMX"
+    if permission():
+        return True, "the kernel grants AMX tile data"
+    return False, (
+        "the CPU reports AMX but the kernel refuses AMX tile data (a VM without AMX for its "
+        "guests?): loading without extra buffer types, so that Q4_K decoding does not crash in "
+        "ggml_backend_amx_mul_mat"
+    )
 
 
 def free_model(model: int) -> None:
