@@ -58,6 +58,7 @@ __all__ = [
     "ImageSize",
     "Message",
     "ModelInfo",
+    "Persistence",
     "Policy",
     "Prefill",
     "Prepared",

@@ -202,6 +202,10 @@ class Engine:
         self._prefetch: dict[str, Future[_Prefetched]] = {}  # session id -> its swap-in read
         self._restoring: set[str] = set()
         self._orphans: set[str] = set()  # media ids a session stopped referring to
+        # io thread only (filled before it starts): the media each session's file on disk
+        # refers to, as of its last write that landed, and pixels waiting to be collected
+        self._disk_media: dict[str, set[str]] = {}
+        self._io_orphans: set[str] = set()
         self.on_first_token: Callable[[float], None] = lambda seconds: None  # TTFT
         self.on_death: Callable[[BaseException], None] = lambda error: None
         if store is not None:
@@ -352,7 +356,29 @@ class Engine:
 
     def _has_work(self) -> bool:
         runnable = any(s.job and not self._waits_for_encode(s) for s in self.slots)
-        return runnable or (bool(self._waiting) and self._free_slot_exists())
+        return runnable or (
+            self._free_slot_exists() and any(not self._waits_for_read(j) for j in self._waiting)
+        )
+
+    def _waits_for_read(self, job: Job) -> bool:
+        """Its session's state is being read, or must wait for a read to end before its own
+        starts (the end of a read wakes the engine)."""
+        read = self._prefetch.get(job.session_id or "")
+        if read is not None:
+            return not read.done()
+        return self._needs_read(job) and self._reads_in_flight() >= self._num_free_slots()
+
+    def _needs_read(self, job: Job) -> bool:
+        if job.session_id is None or self.store is None:
+            return False
+        session = self.sessions.get(job.session_id)
+        return session is not None and session.slot is None and bool(session.ledger.segments)
+
+    def _reads_in_flight(self) -> int:
+        return sum(1 for f in self._prefetch.values() if not f.done())
+
+    def _num_free_slots(self) -> int:
+        return sum(1 for s in self.slots if s.job is None)
 
     def _waits_for_encode(self, slot: _Slot) -> bool:
         front = slot.pending[0] if slot.pending else None
@@ -403,17 +429,17 @@ class Engine:
     def _ready_to_start(self, job: Job) -> bool:
         """A session that is not in a slot has its saved state read off the engine thread
         first; until then its turn waits (and the engine wakes when the read is done)."""
-        if job.session_id is None or self.store is None:
+        if not self._needs_read(job):
             return True
-        session = self.sessions.get(job.session_id)
-        if session is None or session.slot is not None or not session.ledger.segments:
-            return True
-        prefetch = self._prefetch.get(job.session_id)
+        session = self.sessions[job.session_id]  # type: ignore[index]
+        prefetch = self._prefetch.get(session.session_id)
         if prefetch is None:
+            if self._reads_in_flight() >= self._num_free_slots():
+                return False  # a state read per free slot at most: each holds a KV state
             prefetch = self._io.submit(self._read_for_swap_in, session.session_id,
                                        ledger_digest(session.ledger.to_json()),
                                        dict(session.pixels), dict(session.rgb))  # fmt: skip
-            self._prefetch[job.session_id] = prefetch
+            self._prefetch[session.session_id] = prefetch
             prefetch.add_done_callback(lambda _: self._notify())
         return prefetch.done()
 
@@ -469,6 +495,7 @@ class Engine:
             policy=ctx.policy, keep=ctx.keep, discard_fraction=ctx.discard_fraction, unit=ctx.unit
         )
         num_before = sum(seg.num_cells for seg in ledger.segments[:start])
+        continued = False
         if job.session_id is not None:  # a session continues what it holds
             si, so, rest = ledger.common_prefix(job.items, start)
         else:
@@ -476,7 +503,12 @@ class Engine:
             # only what equals a fresh prefill of its prefix: same tokens in, same tokens out
             reuse = reuse_of(ledger, job.items)
             assert reuse is not None
-            si, so, rest = reuse.num_segments, reuse.num_tokens, reuse.rest
+            si, so, rest, continued = (
+                reuse.num_segments,
+                reuse.num_tokens,
+                reuse.rest,
+                reuse.continued,
+            )
             if ledger.num_cells - reuse.num_cells >= _WORTH_KEEPING and job.resume is None:
                 self._displace(slot)  # what the cut drops may be resumed later
         cut = ledger.truncate(si, so)
@@ -495,7 +527,8 @@ class Engine:
             )
         restore: list[Item] = []
         if reprefill and error is not None:
-            self._swap_out(slot)  # its ledger stays: the next turn re-prefills it
+            # its sequence is empty (the state did not load): nothing of it may be written
+            self._swap_out(slot, save=False)  # its ledger stays: the next turn re-prefills it
         elif reprefill:
             # what the session keeps (the reused reply included) is decoded again from 0
             restore = [seg.item for seg in ledger.segments]
@@ -507,6 +540,13 @@ class Engine:
             raise error
         assert not isinstance(admission, CannotFit)
         kept = admission.kept
+        if (
+            job.session_id is None
+            and admission.dropped
+            and not continued
+            and len(ledger.segments) == ledger.num_pinned_segments
+        ):
+            ledger.begin_history(admission.dropped)  # truncated now: continued next turn
         slot.job = job
         slot.ledger = ledger
         slot.pending = deque([*restore, *kept])
@@ -583,6 +623,12 @@ class Engine:
         session = self.sessions.get(session_id)
         if session is None and self.store is None:
             raise self._not_found(session_id)
+        if session_id in self._restoring:
+            raise _session_error(
+                ErrorKind.FAILED_PRECONDITION,
+                Reason.SESSION_BUSY,
+                f"session {session_id!r} is being restored",
+            )
         if session is not None:
             self._idle_session(session_id)
             if session.slot is not None:
@@ -592,15 +638,20 @@ class Engine:
         if self.store is None:
             return None
         store = self.store
-        media = session.referenced_media() if session else set()
-        used = {m for s in self.sessions.values() for m in s.referenced_media()}
-        # pixels another session refers to stay (a broken one might: keep them all then)
-        orphans = set() if self.broken_sessions else media - used
+        queued = self._writes.take(session_id)  # a write not started yet: it must not land
+        for f in queued.futures if queued else ():
+            _resolve(f, error=ProblemError(problem(
+                ErrorKind.NOT_FOUND, Reason.SESSION_NOT_FOUND,
+                f"session {session_id!r} was deleted before this was saved",
+            )))  # fmt: skip
+        if session is not None:
+            self._orphans |= session.media_ids()
+        collect = self._pixel_collector()
 
         def delete() -> bool:
             found = store.delete(session_id)
-            for media_id in orphans:
-                store.delete_media(media_id)
+            self._io_orphans |= self._disk_media.pop(session_id, set())
+            collect()
             if not (found or was_broken or session is not None):
                 raise self._not_found(session_id)
             return found
@@ -632,10 +683,10 @@ class Engine:
 
         def register(header: dict[str, Any] | BaseException) -> None:  # engine thread
             self._restoring.discard(session_id)
-            self._register(session_id, header)
             try:
+                self._register(session_id, header)
                 _resolve(done, self._session(session_id))
-            except ProblemError as e:
+            except Exception as e:  # the restore's caller hears it, whatever it is
                 _resolve(done, error=e)
 
         def read() -> None:  # io thread
@@ -732,9 +783,8 @@ class Engine:
 
         def saved(done: Future[None]) -> None:  # back on the engine thread: drop what is on disk
             if not done.cancelled() and done.exception() is None:
-                on_disk = {px["media_id"] for px in write.header["pixels"].values()}
                 with contextlib.suppress(EngineStoppedError):
-                    self.call(lambda: self._saved(sid, number, media, on_disk))
+                    self.call(lambda: self._saved(sid, number, media))
 
         future.add_done_callback(saved)
         return future
@@ -748,24 +798,32 @@ class Engine:
         try:
             for media_id, rgb in write.pixels:
                 self.store.save_media(media_id, rgb)
-            state, write.header["kv_digest"] = write.kv_state, write.kv_digest
-            if state is None:  # the KV bytes on disk stay, with the digest of their ledger
+            header = write.header
+            state, header["kv_digest"] = write.kv_state, write.kv_digest
+            if state is None:  # the KV bytes on disk stay, with their ledger's digest and layout
                 try:
                     saved = self.store.load(session_id)
-                    state, write.header["kv_digest"] = saved.kv_state, saved.header["kv_digest"]
+                    state = saved.kv_state
+                    header["kv_digest"] = saved.header.get("kv_digest", "")
+                    header["layout"] = saved.header.get("layout")
                 except (KeyError, CorruptSessionError):
-                    state, write.header["kv_digest"] = b"", ""
-            self.store.save(session_id, write.header, state)
-        except OSError as e:
+                    state, header["kv_digest"] = b"", ""
+            self.store.save(session_id, header, state)
+        except Exception as e:  # every waiter hears it: a full disk, or anything else
             log.warning("session %r not saved: %s", session_id, e)
-            failure = ProblemError(storage_problem(e, "the turn was not saved"))
+            failure = ProblemError(
+                storage_problem(e, "the turn was not saved")
+                if isinstance(e, OSError)
+                else Problem(ErrorKind.INTERNAL, f"the turn was not saved: {e!r}", Reason.INTERNAL)
+            )
             for f in write.futures:
                 _resolve(f, error=failure)
         else:
+            self._disk_media[session_id] = {px["media_id"] for px in header["pixels"].values()}
             for f in write.futures:
                 _resolve(f, None)
 
-    def _saved(self, session_id: str, number: int, media_ids: set[str], on_disk: set[str]) -> None:
+    def _saved(self, session_id: str, number: int, media_ids: set[str]) -> None:
         session = self.sessions.get(session_id)
         if session is None:
             return
@@ -773,25 +831,32 @@ class Engine:
             session.dirty = False
         for media_id in media_ids:
             session.rgb.pop(media_id, None)
-        session.disk_media = on_disk
-        self._collect_pixels()
+        if self._orphans:
+            self._io.submit(self._pixel_collector())
 
-    def _collect_pixels(self) -> None:
-        """Delete saved pixels that no session needs any more, neither for its ledger nor for
-        its file on disk (the disk stays bounded by what sessions hold). With a broken session
-        file around, whose needs are unknown, nothing is deleted."""
-        if self.store is None or not self._orphans or self.broken_sessions:
-            return
-        used = {m for s in self.sessions.values() for m in s.referenced_media()}
-        gone, self._orphans = self._orphans - used, set()
+    def _pixel_collector(self) -> Callable[[], None]:
+        """(Engine thread) what the io thread runs to delete the saved pixels no session needs
+        any more: none in memory (snapshot now) and none in a file on disk (as of the last
+        write that landed, known on the io thread when it runs). The disk stays bounded by
+        what sessions hold. With a broken session file around, whose needs are unknown,
+        nothing is deleted."""
         store = self.store
+        assert store is not None
+        candidates, self._orphans = self._orphans, set()
+        in_memory = {m for s in self.sessions.values() for m in (*s.media_ids(), *s.rgb)}
+        broken = bool(self.broken_sessions)
 
-        def delete() -> None:  # after the writes queued before it
+        def collect() -> None:
+            self._io_orphans |= candidates
+            if broken:
+                return
+            on_disk = set().union(*self._disk_media.values())
+            gone = self._io_orphans - in_memory - on_disk
+            self._io_orphans -= gone
             for media_id in gone:
                 store.delete_media(media_id)
 
-        if gone:
-            self._io.submit(delete)
+        return collect
 
     def _load_session(self, session_id: str) -> None:
         """Register a saved session from its header; its KV state is read on its next turn."""
@@ -807,7 +872,8 @@ class Engine:
             for key, px in dict(header.get("pixels", {})).items():
                 if key in held and not self.store.has_media(px["media_id"]):
                     raise CorruptSessionError(f"pixels of media {px['media_id'][:12]} are missing")
-        except (KeyError, CorruptSessionError, OSError, TypeError, AttributeError) as e:
+            self._disk_media[session_id] = {px["media_id"] for px in header["pixels"].values()}
+        except Exception as e:  # whatever is wrong with the file, the session is reported
             return e
         return header
 
@@ -823,7 +889,6 @@ class Engine:
                     f"session {session_id!r} was saved with another model ({str(fp)[:80]})",
                 )
             session = Session.from_header(session_id, header, self.new_ledger)
-            session.disk_media = session.media_ids()
             self._orphans |= session.prune()
         except SessionError as e:
             log.warning("%s", e)
@@ -834,7 +899,7 @@ class Engine:
                 return
             self._unreadable(session_id, e)
             return
-        except (CorruptSessionError, OSError, TypeError, ValueError) as e:
+        except Exception as e:  # CorruptSessionError, OSError, a header of the wrong shape, ...
             self._unreadable(session_id, e)
             return
         self.sessions[session_id] = session
@@ -923,9 +988,10 @@ class Engine:
         self.states.put(ledger.clone(), self.rt.state_get(slot.seq))
 
     def _resume(self, slot: _Slot, key: int) -> None:
-        """Put a cached sequence into slot (what the slot held goes to the cache)."""
-        self._displace(slot)
+        """Put a cached sequence into slot (what the slot held goes to the cache: after the
+        take, so that its put cannot evict the entry being taken)."""
         ledger, state = self.states.take(key)
+        self._displace(slot)
         self.rt.seq_clear(slot.seq)
         slot.ledger = ledger if self.rt.state_set(slot.seq, bytes(state)) else None
 

@@ -190,6 +190,19 @@ class ContextShift:
     num_cells_used_after: int
     next_position_after: int
 
+    def folded(self, later: ContextShift) -> ContextShift:
+        """This shift and a later one as one (what a reader that fell behind is told)."""
+        return ContextShift(
+            policy=later.policy,
+            num_cells_evicted=self.num_cells_evicted + later.num_cells_evicted,
+            num_positions_evicted=self.num_positions_evicted + later.num_positions_evicted,
+            media_ids_evicted=tuple(
+                dict.fromkeys(self.media_ids_evicted + later.media_ids_evicted)
+            ),
+            num_cells_used_after=later.num_cells_used_after,
+            next_position_after=later.next_position_after,
+        )
+
     def to_pb(self) -> infer_pb2.GenerateResponse:
         return infer_pb2.GenerateResponse(
             shift=infer_pb2.ContextShift(

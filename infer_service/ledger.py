@@ -32,12 +32,12 @@ from __future__ import annotations
 import copy
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 # how much evicted history a sequence remembers for `continuation`, in atoms per cell of capacity
-MAX_HISTORY_FACTOR = 64
+MAX_HISTORY_FACTOR = 8
 
 __all__ = [
     "Admission",
@@ -285,13 +285,29 @@ def _closed(seq: Sequence[Segment | Item], i: int, offset: int) -> bool:
 
 def _atoms(seq: Sequence[Segment | Item]) -> list[tuple[object, tuple[int, int]]]:
     """One entry per text token or media chunk: (what it is, (index, token offset))."""
-    atoms: list[tuple[object, tuple[int, int]]] = []
+    return list(_iter_atoms(seq))
+
+
+def _iter_atoms(seq: Sequence[Segment | Item]) -> Iterator[tuple[object, tuple[int, int]]]:
     for i, x in enumerate(seq):
         if x.media_id is not None:
-            atoms.append((x.media_id, (i, 0)))
+            yield (x.media_id, (i, 0))
         else:
-            atoms.extend((t, (i, k)) for k, t in enumerate(x.token_ids))
-    return atoms
+            yield from ((t, (i, k)) for k, t in enumerate(x.token_ids))
+
+
+def _num_atoms(seq: Sequence[Segment | Item]) -> int:
+    return sum(1 if x.media_id is not None else len(x.token_ids) for x in seq)
+
+
+def _atom_at(seq: Sequence[Segment | Item], k: int) -> tuple[int, int]:
+    """(index, token offset) of atom k."""
+    for i, x in enumerate(seq):
+        n = 1 if x.media_id is not None else len(x.token_ids)
+        if k < n:
+            return (i, k)
+        k -= n
+    return (len(seq), 0)
 
 
 def _match(
@@ -300,14 +316,22 @@ def _match(
     """The longest prefix of ``items`` that ``held`` starts with, cut where neither side
     splits a media group (``closed``: ``held`` and what follows it) and leaving at least one
     token of ``items``: (elements of held kept, tokens kept of the next, items left)."""
-    have = _atoms(held)
-    wanted = _atoms(items)
+    # atoms up to the first difference only: an unrelated request costs a few comparisons
+    have: list[tuple[object, tuple[int, int]]] = []
+    wanted: list[tuple[object, tuple[int, int]]] = []
+    ours, theirs = _iter_atoms(held), _iter_atoms(items)
+    for a, b in zip(ours, theirs, strict=False):
+        have.append(a)
+        wanted.append(b)
+        if a[0] != b[0]:
+            break
     n = 0
     while n < min(len(have), len(wanted)) and have[n][0] == wanted[n][0]:
         n += 1
-    for k in range(min(n, len(wanted) - 1), 0, -1):
-        si, so = have[k][1] if k < len(have) else (len(held), 0)
-        ii, io = wanted[k][1]
+    num_held = _num_atoms(held)
+    for k in range(min(n, _num_atoms(items) - 1), 0, -1):
+        si, so = have[k][1] if k < num_held else (len(held), 0)
+        ii, io = wanted[k][1] if k < len(wanted) else _atom_at(items, k)
         if _closed(closed, si, so) and _closed(items, ii, io):
             rest = list(items[ii:])
             if io:
@@ -402,6 +426,15 @@ class Ledger:
     @property
     def num_cells(self) -> int:
         return self._num_cells
+
+    @property
+    def num_pinned_segments(self) -> int:
+        return self._num_pinned_segments
+
+    @property
+    def num_history_atoms(self) -> int:
+        """Tokens and media chunks remembered of what evictions took."""
+        return self._num_evicted_atoms
 
     @property
     def num_exact_segments(self) -> int:
@@ -576,6 +609,15 @@ class Ledger:
             self._forget_history()
             self._history_complete = False  # too long to match: exact reuse only, from now on
 
+    def begin_history(self, dropped: Sequence[Item]) -> None:
+        """A prompt truncated right after what is pinned (the ledger holds its pinned
+        segments only): what the truncation dropped is history, as if evicted."""
+        if len(self._segments) != self._num_pinned_segments:
+            raise ValueError("the dropped units must follow the pinned segments")
+        self._forget_history()
+        if dropped:
+            self._remember([Segment(i, 0, False) for i in dropped])
+
     def _forget_history(self) -> None:
         self._evicted.clear()
         self._num_evicted_atoms = 0
@@ -609,6 +651,7 @@ class Ledger:
         )  # fmt: skip
         if same_keep:
             return
+        self._forget_history()  # it sat after the old pins: where it sits now is not known
         held, self._segments = self._segments, []
         num_cells = 0  # counted as we go: a recount per segment would be quadratic
         for seg in held:

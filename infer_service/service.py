@@ -18,6 +18,7 @@ import grpc
 from infer_service.engine import Engine, EngineStoppedError, Job, prompt_items
 from infer_service.events import (
     POLICY_TO_PB,
+    ContextShift,
     ErrorKind,
     Event,
     Finished,
@@ -61,8 +62,10 @@ CODES = {kind: getattr(grpc.StatusCode, kind.value) for kind in ErrorKind}
 
 class Mailbox:
     """One stream's events on the event loop, bounded however slowly its client reads: token
-    deltas that pile up merge into one. (The other events are bounded by the prompt: one
-    per prefill decode, one per shift.)"""
+    deltas that pile up merge into one; past MAX_EVENTS, runs of deltas and shifts fold into
+    one shift (their totals) and one delta, so a stalled reader costs one message's worth."""
+
+    MAX_EVENTS = 256
 
     def __init__(self) -> None:
         self._events: deque[Event] = deque()
@@ -74,6 +77,8 @@ class Mailbox:
             self._events[-1] = last.merged(event)
         else:
             self._events.append(event)
+            if len(self._events) > self.MAX_EVENTS:
+                self._events = deque(_folded(self._events))
         self._ready.set()
 
     async def get(self) -> Event:
@@ -84,6 +89,24 @@ class Mailbox:
 
     def __len__(self) -> int:
         return len(self._events)
+
+
+def _folded(events: deque[Event]) -> list[Event]:
+    out: list[Event] = []
+    shift: ContextShift | None = None
+    delta: TokenDelta | None = None
+    for e in [*events, None]:
+        if isinstance(e, TokenDelta):
+            delta = delta.merged(e) if delta else e
+            continue
+        if isinstance(e, ContextShift):
+            shift = shift.folded(e) if shift else e
+            continue
+        out.extend(x for x in (shift, delta) if x is not None)
+        shift = delta = None
+        if e is not None:
+            out.append(e)
+    return out
 
 
 class EventRelay:
@@ -355,7 +378,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             context, self.engine.create_session, session_id, args["context"], args["sampling"],
             doing="the session was not saved",
         )  # fmt: skip
-        return infer_pb2.CreateSessionResponse(session=session_info(session))
+        return infer_pb2.CreateSessionResponse(session=await self._info(context, session))
 
     async def GetSession(self, request, context):
         info = await self._session_rpc(  # read on the engine thread: a snapshot
@@ -390,13 +413,21 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         session = await self._session_rpc(
             context, self.engine.save_session, request.session_id, doing="save failed"
         )
-        return infer_pb2.SaveSessionResponse(session=session_info(session))
+        return infer_pb2.SaveSessionResponse(session=await self._info(context, session))
 
     async def RestoreSession(self, request, context):
         session = await self._session_rpc(
             context, self.engine.restore_session, request.session_id, doing="restore failed"
         )
-        return infer_pb2.RestoreSessionResponse(session=session_info(session))
+        return infer_pb2.RestoreSessionResponse(session=await self._info(context, session))
+
+    async def _info(self, context, session: Session) -> infer_pb2.SessionInfo:
+        """The session as the engine thread sees it (a snapshot, not a read under its feet)."""
+        try:
+            return await asyncio.wrap_future(self.engine.call(lambda: session_info(session)))
+        except ProblemError as e:
+            await abort_problem(context, e.problem)
+            raise
 
     def _parse(self, request: infer_pb2.GenerateRequest, session: Session | None) -> dict[str, Any]:
         """Request options, with a session's defaults for what the request leaves unset."""

@@ -41,7 +41,6 @@ class Session:
     snapshot: tuple[list[dict[str, Any]], int] | None = None
     last_used: float = field(default_factory=time.monotonic)
     dirty: bool = False  # the newest save asked for is not on disk yet (or failed)
-    disk_media: set[str] = field(default_factory=set)  # media ids its file on disk refers to
     num_saves: int = 0
 
     def release(self) -> None:
@@ -66,10 +65,6 @@ class Session:
 
     def media_ids(self) -> set[str]:
         return {p.media_id for p in self.pixels.values()}
-
-    def referenced_media(self) -> set[str]:
-        """Pixels this session needs: for its ledger, and for the file it has on disk."""
-        return self.media_ids() | self.disk_media
 
     def header(
         self, fingerprint: Fingerprint, layout: dict[str, int], kv_digest: str

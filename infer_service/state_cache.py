@@ -44,6 +44,11 @@ class _Entry:
     ledger: Ledger
     state: bytes | bytearray | memoryview
 
+    @property
+    def num_bytes(self) -> int:
+        """The KV bytes, and what the ledger's token ids cost in Python (about 8 per atom)."""
+        return len(self.state) + 8 * (self.ledger.num_cells + self.ledger.num_history_atoms)
+
 
 class StateCache:
     def __init__(self, max_bytes: int):
@@ -58,14 +63,15 @@ class StateCache:
         return len(self._entries)
 
     def put(self, ledger: Ledger, state: bytes | bytearray | memoryview) -> None:
-        if len(state) > self.max_bytes:
+        entry = _Entry(ledger, state)
+        if entry.num_bytes > self.max_bytes:
             return
-        self._entries[next(self._keys)] = _Entry(ledger, state)
-        self.num_bytes += len(state)
+        self._entries[next(self._keys)] = entry
+        self.num_bytes += entry.num_bytes
         self.stored += 1
         while self.num_bytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
-            self.num_bytes -= len(old.state)
+            self.num_bytes -= old.num_bytes
 
     def best(self, items: Sequence[Item]) -> tuple[int, Reuse] | None:
         """The entry that holds the most of items (continuing it, or by exact prefix)."""
@@ -82,6 +88,6 @@ class StateCache:
 
     def take(self, key: int) -> tuple[Ledger, bytes | bytearray | memoryview]:
         entry = self._entries.pop(key)
-        self.num_bytes -= len(entry.state)
+        self.num_bytes -= entry.num_bytes
         self.hits += 1
         return entry.ledger, entry.state

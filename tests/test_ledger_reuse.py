@@ -617,3 +617,25 @@ def test_a_continuation_may_cut_into_the_generated_reply() -> None:
     assert atoms(rest) == [99, 5, 6]
     # a request that stops matching before the reply is not one
     assert ledger.continuation([text([*list(range(1, 12)), 40], 0), text([5], 2)]) is None
+
+
+def test_a_new_keep_forgets_the_evicted_history() -> None:
+    """The history sits after the pinned segments; new pins move that boundary."""
+    ledger = make_ledger(8, policy=Policy.GAP, discard_fraction=0.0)
+    a, b, c = text([1, 2, 3], 0), text([4, 5, 6], 1), text([7, 8], 2)
+    decode_all(ledger, [a, b, c, text([9], 3)])  # a is evicted
+    assert ledger.continuation([a, b, c, text([9], 3), text([10], 4)]) is not None
+    ledger.reconfigure(policy=Policy.GAP, keep=3, discard_fraction=0.0, unit=EvictionUnit.TOKEN)
+    assert ledger.continuation([b, a, c, text([9], 3), text([10], 4)]) is None
+    assert ledger.num_history_atoms == 0
+
+
+def test_units_a_truncation_dropped_become_history() -> None:
+    ledger = make_ledger(6, policy=Policy.GAP, keep=2)
+    system, old, new = text([1, 2], 0), text([3, 4, 5, 6], 1), text([7, 8], 2)
+    admission = ledger.admit([system, old, new], truncate=True)
+    assert not isinstance(admission, CannotFit) and admission.dropped
+    ledger.begin_history(admission.dropped)
+    decode_all(ledger, admission.kept)
+    found = ledger.continuation([system, old, new, text([9], 3)])
+    assert found is not None and atoms(found[2]) == [9]

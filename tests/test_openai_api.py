@@ -189,6 +189,9 @@ def test_every_error_class_with_its_status_and_code(stack: Callable[..., Stack])
         {"model": "slotwise", "messages": [{"role": "tool", "content": "x"}]},
         {"model": "slotwise", "messages": hi, "temperature": "hot"},
         {"model": "slotwise", "messages": hi, "slotwise": {"policy": "sideways"}},
+        {"model": "slotwise", "messages": hi, "max_tokens": 1 << 33},
+        {"model": "slotwise", "messages": hi, "top_k": 1 << 40},
+        {"model": "slotwise", "messages": hi, "slotwise": {"keep": -1}},
         {"model": "slotwise", "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]},
         {"model": "slotwise", "messages": [{"role": "user", "content": [

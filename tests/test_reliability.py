@@ -424,7 +424,7 @@ def test_150_image_turns_keep_memory_bounded(
     # and the disk keeps only the pixels of the images the session still holds
     time.sleep(0.5)  # the last deletions run after the last write
     on_disk = {p.stem for p in (tmp_path / "media").glob("*.rgb")}
-    assert on_disk == session.referenced_media(), (len(on_disk), len(held))
+    assert on_disk == session.media_ids(), (len(on_disk), len(held))
     assert growth < 50 << 20, f"RSS grew {growth >> 20} MB over 120 image turns"
 
 
@@ -540,3 +540,20 @@ def test_a_turn_that_sets_only_policy_keeps_the_sessions_keep(
     assert pinned >= 6  # the turn's policy came on top of the session's keep
     info = session_info(stub, "pinned")
     assert info.context.keep == 6 and info.context.HasField("keep")
+
+
+def test_a_stalled_readers_shifts_and_deltas_fold() -> None:
+    from infer_service.events import ContextShift
+    from infer_service.ledger import Policy
+
+    events = []
+    for k in range(1000):
+        events.append(TokenDelta((k,), "x"))
+        events.append(ContextShift(Policy.GAP, 2, 2, (), 10, 100 + k))
+    got = asyncio.run(_mailbox_of(events))
+    assert len(got) <= Mailbox.MAX_EVENTS + 1
+    shifts = [e for e in got if isinstance(e, ContextShift)]
+    deltas = [e for e in got if isinstance(e, TokenDelta)]
+    assert sum(s.num_cells_evicted for s in shifts) == 2000  # totals survive the folding
+    assert [t for d in deltas for t in d.token_ids] == list(range(1000))
+    assert shifts[-1].next_position_after == 1099

@@ -29,6 +29,7 @@ from clients.client import (
     Finished,
     FinishReason,
     Message,
+    Persistence,
     Prepared,
     Shift,
     SlotwiseError,
@@ -56,6 +57,7 @@ class GatewayConfig:
 
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+_SAVED = {Persistence.SAVED: True, Persistence.NOT_SAVED: False}  # else: not a session turn
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -96,8 +98,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return ApiError(401, "incorrect or missing API key", code="invalid_api_key").response()
         t0 = time.perf_counter()
         response = await call_next(request)
-        requests.labels(path, str(response.status_code)).inc()
-        latency.labels(path).observe(time.perf_counter() - t0)
+        route = request.scope.get("route")  # the template, never the raw path: bounded labels
+        endpoint = getattr(route, "path", "unmatched")
+        requests.labels(endpoint, str(response.status_code)).inc()
+        latency.labels(endpoint).observe(time.perf_counter() - t0)
         return response
 
     @app.exception_handler(ApiError)
@@ -242,6 +246,8 @@ async def _complete(
         first_event = await anext(events)
     except SlotwiseError as e:
         raise from_slotwise(e) from None
+    except (ValueError, TypeError) as e:  # a value the contract cannot carry
+        raise bad_request(str(e)) from None
     reply = _Reply(chat, config.model_name, body)
     if body.stream:
         return StreamingResponse(
@@ -252,9 +258,11 @@ async def _complete(
         async for event in events:
             reply.take(event)
     except SlotwiseError as e:
-        raise from_slotwise(e) from None
+        if not reply.completed_despite(e):
+            raise from_slotwise(e) from None
     tokens.inc(reply.num_completion_tokens)
-    return JSONResponse(reply.whole())
+    headers = {"x-slotwise-warning": reply.warning} if reply.warning else None
+    return JSONResponse(reply.whole(), headers=headers)
 
 
 async def _session_first_message(
@@ -299,6 +307,16 @@ class _Reply:
         self.finished: Finished | None = None
         self.num_shifts = 0
         self.evicted_media: set[str] = set()
+        self.warning = ""
+
+    def completed_despite(self, e: SlotwiseError) -> bool:
+        """A session turn that completed but was not saved is still a reply: the client gets
+        it with a warning (an error status would make SDKs retry a turn that happened)."""
+        if e.finished is None or e.reason != "SESSION_NOT_SAVED":
+            return False
+        self.take(e.finished)
+        self.warning = f"the turn was not saved: {e.message}"
+        return True
 
     @property
     def num_completion_tokens(self) -> int:
@@ -342,6 +360,7 @@ class _Reply:
                 "evicted_images": len(self.evicted_media),
                 "truncated_cells": s.num_truncated_cells if s else 0,
                 "truncated_images": len(set(s.truncated_media_ids)) if s else 0,
+                "saved": _SAVED.get(self.finished.persistence) if self.finished else None,
             },
         }
 
@@ -391,8 +410,9 @@ class _Reply:
                 if text:
                     yield _sse(self.chunk({"content": text}))
         except SlotwiseError as e:  # the headers are out: the error goes as an event
-            yield _sse(from_slotwise(e).body())
-            return
+            if not self.completed_despite(e):
+                yield _sse(from_slotwise(e).body())
+                return
         finally:
             await events.aclose()  # type: ignore[attr-defined]
         tokens.inc(self.num_completion_tokens)

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_TOKENS = 1 << 20  # what infer accepts at most (GenerateLimits.max_tokens)
+
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -48,7 +50,7 @@ class SlotwiseOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: Literal["auto", "shift", "gap", "reprefill", "stop"] = "auto"
-    keep: int | Literal["system"] = Field(default="system")
+    keep: Annotated[int, Field(ge=0, lt=1 << 32)] | Literal["system"] = "system"
     discard_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
     unit: Literal["token", "message"] | None = None
     truncate: bool = True  # drop the oldest units of a prompt that cannot fit
@@ -57,7 +59,7 @@ class SlotwiseOptions(BaseModel):
 
 class SamplingRequest(_Open):
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=1 << 32)
@@ -67,7 +69,7 @@ class SamplingRequest(_Open):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # the extensions other servers accept
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0, lt=1 << 31)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repeat_penalty: float | None = Field(default=None, gt=0.0)
     n: int | None = None
@@ -85,7 +87,7 @@ class SamplingRequest(_Open):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -103,7 +105,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str]
-    max_tokens: int | None = Field(default=16, ge=1)  # the API's default for completions
+    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS)  # the API's default
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
