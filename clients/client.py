@@ -911,6 +911,7 @@ class _Settings:
         retry: RetryPolicy,
         max_message_bytes: int,
         metadata: Sequence[tuple[str, str]],
+        compression: grpc.Compression | None = None,
     ):
         if prep_address is None and infer_address is None:
             raise ValueError("give prep_address, infer_address or both")
@@ -920,6 +921,7 @@ class _Settings:
         self.timeout = timeout
         self.retry = retry
         self.options = channel_options(max_message_bytes)
+        self.compression = compression
         if tls and tls.server_name:
             self.options.append(("grpc.ssl_target_name_override", tls.server_name))
         md = list(metadata)
@@ -982,6 +984,7 @@ class _ClientBase:
         retry: RetryPolicy = RetryPolicy(),
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         metadata: Sequence[tuple[str, str]] = (),
+        compression: grpc.Compression | None = None,
     ):
         self._s = _Settings(
             prep_address,
@@ -992,6 +995,7 @@ class _ClientBase:
             retry=retry,
             max_message_bytes=max_message_bytes,
             metadata=metadata,
+            compression=compression,
         )
         self._connect()
 
@@ -1005,6 +1009,8 @@ class SlotwiseClient(_ClientBase):
     timeout: default deadline in seconds for every call but Generate (None: no deadline).
     retry: backoff for UNAVAILABLE on Prepare/CountTokens/GetModelInfo/GetServerInfo.
     token: sent as `authorization: Bearer <token>` on every call.
+    compression: e.g. grpc.Compression.Gzip for every call (the services accept it); prep
+    already sends images as their files, so it mostly helps long token lists.
     """
 
     def _connect(self) -> None:
@@ -1019,9 +1025,16 @@ class SlotwiseClient(_ClientBase):
         address = self._s.prep_address if which == "prep" else self._s.infer_address
         assert address is not None
         if self._s.tls:
-            ch = grpc.secure_channel(address, self._s.tls.credentials(), options=self._s.options)
+            ch = grpc.secure_channel(
+                address,
+                self._s.tls.credentials(),
+                options=self._s.options,
+                compression=self._s.compression,
+            )
         else:
-            ch = grpc.insecure_channel(address, options=self._s.options)
+            ch = grpc.insecure_channel(
+                address, options=self._s.options, compression=self._s.compression
+            )
         self._channels[which] = ch
         return ch
 
@@ -1233,10 +1246,15 @@ class AsyncSlotwiseClient(_ClientBase):
         assert address is not None
         if self._s.tls:
             ch = grpc.aio.secure_channel(
-                address, self._s.tls.credentials(), options=self._s.options
+                address,
+                self._s.tls.credentials(),
+                options=self._s.options,
+                compression=self._s.compression,
             )
         else:
-            ch = grpc.aio.insecure_channel(address, options=self._s.options)
+            ch = grpc.aio.insecure_channel(
+                address, options=self._s.options, compression=self._s.compression
+            )
         self._channels[which] = ch
         return ch
 

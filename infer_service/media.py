@@ -9,6 +9,7 @@ from llama_cpp import mtmd_cpp
 
 from prep_service import native
 from prep_service.descriptors import Fingerprint, MediaChunk, PreparedPrompt, TextChunk
+from prep_service.images import ImageError, decode_image, media_id
 
 
 class StaleDescriptorError(ValueError):
@@ -43,11 +44,13 @@ def verify_prompt(
     fingerprint: Fingerprint,
     mtmd: native.Multimodal | None,
     limits: MediaLimits,
-) -> dict[str, MediaHandle]:
-    """Verify fingerprint and every media group; return native media chunks by media_id.
+) -> tuple[dict[str, MediaHandle], dict[str, bytes]]:
+    """Verify fingerprint and every media group; return native media chunks by media key,
+    and the pixels of each image by media_id.
 
-    Each image is tokenized again from its pixels; its group (wrapper text + media) must match
-    the descriptor chunk for chunk, cell for cell, position for position.
+    An encoded image is decoded here (once) with the code prep decoded it with, and must hash
+    to its media_id. Each image is tokenized again from its pixels; its group (wrapper text +
+    media) must match the descriptor chunk for chunk, cell for cell, position for position.
     """
     if prompt.fingerprint != fingerprint:
         raise StaleDescriptorError(
@@ -56,6 +59,7 @@ def verify_prompt(
             f"{fingerprint.model[:12]}/{fingerprint.mmproj[:12] or '-'}"
         )
     handles: dict[str, MediaHandle] = {}
+    pixels: dict[str, bytes] = {}
     groups = [
         (g, list(chunks))
         for g, chunks in itertools.groupby(prompt.chunks, key=lambda c: c.media_group)
@@ -76,12 +80,30 @@ def verify_prompt(
                         f"with --ubatch-size >= {m.num_cells} (now {limits.ubatch_size})"
                     )
             assert mtmd is not None
-            _verify_group(mtmd, group, chunks, media[0], handles)
+            rgb = pixels.get(media[0].media_id) or _pixels_of(media[0])
+            pixels[media[0].media_id] = rgb
+            _verify_group(mtmd, group, chunks, media[0], rgb, handles)
     except BaseException:
         for h in handles.values():
             h.close()
         raise
-    return handles
+    return handles, pixels
+
+
+def _pixels_of(image: MediaChunk) -> bytes:
+    if not image.encoded:
+        return image.rgb  # (its hash was checked when the descriptor was read)
+    try:
+        decoded = decode_image(image.encoded, max_pixels=image.width * image.height)
+    except ImageError as e:
+        raise StaleDescriptorError(f"media {image.media_id[:12]}: {e}") from None
+    got = media_id(decoded.width, decoded.height, decoded.rgb)
+    if got != image.media_id or (decoded.width, decoded.height) != (image.width, image.height):
+        raise StaleDescriptorError(
+            f"media {image.media_id[:12]}: the image decodes here to other pixels "
+            f"({decoded.width}x{decoded.height}, {got[:12]}): another decoder, or tampered"
+        )
+    return decoded.rgb
 
 
 def _verify_group(
@@ -89,9 +111,10 @@ def _verify_group(
     group: int,
     chunks: list[TextChunk | MediaChunk],
     image: MediaChunk,
+    rgb: bytes,
     handles: dict[str, MediaHandle],
 ) -> None:
-    bitmap = native.Bitmap(image.width, image.height, image.rgb, image.media_id)
+    bitmap = native.Bitmap(image.width, image.height, rgb, image.media_id)
     with mtmd.tokenize(mtmd.marker, [bitmap], add_special=False) as ours:
         raw = ours.describe()
         if len(raw) != len(chunks):

@@ -286,7 +286,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         rt = self.engine.rt
         limits = MediaLimits(rt.ubatch_size, bool(rt.mtmd and rt.mtmd.non_causal))
         try:
-            media = await asyncio.to_thread(
+            media, decoded = await asyncio.to_thread(
                 verify_prompt, prompt, fingerprint=rt.fingerprint, mtmd=rt.mtmd, limits=limits
             )
         except StaleDescriptorError as e:
@@ -326,7 +326,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             media=media,
             pixels=pixels,
             # a session keeps the pixels it holds until they are on disk
-            rgb={c.media_id: c.rgb for c in prompt.media} if session is not None else {},
+            rgb=decoded if session is not None else {},
             emit=emit,
             deadline=time.monotonic() + remaining if remaining is not None else None,
             session_id=session.session_id if session else None,

@@ -47,9 +47,10 @@ class MediaChunk:
     num_positions: int
     width: int
     height: int
-    rgb: bytes
+    rgb: bytes  # the pixels, or b"" while they travel encoded
     message_index: int = 0
     media_group: int = 0
+    encoded: bytes = b""  # an image file that decodes to exactly the pixels (see prompt.proto)
 
     def __repr__(self) -> str:  # never print pixels
         return (
@@ -106,16 +107,18 @@ def _chunk_to_pb(chunk: Chunk) -> prompt_pb2.Chunk:
     if isinstance(chunk, TextChunk):
         pb.text.token_ids.extend(chunk.token_ids)
     else:
-        pb.media.CopyFrom(
-            prompt_pb2.MediaChunk(
-                media_id=chunk.media_id,
-                num_cells=chunk.num_cells,
-                num_positions=chunk.num_positions,
-                width=chunk.width,
-                height=chunk.height,
-                rgb=chunk.rgb,
-            )
+        media = prompt_pb2.MediaChunk(
+            media_id=chunk.media_id,
+            num_cells=chunk.num_cells,
+            num_positions=chunk.num_positions,
+            width=chunk.width,
+            height=chunk.height,
         )
+        if chunk.encoded:  # the compressed form travels when there is one
+            media.encoded = chunk.encoded
+        else:
+            media.rgb = chunk.rgb
+        pb.media.CopyFrom(media)
     return pb
 
 
@@ -132,7 +135,15 @@ def _chunk_from_pb(pb: prompt_pb2.Chunk) -> Chunk:
         raise DescriptorError(f"media chunk {m.media_id!r} has no media_group")
     if m.num_cells == 0 or m.num_positions == 0:
         raise DescriptorError(f"media chunk {m.media_id!r} has zero cells or positions")
-    if m.width == 0 or m.height == 0 or len(m.rgb) != m.width * m.height * 3:
+    if m.width == 0 or m.height == 0:
+        raise DescriptorError(f"media chunk {m.media_id!r} has no size")
+    if m.WhichOneof("pixels") == "encoded":
+        # decoded (off the event loop) and checked against media_id by infer's verification
+        return MediaChunk(
+            m.media_id, m.num_cells, m.num_positions, m.width, m.height, b"",
+            pb.message_index, pb.media_group, m.encoded,
+        )  # fmt: skip
+    if len(m.rgb) != m.width * m.height * 3:
         raise DescriptorError(
             f"media chunk {m.media_id!r}: {len(m.rgb)} bytes of RGB do not make a "
             f"{m.width}x{m.height} image"

@@ -23,10 +23,19 @@ class RgbImage:
     width: int
     height: int
     rgb: bytes  # width * height * 3, row-major
+    # a file that decode_image turns into exactly these pixels (the original when it does)
+    encoded: bytes = b""
 
     @property
     def media_id(self) -> str:
         return media_id(self.width, self.height, self.rgb)
+
+
+def lossless(width: int, height: int, rgb: bytes) -> bytes:
+    """A PNG of exactly these pixels (fast compression: it travels once, between services)."""
+    buf = io.BytesIO()
+    Image.frombytes("RGB", (width, height), rgb).save(buf, "PNG", compress_level=1)
+    return buf.getvalue()
 
 
 def media_id(width: int, height: int, rgb: bytes) -> str:
@@ -72,7 +81,7 @@ def decode_image(
                     )
                 img.seek(0)
                 img.load()
-                return _to_rgb(img, max_side)
+                image = _to_rgb(img, max_side)
     except ImageError:
         raise
     except UnidentifiedImageError:
@@ -81,6 +90,11 @@ def decode_image(
         raise ImageError(f"image refused as a decompression bomb: {e}") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise ImageError(f"image file is truncated or corrupt: {e}") from None
+    # decoding the same bytes again gives the same pixels, unless they were resized here (a
+    # rotated one is re-encoded too: the size alone cannot tell the two apart)
+    resized = (image.width, image.height) != (width, height)
+    encoded = lossless(image.width, image.height, image.rgb) if resized else data
+    return RgbImage(image.width, image.height, image.rgb, encoded)
 
 
 def _to_rgb(img: Image.Image, max_side: int) -> RgbImage:

@@ -243,12 +243,9 @@ class Preparer:
             return [TextChunk(tuple(tokens), segment.message_index)] if tokens else []
         if self.mtmd is None:
             raise UnsupportedError("this model was loaded without an mmproj: it takes no images")
-        bitmaps = [
-            native.Bitmap(im.width, im.height, im.pixels.rgb, im.pixels.media_id)
-            if im.pixels
-            else native.Bitmap(im.width, im.height)
-            for im in segment.images
-        ]
+        # counted from their sizes (placeholder bitmaps): prep never preprocesses pixels;
+        # infer tokenizes the real ones and checks that its counts are these
+        bitmaps = [native.Bitmap(im.width, im.height) for im in segment.images]
         raw = self.mtmd.count(segment.text, bitmaps, add_special=segment.add_special)
         groups = [self.mtmd.media_group(b) for b in bitmaps]
         return _group(raw, groups, segment)
@@ -339,7 +336,8 @@ def _media(c: native.RawChunk, image: ImageRef, msg: int, group: int) -> MediaCh
         num_positions=c.num_positions,
         width=image.width,
         height=image.height,
-        rgb=px.rgb if px else b"",
+        rgb=b"" if px and px.encoded else (px.rgb if px else b""),
         message_index=msg,
         media_group=group,
+        encoded=px.encoded if px else b"",
     )

@@ -167,3 +167,12 @@ def rpc_error(call) -> grpc.RpcError:
     except grpc.RpcError as e:
         return e
     raise AssertionError("the call succeeded, an error was expected")
+
+
+def rgb_of(media: prompt_pb2.MediaChunk) -> bytes:
+    """A media chunk's pixels, whichever form they travel in (prep sends the image file)."""
+    if media.WhichOneof("pixels") == "rgb":
+        return media.rgb
+    from prep_service.images import decode_image
+
+    return decode_image(media.encoded).rgb

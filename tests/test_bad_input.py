@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from infer_service.__main__ import start as start_infer
 from infer_service.runtime import RuntimeConfig
 from infer_service.service import GenerateLimits
+from prep_service.images import decode_image
 from prep_service.tiny_models import TinyPair
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 
@@ -44,6 +45,7 @@ NUM_VOCAB = 268  # every tiny pair's vocabulary
 class Prompts:
     text: prompt_pb2.PreparedPrompt
     image: prompt_pb2.PreparedPrompt  # [text, <|vision_start|>, image, <|vision_end|>, text]
+    encoded: prompt_pb2.PreparedPrompt  # the same, its image as prep sends it (a file)
 
     @property
     def media_at(self) -> int:
@@ -69,8 +71,19 @@ def infer(loop_thread: LoopThread, tiny: dict[str, TinyPair]) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def prompts(prep_servers: Callable[[str], int]) -> Prompts:
     port = prep_servers("mrope")
-    image = prepare(port, messages=[message("user", "see", image_bytes(224, 224, seed=7), "now")])
-    return Prompts(text=prepare(port, raw="The quick brown fox"), image=image)
+    encoded = prepare(port, messages=[message("user", "see", image_bytes(224, 224, seed=7), "now")])
+    return Prompts(
+        text=prepare(port, raw="The quick brown fox"), image=as_rgb(encoded), encoded=encoded
+    )
+
+
+def as_rgb(prompt: prompt_pb2.PreparedPrompt) -> prompt_pb2.PreparedPrompt:
+    """The prompt with its images as raw RGB (still accepted), decoded as infer decodes them."""
+    out = copy(prompt)
+    for c in out.chunks:
+        if c.WhichOneof("kind") == "media" and c.media.WhichOneof("pixels") == "encoded":
+            c.media.rgb = decode_image(c.media.encoded).rgb
+    return out
 
 
 def copy(prompt: prompt_pb2.PreparedPrompt) -> prompt_pb2.PreparedPrompt:
@@ -121,11 +134,17 @@ def with_context(**values: Any) -> Callable[[Prompts], infer_pb2.GenerateRequest
     return build
 
 
-def edited(edit: Callable[[prompt_pb2.PreparedPrompt, Prompts], Any], *, totals: bool = True):
-    """A request for the image prompt after edit(prompt, prompts); totals fixed unless told."""
+def edited(
+    edit: Callable[[prompt_pb2.PreparedPrompt, Prompts], Any],
+    *,
+    totals: bool = True,
+    encoded: bool = False,
+):
+    """A request for the image prompt (raw RGB, or as prep encodes it) after edit(prompt,
+    prompts); totals fixed unless told."""
 
     def build(p: Prompts) -> infer_pb2.GenerateRequest:
-        prompt = copy(p.image)
+        prompt = copy(p.encoded if encoded else p.image)
         edit(prompt, p)
         return make_request(fix_totals(prompt) if totals else prompt)
 
@@ -319,6 +338,31 @@ GENERATE: dict[str, tuple[Callable[[Prompts], infer_pb2.GenerateRequest], Code, 
         edited(lambda prompt, p: setattr(prompt.chunks[p.media_at].media, "rgb", b"\0" * 30)),
         IA,
         "30 bytes of RGB do not make a 224x224 image",
+    ),
+    "encoded image damaged": (
+        edited(
+            lambda prompt, p: setattr(
+                prompt.chunks[p.media_at].media, "encoded", b"\x89PNG" + b"\0" * 64
+            ),
+            encoded=True,
+        ),
+        FP,
+        "not a PNG, JPEG, WebP, GIF or BMP file",
+    ),
+    "encoded image of other pixels": (
+        edited(
+            lambda prompt, p: setattr(
+                prompt.chunks[p.media_at].media, "encoded", image_bytes(224, 224, seed=8)
+            ),
+            encoded=True,
+        ),
+        FP,
+        "the image decodes here to other pixels",
+    ),
+    "encoded image with another size": (
+        edited(set_media(width=112, height=448), encoded=True),
+        FP,
+        "the image decodes here to other pixels",
     ),
     "width and height swapped for other sizes": (
         edited(set_media(width=112, height=448)),

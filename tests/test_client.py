@@ -489,3 +489,18 @@ def test_async_client(addresses: tuple[str, str], prep_servers: Callable[[str], 
             assert time.monotonic() - t0 < BACKOFF  # never retried
 
     asyncio.run(scenario())
+
+
+def test_grpc_compression_is_a_channel_option(prep_servers, infer_server) -> None:
+    import grpc as _grpc
+
+    from clients.client import SlotwiseClient, collect
+
+    infer = infer_server("rope")
+    with SlotwiseClient(
+        f"127.0.0.1:{prep_servers('rope')}",
+        f"127.0.0.1:{infer.port}",
+        compression=_grpc.Compression.Gzip,
+    ) as client:
+        done = collect(client.generate("Once upon a time", max_tokens=3))
+    assert done.finished is not None and done.finished.usage.num_generated_tokens >= 1

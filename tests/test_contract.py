@@ -48,7 +48,8 @@ EVENT_FIXTURES = [n for n in FIXTURES if n.startswith("generate_response_")]
 
 
 def message_class(name: str) -> type[Message]:
-    return prompt_pb2.PreparedPrompt if name == "prepared_prompt" else infer_pb2.GenerateResponse
+    is_prompt = name.startswith("prepared_prompt")
+    return prompt_pb2.PreparedPrompt if is_prompt else infer_pb2.GenerateResponse
 
 
 def golden_bytes(name: str) -> bytes:
@@ -130,7 +131,10 @@ def test_prompt_fixture_shows_what_the_contract_is_about() -> None:
     # M-RoPE: the point of the whole project is that cells and positions differ
     assert m.num_cells != m.num_positions
     assert (m.width, m.height) == make_golden.IMAGE_SIZE and m.width != m.height
-    assert len(m.rgb) == m.width * m.height * 3
+    # prep sends the image as the file it came in (a PNG here), a fraction of its raw RGB
+    assert m.WhichOneof("pixels") == "encoded" and m.encoded.startswith(b"\x89PNG")
+    raw = next(c.media for c in golden_message("prepared_prompt_rgb").chunks if c.HasField("media"))
+    assert len(raw.rgb) == m.width * m.height * 3 and raw.media_id == m.media_id
     group = [c for c in pb.chunks if c.media_group == media[0].media_group]
     assert [c.WhichOneof("kind") for c in group] == ["text", "media", "text"]  # vision_start/end
     assert any(c.message_index > 0 for c in pb.chunks)

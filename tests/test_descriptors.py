@@ -173,3 +173,33 @@ def test_rejects_empty_text_and_empty_chunks() -> None:
     pb.chunks.add()  # neither text nor media
     with pytest.raises(DescriptorError, match="neither text nor media"):
         PreparedPrompt.from_pb(pb)
+
+
+@pytest.mark.parametrize("pair", ["mrope", "rope", "noncausal"])
+def test_prep_sends_the_image_once_compressed_and_infer_decodes_the_same_pixels(
+    pair: str, prep_servers, infer_server
+) -> None:
+    """A 1 MP JPEG travels as the file it came in (not 18x its size as raw RGB), and infer,
+    decoding it with the same code, finds the pixels media_id names."""
+    import io
+
+    from PIL import Image
+
+    from prep_service.images import decode_image, media_id
+
+    img = Image.effect_noise((1000, 1000), 60).convert("RGB")
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=85)
+    jpeg = buf.getvalue()
+    from grpc_helpers import message, prepare, run
+    from grpc_helpers import request as make_request
+
+    prompt = prepare(prep_servers(pair), messages=[message("user", "see ", jpeg, " now")])
+    media = [c.media for c in prompt.chunks if c.HasField("media")]
+    assert media and all(m.WhichOneof("pixels") == "encoded" for m in media)
+    assert prompt.ByteSize() / len(jpeg) <= 1.25 * len({m.media_id for m in media})
+    decoded = decode_image(media[0].encoded)
+    assert media_id(decoded.width, decoded.height, decoded.rgb) == media[0].media_id
+    server = infer_server(pair, ctx_size=4096, ubatch_size=2048, batch_size=2048)
+    s = run(server.port, make_request(prompt, max_tokens=2))
+    assert s.started.num_prompt_cells == prompt.num_cells

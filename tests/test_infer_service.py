@@ -25,6 +25,7 @@ from grpc_helpers import (
     media_marker,
     message,
     prepare,
+    rgb_of,
     rpc_error,
     run,
     server_info,
@@ -639,7 +640,8 @@ def test_stale_descriptors_are_refused(prep_servers, infer_server) -> None:
     forged = prompt_pb2.PreparedPrompt()
     forged.CopyFrom(good)
     m = forged.chunks[first_media_index(forged)].media
-    m.rgb = bytes([m.rgb[0] ^ 0xFF]) + m.rgb[1:]
+    px = rgb_of(m)
+    m.rgb = bytes([px[0] ^ 0xFF]) + px[1:]
     assert_rpc_error(
         port,
         make_request(forged),

@@ -23,6 +23,7 @@ import pytest
 from conftest import LoopThread, image_bytes
 from gguf import GGUFReader
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_helpers import rgb_of
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from PIL import ExifTags, Image, ImageOps
 
@@ -401,7 +402,7 @@ def test_count_by_size_equals_prepare_by_pixels(stub) -> None:
             prepared.prompt.num_positions,
         ), (w, h)
         [m] = media(prepared)
-        assert (m.media.width, m.media.height, len(m.media.rgb)) == (w, h, w * h * 3)
+        assert (m.media.width, m.media.height, len(rgb_of(m.media))) == (w, h, w * h * 3)
         seen.add((m.media.num_cells, m.media.num_positions))
     assert len(SIZES) >= 20
     assert len(seen) >= 10, f"the sizes should exercise many different counts: {seen}"
@@ -459,7 +460,7 @@ def test_raw_prompt_images_fill_markers_in_order(stub, natives: dict[str, Native
     ms = media(resp)
     assert [(m.media.width, m.media.height) for m in ms] == sizes
     assert [m.media_group for m in ms] == [1, 2, 3]
-    assert [m.media.rgb for m in ms] == [pillow_decode(f)[2] for f in files]
+    assert [rgb_of(m.media) for m in ms] == [pillow_decode(f)[2] for f in files]
     assert {c.message_index for c in resp.prompt.chunks} == {0}
     # the counts differ by image, and each is libmtmd's for that image alone
     alone = [natives["mrope"].mtmd.media_group(native.Bitmap(w, h)) for w, h in sizes]
@@ -525,8 +526,8 @@ def test_media_chunk_carries_the_decoded_pixels(kind: str, stub) -> None:
     [m] = media(resp)
     w, h, rgb = pillow_decode(file)
     assert (m.media.width, m.media.height) == (w, h)
-    assert len(m.media.rgb) == w * h * 3
-    assert m.media.rgb == rgb
+    assert len(rgb_of(m.media)) == w * h * 3
+    assert rgb_of(m.media) == rgb
     assert m.media.media_id == media_id(w, h, rgb)
     if kind == "jpeg-exif-6":
         assert (w, h) == (32, 48)  # stored 48x32, shown rotated
@@ -537,7 +538,7 @@ def test_media_chunk_carries_the_decoded_pixels(kind: str, stub) -> None:
 def test_alpha_is_composited_on_white(stub) -> None:
     transparent = encode(Image.new("RGBA", (20, 10), (0, 0, 0, 0)), "PNG")
     [m] = media(stub("rope").Prepare(raw(MARKER, transparent), timeout=30))
-    assert m.media.rgb == b"\xff" * (20 * 10 * 3)
+    assert rgb_of(m.media) == b"\xff" * (20 * 10 * 3)
     assert m.media.media_id == media_id(20, 10, b"\xff" * 600)
 
 
@@ -552,8 +553,8 @@ def test_same_pixels_same_media_id_across_formats(stub) -> None:
 def test_max_side_downscales(extra_servers, channel_to) -> None:
     s = prep_pb2_grpc.PrepServiceStub(channel_to(extra_servers("limited")))
     [m] = media(s.Prepare(raw(MARKER, image_bytes(400, 200, seed=9)), timeout=30))
-    assert (m.media.width, m.media.height, len(m.media.rgb)) == (100, 50, 100 * 50 * 3)
-    assert m.media.media_id == media_id(100, 50, m.media.rgb)
+    assert (m.media.width, m.media.height, len(rgb_of(m.media))) == (100, 50, 100 * 50 * 3)
+    assert m.media.media_id == media_id(100, 50, rgb_of(m.media))
 
 
 # -- refusals -----------------------------------------------------------------------------------
@@ -784,7 +785,7 @@ def test_sixteen_concurrent_prepares(stub) -> None:
         [m] = media(resp)
         w, h, rgb = pillow_decode(files[i])
         assert (m.media.width, m.media.height) == sizes[i] == (w, h)
-        assert m.media.rgb == rgb and m.media.media_id == media_id(w, h, rgb)
+        assert rgb_of(m.media) == rgb and m.media.media_id == media_id(w, h, rgb)
         assert summary(resp.prompt.chunks) == expected[i]
         assert resp.rendered_text == f"image {i}: {MARKER}"
 

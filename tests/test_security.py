@@ -17,7 +17,7 @@ import grpc
 import pytest
 from conftest import LoopThread, image_bytes
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_helpers import OPTIONS
+from grpc_helpers import OPTIONS, rgb_of
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from clients.client import (
@@ -319,7 +319,7 @@ def test_logs_hold_no_image_bytes_and_no_token(secured, caplog: pytest.LogCaptur
         forged = prompt_pb2.PreparedPrompt()
         forged.CopyFrom(prepared.prompt)
         media = next(c.media for c in forged.chunks if c.HasField("media"))
-        media.rgb = bytes(b ^ 0x55 for b in media.rgb)
+        media.rgb = bytes(b ^ 0x55 for b in rgb_of(media))
         with pytest.raises(SlotwiseError) as e:
             list(client.generate(forged, max_tokens=3))
         details.append(e.value.details())

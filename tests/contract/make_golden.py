@@ -7,7 +7,8 @@ change. Each fixture is written twice: the serialized message (`NAME.binpb`, det
 serialization) and its canonical proto3 JSON form (`NAME.json`, google.protobuf.json_format).
 
 * `prepared_prompt`: what the real prep service answers (over gRPC) to `prepare_request()` on
-  the tiny M-RoPE pair (qwen2vl: the image is 8 cells but 4 positions), with a 56x28 image so the
+  the tiny M-RoPE pair (its image as the PNG it came in); `prepared_prompt_rgb` the same with
+  the image as raw RGB (qwen2vl: the image is 8 cells but 4 positions), with a 56x28 image so the
   fixture stays a few KB. The tiny models are generated with fixed seeds, so the fingerprint and
   the tokens are reproducible; tests/test_contract.py checks that the service still says this.
 * `generate_response_<kind>`: one GenerateResponse of every event kind, written by
@@ -148,10 +149,23 @@ def events(media_id: str) -> dict[str, object]:
     }
 
 
+def as_rgb(prompt):
+    """The prompt with its image as raw RGB (what infer accepts besides prep's encoded form)."""
+    from prep_service.images import decode_image
+    from slotwise.v1 import prompt_pb2
+
+    out = prompt_pb2.PreparedPrompt()
+    out.CopyFrom(prompt)
+    for c in out.chunks:
+        if c.WhichOneof("kind") == "media":
+            c.media.rgb = decode_image(c.media.encoded).rgb
+    return out
+
+
 def fixtures(prompt) -> dict[str, Message]:
     """name -> message: the prompt plus the event fixtures (events made from its media id)."""
     media_id = next(c.media.media_id for c in prompt.chunks if c.WhichOneof("kind") == "media")
-    out: dict[str, Message] = {"prepared_prompt": prompt}
+    out: dict[str, Message] = {"prepared_prompt": prompt, "prepared_prompt_rgb": as_rgb(prompt)}
     for kind, event in events(media_id).items():
         out[f"generate_response_{kind}"] = event.to_pb()  # type: ignore[attr-defined]
     return out

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18slotwise/v1/prompt.proto\x12\x0bslotwise.v1\",\n\x0b\x46ingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06mmproj\x18\x02 \x01(\t\"\"\n\tTextChunk\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"\x80\x01\n\nMediaChunk\x12\x10\n\x08media_id\x18\x01 \x01(\t\x12\x11\n\tnum_cells\x18\x02 \x01(\r\x12\x15\n\rnum_positions\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x0e\n\x06height\x18\x05 \x01(\r\x12\r\n\x03rgb\x18\x06 \x01(\x0cH\x00\x42\x08\n\x06pixels\"\x8d\x01\n\x05\x43hunk\x12\x15\n\rmessage_index\x18\x01 \x01(\r\x12\x13\n\x0bmedia_group\x18\x02 \x01(\r\x12&\n\x04text\x18\x03 \x01(\x0b\x32\x16.slotwise.v1.TextChunkH\x00\x12(\n\x05media\x18\x04 \x01(\x0b\x32\x17.slotwise.v1.MediaChunkH\x00\x42\x06\n\x04kind\"\x8d\x01\n\x0ePreparedPrompt\x12-\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32\x18.slotwise.v1.Fingerprint\x12\"\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x12.slotwise.v1.Chunk\x12\x11\n\tnum_cells\x18\x03 \x01(\r\x12\x15\n\rnum_positions\x18\x04 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18slotwise/v1/prompt.proto\x12\x0bslotwise.v1\",\n\x0b\x46ingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06mmproj\x18\x02 \x01(\t\"\"\n\tTextChunk\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"\x93\x01\n\nMediaChunk\x12\x10\n\x08media_id\x18\x01 \x01(\t\x12\x11\n\tnum_cells\x18\x02 \x01(\r\x12\x15\n\rnum_positions\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x0e\n\x06height\x18\x05 \x01(\r\x12\r\n\x03rgb\x18\x06 \x01(\x0cH\x00\x12\x11\n\x07\x65ncoded\x18\x07 \x01(\x0cH\x00\x42\x08\n\x06pixels\"\x8d\x01\n\x05\x43hunk\x12\x15\n\rmessage_index\x18\x01 \x01(\r\x12\x13\n\x0bmedia_group\x18\x02 \x01(\r\x12&\n\x04text\x18\x03 \x01(\x0b\x32\x16.slotwise.v1.TextChunkH\x00\x12(\n\x05media\x18\x04 \x01(\x0b\x32\x17.slotwise.v1.MediaChunkH\x00\x42\x06\n\x04kind\"\x8d\x01\n\x0ePreparedPrompt\x12-\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32\x18.slotwise.v1.Fingerprint\x12\"\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x12.slotwise.v1.Chunk\x12\x11\n\tnum_cells\x18\x03 \x01(\r\x12\x15\n\rnum_positions\x18\x04 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,9 +38,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TEXTCHUNK']._serialized_start=87
   _globals['_TEXTCHUNK']._serialized_end=121
   _globals['_MEDIACHUNK']._serialized_start=124
-  _globals['_MEDIACHUNK']._serialized_end=252
-  _globals['_CHUNK']._serialized_start=255
-  _globals['_CHUNK']._serialized_end=396
-  _globals['_PREPAREDPROMPT']._serialized_start=399
-  _globals['_PREPAREDPROMPT']._serialized_end=540
+  _globals['_MEDIACHUNK']._serialized_end=271
+  _globals['_CHUNK']._serialized_start=274
+  _globals['_CHUNK']._serialized_end=415
+  _globals['_PREPAREDPROMPT']._serialized_start=418
+  _globals['_PREPAREDPROMPT']._serialized_end=559
 # @@protoc_insertion_point(module_scope)

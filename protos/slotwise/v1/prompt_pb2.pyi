@@ -21,20 +21,22 @@ class TextChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MediaChunk(_message.Message):
-    __slots__ = ("media_id", "num_cells", "num_positions", "width", "height", "rgb")
+    __slots__ = ("media_id", "num_cells", "num_positions", "width", "height", "rgb", "encoded")
     MEDIA_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CELLS_FIELD_NUMBER: _ClassVar[int]
     NUM_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     RGB_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_FIELD_NUMBER: _ClassVar[int]
     media_id: str
     num_cells: int
     num_positions: int
     width: int
     height: int
     rgb: bytes
-    def __init__(self, media_id: _Optional[str] = ..., num_cells: _Optional[int] = ..., num_positions: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., rgb: _Optional[bytes] = ...) -> None: ...
+    encoded: bytes
+    def __init__(self, media_id: _Optional[str] = ..., num_cells: _Optional[int] = ..., num_positions: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., rgb: _Optional[bytes] = ..., encoded: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("message_index", "media_group", "text", "media")

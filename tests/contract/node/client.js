@@ -79,8 +79,12 @@ function summarize(prepared, events) {
       positions += chunk.text.token_ids.length;
     } else if (chunk.kind === 'media') {
       const m = chunk.media;
-      if (m.rgb.length !== m.width * m.height * 3) {
+      // prep sends the image as a file (m.encoded); raw RGB (m.rgb) is the other form
+      if (m.pixels === 'rgb' && m.rgb.length !== m.width * m.height * 3) {
         throw new Error(`media ${m.media_id}: ${m.rgb.length} bytes for ${m.width}x${m.height}`);
+      }
+      if (m.pixels !== 'rgb' && !(m.encoded && m.encoded.length)) {
+        throw new Error(`media ${m.media_id}: no pixels`);
       }
       cells += m.num_cells;
       positions += m.num_positions;

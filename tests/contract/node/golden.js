@@ -25,7 +25,7 @@ function loadRoot(keepCase) {
 }
 
 function typeOf(root, name) {
-  return root.lookupType(name === 'prepared_prompt' ? 'slotwise.v1.PreparedPrompt' : 'slotwise.v1.GenerateResponse');
+  return root.lookupType(name.startsWith('prepared_prompt') ? 'slotwise.v1.PreparedPrompt' : 'slotwise.v1.GenerateResponse');
 }
 
 function jsonDifference(actual, expected) {
@@ -38,7 +38,7 @@ function jsonDifference(actual, expected) {
 }
 
 function describe(name, message) {
-  if (name === 'prepared_prompt') {
+  if (name.startsWith('prepared_prompt')) {
     return {
       num_chunks: message.chunks.length,
       num_cells: message.num_cells,
