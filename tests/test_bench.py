@@ -24,6 +24,7 @@ EXPECTED = [
     *bench.ROW_SHIFT.values(),
     bench.ROW_COUNT,
     bench.ROW_PREPARE,
+    bench.ROW_PREPARE_BYTES,
     bench.ROW_PREPARE8,
 ]
 
@@ -49,6 +50,8 @@ def test_bench_smoke_on_tiny_rope(
                 assert math.isfinite(v) and v > 0, (name, key, v)
         if name not in (bench.ROW_COUNT, bench.ROW_PREPARE):
             assert r["ratio"] is not None, name
+    # the image travels once, as its file
+    assert rows[bench.ROW_PREPARE_BYTES]["ratio"] <= 1.25
     # no llama-server given: its rows are skipped, not printed empty
     assert bench.ROW_SERVER1 not in rows and bench.ROW_SERVER4 not in rows
     # the shift rows really shifted, with the policy they asked for
