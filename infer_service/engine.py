@@ -63,6 +63,7 @@ from infer_service.session_store import CorruptSessionError, SessionStore, ledge
 from infer_service.sessions import Pixels, Session
 from infer_service.state_cache import StateCache, reuse_of
 from infer_service.text_stream import TextStream
+from prep_service import native
 from prep_service.descriptors import Fingerprint, MediaChunk, PreparedPrompt
 from prep_service.native import Bitmap
 
@@ -201,6 +202,7 @@ class Engine:
         self._writes = _Writes()
         self._prefetch: dict[str, Future[_Prefetched]] = {}  # session id -> its swap-in read
         self._restoring: set[str] = set()
+        self._deleting: set[str] = set()  # deletions queued on the io thread
         self._orphans: set[str] = set()  # media ids a session stopped referring to
         # io thread only (filled before it starts): the media each session's file on disk
         # refers to, as of its last write that landed, and pixels waiting to be collected
@@ -221,7 +223,7 @@ class Engine:
             self._wake.notify()
         if self._thread.is_alive() or self._thread.ident is not None:
             self._thread.join()
-        self._encoder.shutdown(wait=True)
+        self._encoder.shutdown(wait=True, cancel_futures=True)
         self._io.shutdown(wait=True)
 
     @property
@@ -382,7 +384,8 @@ class Engine:
 
     def _waits_for_encode(self, slot: _Slot) -> bool:
         front = slot.pending[0] if slot.pending else None
-        return front is not None and front.media_id in self._encoding
+        encode = self._encoding.get(front.media_id or "") if front is not None else None
+        return encode is not None and not encode.done()
 
     def _free_slot_exists(self) -> bool:
         return any(s.job is None for s in self.slots)
@@ -602,6 +605,12 @@ class Engine:
         self, session_id: str, context: ContextConfig, sampling: SamplingConfig
     ) -> tuple[Session, Future[None] | None]:
         """The new session, and its first write (await it off the engine thread)."""
+        if session_id in self._deleting:  # its deletion must land before a new file does
+            raise _session_error(
+                ErrorKind.FAILED_PRECONDITION,
+                Reason.SESSION_BUSY,
+                f"session {session_id!r} is being deleted; retry",
+            )
         if (
             session_id in self.sessions
             or session_id in self.broken_sessions
@@ -656,7 +665,15 @@ class Engine:
                 raise self._not_found(session_id)
             return found
 
-        return self._io.submit(delete)
+        self._deleting.add(session_id)
+        deleted = self._io.submit(delete)
+
+        def done(_: Future[bool]) -> None:  # a new session of this id may be created now
+            with contextlib.suppress(EngineStoppedError):
+                self.call(lambda: self._deleting.discard(session_id))
+
+        deleted.add_done_callback(done)
+        return deleted
 
     def save_session(self, session_id: str) -> tuple[Session, Future[None] | None]:
         session = self._idle_session(session_id)
@@ -1025,6 +1042,7 @@ class Engine:
                     )
                     self._finish(slot, FinishReason.ERROR, error=failed.message, problem=failed)
         self._decode_text()
+        self._drop_unwanted_encodes()
         wanted = {s.pending[0].media_id for s in self.slots if s.job and s.pending}
         for key in [k for k in self._encoded if k not in wanted]:
             del self._encoded[key]  # (it is in the embedding cache too)
@@ -1037,6 +1055,8 @@ class Engine:
         failed: dict[str, BaseException] = {}
         for key, future in [(k, f) for k, f in self._encoding.items() if f.done()]:
             del self._encoding[key]
+            if future.cancelled():
+                continue
             error = future.exception()
             if error is not None:
                 failed[key] = error
@@ -1049,9 +1069,10 @@ class Engine:
         """The projector's output for key, or None while it is being encoded (started here
         on the encode worker, with its own copy of the chunk: the request may end first)."""
         embd = self._encoded.get(key)
-        if embd is None:
-            embd = self.cache.get(key)
         if embd is not None or key in self._encoding:
+            return embd
+        embd = self.cache.get(key)
+        if embd is not None:
             return embd
         copy = MediaHandle(mtmd_cpp.mtmd_input_chunk_copy(self._media(slot, key).chunk), key)
 
@@ -1062,8 +1083,17 @@ class Engine:
                 copy.close()
 
         self._encoding[key] = future = self._encoder.submit(encode)
+        future.add_done_callback(lambda _: copy.close())  # also when cancelled before it ran
         future.add_done_callback(lambda _: self._notify())
         return None
+
+    def _drop_unwanted_encodes(self) -> None:
+        """An encode no active request waits for any more (cancelled, deadline) and that has
+        not started is dropped: stale work must not hold up the live requests behind it."""
+        wanted = {i.media_id for s in self.slots if s.job for i in s.pending if i.media_id}
+        for key in [k for k in self._encoding if k not in wanted]:
+            if self._encoding[key].cancel():
+                del self._encoding[key]
 
     def _decode_media(self, slot: _Slot) -> None:
         item = slot.pending[0]
@@ -1077,6 +1107,11 @@ class Engine:
             return  # a reprefill put other items first
         assert slot.job and slot.ledger
         handle = self._media(slot, item.media_id)
+        if embd.size != item.num_cells * self.rt.n_embd:  # never read past the embeddings
+            raise native.NativeError(
+                f"media {item.media_id[:12]}: {embd.size // self.rt.n_embd} embeddings for "
+                f"{item.num_cells} cells"
+            )
         pos = slot.ledger.next_pos
         end = self.rt.decode_media(handle.chunk, embd, pos, slot.seq)
         if end - pos != item.num_positions:

@@ -9,7 +9,12 @@ from llama_cpp import mtmd_cpp
 
 from prep_service import native
 from prep_service.descriptors import Fingerprint, MediaChunk, PreparedPrompt, TextChunk
-from prep_service.images import ImageError, decode_image, media_id
+from prep_service.images import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MAX_TOTAL_PIXELS,
+    decode_image,
+    media_id,
+)
 
 
 class StaleDescriptorError(ValueError):
@@ -36,6 +41,10 @@ class MediaHandle:
 class MediaLimits:
     ubatch_size: int
     non_causal: bool
+    # what a descriptor may claim (a small file can decode to a huge image): per image, and
+    # for all the images of one request together, checked before anything is decoded
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_total_pixels: int = DEFAULT_MAX_TOTAL_PIXELS
 
 
 def verify_prompt(
@@ -67,12 +76,16 @@ def verify_prompt(
     ]
     if groups and mtmd is None:
         raise StaleDescriptorError("prompt has media but this server runs a text-only model")
+    _check_sizes(prompt, limits)
     try:
         for group, chunks in groups:
             media = [c for c in chunks if isinstance(c, MediaChunk)]
             if not media:
                 raise ValueError(f"media group {group} has no media chunk")
+            first = (media[0].media_id, media[0].width, media[0].height)
             for m in media:
+                if (m.media_id, m.width, m.height) != first:
+                    raise ValueError(f"media group {group} holds chunks of more than one image")
                 if limits.non_causal and m.num_cells > limits.ubatch_size:
                     raise ValueError(
                         f"media {m.media_id[:12]} has {m.num_cells} cells; this projector "
@@ -90,12 +103,35 @@ def verify_prompt(
     return handles, pixels
 
 
+def _check_sizes(prompt: PreparedPrompt, limits: MediaLimits) -> None:
+    """Every chunk of one image names one size; no image, and not all of them together, has
+    more pixels than the limits allow (nothing is decoded yet)."""
+    sizes: dict[str, tuple[int, int]] = {}
+    for m in prompt.media:
+        size = sizes.setdefault(m.media_id, (m.width, m.height))
+        if size != (m.width, m.height):
+            raise ValueError(
+                f"media {m.media_id[:12]} is {size[0]}x{size[1]} in one chunk and "
+                f"{m.width}x{m.height} in another"
+            )
+        if m.width * m.height > limits.max_pixels:
+            raise ValueError(
+                f"media {m.media_id[:12]} is {m.width}x{m.height}, over {limits.max_pixels} pixels"
+            )
+    total = sum(w * h for w, h in sizes.values())
+    if total > limits.max_total_pixels:
+        raise ValueError(
+            f"the images of this prompt have {total} pixels together, over "
+            f"{limits.max_total_pixels}"
+        )
+
+
 def _pixels_of(image: MediaChunk) -> bytes:
     if not image.encoded:
         return image.rgb  # (its hash was checked when the descriptor was read)
     try:
         decoded = decode_image(image.encoded, max_pixels=image.width * image.height)
-    except ImageError as e:
+    except Exception as e:  # whatever the decoder says about it: not the promised image
         raise StaleDescriptorError(f"media {image.media_id[:12]}: {e}") from None
     got = media_id(decoded.width, decoded.height, decoded.rgb)
     if got != image.media_id or (decoded.width, decoded.height) != (image.width, image.height):

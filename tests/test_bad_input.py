@@ -671,3 +671,13 @@ def test_fuzzed_descriptors_never_break_the_server(infer: Any, prompts: Prompts)
     good_request_succeeds(infer.port, prompts)
     assert server_info(infer.port).num_active == 0
     assert len(seen) >= 2, seen  # both refusals and streams happened
+
+
+def test_an_encoded_image_cannot_claim_more_pixels_than_the_limits(infer, prompts) -> None:
+    """A small file can decode to a huge image: the claimed sizes are checked first."""
+    prompt = copy(prompts.encoded)
+    media = prompt.chunks[prompts.media_at].media
+    media.width = media.height = 9000  # 81 MP, over the 33 MP a single image may have
+    err = rpc_error(lambda: run(infer.port, make_request(fix_totals(prompt)), timeout=30))
+    assert err.code() == IA and "over 33177600 pixels" in err.details()
+    assert run(infer.port, make_request(prompts.text, max_tokens=2)).finished.reason
