@@ -145,6 +145,7 @@ class _Slot:
     sampler: int = 0
     text: TextStream = field(default_factory=TextStream)
     unsent: TokenDelta | None = None  # tokens held for the next TokenDelta (stream_tokens > 1)
+    piece: _MediaPiece | None = None  # a media chunk being decoded, a piece per step
     usage: Usage = field(default_factory=Usage)
     num_prefill_total: int = 0
     num_prefill_done: int = 0
@@ -1096,15 +1097,37 @@ class Engine:
                 del self._encoding[key]
 
     def _decode_media(self, slot: _Slot) -> None:
+        """One piece (at most a batch) of the slot's media chunk per step, so the other slots'
+        steps go on between the pieces. Room for the whole chunk is made, and the chunk
+        entered in the ledger, before its first piece; a non-causal chunk goes whole."""
+        if slot.piece is None and not self._begin_media(slot):
+            return
+        piece = slot.piece
+        assert piece is not None
+        item, offset = piece.item, piece.offset
+        n = item.num_cells - offset
+        if not (self.rt.mtmd and self.rt.mtmd.non_causal):
+            n = min(n, self.rt.batch_size)
+        rc = self.rt.decode_embeddings(piece.embd, piece.positions, offset, n, slot.seq)
+        if rc != 0:
+            raise native.NativeError(f"llama_decode of media failed (rc={rc})")
+        piece.offset += n
+        self._progress(slot, n)
+        if piece.offset == item.num_cells:
+            slot.piece = None
+            slot.pending.popleft()
+            self.stats.num_media_decodes += 1
+
+    def _begin_media(self, slot: _Slot) -> bool:
         item = slot.pending[0]
         assert item.media_id
         embd = self._embeddings(slot, item.media_id)
         if embd is None:
-            return  # encoding: this slot waits, the others go on
+            return False  # encoding: this slot waits, the others go on
         if not self._make_room(slot, item.num_cells, item.num_positions, item.group):
-            return
+            return False
         if not slot.pending or slot.pending[0] is not item:
-            return  # a reprefill put other items first
+            return False  # a reprefill put other items first
         assert slot.job and slot.ledger
         handle = self._media(slot, item.media_id)
         if embd.size != item.num_cells * self.rt.n_embd:  # never read past the embeddings
@@ -1112,16 +1135,21 @@ class Engine:
                 f"media {item.media_id[:12]}: {embd.size // self.rt.n_embd} embeddings for "
                 f"{item.num_cells} cells"
             )
-        pos = slot.ledger.next_pos
-        end = self.rt.decode_media(handle.chunk, embd, pos, slot.seq)
-        if end - pos != item.num_positions:
-            raise RuntimeError(
-                f"media advanced {end - pos} positions, ledger expected {item.num_positions}"
-            )
-        self.stats.num_media_decodes += 1
-        slot.ledger.append(item)
-        slot.pending.popleft()
-        self._progress(slot, item.num_cells)
+        positions = self.rt.media_positions(handle.chunk, slot.ledger.next_pos)
+        slot.ledger.append(item)  # the whole chunk: a failure or cancel before the last piece
+        slot.piece = _MediaPiece(item, embd, positions)  # removes it again (_drop_piece)
+        return True
+
+    def _drop_piece(self, slot: _Slot) -> None:
+        """A media chunk decoded in part leaves the ledger and the cache (its cells are not a
+        prefix anyone may reuse)."""
+        piece, slot.piece = slot.piece, None
+        if piece is None or slot.ledger is None:
+            return
+        segments = slot.ledger.segments
+        if segments and segments[-1].item is piece.item:  # (nothing follows it mid-chunk)
+            cut = slot.ledger.truncate(len(segments) - 1)
+            self.rt.seq_rm(slot.seq, cut, -1)
 
     # -- text -------------------------------------------------------------------------------
 
@@ -1296,6 +1324,7 @@ class Engine:
     ) -> None:
         job = slot.job
         assert job is not None
+        self._drop_piece(slot)
         if reason is FinishReason.ERROR and problem is None:
             problem = Problem(ErrorKind.INTERNAL, error or "internal error")
         if slot.prefilling:
@@ -1447,6 +1476,14 @@ def _safely(emit: Callable[[Event], None], event: Event) -> None:
         emit(event)
     except Exception:
         log.debug("a caller could not be told %r", event, exc_info=True)
+
+
+@dataclass
+class _MediaPiece:
+    item: Item
+    embd: np.ndarray
+    positions: np.ndarray
+    offset: int = 0  # embeddings decoded so far
 
 
 @dataclass

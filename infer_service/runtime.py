@@ -181,7 +181,58 @@ class Runtime:
         ptr = mtmd_cpp.mtmd_get_output_embd(self.mtmd.ctx)
         return np.ctypeslib.as_array(ptr, shape=(n * self.n_embd,)).copy()
 
-    def decode_media(self, chunk: int, embeddings: np.ndarray, pos: int, seq: int) -> int:
+    def media_positions(self, chunk: int, pos: int) -> np.ndarray:
+        """The positions of a media chunk's embeddings from pos: one per embedding, or for
+        M-RoPE four per embedding, section-major ([t..., y..., x..., z...]) as llama.cpp reads
+        an embedding batch (what mtmd_helper_decode_image_chunk builds)."""
+        n = int(mtmd_cpp.mtmd_input_chunk_get_n_tokens(chunk))
+        if not self.uses_mrope:
+            return np.arange(pos, pos + n, dtype=np.int32)
+        image = mtmd_cpp.mtmd_input_chunk_get_tokens_image(chunk)
+        out = np.empty((4, n), dtype=np.int32)
+        for i in range(n):
+            p = mtmd_cpp.mtmd_image_tokens_get_decoder_pos(image, pos, i)
+            out[0, i], out[1, i], out[2, i], out[3, i] = p.t, p.y, p.x, p.z
+        return out
+
+    def decode_embeddings(
+        self, embeddings: np.ndarray, positions: np.ndarray, offset: int, n: int, seq: int
+    ) -> int:
+        """Decode embeddings [offset, offset + n) of one media chunk into seq (its positions
+        from media_positions); returns llama_decode's rc. A piece of a chunk decodes between
+        other slots' steps; a non-causal projector's chunk must go whole (one ubatch). Wipes
+        all logits."""
+        assert self.mtmd is not None
+        piece = np.ascontiguousarray(embeddings.reshape(-1, self.n_embd)[offset : offset + n])
+        if positions.ndim == 1:
+            pos = np.ascontiguousarray(positions[offset : offset + n])
+        else:
+            pos = np.ascontiguousarray(positions[:, offset : offset + n]).reshape(-1)
+        n_seq_id = np.ones(n, dtype=np.int32)
+        seq_id = ctypes.c_int32(seq)
+        seq_ids = (ctypes.POINTER(ctypes.c_int32) * n)(*([ctypes.pointer(seq_id)] * n))
+        logits = np.zeros(n, dtype=np.int8)
+        batch = llama_cpp.llama_batch(
+            n_tokens=n,
+            token=None,
+            embd=piece.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+            pos=pos.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_pos)),
+            n_seq_id=n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            seq_id=seq_ids,
+            logits=logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+        non_causal = self.mtmd.non_causal
+        if non_causal:
+            llama_cpp.llama_set_causal_attn(self.ctx, False)
+        try:
+            return int(llama_cpp.llama_decode(self.ctx, batch))
+        finally:
+            if non_causal:
+                llama_cpp.llama_set_causal_attn(self.ctx, True)
+
+    def decode_media(
+        self, chunk: int, embeddings: np.ndarray, pos: int, seq: int, n_batch: int = 0
+    ) -> int:
         """Decode encoded media at pos; returns the next position. Wipes all logits."""
         assert self.mtmd is not None
         new_pos = llama_cpp.llama_pos(0)
@@ -192,7 +243,7 @@ class Runtime:
             embeddings.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
             pos,
             seq,
-            self.batch_size,
+            n_batch or self.batch_size,
             ctypes.byref(new_pos),
             self._null_callback,
             None,

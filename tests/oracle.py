@@ -678,14 +678,21 @@ class Oracle:
         fresh = media.embd is not None and run.rng.random() < self.reencode
         embd = self.embeddings_of(run, media, fresh=fresh)
         pos = ledger.next_pos
-        try:
-            end = rt.decode_media(media.chunk, embd, pos, SEQ)
-        except native.NativeError as e:
-            raise OracleError(
-                f"media of {item.num_cells} cells at {pos}: {e} with "
-                f"{ledger.num_cells}/{self.capacity} cells in the ledger"
-            ) from None
+        # as the engine does it: in pieces of at most a batch (a non-causal chunk whole),
+        # with the positions libmtmd gives each embedding
+        positions = rt.media_positions(media.chunk, pos)
+        step = item.num_cells if rt.mtmd and rt.mtmd.non_causal else rt.batch_size
+        for offset in range(0, item.num_cells, step):
+            n = min(step, item.num_cells - offset)
+            rc = rt.decode_embeddings(embd, positions, offset, n, SEQ)
+            if rc != 0:
+                raise OracleError(
+                    f"media of {item.num_cells} cells at {pos}, piece {offset}+{n}: rc={rc} "
+                    f"with {ledger.num_cells}/{self.capacity} cells in the ledger"
+                )
+            run.counts["media_pieces"] += 1
         run.counts["media_decodes"] += 1
+        end = pos + int(mtmd_cpp.mtmd_input_chunk_get_n_pos(media.chunk))
         if end - pos != item.num_positions:
             raise OracleError(
                 f"media at {pos} advanced to {end}; the ledger expects +{item.num_positions}"
