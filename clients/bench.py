@@ -241,7 +241,13 @@ class RawModel:
             RawModel._log_callback = llama_cpp.llama_log_callback(lambda level, text, data: None)
             llama_cpp.llama_log_set(RawModel._log_callback, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
+        from prep_service import native
+
         params = llama_cpp.llama_model_default_params()
+        # the same buffers infer picks: the comparison is of the loops, not of matmul kernels
+        params.use_extra_bufts, _ = native.extra_bufts_decision(
+            native.cpu_flags(), native.amx_tile_permission
+        )
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise BenchError(f"llama.cpp could not load {path}")

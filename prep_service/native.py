@@ -96,18 +96,20 @@ def amx_tile_permission() -> bool:
 def extra_bufts_decision(flags: set[str], permission: Callable[[], bool]) -> tuple[bool, str]:
     """Whether llama.cpp may use its extra (repacked) weight buffers, and why.
 
-    llama.cpp's AMX buffer type is picked whenever the CPU reports amx_tile; where the kernel
-    refuses tile data, the first Q4_K decode then segfaults in ggml_backend_amx_mul_mat. Such a
-    host loads without extra buffer types (slower matmuls, no crash).
+    llama.cpp picks its AMX buffer type whenever the CPU reports amx_tile. On VMs that report
+    AMX the first Q4_K decode has been seen to crash in ggml_backend_amx_mul_mat: a segfault
+    where the kernel refuses tile data, and a SIGILL (tilezero in a worker thread) on this
+    project's own 2-core VM, where the kernel grants it and tile instructions run in a test
+    thread. So a CPU that reports AMX loads without extra buffer types unless told otherwise
+    (--extra-bufts on): slower matmuls, no crash.
     """
     if "amx_tile" not in flags:
         return True, "the CPU reports no AMX"
-    if permission():
-        return True, "the kernel grants AMX tile data"
+    kernel = "grants" if permission() else "refuses"
     return False, (
-        "the CPU reports AMX but the kernel refuses AMX tile data (a VM without AMX for its "
-        "guests?): loading without extra buffer types, so that Q4_K decoding does not crash in "
-        "ggml_backend_amx_mul_mat"
+        f"the CPU reports AMX (the kernel {kernel} tile data): loading without extra buffer "
+        "types, since llama.cpp's AMX kernels crash on some such hosts "
+        "(ggml_backend_amx_mul_mat); --extra-bufts on to use them"
     )
 
 
