@@ -1043,10 +1043,20 @@ class Engine:
                     )
                     self._finish(slot, FinishReason.ERROR, error=failed.message, problem=failed)
         self._decode_text()
-        self._drop_unwanted_encodes()
-        wanted = {s.pending[0].media_id for s in self.slots if s.job and s.pending}
-        for key in [k for k in self._encoded if k not in wanted]:
-            del self._encoded[key]  # (it is in the embedding cache too)
+        if self._encoding or self._encoded:  # (nothing to look at on a plain text step)
+            self._forget_unwanted_media()
+
+    def _forget_unwanted_media(self) -> None:
+        """An encode no active request waits for any more (cancelled, deadline) and that has
+        not started is dropped: stale work must not hold up the live requests behind it.
+        Finished embeddings no slot is about to decode leave `_encoded` (they stay cached)."""
+        wanted = {i.media_id for s in self.slots if s.job for i in s.pending if i.media_id}
+        for key in [k for k in self._encoding if k not in wanted]:
+            if self._encoding[key].cancel():
+                del self._encoding[key]
+        fronts = {s.pending[0].media_id for s in self.slots if s.job and s.pending}
+        for key in [k for k in self._encoded if k not in fronts]:
+            del self._encoded[key]
 
     # -- media ------------------------------------------------------------------------------
 
@@ -1087,14 +1097,6 @@ class Engine:
         future.add_done_callback(lambda _: copy.close())  # also when cancelled before it ran
         future.add_done_callback(lambda _: self._notify())
         return None
-
-    def _drop_unwanted_encodes(self) -> None:
-        """An encode no active request waits for any more (cancelled, deadline) and that has
-        not started is dropped: stale work must not hold up the live requests behind it."""
-        wanted = {i.media_id for s in self.slots if s.job for i in s.pending if i.media_id}
-        for key in [k for k in self._encoding if k not in wanted]:
-            if self._encoding[key].cancel():
-                del self._encoding[key]
 
     def _decode_media(self, slot: _Slot) -> None:
         """One piece (at most a batch) of the slot's media chunk per step, so the other slots'

@@ -283,12 +283,8 @@ def _closed(seq: Sequence[Segment | Item], i: int, offset: int) -> bool:
     return group is None or seq[i].group != group
 
 
-def _atoms(seq: Sequence[Segment | Item]) -> list[tuple[object, tuple[int, int]]]:
-    """One entry per text token or media chunk: (what it is, (index, token offset))."""
-    return list(_iter_atoms(seq))
-
-
 def _iter_atoms(seq: Sequence[Segment | Item]) -> Iterator[tuple[object, tuple[int, int]]]:
+    """One entry per text token or media chunk: (what it is, (index, token offset))."""
     for i, x in enumerate(seq):
         if x.media_id is not None:
             yield (x.media_id, (i, 0))

@@ -20,7 +20,7 @@ import grpc
 import pytest
 from conftest import LoopThread, image_bytes
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_helpers import Stream, channel, message, prepare, rpc_error, run, server_info
+from grpc_helpers import Stream, channel, message, prepare, rgb_of, rpc_error, run, server_info
 from grpc_helpers import request as make_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -28,7 +28,6 @@ from hypothesis import strategies as st
 from infer_service.__main__ import start as start_infer
 from infer_service.runtime import RuntimeConfig
 from infer_service.service import GenerateLimits
-from prep_service.images import decode_image
 from prep_service.tiny_models import TinyPair
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 
@@ -81,8 +80,8 @@ def as_rgb(prompt: prompt_pb2.PreparedPrompt) -> prompt_pb2.PreparedPrompt:
     """The prompt with its images as raw RGB (still accepted), decoded as infer decodes them."""
     out = copy(prompt)
     for c in out.chunks:
-        if c.WhichOneof("kind") == "media" and c.media.WhichOneof("pixels") == "encoded":
-            c.media.rgb = decode_image(c.media.encoded).rgb
+        if c.WhichOneof("kind") == "media":
+            c.media.rgb = rgb_of(c.media)
     return out
 
 
