@@ -15,6 +15,7 @@ Exit status: 0 ok, 1 the server reported an error (its status code and message a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -654,7 +655,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from clients.launch import ServeConfig, Services, serve_until_signal
+    from slotwise_serve.launch import ServeConfig, Services, serve_until_signal
 
     for path in (args.model, args.mmproj, args.tls_cert, args.tls_key, args.tls_client_ca):
         if path is not None and not path.is_file():
@@ -728,7 +729,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from clients.demo import run_demo
+    from slotwise_serve.demo import run_demo
 
     if (args.model is None) != (args.mmproj is None):
         raise UsageError("--model and --mmproj go together (the demo sends images)")
@@ -757,14 +758,34 @@ COMMANDS = {
 }
 
 
+# What `pip install 'slotwise[serve]'` adds; the client commands run without it.
+SERVE_EXTRA = ("llama_cpp", "PIL", "numpy", "gguf")
+NEEDS_SERVE_EXTRA = ("serve", "demo", "bench")
+
+
+def serve_extra_present(command: str) -> bool:
+    missing = [name for name in SERVE_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"slotwise {command}: needs the serve extra (missing: {', '.join(missing)}): "
+            "pip install 'slotwise[serve]'",
+            file=sys.stderr,
+        )
+    return not missing
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # the benchmark has its own options (python -m clients.bench -h)
-        from clients import bench
+    if argv[:1] == ["bench"]:  # the benchmark has its own options (python -m benchmarks.bench -h)
+        if not serve_extra_present("bench"):
+            return EXIT_USAGE
+        from benchmarks import bench
 
         return bench.main(argv[1:])
     args = parser().parse_args(argv)
+    if args.command in NEEDS_SERVE_EXTRA and not serve_extra_present(args.command):
+        return EXIT_USAGE
     if args.command != "serve":
         logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING))
     try:

@@ -15,10 +15,11 @@ from infer_service.metrics import engine_metrics
 from infer_service.runtime import Runtime, RuntimeConfig
 from infer_service.service import GenerateLimits, InferServicer
 from infer_service.session_store import SessionStore
-from prep_service.metrics import ServiceMetrics
-from prep_service.model_files import ModelMismatchError
-from prep_service.native import NativeError
-from prep_service.serving import (
+from slotwise.v1 import infer_pb2, infer_pb2_grpc
+from slotwise_core.metrics import ServiceMetrics
+from slotwise_core.model_files import ModelMismatchError
+from slotwise_core.native import NativeError
+from slotwise_core.serving import (
     DEFAULT_MAX_CONCURRENT_RPCS,
     DEFAULT_MAX_MESSAGE_BYTES,
     Security,
@@ -29,7 +30,6 @@ from prep_service.serving import (
     run_until_signal,
     security_from_args,
 )
-from slotwise.v1 import infer_pb2, infer_pb2_grpc
 
 log = logging.getLogger("slotwise.infer")
 SERVICE = infer_pb2.DESCRIPTOR.services_by_name["InferService"].full_name

@@ -63,9 +63,9 @@ from infer_service.session_store import CorruptSessionError, SessionStore, ledge
 from infer_service.sessions import Pixels, Session
 from infer_service.state_cache import StateCache, reuse_of
 from infer_service.text_stream import TextStream
-from prep_service import native
-from prep_service.descriptors import Fingerprint, MediaChunk, PreparedPrompt
-from prep_service.native import Bitmap
+from slotwise_core import native
+from slotwise_core.descriptors import Fingerprint, MediaChunk, PreparedPrompt
+from slotwise_core.native import Bitmap
 
 log = logging.getLogger("slotwise.engine")
 T = TypeVar("T")

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from llama_cpp import mtmd_cpp
 
-from prep_service import native
-from prep_service.descriptors import Fingerprint, MediaChunk, PreparedPrompt, TextChunk
-from prep_service.images import (
+from slotwise_core import native
+from slotwise_core.descriptors import Fingerprint, MediaChunk, PreparedPrompt, TextChunk
+from slotwise_core.images import (
     DEFAULT_MAX_PIXELS,
     DEFAULT_MAX_TOTAL_PIXELS,
     decode_image,

@@ -9,7 +9,7 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from infer_service.engine import Engine, EngineStats, EngineStoppedError
-from prep_service.metrics import ServiceMetrics
+from slotwise_core.metrics import ServiceMetrics
 
 
 def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iterable[Metric]]:

@@ -17,8 +17,8 @@ import llama_cpp
 import numpy as np
 from llama_cpp import mtmd_cpp
 
-from prep_service import model_files, native
-from prep_service.descriptors import Fingerprint
+from slotwise_core import model_files, native
+from slotwise_core.descriptors import Fingerprint
 
 log = logging.getLogger("slotwise.runtime")
 

@@ -34,9 +34,9 @@ from infer_service.media import MediaLimits, StaleDescriptorError, verify_prompt
 from infer_service.runtime import SamplingConfig
 from infer_service.session_store import SessionIdError, check_session_id
 from infer_service.sessions import Session
-from prep_service.descriptors import DescriptorError, PreparedPrompt, TextChunk
-from prep_service.serving import abort
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
+from slotwise_core.descriptors import DescriptorError, PreparedPrompt, TextChunk
+from slotwise_core.serving import abort
 
 log = logging.getLogger("slotwise.infer")
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prep_service.images import media_id as pixels_id
+from slotwise_core.images import media_id as pixels_id
 
 FORMAT_VERSION = 1
 _MAGIC = b"SLOTWISE-SESSION"

@@ -9,7 +9,7 @@ from typing import Any
 from infer_service.ledger import ContextConfig, EvictionUnit, Ledger, Policy
 from infer_service.media import MediaHandle
 from infer_service.runtime import SamplingConfig
-from prep_service.descriptors import Fingerprint
+from slotwise_core.descriptors import Fingerprint
 
 
 @dataclass(frozen=True)

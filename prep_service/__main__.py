@@ -9,13 +9,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from prep_service.images import DEFAULT_MAX_PIXELS, DEFAULT_MAX_TOTAL_PIXELS
-from prep_service.metrics import ServiceMetrics
-from prep_service.model_files import ModelMismatchError
-from prep_service.native import NativeError
 from prep_service.preparer import Preparer
 from prep_service.service import Limits, PrepServicer
-from prep_service.serving import (
+from slotwise.v1 import prep_pb2, prep_pb2_grpc
+from slotwise_core.images import DEFAULT_MAX_PIXELS, DEFAULT_MAX_TOTAL_PIXELS
+from slotwise_core.metrics import ServiceMetrics
+from slotwise_core.model_files import ModelMismatchError
+from slotwise_core.native import NativeError
+from slotwise_core.serving import (
     DEFAULT_MAX_CONCURRENT_RPCS,
     DEFAULT_MAX_MESSAGE_BYTES,
     Security,
@@ -26,7 +27,6 @@ from prep_service.serving import (
     run_until_signal,
     security_from_args,
 )
-from slotwise.v1 import prep_pb2, prep_pb2_grpc
 
 log = logging.getLogger("slotwise.prep")
 SERVICE = prep_pb2.DESCRIPTOR.services_by_name["PrepService"].full_name

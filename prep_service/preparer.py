@@ -8,10 +8,10 @@ from pathlib import Path
 
 import llama_cpp
 
-from prep_service import model_files, native
 from prep_service.chat import ROLES, Turn, load_template
-from prep_service.descriptors import Chunk, Fingerprint, MediaChunk, PreparedPrompt, TextChunk
-from prep_service.images import RgbImage
+from slotwise_core import model_files, native
+from slotwise_core.descriptors import Chunk, Fingerprint, MediaChunk, PreparedPrompt, TextChunk
+from slotwise_core.images import RgbImage
 
 
 class InputError(ValueError):

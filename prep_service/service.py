@@ -10,16 +10,7 @@ from typing import TypeVar
 
 import grpc
 
-from prep_service import native
 from prep_service.chat import TemplateError
-from prep_service.descriptors import MediaChunk
-from prep_service.images import (
-    DEFAULT_MAX_PIXELS,
-    DEFAULT_MAX_TOTAL_PIXELS,
-    ImageError,
-    decode_image,
-    image_size,
-)
 from prep_service.preparer import (
     ImageRef,
     InputError,
@@ -28,8 +19,17 @@ from prep_service.preparer import (
     RawPrompt,
     UnsupportedError,
 )
-from prep_service.serving import abort
 from slotwise.v1 import prep_pb2, prep_pb2_grpc
+from slotwise_core import native
+from slotwise_core.descriptors import MediaChunk
+from slotwise_core.images import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MAX_TOTAL_PIXELS,
+    ImageError,
+    decode_image,
+    image_size,
+)
+from slotwise_core.serving import abort
 
 log = logging.getLogger("slotwise.prep")
 

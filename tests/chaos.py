@@ -41,10 +41,11 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from load import free_port, rss_bytes, wait_serving
+from load import wait_serving
 
-from prep_service.tiny_models import write_tiny_models
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc
+from slotwise_core.tiny_models import write_tiny_models
+from support.procs import free_port, rss_bytes
 
 OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 MEDIA_CACHE_MB = 32  # every image is new: the projector-output cache fills to its bound

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import io
 import os
-import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 import pytest
-from PIL import Image
 
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")
 
-from prep_service.tiny_models import TinyPair, write_tiny_models
+from slotwise_core.tiny_models import TinyPair, write_tiny_models
+from support.loop import LoopThread
 
 T = TypeVar("T")
 
@@ -23,22 +20,6 @@ T = TypeVar("T")
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyPair]:
     return write_tiny_models(tmp_path_factory.mktemp("tiny-models"))
-
-
-class LoopThread:
-    """An asyncio loop in a thread, so sync tests can host grpc.aio servers."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 @pytest.fixture(scope="session")
@@ -86,22 +67,6 @@ def channel_to() -> Iterator[Callable[[int], grpc.Channel]]:
     yield open_channel
     for ch in opened:
         ch.close()
-
-
-def image_bytes(
-    width: int, height: int, fmt: str = "PNG", *, seed: int = 0, mode: str = "RGB"
-) -> bytes:
-    """A real encoded image with content that depends on seed."""
-    img = Image.new(mode, (width, height))
-    px = img.load()
-    assert px is not None
-    for y in range(0, height, max(1, height // 16)):
-        for x in range(0, width, max(1, width // 16)):
-            v = (x * 7 + y * 13 + seed * 31) % 256
-            px[x, y] = (v, 255 - v, (v * 3) % 256) if mode == "RGB" else px[x, y]
-    buf = io.BytesIO()
-    img.save(buf, fmt)
-    return buf.getvalue()
 
 
 @pytest.fixture

@@ -25,11 +25,10 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import LoopThread
-from grpc_helpers import message, prepare
-
-from prep_service.tiny_models import Vision, write_tiny_models
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
+from slotwise_core.tiny_models import Vision, write_tiny_models
+from support.loop import LoopThread
+from support.rpc import message, prepare
 
 
 def measure(width: int, layers: int, encode_threads: int) -> dict[str, object]:

@@ -17,7 +17,6 @@ import io
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,21 +28,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
-from prep_service.tiny_models import write_tiny_models
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+from slotwise_core.tiny_models import write_tiny_models
+from support.procs import free_port, rss_bytes
 
 
 def png(seed: int) -> bytes:

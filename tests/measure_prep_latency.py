@@ -23,8 +23,8 @@ import numpy as np
 from PIL import Image
 
 from prep_service.__main__ import start
-from prep_service.tiny_models import write_tiny_models
 from slotwise.v1 import prep_pb2, prep_pb2_grpc
+from slotwise_core.tiny_models import write_tiny_models
 
 MARKER = "<__media__>"
 

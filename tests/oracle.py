@@ -78,8 +78,8 @@ from infer_service.runtime import (
     RuntimeConfig,
     SamplingConfig,
 )
-from prep_service import native
-from prep_service.tiny_models import ALL, TinyPair, write_tiny_models
+from slotwise_core import native
+from slotwise_core.tiny_models import ALL, TinyPair, write_tiny_models
 
 __all__ = [
     "ALL",

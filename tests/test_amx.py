@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from prep_service import native
+from slotwise_core import native
 
 
 def test_the_decision() -> None:

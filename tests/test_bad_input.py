@@ -18,18 +18,19 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import LoopThread, image_bytes
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_helpers import Stream, channel, message, prepare, rgb_of, rpc_error, run, server_info
-from grpc_helpers import request as make_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from infer_service.__main__ import start as start_infer
 from infer_service.runtime import RuntimeConfig
 from infer_service.service import GenerateLimits
-from prep_service.tiny_models import TinyPair
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
+from slotwise_core.tiny_models import TinyPair
+from support.loop import LoopThread
+from support.media import image_bytes
+from support.rpc import Stream, channel, message, prepare, rgb_of, rpc_error, run, server_info
+from support.rpc import request as make_request
 
 Code = grpc.StatusCode
 IA, FP, RE = Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED

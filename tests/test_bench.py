@@ -1,6 +1,6 @@
 """Smoke test of the benchmark: every row comes out, with positive finite figures.
 
-Runs `clients.bench` end to end (services as subprocesses on loopback, the raw reference loop in
+Runs `benchmarks.bench` end to end (services as subprocesses on loopback, the raw reference loop in
 process) on the tiny `rope` pair with tiny counts. Timing targets are not checked here: the
 figures of a random-weight model on a shared machine mean nothing.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from clients import bench
-from prep_service.tiny_models import TinyPair
+from benchmarks import bench
+from slotwise_core.tiny_models import TinyPair
 
 EXPECTED = [
     bench.ROW_STREAM1,

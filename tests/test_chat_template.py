@@ -12,7 +12,7 @@ import pytest
 
 from prep_service.chat import BuiltinTemplate, Turn, builtin_template_names
 from prep_service.preparer import Message, Preparer, UnsupportedError
-from prep_service.tiny_models import CHAT_TEMPLATE, TinyPair
+from slotwise_core.tiny_models import CHAT_TEMPLATE, TinyPair
 
 CHAT = [Message("system", ["Be brief."]), Message("user", ["hi"]), Message("assistant", ["yo"]),
         Message("user", ["and?"])]  # fmt: skip

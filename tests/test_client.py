@@ -6,7 +6,6 @@ import asyncio
 import io
 import logging
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -40,6 +39,7 @@ from clients.client import (
     image_pb,
 )
 from slotwise.v1 import prep_pb2
+from support.procs import free_port
 
 CTX = 256  # cells per slot: small, so conversations outgrow it
 
@@ -56,12 +56,6 @@ def png(width: int, height: int, seed: int = 0) -> bytes:
     buf = io.BytesIO()
     picture(width, height, seed).save(buf, "PNG")
     return buf.getvalue()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

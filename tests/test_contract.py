@@ -1,7 +1,7 @@
 """The contract, pinned two ways.
 
 1. Golden fixtures (tests/contract/golden/, regenerated deliberately by
-   `python tests/contract/make_golden.py`): the prep side (prep_service.descriptors), the infer
+   `python tests/contract/make_golden.py`): the prep side (slotwise_core.descriptors), the infer
    side (infer_service.events' to_pb, PreparedPrompt.from_pb as the infer servicer reads it) and
    a client (the raw generated stubs) read and write them identically: the same bytes after a
    round trip, the same canonical JSON. The real services still produce / accept them.
@@ -24,8 +24,8 @@ import pytest
 from google.protobuf import descriptor_pb2, json_format
 from google.protobuf.message import Message
 
-from prep_service.descriptors import MediaChunk, PreparedPrompt, TextChunk
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2_grpc, prompt_pb2
+from slotwise_core.descriptors import MediaChunk, PreparedPrompt, TextChunk
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "contract" / "golden"

@@ -6,15 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prep_service.descriptors import (
+from slotwise.v1 import prompt_pb2
+from slotwise_core.descriptors import (
     DescriptorError,
     Fingerprint,
     MediaChunk,
     PreparedPrompt,
     TextChunk,
 )
-from prep_service.images import media_id
-from slotwise.v1 import prompt_pb2
+from slotwise_core.images import media_id
 
 U32 = st.integers(0, 2**32 - 1)
 COUNT = st.integers(1, 100_000)  # totals must still fit the proto's uint32
@@ -185,14 +185,14 @@ def test_prep_sends_the_image_once_compressed_and_infer_decodes_the_same_pixels(
 
     from PIL import Image
 
-    from prep_service.images import decode_image, media_id
+    from slotwise_core.images import decode_image, media_id
 
     img = Image.effect_noise((1000, 1000), 60).convert("RGB")
     buf = io.BytesIO()
     img.save(buf, "JPEG", quality=85)
     jpeg = buf.getvalue()
-    from grpc_helpers import message, prepare, run
-    from grpc_helpers import request as make_request
+    from support.rpc import message, prepare, run
+    from support.rpc import request as make_request
 
     prompt = prepare(prep_servers(pair), messages=[message("user", "see ", jpeg, " now")])
     media = [c.media for c in prompt.chunks if c.HasField("media")]

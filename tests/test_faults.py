@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,28 +19,23 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import LoopThread
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_helpers import channel, prepare, rpc_error, run, server_info
-from grpc_helpers import request as make_request
 
 from clients.client import Message, RetryPolicy, SlotwiseClient, SlotwiseError
 from infer_service.__main__ import start as start_infer
 from infer_service.runtime import RuntimeConfig
-from prep_service import native
 from prep_service.__main__ import start as start_prep
-from prep_service.tiny_models import TinyPair
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
+from slotwise_core import native
+from slotwise_core.tiny_models import TinyPair
+from support.loop import LoopThread
+from support.procs import free_port
+from support.rpc import channel, prepare, rpc_error, run, server_info
+from support.rpc import request as make_request
 
 LENGTH = infer_pb2.FINISH_REASON_LENGTH
 CANCELLED = infer_pb2.FINISH_REASON_CANCELLED
 FOREVER = 1 << 20  # max_tokens of a generation that only ends when its client goes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> float:

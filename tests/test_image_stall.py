@@ -15,11 +15,12 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import LoopThread, image_bytes
-from grpc_helpers import message, prepare
 
-from prep_service.tiny_models import TinyPair, Vision, write_tiny_models
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
+from slotwise_core.tiny_models import TinyPair, Vision, write_tiny_models
+from support.loop import LoopThread
+from support.media import image_bytes
+from support.rpc import message, prepare
 
 
 @pytest.fixture(scope="module")

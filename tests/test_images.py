@@ -12,7 +12,7 @@ import zlib
 import pytest
 from PIL import ExifTags, Image, ImageOps
 
-from prep_service.images import DEFAULT_MAX_PIXELS, ImageError, RgbImage, decode_image, media_id
+from slotwise_core.images import DEFAULT_MAX_PIXELS, ImageError, RgbImage, decode_image, media_id
 
 RED, GREEN, BLUE, WHITE = (255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255)
 

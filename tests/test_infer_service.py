@@ -16,10 +16,17 @@ from collections.abc import Callable, Iterator
 import grpc
 import llama_cpp
 import pytest
-from conftest import image_bytes
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_helpers import (
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
+
+from slotwise.v1 import infer_pb2, infer_pb2_grpc, prompt_pb2
+from slotwise_core import native
+from slotwise_core.images import decode_image, media_id
+from slotwise_core.tiny_models import TinyPair
+from support.media import image_bytes
+from support.rpc import (
     Stream,
     channel,
     media_marker,
@@ -30,14 +37,7 @@ from grpc_helpers import (
     run,
     server_info,
 )
-from grpc_helpers import request as make_request
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from grpc_status import rpc_status
-
-from prep_service import native
-from prep_service.images import decode_image, media_id
-from prep_service.tiny_models import TinyPair
-from slotwise.v1 import infer_pb2, infer_pb2_grpc, prompt_pb2
+from support.rpc import request as make_request
 
 SERVICE = "slotwise.v1.InferService"
 AUTO = infer_pb2.SHIFT_POLICY_AUTO

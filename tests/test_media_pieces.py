@@ -7,13 +7,13 @@ from __future__ import annotations
 import llama_cpp
 import numpy as np
 import pytest
-from conftest import image_bytes
 from llama_cpp import mtmd_cpp
 
 from infer_service.media import media_handle
 from infer_service.runtime import Runtime, RuntimeConfig
-from prep_service.images import decode_image
-from prep_service.native import Bitmap
+from slotwise_core.images import decode_image
+from slotwise_core.native import Bitmap
+from support.media import image_bytes
 
 
 def logits_after_image(pair, pieces: int, *, helper: bool) -> np.ndarray:

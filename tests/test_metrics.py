@@ -3,7 +3,6 @@ generation that shifts its context, refused requests, a cancelled stream."""
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -11,25 +10,21 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import LoopThread, image_bytes
-from grpc_helpers import channel, message, prepare, rpc_error, run, server_info
-from grpc_helpers import request as make_request
 from prometheus_client.parser import text_string_to_metric_families
 
 from infer_service.__main__ import start as start_infer
 from infer_service.runtime import RuntimeConfig
 from prep_service.__main__ import start as start_prep
-from prep_service.serving import Security
-from prep_service.tiny_models import TinyPair
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
+from slotwise_core.serving import Security
+from slotwise_core.tiny_models import TinyPair
+from support.loop import LoopThread
+from support.media import image_bytes
+from support.procs import free_port
+from support.rpc import channel, message, prepare, rpc_error, run, server_info
+from support.rpc import request as make_request
 
 GAP = infer_pb2.SHIFT_POLICY_GAP
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import image_bytes
 from google.protobuf import json_format
 
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
+from support.media import image_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE_DIR = ROOT / "tests" / "contract" / "node"

@@ -15,10 +15,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import LoopThread, image_bytes
 from long_chat import long_chat
 
-from prep_service.tiny_models import TinyPair
+from slotwise_core.tiny_models import TinyPair
+from support.loop import LoopThread
+from support.media import image_bytes
 
 
 @dataclass

@@ -21,7 +21,7 @@ from oracle import (
     stop_exactness,
 )
 
-from prep_service.tiny_models import TinyPair
+from slotwise_core.tiny_models import TinyPair
 
 # Runs per pair in CI (seeds 0..N-1); each run is a few dozen to a few hundred decodes.
 RUNS_PER_PAIR = 200

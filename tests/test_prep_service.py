@@ -20,20 +20,22 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import LoopThread, image_bytes
 from gguf import GGUFReader
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_helpers import rgb_of
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from PIL import ExifTags, Image, ImageOps
 
-from prep_service import model_files, native
 from prep_service.__main__ import SERVICE, start
-from prep_service.images import media_id
-from prep_service.model_files import ModelMismatchError
 from prep_service.service import Limits
-from prep_service.tiny_models import ALL, TinyPair
 from slotwise.v1 import prep_pb2, prep_pb2_grpc
+from slotwise_core import model_files, native
+from slotwise_core.images import media_id
+from slotwise_core.model_files import ModelMismatchError
+from slotwise_core.tiny_models import ALL, TinyPair
+from support.loop import LoopThread
+from support.media import image_bytes
+from support.procs import free_port
+from support.rpc import rgb_of
 
 MARKER = "<__media__>"
 IA = grpc.StatusCode.INVALID_ARGUMENT
@@ -168,12 +170,6 @@ def assert_totals(prompt: Any) -> None:
     s = summary(prompt.chunks)
     assert prompt.num_cells == sum(c[3] for c in s)
     assert prompt.num_positions == sum(c[4] for c in s)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- fixtures -----------------------------------------------------------------------------------

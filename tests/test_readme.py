@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conftest import image_bytes
+from support.media import image_bytes
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

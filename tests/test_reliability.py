@@ -21,10 +21,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import image_bytes
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_helpers import Stream, channel
 from grpc_status import rpc_status
 from PIL import Image
 from test_sessions import (
@@ -46,6 +44,8 @@ from infer_service.events import PrefillProgress, TokenDelta
 from infer_service.service import Mailbox
 from infer_service.session_store import SessionStore
 from slotwise.v1 import infer_pb2, prep_pb2, prompt_pb2
+from support.media import image_bytes
+from support.rpc import Stream, channel
 
 GAP = infer_pb2.SHIFT_POLICY_GAP
 
@@ -371,7 +371,7 @@ def test_the_store_leaves_no_temporary_files_and_checks_pixels(tmp_path: Path) -
     (tmp_path / "media" / ".tmp-def").write_bytes(b"half a write")
     store = SessionStore(tmp_path)
     assert not list(tmp_path.rglob(".tmp-*"))  # left by a crash: removed at startup
-    from prep_service.images import media_id
+    from slotwise_core.images import media_id
 
     rgb = bytes(range(48)) * 2
     mid = media_id(4, 8, rgb)

@@ -15,9 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import LoopThread, image_bytes
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_helpers import OPTIONS, rgb_of
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from clients.client import (
@@ -33,10 +31,13 @@ from clients.client import (
 from infer_service.__main__ import start as start_infer
 from infer_service.runtime import RuntimeConfig
 from prep_service import __main__ as prep_main
-from prep_service.images import decode_image
-from prep_service.serving import Security, security_from_args
-from prep_service.tiny_models import TinyPair
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
+from slotwise_core.images import decode_image
+from slotwise_core.serving import Security, security_from_args
+from slotwise_core.tiny_models import TinyPair
+from support.loop import LoopThread
+from support.media import image_bytes
+from support.rpc import OPTIONS, rgb_of
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 

@@ -29,8 +29,8 @@ from oracle import (
 )
 
 from infer_service.ledger import EvictionUnit, Item, Ledger, Policy
-from prep_service import native
-from prep_service.tiny_models import TinyPair
+from slotwise_core import native
+from slotwise_core.tiny_models import TinyPair
 
 N_CTX = 1792
 TEXT_TOKENS = 167

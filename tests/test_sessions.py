@@ -23,11 +23,12 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import LoopThread, image_bytes
-from grpc_helpers import Stream
 
-from prep_service.tiny_models import TinyPair
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
+from slotwise_core.tiny_models import TinyPair
+from support.loop import LoopThread
+from support.media import image_bytes
+from support.rpc import Stream
 
 GREEDY = infer_pb2.SamplingParams(temperature=0.0)
 # Greedy decoding of a random-weight model repeats one token, which would hide a wrong KV

@@ -17,7 +17,7 @@ from llama_cpp import mtmd_cpp as M
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from PIL import Image
 
-from prep_service.tiny_models import ALL, CONTEXT_LENGTH, TinyPair, main, write_tiny_models
+from slotwise_core.tiny_models import ALL, CONTEXT_LENGTH, TinyPair, main, write_tiny_models
 
 # read by ggml when it aborts: an abort must not start gdb
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")

@@ -88,7 +88,7 @@ async def prepare_via_service(model: Path, mmproj: Path):
 
 
 def prepared_prompt():
-    from prep_service.tiny_models import write_tiny_models
+    from slotwise_core.tiny_models import write_tiny_models
 
     with tempfile.TemporaryDirectory() as tmp:
         pair = write_tiny_models(Path(tmp), [PAIR])[PAIR]
@@ -151,8 +151,8 @@ def events(media_id: str) -> dict[str, object]:
 
 def as_rgb(prompt):
     """The prompt with its image as raw RGB (what infer accepts besides prep's encoded form)."""
-    from prep_service.images import decode_image
     from slotwise.v1 import prompt_pb2
+    from slotwise_core.images import decode_image
 
     out = prompt_pb2.PreparedPrompt()
     out.CopyFrom(prompt)

@@ -23,7 +23,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from prep_service.metrics import ServiceMetrics
+from slotwise_core.metrics import ServiceMetrics
 
 log = logging.getLogger("slotwise")
 

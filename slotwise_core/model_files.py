@@ -6,7 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from prep_service.descriptors import Fingerprint
+from slotwise_core.descriptors import Fingerprint
 
 _HEAD = 16 << 20
 _TAIL = 1 << 20

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prep_service.images import media_id
 from slotwise.v1 import prompt_pb2
+from slotwise_core.images import media_id
 
 
 class DescriptorError(ValueError):

@@ -173,6 +173,6 @@ def rgb_of(media: prompt_pb2.MediaChunk) -> bytes:
     """A media chunk's pixels, whichever form they travel in (prep sends the image file)."""
     if media.WhichOneof("pixels") == "rgb":
         return media.rgb
-    from prep_service.images import decode_image
+    from slotwise_core.images import decode_image
 
     return decode_image(media.encoded).rgb

@@ -28,7 +28,7 @@ from clients.client import (
     SlotwiseError,
     collect,
 )
-from clients.launch import ServeConfig, background_services
+from slotwise_serve.launch import ServeConfig, background_services
 
 SYSTEM = "You are a careful assistant. Look at every picture and answer in one sentence."
 
@@ -246,7 +246,7 @@ def run_demo(
     t0 = time.perf_counter()
     ok = True
     if model is None:
-        from prep_service.tiny_models import write_tiny_models
+        from slotwise_core.tiny_models import write_tiny_models
 
         with tempfile.TemporaryDirectory(prefix="slotwise-demo-") as tmp:
             pairs = write_tiny_models(Path(tmp), ["mrope", "rope"])

@@ -92,7 +92,7 @@ async def start_services(config: ServeConfig) -> Services:
     from infer_service.runtime import RuntimeConfig
     from infer_service.service import GenerateLimits
     from prep_service.__main__ import start as start_prep
-    from prep_service.serving import Security
+    from slotwise_core.serving import Security
 
     host = _listen_host(config.host)
     security = Security(config.tls_cert, config.tls_key, config.tls_client_ca, config.token)

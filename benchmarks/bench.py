@@ -11,7 +11,7 @@ token, for concurrent streams), divided by the time from then to the last one. P
 separately, as time to first token. Sampling is greedy and max_tokens fixed; a stream that meets
 an end-of-generation token early is counted over what it generated.
 
-    python -m clients.bench [--model PATH | --gemma] [--threads 2] [--repeats 3] [--tokens 128]
+    python -m benchmarks.bench [--model PATH | --gemma] [--threads 2] [--repeats 3] [--tokens 128]
                             [--llama-server PATH] [--only NAME ...]
 """
 
@@ -241,7 +241,7 @@ class RawModel:
             RawModel._log_callback = llama_cpp.llama_log_callback(lambda level, text, data: None)
             llama_cpp.llama_log_set(RawModel._log_callback, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
-        from prep_service import native
+        from slotwise_core import native
 
         params = llama_cpp.llama_model_default_params()
         # the same buffers infer picks: the comparison is of the loops, not of matmul kernels
@@ -874,7 +874,7 @@ class Bench:
         else:
             out = self.log_dir / "tiny"
             subprocess.run(
-                [sys.executable, "-m", "prep_service.tiny_models", str(out), "--only", "mrope"],
+                [sys.executable, "-m", "slotwise_core.tiny_models", str(out), "--only", "mrope"],
                 check=True, capture_output=True,
             )  # fmt: skip
             model, mmproj, what = (

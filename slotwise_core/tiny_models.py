@@ -16,7 +16,7 @@ Pairs (all tensors F32, text n_embd 64, 2 layers, context_length 4096, ~268-toke
   64 positions, wrapped in ``<start_of_image>`` ... ``<end_of_image>``).
 
 Usage: ``slotwise-tiny-models OUT_DIR [--only NAME ...]`` or
-``python -m prep_service.tiny_models OUT_DIR``.
+``python -m slotwise_core.tiny_models OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class _Tensors:
 
 
 def _write(path: Path, arch: str, add_kv: Callable[[object], None], t: _Tensors) -> None:
-    import gguf  # local import: keeps `import prep_service` cheap
+    import gguf  # local import: keeps `import slotwise_core.tiny_models` cheap
 
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(path), arch)

@@ -1,0 +1,1 @@
+"""Benchmarks: ratios measured within one run (`slotwise bench`, BENCHMARKS.md)."""
