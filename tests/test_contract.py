@@ -1,14 +1,10 @@
-"""The contract, pinned two ways.
+"""The contract, pinned by golden fixtures (tests/contract/golden/, regenerated deliberately by
+`python tests/contract/make_golden.py`): the prep side (slotwise_core.descriptors), the infer
+side (infer_service.events' to_pb, PreparedPrompt.from_pb as the infer servicer reads it) and
+a client (the raw generated stubs) read and write them identically: the same bytes after a
+round trip, the same canonical JSON. The real services still produce / accept them.
 
-1. Golden fixtures (tests/contract/golden/, regenerated deliberately by
-   `python tests/contract/make_golden.py`): the prep side (slotwise_core.descriptors), the infer
-   side (infer_service.events' to_pb, PreparedPrompt.from_pb as the infer servicer reads it) and
-   a client (the raw generated stubs) read and write them identically: the same bytes after a
-   round trip, the same canonical JSON. The real services still produce / accept them.
-2. Compatibility, buf-breaking style: the current .proto files compiled to a FileDescriptorSet
-   are compared with the committed baseline protos/baseline/descriptor_set.binpb
-   (`python protos/baseline.py --update` accepts a deliberate break). Mutated descriptors show
-   that the check does fail.
+Compatibility with the committed baseline (buf breaking) and buf lint: tests/test_proto_tools.py.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ from types import ModuleType
 
 import grpc
 import pytest
-from google.protobuf import descriptor_pb2, json_format
+from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2_grpc, prompt_pb2
@@ -41,7 +37,6 @@ def load_module(name: str, path: Path) -> ModuleType:
 
 
 make_golden = load_module("slotwise_make_golden", ROOT / "tests" / "contract" / "make_golden.py")
-baseline = load_module("slotwise_proto_baseline", ROOT / "protos" / "baseline.py")
 
 FIXTURES = sorted(p.stem for p in GOLDEN.glob("*.binpb"))
 EVENT_FIXTURES = [n for n in FIXTURES if n.startswith("generate_response_")]
@@ -228,233 +223,3 @@ def test_infer_service_accepts_the_golden_prompt(
     assert started.started.num_prompt_positions == pb.num_positions
     assert finished.WhichOneof("event") == "finished"
     assert finished.finished.usage.num_generated_tokens == 3
-
-
-# -- compatibility with the committed baseline (buf breaking) --------------------------------
-
-
-@pytest.fixture(scope="module")
-def current() -> descriptor_pb2.FileDescriptorSet:
-    return baseline.compile_descriptor_set()
-
-
-def test_current_protos_are_compatible_with_the_committed_baseline(
-    current: descriptor_pb2.FileDescriptorSet,
-) -> None:
-    committed = baseline.load()
-    names = {f"slotwise/v1/{n}.proto" for n in ("prompt", "prep", "infer")}
-    assert names <= {f.name for f in committed.file}, "the baseline is not a snapshot of protos/"
-    problems = baseline.breaking_changes(committed, current)
-    assert not problems, (
-        "breaking proto changes (reserve deleted numbers; a deliberate break needs a new "
-        "package version and python protos/baseline.py --update):\n" + "\n".join(problems)
-    )
-
-
-def _message(fds: descriptor_pb2.FileDescriptorSet, name: str) -> descriptor_pb2.DescriptorProto:
-    return next(m for f in fds.file for m in f.message_type if m.name == name)
-
-
-def _field(
-    fds: descriptor_pb2.FileDescriptorSet, message: str, field: str
-) -> descriptor_pb2.FieldDescriptorProto:
-    return next(f for f in _message(fds, message).field if f.name == field)
-
-
-def _enum(fds: descriptor_pb2.FileDescriptorSet, name: str) -> descriptor_pb2.EnumDescriptorProto:
-    return next(e for f in fds.file for e in f.enum_type if e.name == name)
-
-
-def _service(
-    fds: descriptor_pb2.FileDescriptorSet, name: str
-) -> descriptor_pb2.ServiceDescriptorProto:
-    return next(s for f in fds.file for s in f.service if s.name == name)
-
-
-def _delete_field(fds, message: str, field: str, *, reserve: bool = False) -> None:
-    m = _message(fds, message)
-    f = _field(fds, message, field)
-    if reserve:
-        m.reserved_range.add(start=f.number, end=f.number + 1)
-        m.reserved_name.append(f.name)
-    m.field.remove(f)
-
-
-def _delete_enum_value(fds, enum: str, value: str, *, reserve: bool = False) -> None:
-    e = _enum(fds, enum)
-    v = next(v for v in e.value if v.name == value)
-    if reserve:
-        e.reserved_range.add(start=v.number, end=v.number)
-    e.value.remove(v)
-
-
-def _into_oneof(fds, message: str, field: str, oneof: str) -> None:
-    m = _message(fds, message)
-    index = [o.name for o in m.oneof_decl].index(oneof)
-    _field(fds, message, field).oneof_index = index
-
-
-def _drop_proto3_optional(fds, message: str, field: str) -> None:
-    f = _field(fds, message, field)
-    f.proto3_optional = False
-    f.ClearField("oneof_index")
-
-
-BREAKING: dict[str, tuple[Callable[[descriptor_pb2.FileDescriptorSet], None], str]] = {
-    "field renumbered": (
-        lambda d: setattr(_field(d, "MediaChunk", "num_cells"), "number", 12),
-        "slotwise.v1.MediaChunk.num_cells (field 2): deleted without reserving its number",
-    ),
-    "field deleted": (
-        lambda d: _delete_field(d, "Chunk", "message_index"),
-        "slotwise.v1.Chunk.message_index (field 1): deleted without reserving its number",
-    ),
-    "field type changed": (
-        lambda d: setattr(
-            _field(d, "MediaChunk", "num_positions"),
-            "type",
-            descriptor_pb2.FieldDescriptorProto.TYPE_UINT64,
-        ),
-        "slotwise.v1.MediaChunk.num_positions (field 3): type changed from uint32 to uint64",
-    ),
-    "field message type changed": (
-        lambda d: setattr(_field(d, "Chunk", "text"), "type_name", ".slotwise.v1.MediaChunk"),
-        "slotwise.v1.Chunk.text (field 3): type changed from slotwise.v1.TextChunk to "
-        "slotwise.v1.MediaChunk",
-    ),
-    "field label changed": (
-        lambda d: setattr(
-            _field(d, "TextChunk", "token_ids"),
-            "label",
-            descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
-        ),
-        "slotwise.v1.TextChunk.token_ids (field 1): label changed from repeated to optional",
-    ),
-    "field moved into a oneof": (
-        lambda d: _into_oneof(d, "Chunk", "media_group", "kind"),
-        "slotwise.v1.Chunk.media_group (field 2): oneof changed from '(none)' to 'kind'",
-    ),
-    "field presence changed": (
-        lambda d: _drop_proto3_optional(d, "SamplingParams", "temperature"),
-        "slotwise.v1.SamplingParams.temperature (field 1): presence changed (optional -> implicit)",
-    ),
-    "field renamed": (
-        lambda d: setattr(_field(d, "Fingerprint", "mmproj"), "name", "projector"),
-        "slotwise.v1.Fingerprint.mmproj (field 2): renamed to 'projector'",
-    ),
-    "message deleted": (
-        lambda d: next(f for f in d.file if f.name.endswith("prep.proto")).message_type.remove(
-            _message(d, "ImageSize")
-        ),
-        "slotwise.v1.ImageSize: message deleted",
-    ),
-    "enum value deleted": (
-        lambda d: _delete_enum_value(d, "ShiftPolicy", "SHIFT_POLICY_GAP"),
-        "slotwise.v1.ShiftPolicy.SHIFT_POLICY_GAP (value 3): deleted without reserving its number",
-    ),
-    "enum value renamed": (
-        lambda d: setattr(_enum(d, "FinishReason").value[1], "name", "FINISH_REASON_EOS"),
-        "slotwise.v1.FinishReason.FINISH_REASON_STOP (value 1): renamed to 'FINISH_REASON_EOS'",
-    ),
-    "method deleted": (
-        lambda d: _service(d, "PrepService").method.remove(
-            next(m for m in _service(d, "PrepService").method if m.name == "CountTokens")
-        ),
-        "slotwise.v1.PrepService.CountTokens: method deleted",
-    ),
-    "method stops streaming": (
-        lambda d: setattr(
-            next(m for m in _service(d, "InferService").method if m.name == "Generate"),
-            "server_streaming",
-            False,
-        ),
-        "slotwise.v1.InferService.Generate: server_streaming changed to False",
-    ),
-    "method response type changed": (
-        lambda d: setattr(
-            next(m for m in _service(d, "PrepService").method if m.name == "Prepare"),
-            "output_type",
-            ".slotwise.v1.CountTokensResponse",
-        ),
-        "slotwise.v1.PrepService.Prepare: output_type changed from slotwise.v1.PrepareResponse to "
-        "slotwise.v1.CountTokensResponse",
-    ),
-    "service deleted": (
-        lambda d: next(f for f in d.file if f.name.endswith("infer.proto")).ClearField("service"),
-        "slotwise.v1.InferService: service deleted",
-    ),
-}
-
-
-def mutated(
-    current: descriptor_pb2.FileDescriptorSet,
-    change: Callable[[descriptor_pb2.FileDescriptorSet], None],
-) -> descriptor_pb2.FileDescriptorSet:
-    copy = descriptor_pb2.FileDescriptorSet()
-    copy.CopyFrom(current)
-    change(copy)
-    return copy
-
-
-@pytest.mark.parametrize("case", sorted(BREAKING))
-def test_breaking_change_is_reported(case: str, current: descriptor_pb2.FileDescriptorSet) -> None:
-    change, expected = BREAKING[case]
-    problems = baseline.breaking_changes(current, mutated(current, change))
-    assert any(p.startswith(expected) for p in problems), problems
-
-
-def _add_everything(d: descriptor_pb2.FileDescriptorSet) -> None:
-    chunk = _message(d, "Chunk")
-    chunk.field.add(
-        name="note",
-        number=9,
-        type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
-        json_name="note",
-    )
-    prompt_file = next(f for f in d.file if f.name.endswith("prompt.proto"))
-    prompt_file.message_type.add(name="Extra")
-    _enum(d, "FinishReason").value.add(name="FINISH_REASON_TIMEOUT", number=9)
-    _service(d, "PrepService").method.add(
-        name="Ping",
-        input_type=".slotwise.v1.GetModelInfoRequest",
-        output_type=".slotwise.v1.GetModelInfoResponse",
-    )
-
-
-COMPATIBLE: dict[str, Callable[[descriptor_pb2.FileDescriptorSet], None]] = {
-    "nothing changed": lambda d: None,
-    "additions": _add_everything,
-    "field deleted with its number reserved": lambda d: _delete_field(
-        d, "Chunk", "message_index", reserve=True
-    ),
-    "enum value deleted with its number reserved": lambda d: _delete_enum_value(
-        d, "ShiftPolicy", "SHIFT_POLICY_GAP", reserve=True
-    ),
-}
-
-
-@pytest.mark.parametrize("case", sorted(COMPATIBLE))
-def test_compatible_change_passes(case: str, current: descriptor_pb2.FileDescriptorSet) -> None:
-    assert baseline.breaking_changes(current, mutated(current, COMPATIBLE[case])) == []
-
-
-def test_command_line_fails_on_breakage_and_update_accepts(
-    tmp_path: Path, current: descriptor_pb2.FileDescriptorSet, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # a baseline that still has a field the current protos lack: current "deleted" it
-    older = mutated(
-        current,
-        lambda d: _message(d, "Chunk").field.add(
-            name="legacy",
-            number=15,
-            type=descriptor_pb2.FieldDescriptorProto.TYPE_BOOL,
-            json_name="legacy",
-        ),
-    )
-    path = tmp_path / "descriptor_set.binpb"
-    path.write_bytes(older.SerializeToString(deterministic=True))
-    assert baseline.main(["--baseline", str(path)]) == 1
-    assert "slotwise.v1.Chunk.legacy (field 15): deleted" in capsys.readouterr().err
-    assert baseline.main(["--update", "--baseline", str(path)]) == 0
-    assert baseline.main(["--baseline", str(path)]) == 0
-    assert baseline.load(path) == current
