@@ -253,7 +253,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
     async def _begin_turn(self, session_id: str) -> Session:
         """Mark the session busy for this turn; if the caller goes away while the engine runs
         it, the mark is undone (else the session would stay busy for ever)."""
-        future = self._engine_future(lambda: self.engine.begin_turn(session_id))
+        future = self._engine_future(lambda: self.engine.sessions.begin_turn(session_id))
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -268,7 +268,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
 
     def _end_turn_later(self, session_id: str) -> None:
         with contextlib.suppress(EngineStoppedError):
-            self.engine.call(lambda: self.engine.abort_turn(session_id))
+            self.engine.call(lambda: self.engine.sessions.abort_turn(session_id))
 
     def _engine_future(self, fn) -> Future[Any]:
         return self.engine.call(fn)
@@ -375,14 +375,14 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             await _bad_request(context, e)
             return
         session = await self._session_rpc(
-            context, self.engine.create_session, session_id, args["context"], args["sampling"],
+            context, self.engine.sessions.create, session_id, args["context"], args["sampling"],
             doing="the session was not saved",
         )  # fmt: skip
         return infer_pb2.CreateSessionResponse(session=await self._info(context, session))
 
     async def GetSession(self, request, context):
         info = await self._session_rpc(  # read on the engine thread: a snapshot
-            context, lambda sid: session_info(self.engine.get_session(sid)), request.session_id
+            context, lambda sid: session_info(self.engine.sessions.get(sid)), request.session_id
         )
         return infer_pb2.GetSessionResponse(session=info)
 
@@ -391,8 +391,8 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             sessions, broken = await asyncio.wrap_future(
                 self.engine.call(
                     lambda: (
-                        [session_info(s) for s in self.engine.sessions.values()],
-                        dict(self.engine.broken_sessions),
+                        [session_info(s) for s in self.engine.sessions.by_id.values()],
+                        dict(self.engine.sessions.broken),
                     )
                 )
             )
@@ -405,19 +405,19 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
 
     async def DeleteSession(self, request, context):
         await self._session_rpc(
-            context, self.engine.delete_session, request.session_id, doing="delete failed"
+            context, self.engine.sessions.delete, request.session_id, doing="delete failed"
         )
         return infer_pb2.DeleteSessionResponse()
 
     async def SaveSession(self, request, context):
         session = await self._session_rpc(
-            context, self.engine.save_session, request.session_id, doing="save failed"
+            context, self.engine.sessions.save, request.session_id, doing="save failed"
         )
         return infer_pb2.SaveSessionResponse(session=await self._info(context, session))
 
     async def RestoreSession(self, request, context):
         session = await self._session_rpc(
-            context, self.engine.restore_session, request.session_id, doing="restore failed"
+            context, self.engine.sessions.restore, request.session_id, doing="restore failed"
         )
         return infer_pb2.RestoreSessionResponse(session=await self._info(context, session))
 

@@ -151,7 +151,7 @@ def test_a_thousand_session_rpcs_with_1ms_deadlines_while_a_stream_runs(
     # no session is left marked busy by a turn whose caller left
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and infer.engine.call(
-        lambda: any(s.busy for s in infer.engine.sessions.values())
+        lambda: any(s.busy for s in infer.engine.sessions.by_id.values())
     ).result(5):
         time.sleep(0.05)
     chat = Chat(prep, stub, "a", max_tokens=3)
@@ -200,10 +200,10 @@ def test_an_infer_process_whose_engine_dies_exits_70(tiny, prep_servers) -> None
     script = textwrap.dedent(
         f"""
         import sys
-        from infer_service import engine, __main__ as infer_main
-        def step(self):
+        from infer_service import executor, __main__ as infer_main
+        def step(self, slots):
             raise SystemExit("injected: the engine thread dies")
-        engine.Engine._step = step
+        executor.Executor.step = step
         sys.exit(infer_main.main([
             "--model", {str(pair.model)!r}, "--mmproj", {str(pair.mmproj)!r},
             "--host", "127.0.0.1", "--port", "{port}", "--ctx-size", "512", "--threads", "1",
@@ -416,7 +416,7 @@ def test_150_image_turns_keep_memory_bounded(
         if k == 30:
             growth_from = rss()
     growth = rss() - growth_from
-    session = infer.engine.sessions["long"]
+    session = infer.engine.sessions.by_id["long"]
     held = infer.engine.call(session.held_keys).result(5)
     assert session_info(stub, "long").num_shifts > 10
     assert set(session.pixels) == held and set(session.media) <= held
@@ -535,7 +535,7 @@ def test_a_turn_that_sets_only_policy_keeps_the_sessions_keep(
     )
     chat = Chat(prep, stub, "pinned", max_tokens=4)
     chat.turn("system-like start", context=infer_pb2.ContextOptions(policy=GAP))
-    session = infer.engine.sessions["pinned"]
+    session = infer.engine.sessions.by_id["pinned"]
     pinned = infer.engine.call(lambda: session.ledger.num_pinned_cells).result(5)
     assert pinned >= 6  # the turn's policy came on top of the session's keep
     info = session_info(stub, "pinned")

@@ -1,0 +1,624 @@
+"""The executor: the only code that calls llama.cpp for a slot.
+
+Every item a slot decodes is one transaction: the ledger's `ensure` -> the plan carried out in
+the cache (seq_rm / seq_add / seq_clear) -> llama_decode -> the ledger's `append`. A step puts
+one piece (at most a batch) of each slot's media chunk into the cache, then every slot's next
+text (one generated token, or up to batch_size prompt tokens) into ONE llama_decode, and
+samples every slot whose logits came out of it.
+
+Images are encoded on a worker beside llama_decode: the other slots keep decoding while one
+waits for its image (libmtmd's encode and llama.cpp's decode share no state, and the
+embeddings are copied out of the mtmd context before the executor sees them).
+
+The engine tells the executor how a request ends (`finish`), where a slot's media handles are
+(`media_of`) and what a shift means for its session (`on_shift`); the oracle
+(tests/oracle.py) drives this same code, and checks the cache against the ledgers after every
+step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Protocol
+
+import numpy as np
+from llama_cpp import mtmd_cpp
+
+from infer_service.events import (
+    ContextShift,
+    ErrorKind,
+    FinishReason,
+    PrefillProgress,
+    Problem,
+    ProblemError,
+    Reason,
+    Started,
+    TokenDelta,
+    Usage,
+)
+from infer_service.ledger import (
+    CannotFit,
+    ContextConfig,
+    Fits,
+    Gap,
+    Item,
+    Ledger,
+    Plan,
+    Policy,
+    Reprefill,
+    Shift,
+)
+from infer_service.media import MediaHandle
+from infer_service.runtime import EmbeddingCache, Runtime
+from infer_service.session_store import CorruptSessionError
+from infer_service.slots import EngineStats, Job, MediaPiece, SessionError, Slot, too_long
+from infer_service.state_cache import StateCache, reuse_of
+from infer_service.text_stream import TextStream
+from slotwise_core import native
+
+log = logging.getLogger("slotwise.engine")
+
+WORTH_KEEPING = 32  # cells: a displaced sequence smaller than this is not worth a cache entry
+
+
+class Finish(Protocol):
+    def __call__(
+        self,
+        slot: Slot,
+        reason: FinishReason,
+        *,
+        error: str = "",
+        stop_string: str = "",
+        problem: Problem | None = None,
+    ) -> None: ...
+
+
+class Executor:
+    def __init__(
+        self,
+        rt: Runtime,
+        stats: EngineStats,
+        *,
+        cache_bytes: int = 1 << 30,
+        state_cache_bytes: int = 256 << 20,
+        notify: Callable[[], None] = lambda: None,
+    ):
+        self.rt = rt
+        self.stats = stats
+        self.cache = EmbeddingCache(cache_bytes)
+        self.states = StateCache(state_cache_bytes)  # stateless conversations that lost a slot
+        self._notify = notify  # an encode finished: the engine may sleep
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="media-encode")
+        self._encoding: dict[str, Future[np.ndarray]] = {}  # media key -> its encode
+        self._encoded: dict[str, np.ndarray] = {}  # finished, until their slot decodes them
+        # how the engine hears what happens to a slot (the defaults serve a bare executor)
+        self.finish: Finish = self.end_bare
+        self.media_of: Callable[[Slot, str], MediaHandle] = _job_media
+        self.on_shift: Callable[[Slot], None] = lambda slot: None
+        self.on_cannot_fit: Callable[[Slot, CannotFit, int], None] = lambda *_: None
+        self.on_first_token: Callable[[float], None] = lambda seconds: None  # TTFT
+
+    def close(self) -> None:
+        self._encoder.shutdown(wait=True, cancel_futures=True)
+
+    def new_ledger(self, ctx: ContextConfig) -> Ledger:
+        return Ledger(
+            self.rt.num_cells_per_slot,
+            can_shift=self.rt.can_shift,
+            n_ctx_train=self.rt.n_ctx_train,
+            policy=ctx.policy,
+            keep=ctx.keep,
+            discard_fraction=ctx.discard_fraction,
+            unit=ctx.unit,
+        )
+
+    # -- a slot's sequence as a whole ---------------------------------------------------------
+
+    def clear(self, slot: Slot) -> None:
+        self.rt.seq_clear(slot.seq)
+
+    def state_of(self, slot: Slot) -> memoryview:
+        return self.rt.state_get(slot.seq)
+
+    def load_state(self, slot: Slot, state: bytes) -> bool:
+        return self.rt.state_set(slot.seq, state)
+
+    def stash(self, slot: Slot) -> None:
+        """Keep a stateless sequence that is about to be overwritten in the host cache."""
+        ledger = slot.ledger
+        if ledger is None or ledger.num_cells < WORTH_KEEPING or not self.states.max_bytes:
+            return
+        self.states.put(ledger.clone(), self.rt.state_get(slot.seq))
+
+    def enter(self, slot: Slot, job: Job) -> Ledger:
+        """The ledger a stateless request continues: what the slot holds, or a cached
+        sequence put back into it (what the slot held goes to the cache: after the take, so
+        that its put cannot evict the entry being taken)."""
+        if job.resume is not None:
+            ledger, state = self.states.take(job.resume)
+            self.stash(slot)
+            self.rt.seq_clear(slot.seq)
+            slot.ledger = ledger if self.rt.state_set(slot.seq, bytes(state)) else None
+        if slot.ledger is None:
+            slot.ledger = self.new_ledger(job.context)
+        return slot.ledger
+
+    # -- starting and ending a request --------------------------------------------------------
+
+    def start(
+        self, slot: Slot, job: Job, ledger: Ledger, start: int = 0, *, reprefill: bool = False
+    ) -> None:
+        """Reuse what the sequence shares with the job's prompt, admit the rest and make the
+        job the slot's. `start`: the segments before it are the session's and stay.
+        `reprefill`: the sequence is empty (its saved state did not load); everything the
+        ledger keeps is decoded again. A refused prompt raises ProblemError."""
+        ctx = job.context
+        ledger.reconfigure(
+            policy=ctx.policy, keep=ctx.keep, discard_fraction=ctx.discard_fraction, unit=ctx.unit
+        )
+        num_before = sum(seg.num_cells for seg in ledger.segments[:start])
+        continued = False
+        if job.session_id is not None:  # a session continues what it holds
+            si, so, rest = ledger.common_prefix(job.items, start)
+        else:
+            # a resent conversation continues its sequence (shifted); any other request reuses
+            # only what equals a fresh prefill of its prefix: same tokens in, same tokens out
+            reuse = reuse_of(ledger, job.items)
+            assert reuse is not None
+            si, so, rest, continued = (
+                reuse.num_segments,
+                reuse.num_tokens,
+                reuse.rest,
+                reuse.continued,
+            )
+            if ledger.num_cells - reuse.num_cells >= WORTH_KEEPING and job.resume is None:
+                self.stash(slot)  # what the cut drops may be resumed later
+        cut = ledger.truncate(si, so)
+        num_reused = ledger.num_cells - num_before
+        # a reused M-RoPE image holds more cells than positions: count its positions
+        num_reused_positions = sum(seg.num_positions for seg in ledger.segments[start:])
+        admission = ledger.admit(rest, truncate=ctx.truncate_prompt)
+        if isinstance(admission, CannotFit):
+            error: ProblemError | None = ProblemError(too_long(admission))
+        elif admission.kept and admission.kept[-1].media_id:
+            error = SessionError(
+                ErrorKind.INVALID_ARGUMENT,
+                "the prompt ends with media: add text after it",
+                Reason.BAD_REQUEST,
+            )
+        else:
+            error = None
+        restore: list[Item] = []
+        if reprefill and error is None:
+            # what the session keeps (the reused reply included) is decoded again from 0
+            restore = [seg.item for seg in ledger.segments]
+            ledger.clear()
+            self.stats.num_session_reprefills += 1
+        elif not reprefill:
+            self.rt.seq_rm(slot.seq, cut, -1)
+        if error is not None:
+            raise error
+        assert not isinstance(admission, CannotFit)
+        kept, dropped = admission.kept, admission.dropped
+        if (
+            job.session_id is None
+            and dropped
+            and not continued
+            and len(ledger.segments) == ledger.num_pinned_segments
+        ):
+            ledger.begin_history(dropped)  # truncated now: continued next turn
+        slot.job = job
+        slot.ledger = ledger
+        slot.pending = deque([*restore, *kept])
+        slot.sampler = self.rt.sampler(job.sampling)
+        slot.text = TextStream(job.stop)
+        slot.num_prefill_total = sum(i.num_cells for i in slot.pending)
+        slot.num_prefill_done = 0
+        slot.prefilling = True
+        slot.reply_index = max((i.message_index for i in kept), default=0)
+        slot.usage = Usage(
+            num_prompt_cells=num_reused + sum(i.num_cells for i in kept),
+            num_prompt_positions=num_reused_positions + sum(i.num_positions for i in kept),
+            num_reused_cells=num_reused,
+        )
+        slot.t_start = time.perf_counter()
+        job.emit(
+            Started(
+                slot=slot.seq,
+                num_prompt_cells=slot.usage.num_prompt_cells,
+                num_prompt_positions=slot.usage.num_prompt_positions,
+                num_capacity_cells=self.rt.num_cells_per_slot,
+                num_truncated_cells=sum(i.num_cells for i in dropped),
+                num_truncated_chunks=len(dropped),
+                truncated_media_ids=tuple(i.media_id for i in dropped if i.media_id),
+                num_reused_cells=num_reused,
+            )
+        )
+
+    def end(self, slot: Slot, reason: FinishReason) -> Job:
+        """The slot's job leaves it (its last tokens sent). The sequence stays for the next
+        request with the same prefix, unless the job failed without a session."""
+        job = slot.job
+        assert job is not None
+        self._drop_piece(slot)
+        if slot.prefilling:
+            slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
+        completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
+        self.send_delta(slot, slot.text.flush() if completed else "")
+        self.rt.free_sampler(slot.sampler)
+        slot.sampler = 0
+        slot.job = None
+        slot.pending.clear()
+        if reason is FinishReason.ERROR and job.session_id is None:
+            self.rt.seq_clear(slot.seq)
+            slot.ledger = None
+        job.release()
+        return job
+
+    def end_bare(self, slot: Slot, reason: FinishReason, **_: object) -> None:
+        self.end(slot, reason)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def waits_for_encode(self, slot: Slot) -> bool:
+        front = slot.pending[0] if slot.pending else None
+        encode = self._encoding.get(front.media_id or "") if front is not None else None
+        return encode is not None and not encode.done()
+
+    @property
+    def encoding(self) -> bool:
+        return bool(self._encoding)
+
+    def step(self, slots: Sequence[Slot]) -> None:
+        broken = self._collect_encodes()
+        for slot in slots:
+            if slot.job and slot.pending and slot.pending[0].media_id:
+                try:
+                    if slot.pending[0].media_id in broken:
+                        raise broken[slot.pending[0].media_id]
+                    self._decode_media(slot)
+                except Exception as e:  # this request's image: it ends alone (its sequence
+                    # is cleared, or rolled back to its last completed turn)
+                    log.warning("slot %d: media failed: %s", slot.seq, e)
+                    lost = isinstance(e, CorruptSessionError)
+                    failed = Problem(
+                        ErrorKind.DATA_LOSS if lost else ErrorKind.INTERNAL,
+                        f"the image could not be decoded: {e}",
+                        Reason.MEDIA_FAILED,
+                    )
+                    self.finish(slot, FinishReason.ERROR, error=failed.message, problem=failed)
+        self._decode_text(slots)
+        if self._encoding or self._encoded:  # (nothing to look at on a plain text step)
+            self._forget_unwanted_media(slots)
+
+    def _forget_unwanted_media(self, slots: Sequence[Slot]) -> None:
+        """An encode no active request waits for any more (cancelled, deadline) and that has
+        not started is dropped: stale work must not hold up the live requests behind it.
+        Finished embeddings no slot is about to decode leave `_encoded` (they stay cached)."""
+        wanted = {i.media_id for s in slots if s.job for i in s.pending if i.media_id}
+        for key in [k for k in self._encoding if k not in wanted]:
+            if self._encoding[key].cancel():
+                del self._encoding[key]
+        fronts = {s.pending[0].media_id for s in slots if s.job and s.pending}
+        for key in [k for k in self._encoded if k not in fronts]:
+            del self._encoded[key]
+
+    # -- media --------------------------------------------------------------------------------
+
+    def _collect_encodes(self) -> dict[str, BaseException]:
+        """Take the finished encodes: embeddings to decode, or the errors of those that
+        failed (their requests end alone)."""
+        failed: dict[str, BaseException] = {}
+        for key, future in [(k, f) for k, f in self._encoding.items() if f.done()]:
+            del self._encoding[key]
+            if future.cancelled():
+                continue
+            error = future.exception()
+            if error is not None:
+                failed[key] = error
+            else:
+                self._encoded[key] = embd = future.result()
+                self.cache.put(key, embd)
+        return failed
+
+    def _embeddings(self, slot: Slot, key: str) -> np.ndarray | None:
+        """The projector's output for key, or None while it is being encoded (started here
+        on the encode worker, with its own copy of the chunk: the request may end first)."""
+        embd = self._encoded.get(key)
+        if embd is not None or key in self._encoding:
+            return embd
+        embd = self.cache.get(key)
+        if embd is not None:
+            return embd
+        copy = MediaHandle(mtmd_cpp.mtmd_input_chunk_copy(self.media_of(slot, key).chunk), key)
+
+        def encode() -> np.ndarray:
+            try:
+                return self.rt.encode_media(copy.chunk)
+            finally:
+                copy.close()
+
+        self._encoding[key] = future = self._encoder.submit(encode)
+        future.add_done_callback(lambda _: copy.close())  # also when cancelled before it ran
+        future.add_done_callback(lambda _: self._notify())
+        return None
+
+    def _decode_media(self, slot: Slot) -> None:
+        """One piece (at most a batch) of the slot's media chunk per step, so the other slots'
+        steps go on between the pieces. Room for the whole chunk is made, and the chunk
+        entered in the ledger, before its first piece; a non-causal chunk goes whole."""
+        if slot.piece is None and not self._begin_media(slot):
+            return
+        piece = slot.piece
+        assert piece is not None
+        item, offset = piece.item, piece.offset
+        n = item.num_cells - offset
+        if not (self.rt.mtmd and self.rt.mtmd.non_causal):
+            n = min(n, self.rt.batch_size)
+        rc = self.rt.decode_embeddings(piece.embd, piece.positions, offset, n, slot.seq)
+        if rc != 0:
+            raise native.NativeError(f"llama_decode of media failed (rc={rc})")
+        piece.offset += n
+        self._progress(slot, n)
+        if piece.offset == item.num_cells:
+            slot.piece = None
+            slot.pending.popleft()
+            self.stats.num_media_decodes += 1
+
+    def _begin_media(self, slot: Slot) -> bool:
+        item = slot.pending[0]
+        assert item.media_id
+        embd = self._embeddings(slot, item.media_id)
+        if embd is None:
+            return False  # encoding: this slot waits, the others go on
+        if not self._make_room(slot, item.num_cells, item.num_positions, item.group):
+            return False
+        if not slot.pending or slot.pending[0] is not item:
+            return False  # a reprefill put other items first
+        assert slot.job and slot.ledger
+        handle = self.media_of(slot, item.media_id)
+        if embd.size != item.num_cells * self.rt.n_embd:  # never read past the embeddings
+            raise native.NativeError(
+                f"media {item.media_id[:12]}: {embd.size // self.rt.n_embd} embeddings for "
+                f"{item.num_cells} cells"
+            )
+        positions = self.rt.media_positions(handle.chunk, slot.ledger.next_pos)
+        slot.ledger.append(item)  # the whole chunk: a failure or cancel before the last piece
+        slot.piece = MediaPiece(item, embd, positions)  # removes it again (_drop_piece)
+        return True
+
+    def _drop_piece(self, slot: Slot) -> None:
+        """A media chunk decoded in part leaves the ledger and the cache (its cells are not a
+        prefix anyone may reuse)."""
+        piece, slot.piece = slot.piece, None
+        if piece is None or slot.ledger is None:
+            return
+        segments = slot.ledger.segments
+        if segments and segments[-1].item is piece.item:  # (nothing follows it mid-chunk)
+            cut = slot.ledger.truncate(len(segments) - 1)
+            self.rt.seq_rm(slot.seq, cut, -1)
+
+    # -- text ---------------------------------------------------------------------------------
+
+    def _decode_text(self, slots: Iterable[Slot]) -> None:
+        batch = self.rt.batch
+        batch.clear()
+        budget = self.rt.batch_size
+        taken: list[tuple[Slot, Item, int | None]] = []
+        # short work first: a generating slot's one token always gets in, prefill fills the rest
+        ready = sorted(
+            (s for s in slots if s.job and s.pending and not s.pending[0].media_id),
+            key=lambda s: s.pending[0].num_cells,
+        )
+        for slot in ready:
+            if budget == 0:
+                break
+            n = text_take_size(slot.pending, budget, self.rt.batch_size)
+            if n == 0:
+                continue
+            head = slot.pending[0]
+            if not self._make_room(slot, n, n, head.group):
+                continue  # finished, or a reprefill put other items first
+            item = take_text(slot.pending, n)
+            assert slot.ledger is not None
+            last = not slot.pending
+            end = batch.add(item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=last)
+            taken.append((slot, item, end if last else None))
+            budget -= n
+        if not taken:
+            return
+        t0 = time.perf_counter()
+        rc = self.rt.decode()
+        self.stats.num_decodes += 1
+        if len({slot.seq for slot, _, _ in taken}) > 1:
+            self.stats.num_multi_seq_decodes += 1
+        if rc != 0:
+            log.error("llama_decode returned %d for a batch the ledgers admitted", rc)
+            self._decode_alone(taken)  # a failed decode changes nothing: find the culprit
+            return
+        elapsed = time.perf_counter() - t0
+        for slot, item, logits_at in taken:
+            assert slot.ledger is not None
+            slot.ledger.append(item)
+            if slot.prefilling:
+                self._progress(slot, item.num_cells)
+            else:
+                slot.usage.decode_seconds += elapsed
+            if logits_at is not None:
+                self._sample(slot, logits_at)
+
+    def _decode_alone(self, taken: list[tuple[Slot, Item, int | None]]) -> None:
+        """Decode each sequence of a failed batch on its own: only those that fail again end."""
+        batch = self.rt.batch
+        for slot, item, logits_at in taken:
+            assert slot.ledger is not None
+            batch.clear()
+            end = batch.add(item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=True)
+            rc = self.rt.decode()
+            self.stats.num_decodes += 1
+            if rc != 0:
+                why = Problem(
+                    ErrorKind.INTERNAL, f"llama_decode failed (rc={rc})", Reason.DECODE_FAILED
+                )
+                self.finish(slot, FinishReason.ERROR, error=why.message, problem=why)
+                continue
+            slot.ledger.append(item)
+            self._progress(slot, item.num_cells)
+            if logits_at is not None:
+                self._sample(slot, end)  # before the next decode wipes these logits
+
+    def _sample(self, slot: Slot, index: int) -> None:
+        job = slot.job
+        assert job is not None
+        if slot.prefilling:
+            slot.prefilling = False
+            slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
+            self.on_first_token(slot.usage.prefill_seconds)
+        token = self.rt.sample(slot.sampler, index)
+        if self.rt.is_eog(token):
+            self.finish(slot, FinishReason.STOP)
+            return
+        slot.usage.num_generated_tokens += 1
+        self.stats.num_generated_tokens += 1
+        delta = TokenDelta((token,), slot.text.push(self.rt.piece(token)))
+        slot.unsent = slot.unsent.merged(delta) if slot.unsent else delta
+        if slot.text.stopped_by is not None:
+            self.finish(slot, FinishReason.STOP, stop_string=slot.text.stopped_by)
+            return
+        if slot.usage.num_generated_tokens >= job.max_tokens:
+            self.finish(slot, FinishReason.LENGTH)
+            return
+        n = len(slot.unsent.token_ids)
+        if n >= job.stream_tokens or slot.usage.num_generated_tokens == 1:
+            self.send_delta(slot)
+        slot.pending.append(Item(1, 1, slot.reply_index, token_ids=(token,), generated=True))
+
+    def send_delta(self, slot: Slot, tail: str = "") -> None:
+        delta, slot.unsent = slot.unsent, None
+        if tail:
+            delta = delta.merged(TokenDelta((), tail)) if delta else TokenDelta((), tail)
+        if delta is not None and slot.job is not None:
+            slot.job.emit(delta)
+
+    # -- the ledger's plans -------------------------------------------------------------------
+
+    def _make_room(self, slot: Slot, num_cells: int, num_positions: int, group: int | None) -> bool:
+        """Carry out the ledger's plan for the next decode; False when the slot cannot go on."""
+        ledger = slot.ledger
+        assert ledger is not None and slot.job is not None
+        plan: Plan = ledger.ensure(num_cells, num_positions, group=group)
+        if isinstance(plan, Fits):
+            return True
+        if isinstance(plan, CannotFit):
+            self.on_cannot_fit(slot, plan, num_cells)
+            if slot.prefilling:
+                why = too_long(plan)
+                self.finish(slot, FinishReason.ERROR, error=why.message, problem=why)
+            else:
+                self.finish(slot, FinishReason.LENGTH)
+            return False
+        if isinstance(plan, Shift):
+            self.rt.seq_rm(slot.seq, plan.p0, plan.p1)
+            self.rt.seq_add(slot.seq, plan.p1, -plan.delta)
+        elif isinstance(plan, Gap):
+            self.rt.seq_rm(slot.seq, plan.p0, plan.p1)
+        elif isinstance(plan, Reprefill):
+            self.rt.seq_clear(slot.seq)
+        ledger.apply(plan)
+        if isinstance(plan, Reprefill):
+            slot.pending.extendleft(reversed(plan.kept))
+        slot.usage.num_shifts += 1
+        slot.usage.num_evicted_cells += plan.num_cells_evicted
+        self.on_shift(slot)
+        self.stats.num_shifts += 1
+        self.send_delta(slot)  # the tokens before the shift go before it
+        self.stats.num_evicted_cells += plan.num_cells_evicted
+        used = policy_of(plan).value
+        self.stats.shifts_by_policy[used] = self.stats.shifts_by_policy.get(used, 0) + 1
+        if isinstance(plan, Reprefill):  # the ledger is empty until the kept items are decoded
+            used_after = sum(i.num_cells for i in plan.kept)
+            next_pos_after = sum(i.num_positions for i in plan.kept)
+        else:
+            used_after, next_pos_after = ledger.num_cells, ledger.next_pos
+        slot.job.emit(
+            ContextShift(
+                policy=policy_of(plan),
+                num_cells_evicted=plan.num_cells_evicted,
+                num_positions_evicted=plan.num_positions_evicted,
+                media_ids_evicted=tuple(plan.media_ids_evicted),
+                num_cells_used_after=used_after,
+                next_position_after=next_pos_after,
+            )
+        )
+        return not isinstance(plan, Reprefill)
+
+    def _progress(self, slot: Slot, num_cells: int) -> None:
+        if not slot.prefilling or slot.job is None:
+            return
+        slot.num_prefill_done += num_cells
+        slot.job.emit(PrefillProgress(slot.num_prefill_done, slot.num_prefill_total))
+
+
+def _job_media(slot: Slot, key: str) -> MediaHandle:
+    assert slot.job is not None
+    return slot.job.media[key]
+
+
+def text_take_size(pending: deque[Item], budget: int, batch_size: int) -> int:
+    """How many tokens of the front text items go into this batch.
+
+    Grouped (wrapper) text goes whole unless it is larger than a whole batch; ungrouped text of
+    one message joins the next items of the same message and origin (a re-prefill after a long
+    reply would otherwise cost a llama_decode per generated token).
+    """
+    first = pending[0]
+    if first.num_cells > budget:
+        return 0 if first.group is not None and first.num_cells <= batch_size else budget
+    n = first.num_cells
+    if first.group is not None:
+        return n
+    for item in itertools.islice(pending, 1, None):
+        if not _joins(first, item) or n == budget:
+            break
+        n += min(item.num_cells, budget - n)
+    return n
+
+
+def _joins(first: Item, item: Item) -> bool:
+    return (
+        item.media_id is None
+        and item.group is None
+        and (item.message_index, item.generated) == (first.message_index, first.generated)
+    )
+
+
+def take_text(pending: deque[Item], n: int) -> Item:
+    """Pop n tokens from the front text items (as text_take_size counted them) as one item."""
+    first = pending[0]
+    if n == first.num_cells:  # the common case: one generated token, or one whole chunk
+        return pending.popleft()
+    tokens: list[int] = []
+    while len(tokens) < n:
+        item = pending[0]
+        k = min(item.num_cells, n - len(tokens))
+        tokens.extend(item.token_ids[:k])
+        if k == item.num_cells:
+            pending.popleft()
+        else:
+            rest = item.token_ids[k:]
+            pending[0] = replace(item, num_cells=len(rest), num_positions=len(rest), token_ids=rest)
+    return replace(first, num_cells=n, num_positions=n, token_ids=tuple(tokens))
+
+
+def policy_of(plan: Plan) -> Policy:
+    if isinstance(plan, Shift):
+        return Policy.SHIFT
+    if isinstance(plan, Gap):
+        return Policy.GAP
+    return Policy.REPREFILL

@@ -1,0 +1,588 @@
+"""The session manager: sessions in memory and on disk, their slots, swap-out and swap-in.
+
+Everything here runs on the engine thread, except what it hands to its io thread: session
+writes, the reads before a swap-in, deletions and the collection of pixels no session needs.
+The io thread does them in order. A session owns its slot between turns, is saved after every
+completed turn, is swapped out (least recently used) when the slots are needed, and swapped
+back in from disk on its next turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from infer_service.events import ErrorKind, Problem, ProblemError, Reason, problem, storage_problem
+from infer_service.executor import Executor
+from infer_service.ledger import ContextConfig, Ledger
+from infer_service.media import MediaHandle, media_handle
+from infer_service.runtime import SamplingConfig
+from infer_service.session_store import CorruptSessionError, SessionStore, ledger_digest
+from infer_service.sessions import Pixels, Session
+from infer_service.slots import EngineStats, EngineStoppedError, Job, SessionError, Slot, resolve
+from slotwise_core.descriptors import Fingerprint
+from slotwise_core.native import Bitmap
+
+log = logging.getLogger("slotwise.engine")
+
+Call = Callable[[Callable[[], Any]], Future[Any]]  # run on the engine thread (Engine.call)
+
+
+class SessionManager:
+    def __init__(
+        self,
+        executor: Executor,
+        slots: list[Slot],
+        store: SessionStore | None,
+        stats: EngineStats,
+        *,
+        call: Call,
+        notify: Callable[[], None],
+    ):
+        self.executor = executor
+        self.rt = executor.rt
+        self.slots = slots
+        self.store = store
+        self.stats = stats
+        self._call = call
+        self._notify = notify
+        self.by_id: dict[str, Session] = {}
+        self.broken: dict[str, SessionError] = {}
+        # disk work, in order: session writes, reads before a swap-in, deletions
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-io")
+        self._writes = _Writes()
+        self._prefetch: dict[str, Future[_Prefetched]] = {}  # session id -> its swap-in read
+        self._restoring: set[str] = set()
+        self._deleting: set[str] = set()  # deletions queued on the io thread
+        self._orphans: set[str] = set()  # media ids a session stopped referring to
+        # io thread only (filled before it starts): the media each session's file on disk
+        # refers to, as of its last write that landed, and pixels waiting to be collected
+        self._disk_media: dict[str, set[str]] = {}
+        self._io_orphans: set[str] = set()
+        if store is not None:
+            for session_id in store.ids():
+                self._register(session_id, self._read_header(session_id))
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+
+    # -- the RPCs' side (engine thread) -------------------------------------------------------
+
+    def create(
+        self, session_id: str, context: ContextConfig, sampling: SamplingConfig
+    ) -> tuple[Session, Future[None] | None]:
+        """The new session, and its first write (await it off the engine thread)."""
+        if session_id in self._deleting:  # its deletion must land before a new file does
+            raise _error(
+                ErrorKind.FAILED_PRECONDITION,
+                Reason.SESSION_BUSY,
+                f"session {session_id!r} is being deleted; retry",
+            )
+        if session_id in self.by_id or session_id in self.broken or session_id in self._restoring:
+            raise _error(
+                ErrorKind.ALREADY_EXISTS,
+                Reason.SESSION_EXISTS,
+                f"session {session_id!r} already exists",
+            )
+        session = Session(session_id, context, sampling, self.executor.new_ledger(context))
+        self.by_id[session_id] = session
+        return session, self._save(session, b"")
+
+    def delete(self, session_id: str) -> Future[bool] | None:
+        """Forget the session; returns the disk deletion (ordered after its pending writes),
+        whose result says whether a file was there."""
+        was_broken = self.broken.pop(session_id, None) is not None
+        session = self.by_id.get(session_id)
+        if session is None and self.store is None:
+            raise self._not_found(session_id)
+        if session_id in self._restoring:
+            raise _error(
+                ErrorKind.FAILED_PRECONDITION,
+                Reason.SESSION_BUSY,
+                f"session {session_id!r} is being restored",
+            )
+        if session is not None:
+            self.idle(session_id)
+            if session.slot is not None:
+                self.swap_out(self.slots[session.slot], save=False)
+            del self.by_id[session_id]
+            session.release()
+        if self.store is None:
+            return None
+        store = self.store
+        queued = self._writes.take(session_id)  # a write not started yet: it must not land
+        for f in queued.futures if queued else ():
+            resolve(f, error=ProblemError(problem(
+                ErrorKind.NOT_FOUND, Reason.SESSION_NOT_FOUND,
+                f"session {session_id!r} was deleted before this was saved",
+            )))  # fmt: skip
+        if session is not None:
+            self._orphans |= session.media_ids()
+        collect = self._pixel_collector()
+
+        def delete() -> bool:
+            found = store.delete(session_id)
+            self._io_orphans |= self._disk_media.pop(session_id, set())
+            collect()
+            if not (found or was_broken or session is not None):
+                raise self._not_found(session_id)
+            return found
+
+        self._deleting.add(session_id)
+        deleted = self._io.submit(delete)
+
+        def done(_: Future[bool]) -> None:  # a new session of this id may be created now
+            with contextlib.suppress(EngineStoppedError):
+                self._call(lambda: self._deleting.discard(session_id))
+
+        deleted.add_done_callback(done)
+        return deleted
+
+    def save(self, session_id: str) -> tuple[Session, Future[None] | None]:
+        session = self.idle(session_id)
+        slot = self.slots[session.slot] if session.slot is not None else None
+        return session, self._save(session, self.executor.state_of(slot) if slot else None)
+
+    def restore(self, session_id: str) -> Future[Session]:
+        """Forget the in-memory state and read the session back from disk. The read runs on
+        the io thread (after pending writes) and the restore completes even if its caller has
+        gone; the future gives the restored session."""
+        session = self.idle(session_id)
+        if self.store is None:
+            raise _error(
+                ErrorKind.FAILED_PRECONDITION,
+                Reason.NOT_PERSISTED,
+                "sessions are not persisted (no --sessions-dir)",
+            )
+        if session.slot is not None:
+            self.swap_out(self.slots[session.slot], save=False)
+        session.release()
+        del self.by_id[session_id]
+        self._restoring.add(session_id)
+        done: Future[Session] = Future()
+
+        def register(header: dict[str, Any] | BaseException) -> None:  # engine thread
+            self._restoring.discard(session_id)
+            try:
+                self._register(session_id, header)
+                resolve(done, self.get(session_id))
+            except Exception as e:  # the restore's caller hears it, whatever it is
+                resolve(done, error=e)
+
+        def read() -> None:  # io thread
+            header = self._read_header(session_id)
+            try:
+                self._call(lambda: register(header))
+            except EngineStoppedError as e:
+                resolve(done, error=e)
+
+        self._io.submit(read)
+        return done
+
+    def get(self, session_id: str) -> Session:
+        if session_id in self.broken:
+            raise self.broken[session_id]
+        session = self.by_id.get(session_id)
+        if session is None:
+            raise self._not_found(session_id)
+        return session
+
+    def idle(self, session_id: str) -> Session:
+        session = self.get(session_id)
+        if session.busy:
+            raise _error(
+                ErrorKind.FAILED_PRECONDITION,
+                Reason.SESSION_BUSY,
+                f"session {session_id!r} has a turn running",
+            )
+        return session
+
+    def begin_turn(self, session_id: str) -> Session:
+        session = self.idle(session_id)
+        session.busy = True
+        return session
+
+    def abort_turn(self, session_id: str) -> None:
+        """A turn refused before it reached the queue: nothing changed."""
+        if session_id in self.by_id:
+            self.by_id[session_id].busy = False
+
+    def _not_found(self, session_id: str) -> SessionError:
+        return _error(ErrorKind.NOT_FOUND, Reason.SESSION_NOT_FOUND, f"no session {session_id!r}")
+
+    # -- turns (engine thread) ----------------------------------------------------------------
+
+    def slot_of(self, session_id: str) -> int | None:
+        session = self.by_id.get(session_id)
+        return session.slot if session is not None else None
+
+    def last_used(self, session_id: str) -> float:
+        return self.by_id[session_id].last_used
+
+    def ready(self, job: Job, num_free_slots: int) -> bool:
+        """A session that is not in a slot has its saved state read off the engine thread
+        first; until then its turn waits (and the engine wakes when the read is done)."""
+        if not self._needs_read(job):
+            return True
+        session = self.by_id[job.session_id]  # type: ignore[index]
+        prefetch = self._prefetch.get(session.session_id)
+        if prefetch is None:
+            if self._reads_in_flight() >= num_free_slots:
+                return False  # a state read per free slot at most: each holds a KV state
+            prefetch = self._io.submit(self._read_for_swap_in, session.session_id,
+                                       ledger_digest(session.ledger.to_json()),
+                                       dict(session.pixels), dict(session.rgb))  # fmt: skip
+            self._prefetch[session.session_id] = prefetch
+            prefetch.add_done_callback(lambda _: self._notify())
+        return prefetch.done()
+
+    def waits_for_read(self, job: Job, num_free_slots: int) -> bool:
+        """Its session's state is being read, or must wait for a read to end before its own
+        starts (the end of a read wakes the engine)."""
+        read = self._prefetch.get(job.session_id or "")
+        if read is not None:
+            return not read.done()
+        return self._needs_read(job) and self._reads_in_flight() >= num_free_slots
+
+    def _needs_read(self, job: Job) -> bool:
+        if job.session_id is None or self.store is None:
+            return False
+        session = self.by_id.get(job.session_id)
+        return session is not None and session.slot is None and bool(session.ledger.segments)
+
+    def _reads_in_flight(self) -> int:
+        return sum(1 for f in self._prefetch.values() if not f.done())
+
+    def enter(self, slot: Slot, job: Job) -> tuple[Ledger, int, bool]:
+        """The session's turn takes slot: its ledger, the segment where the turn's prompt
+        starts, and whether the sequence must be re-prefilled (its state did not load)."""
+        assert job.session_id is not None
+        session = self.get(job.session_id)
+        # what an unfinished turn rolls back to: its last completed turn
+        session.snapshot = (session.ledger.to_json(), session.num_shifts)
+        reprefill = session.slot is None and not self._swap_in(session, slot)
+        session.media.update(job.media)
+        session.pixels.update(job.pixels)
+        session.rgb.update(job.rgb)
+        job.media, job.rgb = {}, {}  # the session owns the native chunks and pixels now
+        return session.ledger, session.ledger.generated_tail(), reprefill
+
+    def end_turn(self, job: Job, *, completed: bool) -> Future[None] | None:
+        """Completed: save the session (returns the write). Not: back to the last completed
+        turn (the ledger from the snapshot; the KV state from disk, or re-prefilled)."""
+        self._prefetch.pop(job.session_id or "", None)
+        if job.session_id is None or job.session_id not in self.by_id:
+            return None
+        session = self.by_id[job.session_id]
+        session.busy = False
+        session.last_used = time.monotonic()
+        snapshot, session.snapshot = session.snapshot, None
+        if completed:
+            session.num_turns += 1
+            self._orphans |= session.prune()
+            assert session.slot is not None
+            return self._save(session, self.executor.state_of(self.slots[session.slot]))
+        if snapshot is not None:
+            if session.slot is not None:
+                self.swap_out(self.slots[session.slot], save=False)
+            session.ledger.load_json(snapshot[0])
+            session.num_shifts = snapshot[1]
+        self._orphans |= session.prune()
+        return None
+
+    def on_shift(self, slot: Slot) -> None:
+        if slot.owner is not None:
+            self.by_id[slot.owner].num_shifts += 1
+
+    def media_of(self, slot: Slot, key: str) -> MediaHandle:
+        """A slot's native media chunk: the job's, or its session's (made from the pixels
+        when needed: a session swapped in from its KV state has none)."""
+        assert slot.job is not None
+        if slot.owner is None:
+            return slot.job.media[key]
+        session = self.by_id[slot.owner]
+        handle = session.media.get(key)
+        if handle is None:
+            px = session.pixels[key]
+            rgb = session.rgb.get(px.media_id)
+            if rgb is None:
+                assert self.store is not None
+                rgb = self.store.load_media(px.media_id, px.width, px.height)
+            handle = session.media[key] = self._media_handle(key, px, rgb)
+        return handle
+
+    def _media_handle(self, key: str, px: Pixels, rgb: bytes) -> MediaHandle:
+        assert self.rt.mtmd is not None
+        return media_handle(self.rt.mtmd, key, Bitmap(px.width, px.height, rgb, px.media_id))
+
+    # -- slots --------------------------------------------------------------------------------
+
+    def swap_out(self, slot: Slot, *, save: bool = True) -> None:
+        """The slot's session leaves it, and its media handles are freed. It was saved when its
+        last turn completed; if that save failed, this is the chance to write it again."""
+        assert slot.owner is not None
+        session = self.by_id[slot.owner]
+        if save and session.dirty and self.store is not None:
+            self._save(session, self.executor.state_of(slot))
+        session.slot = None
+        session.release()
+        self.executor.clear(slot)
+        slot.owner, slot.ledger = None, None
+
+    def _swap_in(self, session: Session, slot: Slot) -> bool:
+        """Put a session's KV state into slot; False when it must be re-prefilled from its
+        ledger instead (no saved state, another context layout or ledger, or a state that does
+        not load)."""
+        if slot.ledger is not None and slot.owner is None:
+            self.executor.stash(slot)
+            slot.ledger = None
+        self.executor.clear(slot)
+        session.slot, slot.owner = slot.seq, session.session_id
+        self.stats.num_session_restores += 1
+        if not session.ledger.segments:
+            return True
+        prefetch = self._prefetch.pop(session.session_id, None)
+        if prefetch is None or prefetch.exception() is not None:
+            return False
+        got = prefetch.result()
+        if got.kv_state and self.executor.load_state(slot, got.kv_state):
+            return True
+        for key, px in session.pixels.items():  # a re-prefill encodes them: handles now
+            rgb = got.rgb.get(px.media_id) or session.rgb.get(px.media_id)
+            if rgb is not None and key not in session.media:
+                session.media[key] = self._media_handle(key, px, rgb)
+        return False
+
+    def _read_for_swap_in(
+        self, session_id: str, digest: str, pixels: dict[str, Pixels], rgb: dict[str, bytes]
+    ) -> _Prefetched:
+        """On the io thread: the KV state if it belongs to the session's ledger (digest) and
+        this context's layout; otherwise the pixels its re-prefill needs."""
+        assert self.store is not None
+        try:
+            saved = self.store.load(session_id)
+        except (KeyError, CorruptSessionError, OSError) as e:
+            log.warning("session %r: saved state unusable (%s); re-prefilling", session_id, e)
+        else:
+            header = saved.header
+            if header.get("layout") == self.rt.layout and header.get("kv_digest") == digest:
+                return _Prefetched(saved.kv_state, {})
+            if saved.kv_state:
+                log.info(
+                    "session %r: KV state on disk is not its ledger's: re-prefilling", session_id
+                )
+        loaded: dict[str, bytes] = {}
+        for px in pixels.values():
+            if px.media_id not in rgb and px.media_id not in loaded:
+                with contextlib.suppress(CorruptSessionError, OSError):  # the turn says so later
+                    loaded[px.media_id] = self.store.load_media(px.media_id, px.width, px.height)
+        return _Prefetched(b"", loaded)
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def _save(
+        self, session: Session, kv_state: bytes | bytearray | memoryview | None
+    ) -> Future[None] | None:
+        """Write the session's whole current state (KV state None: keep the KV bytes on disk).
+
+        The write runs on the io thread and depends on no earlier write: after a failure the
+        next save writes everything again. A save queued behind a running one is replaced by a
+        newer one of the same session (pending saves stay bounded).
+        """
+        if self.store is None:
+            return None
+        header = session.header(self.rt.fingerprint, self.rt.layout, "")
+        kv_digest = ledger_digest(header["ledger"]) if kv_state is not None else ""
+        media = {px.media_id for px in session.pixels.values() if px.media_id in session.rgb}
+        future: Future[None] = Future()
+        sid = session.session_id
+        session.dirty = True
+        session.num_saves += 1
+        number = session.num_saves
+        write = _Write(header, kv_state, kv_digest, [(m, session.rgb[m]) for m in media], [future])
+        if self._writes.queue(sid, write):
+            self._io.submit(self._write, sid)
+
+        def saved(done: Future[None]) -> None:  # back on the engine thread: drop what is on disk
+            if not done.cancelled() and done.exception() is None:
+                with contextlib.suppress(EngineStoppedError):
+                    self._call(lambda: self._saved(sid, number, media))
+
+        future.add_done_callback(saved)
+        return future
+
+    def _write(self, session_id: str) -> None:
+        """On the io thread: the newest queued state of one session, pixels first."""
+        assert self.store is not None
+        write = self._writes.take(session_id)
+        if write is None:
+            return
+        try:
+            for media_id, rgb in write.pixels:
+                self.store.save_media(media_id, rgb)
+            header = write.header
+            state, header["kv_digest"] = write.kv_state, write.kv_digest
+            if state is None:  # the KV bytes on disk stay, with their ledger's digest and layout
+                try:
+                    saved = self.store.load(session_id)
+                    state = saved.kv_state
+                    header["kv_digest"] = saved.header.get("kv_digest", "")
+                    header["layout"] = saved.header.get("layout")
+                except (KeyError, CorruptSessionError):
+                    state, header["kv_digest"] = b"", ""
+            self.store.save(session_id, header, state)
+        except Exception as e:  # every waiter hears it: a full disk, or anything else
+            log.warning("session %r not saved: %s", session_id, e)
+            failure = ProblemError(
+                storage_problem(e, "the turn was not saved")
+                if isinstance(e, OSError)
+                else Problem(ErrorKind.INTERNAL, f"the turn was not saved: {e!r}", Reason.INTERNAL)
+            )
+            for f in write.futures:
+                resolve(f, error=failure)
+        else:
+            self._disk_media[session_id] = {px["media_id"] for px in header["pixels"].values()}
+            for f in write.futures:
+                resolve(f, None)
+
+    def _saved(self, session_id: str, number: int, media_ids: set[str]) -> None:
+        session = self.by_id.get(session_id)
+        if session is None:
+            return
+        if number == session.num_saves:  # the newest save asked for is on disk
+            session.dirty = False
+        for media_id in media_ids:
+            session.rgb.pop(media_id, None)
+        if self._orphans:
+            self._io.submit(self._pixel_collector())
+
+    def _pixel_collector(self) -> Callable[[], None]:
+        """(Engine thread) what the io thread runs to delete the saved pixels no session needs
+        any more: none in memory (snapshot now) and none in a file on disk (as of the last
+        write that landed, known on the io thread when it runs). The disk stays bounded by
+        what sessions hold. With a broken session file around, whose needs are unknown,
+        nothing is deleted."""
+        store = self.store
+        assert store is not None
+        candidates, self._orphans = self._orphans, set()
+        in_memory = {m for s in self.by_id.values() for m in (*s.media_ids(), *s.rgb)}
+        broken = bool(self.broken)
+
+        def collect() -> None:
+            self._io_orphans |= candidates
+            if broken:
+                return
+            on_disk = set().union(*self._disk_media.values())
+            gone = self._io_orphans - in_memory - on_disk
+            self._io_orphans -= gone
+            for media_id in gone:
+                store.delete_media(media_id)
+
+        return collect
+
+    # -- reading sessions ---------------------------------------------------------------------
+
+    def _read_header(self, session_id: str) -> dict[str, Any] | BaseException:
+        """A session file's header (or why it is unusable), off the engine thread: the pixels
+        of every image its ledger holds must be there too (they are hashed when read)."""
+        assert self.store is not None
+        try:
+            header = self.store.load_header(session_id)
+            held = {seg.get("media") for seg in header.get("ledger", ())} - {None}
+            for key, px in dict(header.get("pixels", {})).items():
+                if key in held and not self.store.has_media(px["media_id"]):
+                    raise CorruptSessionError(f"pixels of media {px['media_id'][:12]} are missing")
+            self._disk_media[session_id] = {px["media_id"] for px in header["pixels"].values()}
+        except Exception as e:  # whatever is wrong with the file, the session is reported
+            return e
+        return header
+
+    def _register(self, session_id: str, header: dict[str, Any] | BaseException) -> None:
+        try:
+            if isinstance(header, BaseException):
+                raise header
+            fp = header.get("fingerprint", {})
+            if Fingerprint(**fp) != self.rt.fingerprint:
+                raise _error(
+                    ErrorKind.FAILED_PRECONDITION,
+                    Reason.SESSION_FOREIGN,
+                    f"session {session_id!r} was saved with another model ({str(fp)[:80]})",
+                )
+            session = Session.from_header(session_id, header, self.executor.new_ledger)
+            self._orphans |= session.prune()
+        except SessionError as e:
+            log.warning("%s", e)
+            self.broken[session_id] = e
+            return
+        except KeyError as e:
+            if e.args == (session_id,):  # no file (deleted meanwhile)
+                return
+            self._unreadable(session_id, e)
+            return
+        except Exception as e:  # CorruptSessionError, OSError, a header of the wrong shape, ...
+            self._unreadable(session_id, e)
+            return
+        self.by_id[session_id] = session
+
+    def _unreadable(self, session_id: str, e: BaseException) -> None:
+        log.warning("session %r is unreadable: %s", session_id, e)
+        self.broken[session_id] = _error(
+            ErrorKind.DATA_LOSS,
+            Reason.SESSION_UNREADABLE,
+            f"session {session_id!r} is unreadable: {e}",
+        )
+
+
+def _error(kind: ErrorKind, reason: Reason, message: str) -> SessionError:
+    return SessionError(kind, message, reason)
+
+
+@dataclass
+class _Prefetched:
+    """What a swap-in needs, read on the io thread: a usable KV state, or pixels to
+    re-prefill with."""
+
+    kv_state: bytes
+    rgb: dict[str, bytes]
+
+
+@dataclass
+class _Write:
+    header: dict[str, Any]
+    kv_state: bytes | bytearray | memoryview | None
+    kv_digest: str
+    pixels: list[tuple[str, bytes]]
+    futures: list[Future[None]]
+
+
+class _Writes:
+    """Per session, the newest state waiting for the io thread: one queued write each, so a
+    slow or full disk holds at most one pending state per session, not one per turn."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queued: dict[str, _Write] = {}
+
+    def queue(self, session_id: str, write: _Write) -> bool:
+        """True when a write must be scheduled (none was queued for this session)."""
+        with self._lock:
+            old = self._queued.get(session_id)
+            if old is None:
+                self._queued[session_id] = write
+                return True
+            if write.kv_state is None:  # keeps the KV bytes: those of the queued write
+                write.kv_state, write.kv_digest = old.kv_state, old.kv_digest
+            write.pixels[:0] = old.pixels
+            write.futures[:0] = old.futures
+            self._queued[session_id] = write
+            return False
+
+    def take(self, session_id: str) -> _Write | None:
+        with self._lock:
+            return self._queued.pop(session_id, None)

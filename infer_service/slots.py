@@ -1,0 +1,180 @@
+"""What the engine's parts share: a request (Job), a slot, the engine's errors and counters."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+from infer_service.events import (
+    ErrorKind,
+    Event,
+    Problem,
+    ProblemError,
+    Reason,
+    TokenDelta,
+    Usage,
+    problem,
+)
+from infer_service.ledger import CannotFit, ContextConfig, Item, Ledger
+from infer_service.media import MediaHandle, media_key
+from infer_service.runtime import SamplingConfig
+from infer_service.sessions import Pixels
+from infer_service.text_stream import TextStream
+from slotwise_core.descriptors import MediaChunk, PreparedPrompt
+
+if TYPE_CHECKING:
+    import numpy as np
+
+log = logging.getLogger("slotwise.engine")
+T = TypeVar("T")
+
+
+class QueueFullError(ProblemError):
+    pass
+
+
+class SessionError(ProblemError):
+    def __init__(self, kind: ErrorKind, message: str, reason: Reason = Reason.INTERNAL):
+        super().__init__(Problem(kind, message, reason))
+
+
+class EngineStoppedError(ProblemError):
+    """The engine thread is gone (stopped, or died): nothing more will run."""
+
+
+@dataclass(eq=False)  # a job is itself: the wait queue removes this one, not an equal one
+class Job:
+    items: list[Item]
+    media: dict[str, MediaHandle]
+    emit: Callable[[Event], None]
+    sampling: SamplingConfig = SamplingConfig()
+    context: ContextConfig = ContextConfig()
+    max_tokens: int = 256
+    stop: Sequence[str] = ()
+    deadline: float | None = None  # time.monotonic()
+    session_id: str | None = None
+    stream_tokens: int = 1  # tokens per TokenDelta
+    pixels: dict[str, Pixels] = field(default_factory=dict)
+    rgb: dict[str, bytes] = field(default_factory=dict)  # media_id -> pixels (session turns)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    resume: int | None = None  # a StateCache entry to continue (chosen with the slot)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def release(self) -> None:
+        for h in self.media.values():
+            h.close()
+
+    def expired(self, now: float) -> bool:
+        return self.cancelled.is_set() or (self.deadline is not None and now > self.deadline)
+
+
+def prompt_items(prompt: PreparedPrompt) -> tuple[list[Item], dict[str, Pixels]]:
+    """Descriptor chunks -> ledger items (media keyed per slice of an image), and where the
+    pixels of each media key come from."""
+    items = []
+    pixels: dict[str, Pixels] = {}
+    slices: dict[int, int] = {}
+    for c in prompt.chunks:
+        group = c.media_group or None
+        if isinstance(c, MediaChunk):
+            k = slices.get(c.media_group, 0)
+            slices[c.media_group] = k + 1
+            key = media_key(c.media_id, k)
+            pixels[key] = Pixels(c.width, c.height, c.media_id)
+            items.append(
+                Item(c.num_cells, c.num_positions, c.message_index, media_id=key, group=group)
+            )
+        else:
+            n = len(c.token_ids)
+            items.append(Item(n, n, c.message_index, token_ids=c.token_ids, group=group))
+    return items, pixels
+
+
+@dataclass
+class MediaPiece:
+    """A media chunk entering the cache a piece per step."""
+
+    item: Item
+    embd: np.ndarray
+    positions: np.ndarray
+    offset: int = 0  # embeddings decoded so far
+
+
+@dataclass
+class Slot:
+    seq: int
+    job: Job | None = None
+    ledger: Ledger | None = None  # what the sequence holds, also between requests
+    owner: str | None = None  # session id whose sequence this is
+    pending: deque[Item] = field(default_factory=deque)
+    sampler: int = 0
+    text: TextStream = field(default_factory=TextStream)
+    unsent: TokenDelta | None = None  # tokens held for the next TokenDelta (stream_tokens > 1)
+    piece: MediaPiece | None = None  # a media chunk being decoded, a piece per step
+    usage: Usage = field(default_factory=Usage)
+    num_prefill_total: int = 0
+    num_prefill_done: int = 0
+    prefilling: bool = True
+    reply_index: int = 0  # message index of generated tokens
+    t_start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def num_cells(self) -> int:
+        return self.ledger.num_cells if self.ledger else 0
+
+
+@dataclass
+class EngineStats:
+    num_decodes: int = 0
+    num_multi_seq_decodes: int = 0
+    num_media_decodes: int = 0
+    num_generated_tokens: int = 0
+    num_shifts: int = 0
+    num_session_restores: int = 0
+    num_session_reprefills: int = 0
+    num_evicted_cells: int = 0
+    shifts_by_policy: dict[str, int] = field(default_factory=dict)
+
+
+def too_long(plan: CannotFit) -> Problem:
+    """A prompt that can never fit: INVALID_ARGUMENT, not the transient RESOURCE_EXHAUSTED."""
+    return problem(
+        ErrorKind.INVALID_ARGUMENT,
+        Reason.PROMPT_TOO_LONG,
+        plan.message,
+        cells_needed=plan.num_cells_needed,
+        capacity=plan.num_capacity_cells,
+        pinned_cells=plan.num_pinned_cells,
+    )
+
+
+def cancelled(deadline: bool, why: str) -> Problem:
+    if deadline:
+        return Problem(ErrorKind.DEADLINE_EXCEEDED, why, Reason.DEADLINE_EXCEEDED)
+    return Problem(ErrorKind.CANCELLED, why, Reason.CANCELLED)
+
+
+def resolve(future: Future[T], result: T | None = None, error: BaseException | None = None) -> None:
+    """Settle a future whose waiter may have given up on it (cancelled): that is no error."""
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)  # type: ignore[arg-type]
+
+
+def safely(emit: Callable[[Event], None], event: Event) -> None:
+    """Tell a caller that may already be gone (its loop closed): that must not stop us."""
+    try:
+        emit(event)
+    except Exception:
+        log.debug("a caller could not be told %r", event, exc_info=True)
