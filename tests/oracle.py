@@ -1,22 +1,23 @@
 """The oracle: the ledger against real llama.cpp, decode for decode, no gRPC in between.
 
-A driver owns one ``Runtime`` (one context, ``parallel`` 1, a tight ``ctx_size``) and one
-``Ledger`` per run. A run is a random script of chat turns -- text of random length (byte
-tokens 0..255), Pillow-made RGB images of random size, runs of greedily generated tokens, and
-new requests in the used sequence (stateless re-sends and session turns: ``common_prefix`` +
-``truncate`` + ``seq_rm(cut, -1)``, as the engine starts a request) -- under a random policy
-(AUTO, SHIFT, GAP, REPREFILL, STOP), keep, discard fraction, eviction unit and ``n_ctx_train``
-bound. The driver carries out every plan the ledger gives with the real calls (``seq_rm``,
-``seq_add``, ``seq_clear``, ``llama_decode``, ``mtmd_encode_chunk`` +
-``mtmd_helper_decode_image_chunk``) the way the engine does, and after every plan and every
-decode asks llama.cpp what it holds:
+A driver owns one ``Runtime`` (three sequences, each with a tight ``ctx_size``) and drives the
+engine's own executor (infer_service/executor.py) on it: the code that carries out the
+ledger's plans, batches the text of several sequences into one ``llama_decode``, encodes
+images on its worker and decodes them in pieces. Three runs go side by side, one per sequence.
+A run is a random script of chat turns -- text of random length (byte tokens 0..255),
+Pillow-made RGB images of random size, runs of greedily generated tokens, and new requests in
+the used sequence (stateless re-sends, reused by the engine's own rules, and session turns from
+the generated tail) -- under a random policy (AUTO, SHIFT, GAP, REPREFILL, STOP), keep, discard
+fraction, eviction unit and ``n_ctx_train`` bound. After every plan and every step the driver
+asks llama.cpp what each sequence holds:
 
-- every ``llama_decode`` returns 0 and every media decode advances the position by the ledger's
-  ``num_positions`` from the ledger's ``next_pos``;
+- every ``llama_decode`` returns 0 (the executor would fail the request) and every media chunk
+  spans the positions the ledger counts;
 - the sequence's cells, read out of ``llama_state_seq_get_data`` (count, position of every cell,
   and on M-RoPE the token id stored in each cell, -1 for image cells), equal the ledger's
-  segments cell for cell; ``llama_memory_seq_pos_min/max`` agree; the ledger never holds more
-  than ``llama_n_ctx_seq`` cells;
+  segments cell for cell (an image half in: its pieces so far);
+  ``llama_memory_seq_pos_min/max`` agree; the ledger never holds more than ``llama_n_ctx_seq``
+  cells;
 - whenever the ledger answers CannotFit, the same decode done unguarded fails in llama.cpp and
   leaves the cache untouched (the ledger calls "full" exactly when llama.cpp is full: the
   decode before succeeded, the one after fails);
@@ -31,6 +32,9 @@ Usage (tests/test_oracle.py runs seeds 0..199 of every pair; sweep further with 
     python tests/oracle.py --runs 1000 --pair mrope      # one pair
     python tests/oracle.py --runs 1 --pair rope --seed 17 -v   # replay one failing seed
 
+A replayed seed runs alone: its batches differ from the sweep's, and so, rarely, its sampled
+tokens (batched float sums differ in the last bits); the script and its checks do not.
+
 The tiny model pairs are written to a temporary directory first (``--models DIR`` keeps them).
 Runtimes use one thread: on a busy 2-core machine a second spinning thread makes each decode
 up to 100x slower.
@@ -44,12 +48,14 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")
 
@@ -58,26 +64,33 @@ import numpy as np
 from llama_cpp import mtmd_cpp
 from PIL import Image, ImageDraw
 
+from infer_service.events import (
+    ContextShift,
+    Event,
+    FinishReason,
+    ProblemError,
+    Reason,
+    Started,
+    TokenDelta,
+)
+from infer_service.executor import Executor
 from infer_service.ledger import (
     Admission,
     CannotFit,
+    ContextConfig,
     EvictionUnit,
     Fits,
     Gap,
     Item,
     Ledger,
-    Plan,
     Policy,
     Reprefill,
     Segment,
     Shift,
 )
-from infer_service.runtime import (
-    EmbeddingCache,
-    Runtime,
-    RuntimeConfig,
-    SamplingConfig,
-)
+from infer_service.media import MediaHandle
+from infer_service.runtime import Runtime, RuntimeConfig, SamplingConfig
+from infer_service.slots import EngineStats, Job, Slot
 from slotwise_core import native
 from slotwise_core.tiny_models import ALL, TinyPair, write_tiny_models
 
@@ -128,13 +141,16 @@ SHAPES: dict[str, tuple[ContextShape, ...]] = {
 }
 
 
-def open_runtime(pair: TinyPair, shape: ContextShape, *, threads: int = 1) -> Runtime:
+def open_runtime(
+    pair: TinyPair, shape: ContextShape, *, lanes: int = 1, threads: int = 1
+) -> Runtime:
+    """A runtime of `lanes` sequences, each of shape.ctx_size cells."""
     return Runtime(
         RuntimeConfig(
             pair.model,
             pair.mmproj,
-            ctx_size=shape.ctx_size,
-            parallel=1,
+            ctx_size=shape.ctx_size * lanes,
+            parallel=lanes,
             batch_size=shape.batch_size,
             ubatch_size=shape.ubatch_size,
             threads=threads,
@@ -149,9 +165,11 @@ class KvProbe:
     """One sequence's cells as llama.cpp serialises them (llama_state_seq_get_data).
 
     Layout in this llama.cpp (measured, then checked on every read): 8 header bytes, u32
-    n_stream (1), u32 cell_count, then per cell: i32 pos, u32 n_seq_id (1), on M-RoPE models
-    llama_kv_cell_ext {i32 x, i32 y, i32 tok} (tok -1 for media cells), i32 seq_id; then the
-    K/V rows. The meta stride is calibrated once on a two-token sequence.
+    n_stream (one per sequence: the cache is not unified), then per stream a u32 cell_count,
+    and for the one stream that holds the sequence's cells (empty streams are skipped): per
+    cell i32 pos, u32 n_seq_id (1), on M-RoPE models llama_kv_cell_ext {i32 x, i32 y, i32 tok}
+    (tok -1 for media cells), i32 seq_id; then the K/V rows. The meta stride is calibrated once
+    on a two-token sequence.
     """
 
     def __init__(self, rt: Runtime, seq: int = SEQ):
@@ -165,18 +183,35 @@ class KvProbe:
             raise OracleError("calibration decode failed")
         words = self._words()
         rt.seq_clear(seq)
-        if words[2] != 1 or words[3] != 2 or words[4] != 7 or words[5] != 1:
-            raise OracleError(f"unexpected sequence state layout: {words[:12].tolist()}")
+        at = self._stream(words)
+        if words[2] != rt.num_slots or words[at] != 2 or words[at + 1] != 7 or words[at + 2] != 1:
+            raise OracleError(f"unexpected sequence state layout: {words[:16].tolist()}")
+        c = at + 1  # the first cell
         for stride in (3, 4, 5, 6, 7, 8):
-            if words[4 + stride] == 8 and words[5 + stride] == 1 and words[3 + stride] == seq:
+            if (
+                words[c + stride] == 8
+                and words[c + stride + 1] == 1
+                and words[c + stride - 1] == seq
+            ):
                 self.stride = stride
                 break
         else:
             raise OracleError(f"cannot find the cell stride: {words[:24].tolist()}")
         self.has_tok = self.stride == 6  # pos, n_seq_id, x, y, tok, seq_id
-        if self.has_tok and words[8] != 200:
-            raise OracleError(f"M-RoPE cell ext does not hold the token: {words[:12].tolist()}")
+        if self.has_tok and words[c + 4] != 200:
+            raise OracleError(f"M-RoPE cell ext does not hold the token: {words[:16].tolist()}")
         self.header = bytes(words[:2].tobytes())
+
+    @staticmethod
+    def _stream(words: np.ndarray) -> int:
+        """Where the cell_count of the stream holding the sequence is (the last one when the
+        sequence is empty: every count is 0)."""
+        at = 3
+        for _ in range(int(words[2]) - 1):
+            if words[at]:
+                break
+            at += 1
+        return at
 
     def _words(self) -> np.ndarray:
         ctx = self.rt.ctx
@@ -191,10 +226,11 @@ class KvProbe:
     def cells(self) -> tuple[np.ndarray, np.ndarray | None]:
         """(positions, token ids or None) of every cell of the sequence, in cache order."""
         words = self._words()
-        if bytes(words[:2].tobytes()) != self.header or words[2] != 1:
+        if bytes(words[:2].tobytes()) != self.header or words[2] != self.rt.num_slots:
             raise OracleError(f"unexpected sequence state header: {words[:4].tolist()}")
-        n = int(words[3])
-        meta = words[4 : 4 + n * self.stride].reshape(n, self.stride)
+        at = self._stream(words)
+        n = int(words[at])
+        meta = words[at + 1 : at + 1 + n * self.stride].reshape(n, self.stride)
         if n and not ((meta[:, 1] == 1).all() and (meta[:, -1] == self.seq).all()):
             raise OracleError("a cell of the sequence belongs to other sequences too")
         return meta[:, 0].copy(), (meta[:, 4].copy() if self.has_tok else None)
@@ -340,6 +376,8 @@ def _picture(r: random.Random, pair: str) -> Picture:
 
 # -- the driver ----------------------------------------------------------------------------------
 
+LANES = 3  # sequences per runtime: runs go side by side, their text in one llama_decode
+
 
 @dataclass
 class RunReport:
@@ -349,70 +387,114 @@ class RunReport:
 
 
 @dataclass
-class _Media:
-    chunk: int  # an owned copy of libmtmd's chunk (freed when the run ends)
-    key: str  # the picture and chunk index: the embedding cache's key
-    embd: np.ndarray | None = None
+class _Probe:
+    """A CannotFit to try unguarded after the step (the batch is the executor's until then)."""
+
+    item: Item
+    num_cells: int
 
 
 class _Run:
-    def __init__(self, spec: RunSpec, ledger: Ledger):
+    """One script on one slot: its conversation as the client knows it, and what it saw."""
+
+    def __init__(self, spec: RunSpec, slot: Slot):
         self.spec = spec
-        self.ledger = ledger
+        self.slot = slot
+        self.steps = deque(spec.steps)
         self.rng = random.Random(f"exec:{spec.pair}:{spec.seed}")
-        self.media: dict[str, _Media] = {}
-        self.next_token: int | None = None
+        self.media: dict[str, MediaHandle] = {}
         self.history: list[Item] = []  # the conversation as the client knows it
+        self.sent: list[Item] = []  # what the job running now was given
         self.last_reply: list[int] = []  # the tokens of the last generation step
+        self.reply: list[int] = []  # tokens of the job running now
         self.message = -1
         self.group = 0
         self.counts: Counter[str] = Counter()
         self.trail: deque[str] = deque(maxlen=12)
+        self.probes: list[_Probe] = []
+        self.error: OracleError | None = None
+        self.stopped = False  # STOP refused a prompt: the script ends there
+        self.t0 = time.perf_counter()
+
+    @property
+    def ledger(self) -> Ledger:
+        assert self.slot.ledger is not None
+        return self.slot.ledger
+
+    def fail(self, e: BaseException) -> None:
+        if self.error is None:
+            what = str(e) if isinstance(e, OracleError) else f"{type(e).__name__}: {e}"
+            trail = "\n  ".join(self.trail)
+            self.error = OracleError(f"{what}\n{self.spec.describe()}\nlast steps:\n  {trail}")
+
+    def emit(self, event: Event) -> None:
+        if isinstance(event, TokenDelta):
+            self.reply += event.token_ids
+        elif isinstance(event, ContextShift):
+            self.counts[event.policy.name.capitalize()] += 1
+            self.counts["cells_evicted"] += event.num_cells_evicted
+            self.trail.append(
+                f"{event.policy.name} evicted {event.num_cells_evicted} cells -> "
+                f"{event.num_cells_used_after} cells, next_pos {event.next_position_after}"
+            )
+        elif isinstance(event, Started):
+            self.counts["prompts_truncated"] += event.num_truncated_chunks > 0
+            self.counts["cells_reused"] += event.num_reused_cells
 
 
 class Oracle:
-    """Drives one runtime's sequence 0 and checks it against the ledger after every step."""
+    """Drives the engine's executor on every sequence of one runtime, several runs side by
+    side, and checks each sequence against its ledger after every plan and every step."""
 
-    def __init__(self, rt: Runtime, *, reencode: float = 0.2):
-        """``reencode``: how often a re-decoded image is encoded again instead of reusing its
-        embeddings (kept per run, and across runs in a small cache)."""
-        if rt.num_slots != 1:
-            raise ValueError("the oracle drives contexts with one sequence")
+    def __init__(self, rt: Runtime):
         self.rt = rt
-        self.reencode = reencode
-        self.embeddings = EmbeddingCache(64 << 20)
         self.capacity = rt.num_cells_per_slot
-        self.probe = KvProbe(rt)
-        self.sampler = rt.sampler(SamplingConfig(temperature=0))
+        self.probes = [KvProbe(rt, seq) for seq in range(rt.num_slots)]
+        self.slots = [Slot(seq) for seq in range(rt.num_slots)]
+        self.stats = EngineStats()
+        self._woken = threading.Event()
+        self.executor = Executor(
+            rt, self.stats, cache_bytes=64 << 20, state_cache_bytes=0, notify=self._woken.set
+        )
+        self.executor.finish = self._finish
+        self.executor.media_of = self._media_of
+        self.executor.on_shift = self._on_shift
+        self.executor.on_cannot_fit = self._on_cannot_fit
+        self._runs: dict[int, _Run] = {}  # seq -> the run on it
         self._cells_of: dict[int, tuple[Segment, np.ndarray, np.ndarray]] = {}
 
     def close(self) -> None:
-        self.rt.free_sampler(self.sampler)
+        self.executor.close()
 
     # -- public -------------------------------------------------------------------------------
 
     def run(self, spec: RunSpec) -> RunReport:
-        t0 = time.perf_counter()
-        ledger = self.new_ledger(
-            spec.policy,
-            keep=spec.keep,
-            discard_fraction=spec.discard_fraction,
-            unit=spec.unit,
-            n_ctx_train=spec.n_ctx_train,
-        )
-        run = _Run(spec, ledger)
-        try:
-            with self._fresh(run):
-                for step in spec.steps:
-                    if isinstance(step, Generate):
-                        self._generate(run, step.num_tokens)
-                    elif not self._prompt(run, step):
-                        break
-        except Exception as e:  # the ledger's own checks and NativeError count as well
-            what = str(e) if isinstance(e, OracleError) else f"{type(e).__name__}: {e}"
-            trail = "\n  ".join(run.trail)
-            raise OracleError(f"{what}\n{spec.describe()}\nlast steps:\n  {trail}") from e
-        return RunReport(spec, run.counts, time.perf_counter() - t0)
+        (outcome,) = self.run_side_by_side([spec])
+        if isinstance(outcome, OracleError):
+            raise outcome
+        return outcome
+
+    def run_side_by_side(self, specs: Sequence[RunSpec]) -> list[RunReport | OracleError]:
+        """Every spec, at most one per sequence at a time; the outcome of each, in order."""
+        queue = deque(enumerate(specs))
+        outcomes: dict[int, RunReport | OracleError] = {}
+        index: dict[int, int] = {}
+        while queue or self._runs:
+            for slot in self.slots:
+                run = self._runs.get(slot.seq)
+                if run is None and queue:
+                    i, spec = queue.popleft()
+                    run = self._begin(slot, spec)
+                    index[slot.seq] = i
+                if run is None:
+                    continue
+                if run.error is None and slot.job is None:
+                    self._next_job(run)
+                if run.error is not None or slot.job is None:
+                    outcomes[index[slot.seq]] = self._end(run)
+            if any(s.job for s in self.slots):
+                self._step()
+        return [outcomes[i] for i in range(len(specs))]
 
     def new_ledger(
         self,
@@ -434,11 +516,13 @@ class Oracle:
         )
 
     def image_items(self, run: _Run, picture: Picture, message: int) -> list[Item]:
-        """Tokenize one image alone: its media group (wrapper text + media chunks)."""
+        """Tokenize one image alone: its media group (wrapper text + media chunks). The media
+        key names the picture, as a content hash would: the same picture again is a cache
+        hit."""
         mtmd = self.rt.mtmd
         assert mtmd is not None
         run.group += 1
-        media_id = f"img{run.group}-{picture.seed:x}"
+        media_id = f"{picture.seed:x}-{picture.width}x{picture.height}"
         bitmap = native.Bitmap(picture.width, picture.height, picture.rgb(), media_id)
         items: list[Item] = []
         with mtmd.tokenize(mtmd.marker, [bitmap], add_special=False) as chunks:
@@ -447,312 +531,226 @@ class Oracle:
                     items.append(Item.text(raw.token_ids, message, group=run.group))
                     continue
                 key = f"{media_id}:{i}"
-                copy = mtmd_cpp.mtmd_input_chunk_copy(chunks.native(i))
-                run.media[key] = _Media(copy, f"{picture}:{i}")
+                if key not in run.media:
+                    chunk = mtmd_cpp.mtmd_input_chunk_copy(chunks.native(i))
+                    run.media[key] = MediaHandle(chunk, key)
+                n_pos = int(mtmd_cpp.mtmd_input_chunk_get_n_pos(run.media[key].chunk))
+                if n_pos != raw.num_positions:
+                    raise OracleError(
+                        f"media {key}: {n_pos} positions, counted {raw.num_positions}"
+                    )
                 media = Item.media(key, raw.num_cells, raw.num_positions, message, group=run.group)
                 items.append(media)
         return items
 
-    # -- steps --------------------------------------------------------------------------------
+    # -- runs ---------------------------------------------------------------------------------
 
-    @contextmanager
-    def _fresh(self, run: _Run) -> Iterator[None]:
-        self.rt.seq_clear(SEQ)
-        self.verify(run)
-        try:
-            yield
-        finally:
-            self.rt.seq_clear(SEQ)
-            for m in run.media.values():
-                mtmd_cpp.mtmd_input_chunk_free(m.chunk)
-            run.media.clear()
+    def _begin(self, slot: Slot, spec: RunSpec) -> _Run:
+        run = _Run(spec, slot)
+        self._runs[slot.seq] = run
+        self.executor.clear(slot)
+        slot.ledger = self.new_ledger(
+            spec.policy,
+            keep=spec.keep,
+            discard_fraction=spec.discard_fraction,
+            unit=spec.unit,
+            n_ctx_train=spec.n_ctx_train,
+        )
+        self._verify(run)
+        return run
 
-    def _prompt(self, run: _Run, step: Prompt | Resend) -> bool:
-        """Admit and prefill one message; False when the run cannot go on (STOP, full)."""
-        ledger = run.ledger
+    def _end(self, run: _Run) -> RunReport | OracleError:
+        del self._runs[run.slot.seq]
+        if run.slot.job is not None:  # a failed run mid-job
+            self.executor.end(run.slot, FinishReason.CANCELLED)
+        self.executor.clear(run.slot)
+        run.slot.ledger = None
+        for handle in run.media.values():
+            handle.close()
+        if run.error is not None:
+            return run.error
+        return RunReport(run.spec, run.counts, time.perf_counter() - run.t0)
+
+    def _next_job(self, run: _Run) -> None:
+        """The run's last job ended: take in its reply, start the next prompt (and the
+        generation after it) as the engine starts a request."""
+        if run.sent or run.reply:
+            run.history += run.sent
+            run.last_reply = list(run.reply)
+            if run.reply:
+                run.history.append(_generated(run.reply, max(run.message, 0)))
+            run.sent, run.reply = [], []
+        while run.steps and run.error is None and not run.stopped:
+            step = run.steps.popleft()
+            if isinstance(step, Generate):
+                continue  # a generation without a prompt before it: nothing to sample from
+            max_tokens = 1
+            if run.steps and isinstance(run.steps[0], Generate):
+                max_tokens = max(1, run.steps.popleft().num_tokens)
+            try:
+                if self._start(run, step, max_tokens):
+                    return
+            except Exception as e:  # the ledger's own checks and NativeError count as well
+                run.fail(e)
+        run.steps.clear()
+
+    def _start(self, run: _Run, step: Prompt | Resend, max_tokens: int) -> bool:
+        """Start one request; False when the prompt was refused."""
+        ledger, spec = run.ledger, run.spec
         run.message += 1
-        items: list[Item] = []
+        new: list[Item] = []
         for part in step.parts:
             if isinstance(part, Picture):
-                items += self.image_items(run, part, run.message)
+                new += self.image_items(run, part, run.message)
             else:
-                items.append(Item.text(part, run.message))
-        if isinstance(step, Resend):
-            items = self._reuse(run, step, items)
-        else:
-            run.history += items
-        run.last_reply = []
-        verdict = ledger.admit(items, truncate=step.truncate)
-        shapes = [(i.num_cells, i.num_positions) for i in items[:8]]
-        run.trail.append(
-            f"prompt of {len(items)} items (cells, positions) {shapes}"
-            f"{'...' if len(items) > 8 else ''} -> {_brief(verdict)}"
-        )
-        if isinstance(verdict, CannotFit):
-            if verdict.num_cells_needed <= self.capacity:
-                raise OracleError(f"admit refused a prompt that fits: {verdict}")
-            run.counts["prompts_rejected"] += 1
-            return ledger.policy is not Policy.STOP
-        run.counts["prompts"] += 1
-        run.counts["prompts_truncated"] += bool(verdict.dropped)
-        if not self.feed(run, verdict.kept, prefill=True):
-            raise OracleError("an admitted prompt met CannotFit during its prefill")
-        after = ledger.ensure(1)
-        if isinstance(after, CannotFit) or (ledger.policy is Policy.STOP and after != Fits()):
-            raise OracleError(f"an admitted prompt left no room for one token: {after}")
-        return True
-
-    def _reuse(self, run: _Run, step: Resend, new: list[Item]) -> list[Item]:
-        """The engine's start of a request in a used sequence; returns the items to admit."""
-        ledger, rng = run.ledger, run.rng
-        if step.session:
+                new.append(Item.text(part, run.message))
+        session, start = True, len(ledger.segments)  # a new message after what it holds
+        items = new
+        if isinstance(step, Resend) and step.session:  # a turn: from the generated tail
             start = ledger.generated_tail()
             lead = run.last_reply[: round(step.share * len(run.last_reply))]
             items = ([_generated(lead, run.message)] if lead else []) + new
             if run.last_reply:
-                del run.history[-len(run.last_reply) :]
-            run.history += items
-        else:
-            start = 0
+                del run.history[-1]
+        elif isinstance(step, Resend):  # stateless: the client sends the conversation again
+            session, start = False, 0
             k = round(step.share * len(run.history))
             items = run.history[:k]
-            if k < len(run.history) and _plain_text(run.history[k]) and rng.random() < 0.5:
+            if k < len(run.history) and _plain_text(run.history[k]) and run.rng.random() < 0.5:
                 cut = run.history[k]
                 if cut.num_cells > 1:
-                    items.append(_head(cut, rng.randint(1, cut.num_cells - 1)))
+                    items.append(_head(cut, run.rng.randint(1, cut.num_cells - 1)))
             items += new
-            run.history = list(items)
-        ledger.reconfigure(
-            policy=ledger.policy,
-            keep=ledger.keep,
-            discard_fraction=ledger.discard_fraction,
-            unit=ledger.unit,
+            run.history = []
+        run.counts["resends"] += isinstance(step, Resend)
+        context = ContextConfig(
+            spec.policy, spec.keep, spec.discard_fraction, spec.unit, truncate_prompt=step.truncate
         )
-        num_before = ledger.num_cells
-        si, so, rest = ledger.common_prefix(items, start)
-        cut = ledger.truncate(si, so)
-        self.rt.seq_rm(SEQ, cut, -1)
-        run.counts["resends"] += 1
-        run.counts["cells_reused"] += ledger.num_cells - sum(
-            s.num_cells for s in ledger.segments[:start]
+        job = Job(
+            list(items),
+            {},
+            run.emit,
+            sampling=SamplingConfig(temperature=0),
+            context=context,
+            max_tokens=max_tokens,
+            session_id="run" if session else None,
         )
-        if ledger.num_cells != num_before:
-            run.next_token = None  # sampled from a context that is gone
+        shapes = [(i.num_cells, i.num_positions) for i in items[:8]]
         run.trail.append(
-            f"{'session' if step.session else 'resend'}: common_prefix from {start} -> "
-            f"({si}, {so}), seq_rm({cut}, -1) -> {ledger.num_cells} cells"
+            f"{type(step).__name__.lower()} of {len(items)} items (cells, positions) {shapes}"
+            f"{'...' if len(items) > 8 else ''} from segment {start}, {max_tokens} tokens"
         )
-        self.verify(run)
-        return rest
-
-    def _generate(self, run: _Run, num_tokens: int) -> None:
-        for _ in range(num_tokens):
-            token = run.next_token
-            if token is None:
-                return
-            if not self.feed(run, [_generated([token], max(run.message, 0))], prefill=False):
-                run.counts["generation_full"] += 1
-                return
-            run.counts["generated"] += 1
-            run.history.append(_generated([token], max(run.message, 0)))
-            run.last_reply.append(token)
-
-    # -- plans and decodes --------------------------------------------------------------------
-
-    def feed(self, run: _Run, items: Sequence[Item], *, prefill: bool) -> bool:
-        """Decode items the engine's way (ensure, carry out, decode, append); False: CannotFit."""
-        ledger, rt = run.ledger, self.rt
-        pending = deque(items)
-        budget = 100_000
-        while pending:
-            budget -= 1
-            if budget == 0:
-                raise OracleError("the ledger keeps planning without progress")
-            item = self._coalesce(run, pending)
-            if item.is_media:
-                n_cells, n_pos = item.num_cells, item.num_positions
-            else:
-                n_cells = n_pos = self._take_size(run, item)
-            plan = ledger.ensure(n_cells, n_pos, group=item.group)
-            run.counts[type(plan).__name__] += 1
-            if isinstance(plan, CannotFit):
-                run.trail.append(f"ensure({n_cells}) -> {plan.message}")
-                self._probe_full(run, item, n_cells)
-                return False
-            if not isinstance(plan, Fits):
-                self.carry_out(run, plan)
-                if isinstance(plan, Reprefill):
-                    pending.extendleft(reversed(plan.kept))
-                    run.counts["reprefilled_items"] += len(plan.kept)
-                continue
-            if item.is_media:
-                self._decode_media(run, item)
-                pending.popleft()
-            else:
-                piece = item if n_cells == item.num_cells else _head(item, n_cells)
-                self._decode_text(run, piece)
-                if piece is item:
-                    pending.popleft()
-                else:
-                    pending[0] = _tail(item, n_cells)
-            if ledger.num_cells > rt.num_cells_per_slot:
-                raise OracleError(f"the ledger holds {ledger.num_cells} > capacity cells")
+        try:
+            self.executor.start(run.slot, job, ledger, start)
+        except ProblemError as e:
+            needed = dict(e.problem.metadata).get("cells_needed")
+            if e.problem.reason is not Reason.PROMPT_TOO_LONG or needed is None:
+                raise
+            if int(needed) <= self.capacity:
+                raise OracleError(f"admit refused a prompt that fits: {e.problem.message}") from e
+            run.trail.append(f"refused: {e.problem.message}")
+            run.counts["prompts_rejected"] += 1
+            run.stopped = spec.policy is Policy.STOP
+            run.history += items  # the client still holds what it sent
+            self._verify(run)
+            return False
+        run.counts["prompts"] += 1
+        run.sent = items
+        self._verify(run)
         return True
 
-    def _coalesce(self, run: _Run, pending: deque[Item]) -> Item:
-        """Mostly merge the front run of plain text of one message (re-prefilled generated
-        tokens are one item each) into one item, so a reprefill is a few decodes, not hundreds.
-        """
-        item = pending[0]
-        while (
-            len(pending) > 1
-            and _plain_text(item)
-            and _plain_text(pending[1])
-            and pending[1].message_index == item.message_index
-            and pending[1].generated == item.generated
-            and item.num_cells + pending[1].num_cells <= self.rt.batch_size
-            and run.rng.random() < 0.9
-        ):
-            pending.popleft()
-            item = replace(
-                item,
-                num_cells=item.num_cells + pending[0].num_cells,
-                num_positions=item.num_cells + pending[0].num_cells,
-                token_ids=item.token_ids + pending[0].token_ids,
-            )
-            pending[0] = item
-        return item
+    # -- the executor's hooks -----------------------------------------------------------------
 
-    def _take_size(self, run: _Run, item: Item) -> int:
-        """How many tokens of a text item the next decode takes (wrapper text goes whole)."""
-        n, batch = item.num_cells, self.rt.batch_size
-        if item.group is not None:
-            if n > batch:
-                raise OracleError(f"wrapper text of {n} tokens exceeds the batch")
-            return n
-        if n <= batch and run.rng.random() < 0.5:
-            return n
-        return run.rng.randint(1, min(n, batch))
+    def _finish(self, slot: Slot, reason: FinishReason, **why: Any) -> None:
+        run = self._runs[slot.seq]
+        run.counts["generated"] += slot.usage.num_generated_tokens
+        run.trail.append(f"finished: {reason.name} {why.get('error', '')}")
+        if reason is FinishReason.ERROR:
+            run.fail(OracleError(f"the executor failed the request: {why.get('error')}"))
+        self.executor.end(slot, reason)
 
-    def carry_out(self, run: _Run, plan: Plan) -> None:
-        rt = self.rt
-        if isinstance(plan, Shift):
-            if not rt.can_shift:  # llama_memory_seq_add would abort the process
-                raise OracleError(f"the ledger planned a shift on a non-shiftable memory: {plan}")
-            rt.seq_rm(SEQ, plan.p0, plan.p1)
-            rt.seq_add(SEQ, plan.p1, -plan.delta)
-        elif isinstance(plan, Gap):
-            rt.seq_rm(SEQ, plan.p0, plan.p1)
-        elif isinstance(plan, Reprefill):
-            rt.seq_clear(SEQ)
-        else:
-            raise OracleError(f"nothing to carry out for {plan}")
-        run.ledger.apply(plan)
-        run.counts["cells_evicted"] += plan.num_cells_evicted
-        run.trail.append(
-            f"{_brief(plan)} -> {run.ledger.num_cells} cells, next_pos {run.ledger.next_pos}"
-        )
-        self.verify(run)
+    def _media_of(self, slot: Slot, key: str) -> MediaHandle:
+        return self._runs[slot.seq].media[key]
 
-    def _decode_text(self, run: _Run, item: Item) -> None:
-        rt, ledger = self.rt, run.ledger
-        pos = ledger.next_pos
-        rt.batch.clear()
-        index = rt.batch.add(item.token_ids, pos, SEQ, logits_last=True)
-        rc = rt.decode()
-        run.counts["decodes"] += 1
-        if rc != 0:
-            raise OracleError(
-                f"llama_decode of {item.num_cells} tokens at {pos} returned {rc} with "
-                f"{ledger.num_cells}/{self.capacity} cells in the ledger"
-            )
-        ledger.append(item)
-        run.next_token = rt.sample(self.sampler, index)
-        run.trail.append(f"text {item.num_cells} @ {pos} -> {ledger.num_cells} cells")
-        self.verify(run)
+    def _on_shift(self, slot: Slot) -> None:
+        self._verify(
+            self._runs[slot.seq]
+        )  # the plan carried out: the cache must be the ledger's again
 
-    def _decode_media(self, run: _Run, item: Item) -> None:
-        rt, ledger = self.rt, run.ledger
-        assert item.media_id is not None
-        media = run.media[item.media_id]
-        fresh = media.embd is not None and run.rng.random() < self.reencode
-        embd = self.embeddings_of(run, media, fresh=fresh)
-        pos = ledger.next_pos
-        # as the engine does it: in pieces of at most a batch (a non-causal chunk whole),
-        # with the positions libmtmd gives each embedding
-        positions = rt.media_positions(media.chunk, pos)
-        step = item.num_cells if rt.mtmd and rt.mtmd.non_causal else rt.batch_size
-        for offset in range(0, item.num_cells, step):
-            n = min(step, item.num_cells - offset)
-            rc = rt.decode_embeddings(embd, positions, offset, n, SEQ)
-            if rc != 0:
-                raise OracleError(
-                    f"media of {item.num_cells} cells at {pos}, piece {offset}+{n}: rc={rc} "
-                    f"with {ledger.num_cells}/{self.capacity} cells in the ledger"
-                )
-            run.counts["media_pieces"] += 1
-        run.counts["media_decodes"] += 1
-        end = pos + int(mtmd_cpp.mtmd_input_chunk_get_n_pos(media.chunk))
-        if end - pos != item.num_positions:
-            raise OracleError(
-                f"media at {pos} advanced to {end}; the ledger expects +{item.num_positions}"
-            )
-        ledger.append(item)
-        run.next_token = None  # decoding an image wipes the logits
-        run.trail.append(
-            f"media {item.num_cells}/{item.num_positions} @ {pos} -> {ledger.num_cells} cells"
-        )
-        self.verify(run)
+    def _on_cannot_fit(self, slot: Slot, plan: CannotFit, num_cells: int) -> None:
+        run = self._runs[slot.seq]
+        run.counts["CannotFit"] += 1
+        run.trail.append(f"ensure({num_cells}) -> {plan.message}")
+        if slot.prefilling:
+            run.fail(OracleError("an admitted prompt met CannotFit during its prefill"))
+        elif slot.usage.num_generated_tokens == 1:
+            run.fail(OracleError(f"an admitted prompt left no room for one token: {plan}"))
+        run.probes.append(_Probe(slot.pending[0], num_cells))
 
-    def embeddings_of(self, run: _Run, media: _Media, *, fresh: bool = False) -> np.ndarray:
-        if media.embd is None and not fresh:
-            media.embd = self.embeddings.get(media.key)
-        if media.embd is None or fresh:
-            media.embd = self.rt.encode_media(media.chunk)
-            self.embeddings.put(media.key, media.embd)
-            run.counts["media_encodes"] += 1
-        return media.embd
+    # -- steps and checks ---------------------------------------------------------------------
 
-    def _probe_full(self, run: _Run, item: Item, n_cells: int) -> None:
+    def _step(self) -> None:
+        before = self._progress()
+        self._woken.clear()
+        self.executor.step(self.slots)
+        for run in list(self._runs.values()):
+            for probe in run.probes:
+                self._probe_full(run, probe)
+            run.probes.clear()
+            self._verify(run)
+        if self._progress() == before:
+            self._woken.wait(0.01)  # an image is being encoded: no spinning meanwhile
+
+    def _progress(self) -> tuple[int, ...]:
+        pieces = (s.piece.offset if s.piece else -1 for s in self.slots)
+        return (self.stats.num_decodes, self.stats.num_media_decodes, *pieces)
+
+    def _verify(self, run: _Run) -> None:
+        if run.error is None:
+            try:
+                self.verify(run)
+            except OracleError as e:
+                run.fail(e)
+
+    def _probe_full(self, run: _Run, probe: _Probe) -> None:
         """CannotFit: the same decode, unguarded, must fail and leave the cache as it was."""
-        rt, ledger = self.rt, run.ledger
+        rt, ledger, seq = self.rt, run.ledger, run.slot.seq
+        item, n_cells = probe.item, probe.num_cells
         if ledger.num_cells + n_cells <= self.capacity:
-            raise OracleError(f"CannotFit with {ledger.num_free_cells} free for {n_cells} cells")
+            run.fail(OracleError(f"CannotFit with {ledger.num_free_cells} free for {n_cells}"))
+            return
         pos = ledger.next_pos
         if item.is_media:
-            if n_cells > rt.batch_size:
-                return  # several llama_decode calls: the first ones would commit
             assert item.media_id is not None
-            media = run.media[item.media_id]
+            embd = self.executor.cache.get(item.media_id)
+            if n_cells > rt.batch_size or embd is None:
+                return  # several llama_decode calls: the first ones would commit
             try:
-                rt.decode_media(media.chunk, self.embeddings_of(run, media), pos, SEQ)
+                rt.decode_media(run.media[item.media_id].chunk, embd, pos, seq)
             except native.NativeError:
                 pass
             else:
-                raise OracleError(f"media of {n_cells} cells decoded past the ledger's CannotFit")
-            run.next_token = None
+                run.fail(OracleError(f"media of {n_cells} cells decoded past CannotFit"))
         else:
             rt.batch.clear()
-            rt.batch.add(item.token_ids[:n_cells], pos, SEQ, logits_last=True)
+            rt.batch.add([item.token_ids[0]] * n_cells, pos, seq, logits_last=True)
             rc = rt.decode()
             if rc == 0:
-                raise OracleError(
+                run.fail(OracleError(
                     f"{n_cells} tokens decoded at {pos} although the ledger holds "
                     f"{ledger.num_cells}/{self.capacity} cells and said CannotFit"
-                )
+                ))  # fmt: skip
             run.counts[f"full_probe_rc{rc}"] += 1
         run.counts["full_probes"] += 1
         if ledger.policy is Policy.STOP and n_cells == 1:
             if ledger.num_cells != self.capacity:
-                raise OracleError(f"STOP ended at {ledger.num_cells}/{self.capacity} cells")
+                run.fail(OracleError(f"STOP ended at {ledger.num_cells}/{self.capacity} cells"))
             run.counts["stop_boundaries"] += 1
-        self.verify(run)
-
-    # -- the check ----------------------------------------------------------------------------
 
     def expected_cells(self, ledger: Ledger) -> tuple[np.ndarray, np.ndarray | None]:
         """The position of every cell the ledger says the sequence holds (and, on M-RoPE, the
         token stored in it: -1 for media); M-RoPE media cells all store t = the image's start."""
+        has_tok = self.probes[0].has_tok
         segs = ledger.segments
         cache = self._cells_of
         pos: list[np.ndarray] = []
@@ -764,11 +762,12 @@ class Oracle:
                 cache[id(seg)] = hit
             pos.append(hit[1])
             tok.append(hit[2])
-        if len(cache) > 4 * len(segs) + 256:
-            self._cells_of = {id(seg): cache[id(seg)] for seg in segs}
+        if len(cache) > 4 * len(segs) + 1024:
+            live = [s for run in self._runs.values() for s in run.ledger.segments]
+            self._cells_of = {id(s): cache[id(s)] for s in live if id(s) in cache}
         if not segs:
-            return np.zeros(0, np.int32), (np.zeros(0, np.int32) if self.probe.has_tok else None)
-        return np.concatenate(pos), (np.concatenate(tok) if self.probe.has_tok else None)
+            return np.zeros(0, np.int32), (np.zeros(0, np.int32) if has_tok else None)
+        return np.concatenate(pos), (np.concatenate(tok) if has_tok else None)
 
     def _segment_cells(self, seg: Segment) -> tuple[np.ndarray, np.ndarray]:
         n = seg.num_cells
@@ -781,13 +780,18 @@ class Oracle:
         return pos, np.asarray(seg.token_ids, dtype=np.int32)
 
     def verify(self, run: _Run) -> None:
-        ledger, mem = run.ledger, self.rt.memory
+        ledger, mem, seq = run.ledger, self.rt.memory, run.slot.seq
         if not 0 <= ledger.num_cells <= self.capacity:
             raise OracleError(f"ledger holds {ledger.num_cells} cells, capacity {self.capacity}")
         want_pos, want_tok = self.expected_cells(ledger)
-        got_pos, got_tok = self.probe.cells()
-        if len(got_pos) != ledger.num_cells:
-            raise OracleError(f"llama.cpp holds {len(got_pos)} cells, ledger {ledger.num_cells}")
+        piece = run.slot.piece
+        if piece is not None:  # a media chunk going in a piece at a time: its rest is not there
+            missing = piece.item.num_cells - piece.offset
+            want_pos = want_pos[: len(want_pos) - missing]
+            want_tok = want_tok[: len(want_tok) - missing] if want_tok is not None else None
+        got_pos, got_tok = self.probes[seq].cells()
+        if len(got_pos) != len(want_pos):
+            raise OracleError(f"llama.cpp holds {len(got_pos)} cells, ledger {len(want_pos)}")
         if got_tok is None or want_tok is None:
             same = np.array_equal(np.sort(got_pos), np.sort(want_pos))
         else:
@@ -800,15 +804,17 @@ class Oracle:
             raise OracleError(
                 f"cells differ: llama.cpp {_ranges(got_pos)}, ledger {_ranges(want_pos)}"
             )
-        pmin = int(llama_cpp.llama_memory_seq_pos_min(mem, SEQ))
-        pmax = int(llama_cpp.llama_memory_seq_pos_max(mem, SEQ))
+        pmin = int(llama_cpp.llama_memory_seq_pos_min(mem, seq))
+        pmax = int(llama_cpp.llama_memory_seq_pos_max(mem, seq))
         want_min = int(want_pos.min()) if len(want_pos) else -1
         want_max = int(want_pos.max()) if len(want_pos) else -1
         if (pmin, pmax) != (want_min, want_max):
             raise OracleError(f"seq_pos_min/max {pmin}/{pmax}, ledger {want_min}/{want_max}")
-        if not self.rt.uses_mrope and len(want_pos) and pmax != ledger.next_pos - 1:
+        whole = piece is None and not self.rt.uses_mrope and len(want_pos)
+        if whole and pmax != ledger.next_pos - 1:
             raise OracleError(f"seq_pos_max {pmax} but the ledger's next_pos is {ledger.next_pos}")
         run.counts["checks"] += 1
+        run.counts["checks_mid_media"] += piece is not None
 
 
 def _plain_text(item: Item) -> bool:
@@ -875,59 +881,74 @@ class Boundary:
         return self.capacity - self.next_pos
 
 
+@contextmanager
+def _alone(oracle: Oracle, policy: Policy) -> Iterator[_Run]:
+    """A run of its own on sequence 0, for a boundary check."""
+    spec = RunSpec(-1, "boundary", 0, policy, 0, 0.5, EvictionUnit.TOKEN, None, ())
+    run = oracle._begin(oracle.slots[0], spec)
+    try:
+        yield run
+    finally:
+        oracle._end(run)
+
+
+def _request(oracle: Oracle, run: _Run, items: Sequence[Item], max_tokens: int) -> None:
+    """One request on the run's sequence through the executor, to its end."""
+    job = Job(
+        list(items),
+        {},
+        run.emit,
+        sampling=SamplingConfig(temperature=0),
+        context=ContextConfig(run.spec.policy),
+        max_tokens=max_tokens,
+        session_id="boundary",
+    )
+    oracle.executor.start(run.slot, job, run.ledger, len(run.ledger.segments))
+    while run.slot.job is not None and run.error is None:
+        oracle._step()
+    if run.error is not None:
+        raise run.error
+
+
+def _unguarded(rt: Runtime, token: int, pos: int) -> int:
+    rt.batch.clear()
+    rt.batch.add([token], pos, SEQ, logits_last=True)
+    return rt.decode()
+
+
 def stop_exactness(oracle: Oracle, prompt: Sequence[tuple[int, ...] | Picture]) -> Boundary:
     """STOP: generate until the ledger says CannotFit; llama.cpp must agree to the token.
 
-    Run 1 prefills ``prompt`` and generates under STOP until CannotFit, then decodes one more
-    token unguarded (it must fail). Run 2 replays the same tokens into a fresh sequence, the
-    last one before the boundary unguarded (it must succeed), then one more (it must fail).
+    Run 1 prefills ``prompt`` and generates under STOP until CannotFit (the executor's own
+    request), then decodes one more token unguarded (it must fail). Run 2 replays the same
+    tokens into a fresh sequence, the last one before the boundary unguarded (it must
+    succeed), then one more (it must fail).
     """
     rt = oracle.rt
-    spec = RunSpec(-1, "boundary", 0, Policy.STOP, 0, 0.5, EvictionUnit.TOKEN, None, ())
-    run = _Run(spec, oracle.new_ledger(Policy.STOP))
-    with oracle._fresh(run):
-        run.message = 0
+    with _alone(oracle, Policy.STOP) as run:
         items: list[Item] = []
         for part in prompt:
             if isinstance(part, Picture):
                 items += oracle.image_items(run, part, 0)
             else:
                 items.append(Item.text(part, 0))
-        verdict = run.ledger.admit(items, truncate=False)
-        if not isinstance(verdict, Admission) or verdict.dropped:
-            raise OracleError(f"the boundary prompt must fit: {verdict}")
-        if not oracle.feed(run, items, prefill=True):
-            raise OracleError("the boundary prompt met CannotFit")
-        prompt_cells = run.ledger.num_cells
-        prompt_positions = run.ledger.next_pos
-        generated: list[int] = []
-        while True:
-            token = run.next_token
-            assert token is not None
-            plan = run.ledger.ensure(1)
-            if isinstance(plan, CannotFit):
-                break
-            if not isinstance(plan, Fits):
-                raise OracleError(f"STOP planned {plan}")
-            oracle._decode_text(run, Item.text((token,), 0))
-            generated.append(token)
-        if run.ledger.num_cells != oracle.capacity:
-            raise OracleError(f"STOP ended at {run.ledger.num_cells}/{oracle.capacity} cells")
-        next_pos = run.ledger.next_pos
-        rt.batch.clear()
-        rt.batch.add([token], next_pos, SEQ, logits_last=True)
-        rc_after = rt.decode()
+        _request(oracle, run, items, UNTIL_FULL)
+        ledger = run.ledger
+        prompt_cells = sum(i.num_cells for i in items)
+        prompt_positions = sum(i.num_positions for i in items)
+        if run.counts["stop_boundaries"] != 1:
+            raise OracleError(f"STOP ended without its boundary: {dict(run.counts)}")
+        token, next_pos = run.reply[-1], ledger.next_pos
+        rc_after = _unguarded(rt, token, next_pos)
         oracle.verify(run)  # a failed decode leaves the cells as they were
 
         # run 2: same sequence, fresh cache; the last token before the boundary goes unguarded
-        ledger = run.ledger
         kept = [s.item for s in ledger.segments]
-        run.ledger = oracle.new_ledger(Policy.STOP)
-        rt.seq_clear(SEQ)
+        oracle.executor.clear(run.slot)
+        run.slot.ledger = oracle.new_ledger(Policy.STOP)
         oracle.verify(run)
         last = kept.pop()
-        if not oracle.feed(run, kept, prefill=True):
-            raise OracleError("the replay met CannotFit before the boundary")
+        _request(oracle, run, kept, 1)
         if run.ledger.num_free_cells != 1:
             raise OracleError(f"the replay has {run.ledger.num_free_cells} free cells, not 1")
         rt.batch.clear()
@@ -936,19 +957,12 @@ def stop_exactness(oracle: Oracle, prompt: Sequence[tuple[int, ...] | Picture]) 
         if rc_last == 0:
             run.ledger.append(last)
             oracle.verify(run)
-            rt.batch.clear()
-            rt.batch.add([token], run.ledger.next_pos, SEQ, logits_last=True)
-            if rt.decode() == 0:
+            if _unguarded(rt, token, run.ledger.next_pos) == 0:
                 raise OracleError("the replay decoded a token past capacity")
             oracle.verify(run)
+        generated = ledger.num_cells - prompt_cells
     return Boundary(
-        oracle.capacity,
-        prompt_cells,
-        prompt_positions,
-        len(generated),
-        rc_after,
-        rc_last,
-        next_pos,
+        oracle.capacity, prompt_cells, prompt_positions, generated, rc_after, rc_last, next_pos
     )
 
 
@@ -958,25 +972,21 @@ def media_boundary(oracle: Oracle, picture: Picture) -> tuple[int, int, int]:
     Returns (image cells, image positions, rc of the unguarded over-full decode: 0 or 1).
     """
     rt = oracle.rt
-    spec = RunSpec(-1, "media", 0, Policy.STOP, 0, 0.5, EvictionUnit.TOKEN, None, ())
     outcome = []
     for spare in (-1, 0):
-        run = _Run(spec, oracle.new_ledger(Policy.STOP))
-        with oracle._fresh(run):
+        with _alone(oracle, Policy.STOP) as run:
             group = oracle.image_items(run, picture, 0)
             (media,) = [i for i in group if i.is_media]
             if media.num_cells > rt.batch_size:
                 raise OracleError("the boundary image must fit one batch")
             filler = oracle.capacity - media.num_cells - spare
             rng = random.Random(filler)
-            tokens = tuple(rng.randrange(256) for _ in range(filler))
-            for k in range(0, filler, rt.batch_size):
-                oracle._decode_text(run, Item.text(tokens[k : k + rt.batch_size], 0))
+            _request(oracle, run, [Item.text([rng.randrange(256) for _ in range(filler)], 0)], 1)
             plan = run.ledger.ensure(media.num_cells, media.num_positions, group=media.group)
             pos = run.ledger.next_pos
             assert media.media_id is not None
             chunk = run.media[media.media_id].chunk
-            embd = oracle.embeddings_of(run, run.media[media.media_id])
+            embd = rt.encode_media(chunk)  # (no request runs: the encode worker is idle)
             if spare < 0:
                 if not isinstance(plan, CannotFit):
                     raise OracleError(f"{run.ledger.num_free_cells} free cells: ensure said {plan}")
@@ -1011,6 +1021,15 @@ class Sweep:
     policies: Counter[str] = field(default_factory=Counter)
     failures: list[tuple[int, str]] = field(default_factory=list)
 
+    def count_engine(self, before: tuple[EngineStats, int], oracle: Oracle) -> None:
+        stats, misses = before
+        self.counts["decodes"] += oracle.stats.num_decodes - stats.num_decodes
+        self.counts["multi_seq_decodes"] += (
+            oracle.stats.num_multi_seq_decodes - stats.num_multi_seq_decodes
+        )
+        self.counts["media_decodes"] += oracle.stats.num_media_decodes - stats.num_media_decodes
+        self.counts["media_encodes"] += oracle.executor.cache.misses - misses
+
     def summary(self) -> str:
         c = self.counts
         plans = ", ".join(
@@ -1021,11 +1040,11 @@ class Sweep:
             f"{self.pair}: {self.runs} runs in {self.seconds:.1f} s ({rate:.0f} ms/run), "
             f"{len(self.failures)} failed",
             f"  policies: {dict(sorted(self.policies.items()))}",
-            f"  decodes {c['decodes']} text + {c['media_decodes']} media "
-            f"({c['media_encodes']} encodes), {c['generated']} generated tokens, "
-            f"{c['checks']} cell-for-cell checks",
-            f"  plans: {plans}; cells evicted {c['cells_evicted']}, "
-            f"items re-prefilled {c['reprefilled_items']}",
+            f"  decodes {c['decodes']} text ({c['multi_seq_decodes']} of several sequences) + "
+            f"{c['media_decodes']} media ({c['media_encodes']} encodes), {c['generated']} "
+            f"generated tokens, {c['checks']} cell-for-cell checks "
+            f"({c['checks_mid_media']} with an image half in)",
+            f"  plans: {plans}; cells evicted {c['cells_evicted']}",
             f"  requests in a used sequence {c['resends']} ({c['cells_reused']} cells reused "
             f"via common_prefix + truncate + seq_rm)",
             f"  prompts {c['prompts']} ({c['prompts_truncated']} truncated, "
@@ -1048,7 +1067,8 @@ class Drivers:
     def get(self, pair: str, shape: int) -> Oracle:
         key = (pair, shape)
         if key not in self._open:
-            self._open[key] = Oracle(open_runtime(self.pairs[pair], SHAPES[pair][shape]))
+            rt = open_runtime(self.pairs[pair], SHAPES[pair][shape], lanes=LANES)
+            self._open[key] = Oracle(rt)
         return self._open[key]
 
     def close(self) -> None:
@@ -1062,22 +1082,35 @@ class Drivers:
     ) -> Sweep:
         result = Sweep(pair)
         t0 = time.perf_counter()
-        for seed in seeds:
-            spec = make_spec(pair, seed)
-            if verbose:
-                print(spec.describe(), flush=True)
-            try:
-                report = self.get(pair, spec.shape).run(spec)
-            except OracleError as e:
-                result.failures.append((seed, str(e)))
+        specs = [make_spec(pair, seed) for seed in seeds]
+        by_shape: dict[int, list[RunSpec]] = {}
+        for spec in specs:
+            by_shape.setdefault(spec.shape, []).append(spec)
+        for shape, group in sorted(by_shape.items()):
+            oracle = self.get(pair, shape)
+            # in pieces of a few runs, so that a failure stops a sweep soon when asked to
+            for k in range(0, len(group), 4 * LANES if keep_going else LANES):
+                chunk = group[k : k + (4 * LANES if keep_going else LANES)]
                 if verbose:
-                    print(f"FAILED: {e}", flush=True)
-                if not keep_going:
+                    for spec in chunk:
+                        print(spec.describe(), flush=True)
+                before = replace(oracle.stats), oracle.executor.cache.misses
+                outcomes = oracle.run_side_by_side(chunk)
+                result.count_engine(before, oracle)
+                for spec, outcome in zip(chunk, outcomes, strict=True):
+                    result.runs += 1
+                    result.policies[spec.policy.name] += 1
+                    if isinstance(outcome, OracleError):
+                        result.failures.append((spec.seed, str(outcome)))
+                        if verbose:
+                            print(f"FAILED: {outcome}", flush=True)
+                    else:
+                        result.counts.update(outcome.counts)
+                if result.failures and not keep_going:
                     break
-            else:
-                result.counts.update(report.counts)
-            result.runs += 1
-            result.policies[spec.policy.name] += 1
+            if result.failures and not keep_going:
+                break
+        result.failures.sort()
         result.seconds = time.perf_counter() - t0
         return result
 
