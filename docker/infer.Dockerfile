@@ -28,15 +28,18 @@ WORKDIR /src
 COPY pyproject.toml ./
 ARG CUDA_ARCHITECTURES=default
 ARG LLAMA_CMAKE_ARGS="-DGGML_CUDA=on -DGGML_NATIVE=OFF"
-RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep=chr(10))" > requirements.txt \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['serve'], sep=chr(10))" > requirements.txt \
  && if [ "${CUDA_ARCHITECTURES}" != "default" ]; then ARCHS="-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}"; fi \
  && CMAKE_ARGS="${LLAMA_CMAKE_ARGS} ${ARCHS:-}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     pip install --no-binary llama-cpp-python -r requirements.txt
 COPY README.md ./
 COPY protos/ protos/
+COPY slotwise_core/ slotwise_core/
 COPY prep_service/ prep_service/
 COPY infer_service/ infer_service/
 COPY clients/ clients/
+COPY slotwise_serve/ slotwise_serve/
+COPY benchmarks/ benchmarks/
 RUN pip install --no-deps . && pip check
 
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS runtime

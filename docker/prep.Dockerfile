@@ -24,13 +24,16 @@ WORKDIR /src
 # Dependencies first, read from pyproject.toml alone: a code change does not rebuild llama.cpp.
 COPY pyproject.toml ./
 ARG LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF"
-RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep=chr(10))" > requirements.txt \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['serve'], sep=chr(10))" > requirements.txt \
  && CMAKE_ARGS="${LLAMA_CMAKE_ARGS}" pip install --no-binary llama-cpp-python -r requirements.txt
 COPY README.md ./
 COPY protos/ protos/
+COPY slotwise_core/ slotwise_core/
 COPY prep_service/ prep_service/
 COPY infer_service/ infer_service/
 COPY clients/ clients/
+COPY slotwise_serve/ slotwise_serve/
+COPY benchmarks/ benchmarks/
 RUN pip install --no-deps . && pip check
 
 FROM ${PYTHON_IMAGE} AS runtime

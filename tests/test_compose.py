@@ -556,6 +556,16 @@ def test_llama_cpp_python_is_built_from_source_in_the_build_stage(path: Path) ->
     assert "llama-cpp-python==" not in path.read_text()
     for name, run in runs.items():  # build tools stay in the build stage
         assert name == "build" or ("build-essential" not in run and "pip install" not in run)
+    # the requirements the image installs, as its own one-liner computes them: the serve extra
+    # (llama.cpp) included, since `pip install .` alone is the client
+    script = re.search(r'python -c "(.+?)" > requirements.txt', runs["build"])
+    assert script, runs["build"]
+    out = subprocess.run(
+        [sys.executable, "-c", script.group(1)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "llama-cpp-python==0.3.36" in out.stdout.split("\n")
+    assert "grpcio-reflection>=1.85.1" in out.stdout.split("\n")
 
 
 def test_cuda_image_builds_with_cuda_and_runs_on_the_runtime_base() -> None:
