@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import io
-import logging
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,9 @@ from clients.client import (
     acollect,
     collect,
     image_pb,
+    service_config,
 )
-from slotwise.v1 import prep_pb2
+from slotwise.v1 import infer_pb2, prep_pb2, prompt_pb2
 from support.procs import free_port
 
 CTX = 256  # cells per slot: small, so conversations outgrow it
@@ -274,80 +276,263 @@ def test_a_session_conversation(client: SlotwiseClient) -> None:
         client.prepare("raw text", first_message=1)
 
 
-# -- retries ----------------------------------------------------------------------------------
+# -- retries: gRPC's own, through the channel's service config ---------------------------------
 
-RETRY = RetryPolicy(max_attempts=4, initial_backoff=0.1, multiplier=2.0, jitter=0.0)
-BACKOFF = 0.1 + 0.2 + 0.4  # the sleeps between 4 attempts
-
-
-def retry_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "slotwise.client" and "retrying" in r.message]
+RETRY = RetryPolicy(max_attempts=4, initial_backoff=0.1, multiplier=2.0)
+BACKOFF = 0.1 + 0.2 + 0.4  # the waits between 4 attempts, before gRPC's +/-20% jitter
+FAST = RetryPolicy(max_attempts=5, initial_backoff=0.02, max_backoff=0.05)
+PREVIOUS = "grpc-previous-rpc-attempts"  # gRPC sets it on every attempt after the first
 
 
-def test_idempotent_calls_retry_unavailable_with_backoff(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="slotwise.client")
+class FlakyServer:
+    """A bare gRPC server whose methods each fail with `code` for their first `failures`
+    attempts, then answer. `attempts[method]` holds, per attempt that reached it, the
+    grpc-previous-rpc-attempts header gRPC's retry machinery put on it (None on a first try)."""
+
+    def __init__(self, failures: int, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+        self.failures, self.code = failures, code
+        self.attempts: dict[str, list[str | None]] = {}
+        self.requests: list[Any] = []
+
+        def unary(name: str, request: Any, response: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(
+                lambda r, ctx: self._answer(name, r, ctx, response),
+                request_deserializer=request.FromString,
+                response_serializer=type(response).SerializeToString,
+            )
+
+        def stream(request: Any, context: grpc.ServicerContext) -> Any:
+            yield self._answer("Generate", request, context, infer_pb2.GenerateResponse())
+
+        session = infer_pb2.SessionInfo(session_id="s")
+        handlers = [
+            grpc.method_handlers_generic_handler(
+                "slotwise.v1.PrepService",
+                {
+                    "Prepare": unary(
+                        "Prepare", prep_pb2.PrepareRequest, prep_pb2.PrepareResponse()
+                    ),
+                    "CountTokens": unary(
+                        "CountTokens", prep_pb2.CountTokensRequest, prep_pb2.CountTokensResponse()
+                    ),
+                },
+            ),
+            grpc.method_handlers_generic_handler(
+                "slotwise.v1.InferService",
+                {
+                    "Generate": grpc.unary_stream_rpc_method_handler(
+                        stream,
+                        request_deserializer=infer_pb2.GenerateRequest.FromString,
+                        response_serializer=infer_pb2.GenerateResponse.SerializeToString,
+                    ),
+                    "GetSession": unary(
+                        "GetSession",
+                        infer_pb2.GetSessionRequest,
+                        infer_pb2.GetSessionResponse(session=session),
+                    ),
+                    "CreateSession": unary(
+                        "CreateSession",
+                        infer_pb2.CreateSessionRequest,
+                        infer_pb2.CreateSessionResponse(session=session),
+                    ),
+                    "DeleteSession": unary(
+                        "DeleteSession",
+                        infer_pb2.DeleteSessionRequest,
+                        infer_pb2.DeleteSessionResponse(),
+                    ),
+                },
+            ),
+        ]
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=handlers)
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def _answer(self, name: str, request: Any, context: grpc.ServicerContext, response: Any) -> Any:
+        seen = self.attempts.setdefault(name, [])
+        seen.append(dict(context.invocation_metadata()).get(PREVIOUS))
+        self.requests.append(request)
+        if len(seen) <= self.failures:
+            context.abort(self.code, f"{name}: not yet (attempt {len(seen)})")
+        return response
+
+    def __enter__(self) -> FlakyServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop(0)
+
+
+def test_idempotent_calls_are_retried_by_the_channel() -> None:
+    big = png(16, 16) + bytes(1 << 20)  # beyond gRPC's default 256 KiB retry buffer
+    with (
+        FlakyServer(failures=2) as flaky,
+        SlotwiseClient(flaky.address, flaky.address, retry=FAST) as c,
+    ):
+        c.prepare([Message.user(big, "what is it?")])
+        assert c.get_session("s").session_id == "s"
+        assert c.count("hi").num_cells == 0
+    # three attempts reached the server; the 2nd and 3rd were gRPC's retries, not new calls
+    assert flaky.attempts == {m: [None, "1", "2"] for m in ("Prepare", "GetSession", "CountTokens")}
+    assert flaky.requests[2].chat.messages[0].parts[0].image.data == big
+
+
+def test_generate_and_calls_that_change_state_are_never_retried() -> None:
+    with (
+        FlakyServer(failures=1) as flaky,
+        SlotwiseClient(flaky.address, flaky.address, retry=FAST) as c,
+    ):
+        with pytest.raises(SlotwiseError) as e:
+            list(c.generate(prompt_pb2.PreparedPrompt(), max_tokens=4))
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert e.value.details() == "Generate: not yet (attempt 1)"
+        for call in (lambda: c.create_session("s"), lambda: c.delete_session("s")):
+            with pytest.raises(SlotwiseError) as e:
+                call()
+            assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert flaky.attempts == {m: [None] for m in ("Generate", "CreateSession", "DeleteSession")}
+
+
+def test_retries_stop_after_max_attempts_and_only_for_unavailable() -> None:
+    with FlakyServer(failures=100) as flaky:
+        for policy, attempts in ((RETRY, 4), (NO_RETRY, 1), (replace(FAST, max_attempts=30), 5)):
+            flaky.attempts.clear()
+            with (
+                SlotwiseClient(flaky.address, retry=policy) as c,
+                pytest.raises(SlotwiseError) as e,
+            ):
+                c.prepare("hi")
+            assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert len(flaky.attempts["Prepare"]) == attempts  # gRPC allows 5 at most
+    with FlakyServer(failures=1, code=grpc.StatusCode.RESOURCE_EXHAUSTED) as flaky:
+        with SlotwiseClient(flaky.address, retry=FAST) as c, pytest.raises(SlotwiseError) as e:
+            c.prepare("hi")
+        assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert flaky.attempts == {"Prepare": [None]}
+
+
+def test_retries_stop_at_the_deadline() -> None:
+    slow = RetryPolicy(max_attempts=5, initial_backoff=0.3, multiplier=10.0)  # waits 0.3, 2, 2...
+    with FlakyServer(failures=100) as flaky, SlotwiseClient(flaky.address, retry=slow) as c:
+        t0 = time.monotonic()
+        with pytest.raises(SlotwiseError) as e:
+            c.prepare("hi", timeout=1.2)
+        elapsed = time.monotonic() - t0
+    assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert len(flaky.attempts["Prepare"]) == 2  # the 2nd after 0.24-0.36 s, a 3rd after 1.84 s
+    assert 1.15 < elapsed < 2.5
+
+
+def test_the_retry_schedule_fits_the_client_timeout() -> None:
+    """A server that stays away is reported as UNAVAILABLE, not as the deadline it outlasted:
+    the waits (0.05, 0.2, 0.8, 2 s, +/-20%) are cut to those within half the client's timeout."""
+    policy = RetryPolicy(max_attempts=5, initial_backoff=0.05, multiplier=4.0)
+    with (
+        FlakyServer(failures=100) as flaky,
+        SlotwiseClient(flaky.address, retry=policy, timeout=2.0) as c,
+        pytest.raises(SlotwiseError) as e,
+    ):
+        c.prepare("hi")
+    assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert len(flaky.attempts["Prepare"]) == 3  # all 5 would outlast the 2 s
+
+
+def test_the_service_config_names_only_idempotent_methods() -> None:
+    config = service_config(RetryPolicy(), timeout=30)
+    (method,) = config["methodConfig"]
+    assert {(n["service"], n["method"]) for n in method["name"]} == {
+        ("slotwise.v1.PrepService", "GetModelInfo"),
+        ("slotwise.v1.PrepService", "Prepare"),
+        ("slotwise.v1.PrepService", "CountTokens"),
+        ("slotwise.v1.InferService", "GetServerInfo"),
+        ("slotwise.v1.InferService", "GetSession"),
+        ("slotwise.v1.InferService", "ListSessions"),
+        ("grpc.health.v1.Health", "Check"),
+    }
+    assert method["retryPolicy"] == {
+        "maxAttempts": 5,
+        "initialBackoff": "0.1s",
+        "maxBackoff": "2s",
+        "backoffMultiplier": 2.0,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    assert service_config(NO_RETRY) == {}
+    assert (
+        service_config(RetryPolicy(), timeout=1.0)["methodConfig"][0]["retryPolicy"]["maxAttempts"]
+        == 3
+    )
+    with pytest.raises(ValueError):
+        RetryPolicy(initial_backoff=0)
+
+
+def test_a_server_that_is_not_there_is_retried_too() -> None:
     dead = f"127.0.0.1:{free_port()}"
     with SlotwiseClient(dead, dead, retry=RETRY) as c:
         t0 = time.monotonic()
         with pytest.raises(SlotwiseError) as e:
             c.count([Message.user((224, 224), "hi")])
         elapsed = time.monotonic() - t0
-    assert e.value.code() is grpc.StatusCode.UNAVAILABLE
-    assert len(retry_records(caplog)) == RETRY.max_attempts - 1
-    assert BACKOFF <= elapsed < BACKOFF + 3.0
-
-
-def test_retries_stop_at_the_deadline(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="slotwise.client")
-    dead = f"127.0.0.1:{free_port()}"
-    slow = RetryPolicy(max_attempts=10, initial_backoff=0.2, multiplier=1.0, jitter=0.0)
-    with SlotwiseClient(dead, retry=slow, timeout=0.5) as c:
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert 0.8 * BACKOFF <= elapsed < 1.2 * BACKOFF + 3.0
         t0 = time.monotonic()
         with pytest.raises(SlotwiseError) as e:
-            c.model_info()
-        elapsed = time.monotonic() - t0
-    assert e.value.code() is grpc.StatusCode.UNAVAILABLE
-    assert len(retry_records(caplog)) == 2  # 0.2 + 0.2 s fit in 0.5 s, a third sleep does not
-    assert elapsed < 1.5
-
-
-def test_generate_is_never_retried(
-    caplog: pytest.LogCaptureFixture, client: SlotwiseClient
-) -> None:
-    caplog.set_level(logging.INFO, logger="slotwise.client")
-    prepared = client.prepare(conversation((112, 112)))
-    dead = f"127.0.0.1:{free_port()}"
-    with SlotwiseClient(infer_address=dead, retry=RETRY) as c:
+            list(c.generate(prompt_pb2.PreparedPrompt(), max_tokens=4))
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 0.8 * BACKOFF  # never retried
+    with SlotwiseClient(dead, retry=NO_RETRY) as c, pytest.raises(SlotwiseError) as e:
         t0 = time.monotonic()
-        with pytest.raises(SlotwiseError) as e:
-            list(c.generate(prepared, max_tokens=4))
-    assert e.value.code() is grpc.StatusCode.UNAVAILABLE
-    assert retry_records(caplog) == []
-    assert time.monotonic() - t0 < BACKOFF
+        c.count("hi")
+    assert time.monotonic() - t0 < 0.8 * BACKOFF
 
 
-def test_a_retry_reaches_a_server_that_comes_up_late(loop_thread: Any, tiny: dict) -> None:
+def test_wait_for_ready_reaches_a_server_that_comes_up_late(loop_thread: Any, tiny: dict) -> None:
+    """Retries alone give up within 0.2 s; waiting for ready rides out the second it takes
+    the server to appear (and the retries its moment of loading)."""
     from prep_service.__main__ import start
 
     port = free_port()
     pair = tiny["mrope"]
     running: list[Any] = []
+    question = [Message.user((224, 224), "hi")]
 
     def start_later() -> None:
-        time.sleep(0.6)
+        time.sleep(1.0)
         running.append(loop_thread.run(start(pair.model, pair.mmproj, address=f"127.0.0.1:{port}")))
 
+    brief = RetryPolicy(max_attempts=3, initial_backoff=0.05)
+    patient = replace(brief, wait_for_ready=True)
+    with SlotwiseClient(f"127.0.0.1:{port}", retry=brief) as c, pytest.raises(SlotwiseError) as e:
+        c.count(question)
+    assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+    dead = f"127.0.0.1:{free_port()}"
+    with SlotwiseClient(infer_address=dead, retry=patient) as c, pytest.raises(SlotwiseError) as e:
+        t0 = time.monotonic()
+        list(c.generate(prompt_pb2.PreparedPrompt(), timeout=5))  # Generate never waits
+    assert e.value.code() is grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 2
     starter = threading.Thread(target=start_later)
     starter.start()
-    patient = RetryPolicy(max_attempts=12, initial_backoff=0.1, max_backoff=0.4, jitter=0.0)
     try:
-        with SlotwiseClient(f"127.0.0.1:{port}", retry=patient) as c:
-            counted = c.count([Message.user((224, 224), "hi")])
+        with SlotwiseClient(f"127.0.0.1:{port}", retry=patient, timeout=20) as c:
+            t0 = time.monotonic()
+            counted = c.count(question)
+            assert time.monotonic() - t0 >= 0.9  # it waited for the server
         assert counted.num_cells > 64
     finally:
         starter.join()
         for r in running:
             loop_thread.run(r.stop(0))
+
+
+def test_async_client_retries_through_the_same_config() -> None:
+    async def scenario(flaky: FlakyServer) -> None:
+        async with AsyncSlotwiseClient(flaky.address, flaky.address, retry=FAST) as c:
+            await c.prepare("hi")
+            with pytest.raises(SlotwiseError) as e:
+                [x async for x in c.generate(prompt_pb2.PreparedPrompt())]
+            assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+
+    with FlakyServer(failures=2) as flaky:
+        asyncio.run(scenario(flaky))
+    assert flaky.attempts == {"Prepare": [None, "1", "2"], "Generate": [None]}
 
 
 # -- metadata ---------------------------------------------------------------------------------
@@ -475,12 +660,12 @@ def test_async_client(addresses: tuple[str, str], prep_servers: Callable[[str], 
             with pytest.raises(SlotwiseError) as e:
                 await c.model_info()
             assert e.value.code() is grpc.StatusCode.UNAVAILABLE
-            assert BACKOFF <= time.monotonic() - t0 < BACKOFF + 3.0
+            assert 0.8 * BACKOFF <= time.monotonic() - t0 < 1.2 * BACKOFF + 3.0
             t0 = time.monotonic()
             with pytest.raises(SlotwiseError) as e:
                 [x async for x in c.generate(prepared)]
             assert e.value.code() is grpc.StatusCode.UNAVAILABLE
-            assert time.monotonic() - t0 < BACKOFF  # never retried
+            assert time.monotonic() - t0 < 0.8 * BACKOFF  # never retried
 
     asyncio.run(scenario())
 
@@ -498,3 +683,89 @@ def test_grpc_compression_is_a_channel_option(prep_servers, infer_server) -> Non
     ) as client:
         done = collect(client.generate("Once upon a time", max_tokens=3))
     assert done.finished is not None and done.finished.usage.num_generated_tokens >= 1
+
+
+# -- the client alone: `pip install slotwise` has no Pillow, numpy or llama.cpp -----------------
+
+WITHOUT_SERVE_EXTRA = r"""
+import sys
+from concurrent import futures
+
+BLOCKED = {"PIL", "numpy", "llama_cpp", "gguf", "prep_service", "infer_service", "slotwise_core"}
+
+
+class Absent:  # as if these were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Absent())
+
+import grpc
+
+import clients.cli
+import clients.client
+import clients.gateway
+from clients.client import Message, SlotwiseClient, image_pb, prepare_request
+from slotwise.v1 import prep_pb2
+
+IMAGE = b"\x89PNG\r\n\x1a\n" + bytes(range(256))
+assert image_pb(IMAGE, sizes_allowed=False).data == IMAGE
+request = prepare_request([Message.user(IMAGE, "what is it?")])
+assert request.chat.messages[0].parts[0].image.data == IMAGE
+try:
+    image_pb(object(), sizes_allowed=False)
+    raise AssertionError("not an image")
+except TypeError:
+    pass
+
+seen = []
+
+
+def handler(req, resp):
+    def behaviour(request, context):
+        seen.append(request)
+        return resp(num_cells=7) if resp is prep_pb2.CountTokensResponse else resp()
+
+    return grpc.unary_unary_rpc_method_handler(
+        behaviour, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+    )
+
+
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[
+    grpc.method_handlers_generic_handler("slotwise.v1.PrepService", {
+        "Prepare": handler(prep_pb2.PrepareRequest, prep_pb2.PrepareResponse),
+        "CountTokens": handler(prep_pb2.CountTokensRequest, prep_pb2.CountTokensResponse),
+    })
+])
+address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+server.start()
+with SlotwiseClient(address) as client:
+    client.prepare([Message.user(IMAGE, "what is it?")])
+with open(sys.argv[1], "wb") as f:
+    f.write(IMAGE)
+command = ["count", "--prompt", "what?", "--image", sys.argv[1], "--prep", address]
+assert clients.cli.main(command) == 0
+server.stop(0)
+prepared, counted = seen  # the image went as its bytes, from the client and from the CLI
+assert prepared.chat.messages[0].parts[0].image.data == IMAGE
+assert counted.chat.messages[0].parts[0].image.data == IMAGE
+loaded = {m.partition(".")[0] for m in sys.modules} & BLOCKED
+assert not loaded, loaded
+print("client without the serve extra: ok")
+"""
+
+
+def test_the_client_works_without_pillow_numpy_or_llama_cpp(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", WITHOUT_SERVE_EXTRA, str(tmp_path / "picture.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "client without the serve extra: ok" in r.stdout
+    assert "cells=7" in r.stdout

@@ -1,0 +1,82 @@
+"""The client's enums and the one table between them and the proto's enums.
+
+Each Python enum is paired with its proto enum and the prefix of that enum's value names; a
+member maps to the proto value of the same name (Policy.GAP <-> SHIFT_POLICY_GAP). Every
+member must have its proto twin (checked on import); a proto value the client does not know
+(a newer server), or an unset one, reads as the enum's default.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, TypeVar
+
+from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
+
+from slotwise.v1 import infer_pb2
+
+__all__ = ["FinishReason", "Persistence", "Policy", "Unit", "from_pb", "to_pb"]
+
+
+class Policy(enum.StrEnum):
+    """How the server makes room in a full context (a Shift reports the one it used)."""
+
+    AUTO = "auto"
+    SHIFT = "shift"
+    GAP = "gap"
+    REPREFILL = "reprefill"
+    STOP = "stop"
+
+
+class Unit(enum.StrEnum):
+    """What one eviction takes out: a run of tokens, or whole messages."""
+
+    TOKEN = "token"
+    MESSAGE = "message"
+
+
+class FinishReason(enum.StrEnum):
+    UNSPECIFIED = "unspecified"
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class Persistence(enum.StrEnum):
+    """Whether a session turn's result is on disk (see Finished.persistence)."""
+
+    UNSPECIFIED = "unspecified"  # not a session turn, or it did not complete
+    MEMORY = "memory"  # the server keeps sessions in memory only
+    SAVED = "saved"
+    NOT_SAVED = "not_saved"  # completed and kept in memory, but not on disk (error says why)
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+# enum -> (its proto enum, the prefix of the proto's value names, what unknown values read as)
+_PAIRS: dict[type[enum.Enum], tuple[EnumTypeWrapper, str, enum.Enum]] = {
+    Policy: (infer_pb2.ShiftPolicy, "SHIFT_POLICY_", Policy.AUTO),
+    Unit: (infer_pb2.EvictionUnit, "EVICTION_UNIT_", Unit.TOKEN),
+    FinishReason: (infer_pb2.FinishReason, "FINISH_REASON_", FinishReason.UNSPECIFIED),
+    Persistence: (infer_pb2.Persistence, "PERSISTENCE_", Persistence.UNSPECIFIED),
+}
+
+_TO_PB: dict[type[enum.Enum], dict[Any, int]] = {
+    kind: {m: proto.Value(prefix + m.name) for m in kind}  # ValueError here: a member lost
+    for kind, (proto, prefix, _) in _PAIRS.items()
+}
+_FROM_PB: dict[type[enum.Enum], dict[int, Any]] = {
+    kind: {number: member for member, number in table.items()} for kind, table in _TO_PB.items()
+}
+
+
+def to_pb(kind: type[E], value: E | str) -> int:
+    """A member (or its string value, e.g. "gap") -> the proto enum's number."""
+    return _TO_PB[kind][kind(value)]
+
+
+def from_pb(kind: type[E], number: int) -> E:
+    """A proto enum number -> the member; unknown or unset numbers read as the default."""
+    default: E = _PAIRS[kind][2]  # type: ignore[assignment]
+    return _FROM_PB[kind].get(number, default)  # type: ignore[no-any-return]

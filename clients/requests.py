@@ -1,0 +1,227 @@
+"""Request builders: the client's inputs (messages, images, options) -> the protos it sends.
+
+Pure functions, no I/O but reading image files: the blocking and the asyncio client build every
+request here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from clients.enums import Policy, Unit, to_pb
+from clients.types import ImageInput, ImageSize, Message, PromptInput, is_pil_image, is_size
+from slotwise.v1 import infer_pb2, prep_pb2, prompt_pb2
+
+__all__ = [
+    "chat_pb",
+    "context_pb",
+    "count_request",
+    "create_session_request",
+    "generate_request",
+    "image_pb",
+    "prepare_request",
+    "sampling_pb",
+]
+
+
+def image_pb(image: ImageInput, *, sizes_allowed: bool) -> prep_pb2.Image:
+    """Any accepted image form -> prep_pb2.Image (encoded bytes, or a size for CountTokens)."""
+    if isinstance(image, ImageSize | tuple):
+        if not is_size(image):
+            raise TypeError(f"an image size is (width, height), got {image!r}")
+        w, h = (image.width, image.height) if isinstance(image, ImageSize) else image
+        if not sizes_allowed:
+            raise ValueError(f"an image given by its size ({w}x{h}) can only be counted")
+        return prep_pb2.Image(size=prep_pb2.ImageSize(width=w, height=h))
+    if isinstance(image, bytes | bytearray):
+        return prep_pb2.Image(data=bytes(image))
+    if isinstance(image, os.PathLike):
+        return prep_pb2.Image(data=Path(image).read_bytes())
+    if is_pil_image(image):
+        buf = io.BytesIO()
+        image.save(buf, "PNG")
+        return prep_pb2.Image(data=buf.getvalue())
+    if isinstance(image, str):
+        raise TypeError("a str is text; pass an image file as pathlib.Path or bytes")
+    raise TypeError(f"not an image: {type(image).__name__}")
+
+
+def chat_pb(messages: Sequence[Message], *, sizes_allowed: bool) -> prep_pb2.Chat:
+    out = []
+    for m in messages:
+        if not isinstance(m, Message):
+            raise TypeError(f"expected Message, got {type(m).__name__}")
+        parts = [
+            prep_pb2.Part(text=p)
+            if isinstance(p, str)
+            else prep_pb2.Part(image=image_pb(p, sizes_allowed=sizes_allowed))
+            for p in m.parts
+        ]
+        out.append(prep_pb2.Message(role=m.role, parts=parts))
+    return prep_pb2.Chat(messages=out)
+
+
+def _input_fields(
+    prompt: PromptInput,
+    images: Sequence[ImageInput],
+    add_special: bool,
+    first_message: int,
+    *,
+    sizes_allowed: bool,
+) -> dict[str, Any]:
+    """The prompt fields PrepareRequest and CountTokensRequest share."""
+    if isinstance(prompt, str):
+        if first_message:
+            raise ValueError("first_message applies to messages, not to a raw prompt")
+        raw = prep_pb2.RawPrompt(
+            text=prompt,
+            images=[image_pb(im, sizes_allowed=sizes_allowed) for im in images],
+            add_special=add_special,
+        )
+        return {"raw": raw}
+    if images:
+        raise ValueError("images= goes with a raw prompt; put images in the messages' parts")
+    return {
+        "chat": chat_pb(list(prompt), sizes_allowed=sizes_allowed),
+        "first_message": first_message,
+    }
+
+
+def prepare_request(
+    prompt: PromptInput,
+    images: Sequence[ImageInput] = (),
+    *,
+    add_special: bool = True,
+    first_message: int = 0,
+) -> prep_pb2.PrepareRequest:
+    """Messages (chat template applied) or a raw prompt whose media markers take `images`;
+    first_message: only the chunks of messages[first_message:] (a session turn)."""
+    fields = _input_fields(prompt, images, add_special, first_message, sizes_allowed=False)
+    return prep_pb2.PrepareRequest(**fields)
+
+
+def count_request(
+    prompt: PromptInput,
+    images: Sequence[ImageInput] = (),
+    *,
+    add_special: bool = True,
+    first_message: int = 0,
+) -> prep_pb2.CountTokensRequest:
+    """As prepare_request; images may also be ImageSize / (width, height) sizes."""
+    fields = _input_fields(prompt, images, add_special, first_message, sizes_allowed=True)
+    return prep_pb2.CountTokensRequest(**fields)
+
+
+def sampling_pb(
+    *,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    repeat_penalty: float | None = None,
+    penalty_last_n: int | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    seed: int | None = None,
+) -> infer_pb2.SamplingParams:
+    """SamplingParams with the given fields set; None leaves a field to the server (or session)."""
+    fields = {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": min_p,
+        "repeat_penalty": repeat_penalty,
+        "penalty_last_n": penalty_last_n,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "seed": seed,
+    }
+    return infer_pb2.SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+
+
+def context_pb(
+    *,
+    policy: Policy | str | None = None,
+    keep: int | None = None,
+    discard_fraction: float | None = None,
+    unit: Unit | str | None = None,
+    truncate_prompt: bool | None = None,
+) -> infer_pb2.ContextOptions | None:
+    """ContextOptions with the options given, or None when none is: the server's defaults (or,
+    on a session turn, the session's options) apply to every option left out, one by one."""
+    if all(v is None for v in (policy, keep, discard_fraction, unit, truncate_prompt)):
+        return None
+    context = infer_pb2.ContextOptions()
+    if policy is not None:
+        context.policy = to_pb(Policy, policy)  # type: ignore[assignment]
+    if keep is not None:
+        context.keep = keep
+    if discard_fraction is not None:
+        context.discard_fraction = discard_fraction
+    if unit is not None:
+        context.unit = to_pb(Unit, unit)  # type: ignore[assignment]
+    if truncate_prompt is not None:
+        context.truncate_prompt = truncate_prompt
+    return context
+
+
+_SAMPLING_OPTIONS = frozenset(inspect.signature(sampling_pb).parameters)
+_CONTEXT_OPTIONS = frozenset(inspect.signature(context_pb).parameters)
+
+
+def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    unknown = set(options) - _SAMPLING_OPTIONS - _CONTEXT_OPTIONS
+    if unknown:
+        raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
+    sampling = {k: v for k, v in options.items() if k in _SAMPLING_OPTIONS}
+    context = {k: v for k, v in options.items() if k in _CONTEXT_OPTIONS}
+    return sampling, context
+
+
+def generate_request(
+    prompt: prompt_pb2.PreparedPrompt,
+    *,
+    max_tokens: int = 0,
+    stop: Sequence[str] | str = (),
+    session_id: str = "",
+    **options: Any,
+) -> infer_pb2.GenerateRequest:
+    """The GenerateRequest for these options.
+
+    options: sampling (temperature, top_k, top_p, min_p, repeat_penalty, penalty_last_n,
+    presence_penalty, frequency_penalty, seed) and context (policy, keep, discard_fraction,
+    unit, truncate_prompt). Options left out (or None) are the server's defaults, or for a
+    session turn (session_id) the session's. max_tokens 0: the server's default.
+    """
+    if isinstance(stop, str):
+        stop = (stop,)
+    sampling, context = _split_options(options)
+    request = infer_pb2.GenerateRequest(
+        prompt=prompt,
+        sampling=sampling_pb(**sampling),
+        max_tokens=max_tokens,
+        stop=list(stop),
+        session_id=session_id,
+    )
+    ctx = context_pb(**context)
+    if ctx is not None:
+        request.context.CopyFrom(ctx)
+    return request
+
+
+def create_session_request(session_id: str = "", **options: Any) -> infer_pb2.CreateSessionRequest:
+    """A CreateSessionRequest: the session's default sampling and context options (as for
+    generate_request) for its turns."""
+    sampling, context = _split_options(options)
+    request = infer_pb2.CreateSessionRequest(
+        session_id=session_id, sampling=sampling_pb(**sampling)
+    )
+    ctx = context_pb(**context)
+    if ctx is not None:
+        request.context.CopyFrom(ctx)
+    return request

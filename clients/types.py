@@ -1,0 +1,316 @@
+"""What goes into the client (messages and their images) and what comes back (model and
+server info, counts, prepared prompts, sessions), each result read from its proto by `from_pb`.
+
+Pillow is optional: a PIL image is accepted wherever an image is when Pillow is installed, and
+nothing here imports it (a PIL image exists only once PIL.Image has been imported).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
+
+from clients.enums import Policy, Unit, from_pb
+from slotwise.v1 import infer_pb2, prep_pb2, prompt_pb2
+
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
+
+__all__ = [
+    "ChunkCount",
+    "Count",
+    "EngineStats",
+    "ImageInput",
+    "ImageSize",
+    "Message",
+    "ModelInfo",
+    "Part",
+    "Prepared",
+    "PromptInput",
+    "ServerInfo",
+    "SessionInfo",
+    "is_pil_image",
+    "is_size",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+@dataclass(frozen=True)
+class ImageSize:
+    """An image known by its size only: CountTokens counts it without pixels."""
+
+    width: int
+    height: int
+
+
+if TYPE_CHECKING:
+    ImageInput: TypeAlias = (
+        bytes | bytearray | os.PathLike[Any] | PILImage | ImageSize | tuple[int, int]
+    )
+else:  # the same, less the type of PIL images (is_pil_image tells those)
+    ImageInput = bytes | bytearray | os.PathLike | ImageSize | tuple[int, int]
+Part: TypeAlias = str | ImageInput
+
+
+def is_pil_image(value: object) -> TypeGuard[PILImage]:
+    """Whether value is a PIL image, without importing Pillow (absent: nothing is one)."""
+    module = sys.modules.get("PIL.Image")
+    return module is not None and isinstance(value, module.Image)
+
+
+def is_size(value: object) -> bool:
+    """An ImageSize, or a (width, height) tuple of ints."""
+    return isinstance(value, ImageSize) or (
+        isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) for v in value)
+    )
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message: a role and parts, each text (`str`) or an image.
+
+    Images: encoded file `bytes` (PNG, JPEG, WebP, GIF, BMP), a `pathlib.Path` (a plain `str` is
+    text, never a path), a PIL image, or, for counting only, `ImageSize` / `(width, height)`.
+    """
+
+    role: str
+    parts: tuple[Part, ...]
+
+    def __init__(self, role: str, parts: Part | Sequence[Part]):
+        one = isinstance(parts, str | bytes | bytearray | os.PathLike) or is_pil_image(parts)
+        one = one or is_size(parts)  # (w, h) is one size, not two parts
+        items: tuple[Part, ...] = (parts,) if one else tuple(parts)  # type: ignore[assignment,arg-type]
+        object.__setattr__(self, "role", role)
+        object.__setattr__(self, "parts", items)
+
+    @classmethod
+    def system(cls, *parts: Part) -> Message:
+        return cls("system", parts)
+
+    @classmethod
+    def user(cls, *parts: Part) -> Message:
+        return cls("user", parts)
+
+    @classmethod
+    def assistant(cls, *parts: Part) -> Message:
+        return cls("assistant", parts)
+
+    @property
+    def text(self) -> str:
+        return "".join(p for p in self.parts if isinstance(p, str))
+
+    @property
+    def num_images(self) -> int:
+        return sum(1 for p in self.parts if not isinstance(p, str))
+
+
+PromptInput: TypeAlias = str | Sequence[Message]
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_fingerprint: str
+    mmproj_fingerprint: str
+    media_marker: str
+    uses_mrope: bool
+    media_non_causal: bool
+    supports_vision: bool
+    supports_audio: bool
+    n_ctx_train: int
+    num_vocab: int
+    bos_token_id: int
+    eos_token_id: int
+    has_chat_template: bool
+    model_description: str
+
+    @classmethod
+    def from_pb(cls, pb: prep_pb2.ModelInfo) -> ModelInfo:
+        return cls(
+            model_fingerprint=pb.fingerprint.model,
+            mmproj_fingerprint=pb.fingerprint.mmproj,
+            media_marker=pb.media_marker,
+            uses_mrope=pb.uses_mrope,
+            media_non_causal=pb.media_non_causal,
+            supports_vision=pb.supports_vision,
+            supports_audio=pb.supports_audio,
+            n_ctx_train=pb.n_ctx_train,
+            num_vocab=pb.num_vocab,
+            bos_token_id=pb.bos_token_id,
+            eos_token_id=pb.eos_token_id,
+            has_chat_template=pb.has_chat_template,
+            model_description=pb.model_description,
+        )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_decodes: int = 0
+    num_multi_seq_decodes: int = 0
+    num_media_decodes: int = 0
+    num_generated_tokens: int = 0
+    num_shifts: int = 0
+    num_media_cache_hits: int = 0
+    num_media_cache_misses: int = 0
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    model_fingerprint: str
+    mmproj_fingerprint: str
+    num_slots: int
+    num_cells_per_slot: int
+    n_ctx_train: int
+    can_shift: bool
+    uses_mrope: bool
+    batch_size: int
+    ubatch_size: int
+    num_queued: int
+    num_active: int
+    stats: EngineStats
+
+    @classmethod
+    def from_pb(cls, pb: infer_pb2.GetServerInfoResponse) -> ServerInfo:
+        s = pb.stats
+        return cls(
+            model_fingerprint=pb.fingerprint.model,
+            mmproj_fingerprint=pb.fingerprint.mmproj,
+            num_slots=pb.num_slots,
+            num_cells_per_slot=pb.num_cells_per_slot,
+            n_ctx_train=pb.n_ctx_train,
+            can_shift=pb.can_shift,
+            uses_mrope=pb.uses_mrope,
+            batch_size=pb.batch_size,
+            ubatch_size=pb.ubatch_size,
+            num_queued=pb.num_queued,
+            num_active=pb.num_active,
+            stats=EngineStats(
+                num_decodes=s.num_decodes,
+                num_multi_seq_decodes=s.num_multi_seq_decodes,
+                num_media_decodes=s.num_media_decodes,
+                num_generated_tokens=s.num_generated_tokens,
+                num_shifts=s.num_shifts,
+                num_media_cache_hits=s.num_media_cache_hits,
+                num_media_cache_misses=s.num_media_cache_misses,
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class ChunkCount:
+    message_index: int
+    media_group: int  # 0: plain text; k > 0: born of the k-th image
+    is_media: bool
+    num_cells: int
+    num_positions: int
+
+
+@dataclass(frozen=True)
+class Count:
+    num_cells: int
+    num_positions: int
+    chunks: tuple[ChunkCount, ...]
+
+    @classmethod
+    def from_pb(cls, pb: prep_pb2.CountTokensResponse) -> Count:
+        chunks = tuple(
+            ChunkCount(c.message_index, c.media_group, c.is_media, c.num_cells, c.num_positions)
+            for c in pb.chunks
+        )
+        return cls(pb.num_cells, pb.num_positions, chunks)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prepared prompt (the descriptor to send to Generate) and the rendered prompt text."""
+
+    prompt: prompt_pb2.PreparedPrompt
+    rendered_text: str = ""
+
+    @classmethod
+    def from_pb(cls, pb: prep_pb2.PrepareResponse) -> Prepared:
+        return cls(pb.prompt, pb.rendered_text)
+
+    @property
+    def num_cells(self) -> int:
+        return self.prompt.num_cells
+
+    @property
+    def num_positions(self) -> int:
+        return self.prompt.num_positions
+
+    @property
+    def num_images(self) -> int:
+        return len({c.media_group for c in self.prompt.chunks if c.media_group})
+
+    def num_cells_of(self, message_index: int) -> int:
+        """KV cells the chunks of one chat message use (e.g. the system prompt, to `keep` it)."""
+        return sum(_chunk_cells(c) for c in self.prompt.chunks if c.message_index == message_index)
+
+    def count(self) -> Count:
+        """The same per-chunk view CountTokens gives."""
+        return Count(
+            self.num_cells,
+            self.num_positions,
+            tuple(
+                ChunkCount(
+                    c.message_index,
+                    c.media_group,
+                    c.WhichOneof("kind") == "media",
+                    _chunk_cells(c),
+                    c.media.num_positions if c.WhichOneof("kind") == "media" else _chunk_cells(c),
+                )
+                for c in self.prompt.chunks
+            ),
+        )
+
+
+def _chunk_cells(c: prompt_pb2.Chunk) -> int:
+    return c.media.num_cells if c.WhichOneof("kind") == "media" else len(c.text.token_ids)
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A server-side conversation: its sequence and ledger live on between turns."""
+
+    session_id: str
+    num_turns: int
+    num_cells: int
+    next_position: int
+    resident: bool  # in a slot now (else swapped out to disk)
+    num_shifts: int
+    num_media: int
+    policy: Policy
+    keep: int
+    discard_fraction: float
+    unit: Unit
+    truncate_prompt: bool
+    sampling: dict[str, float | int]  # the session's sampling parameters, as the server reports
+
+    @classmethod
+    def from_pb(cls, pb: infer_pb2.SessionInfo) -> SessionInfo:
+        c = pb.context
+        return cls(
+            session_id=pb.session_id,
+            num_turns=pb.num_turns,
+            num_cells=pb.num_cells,
+            next_position=pb.next_position,
+            resident=pb.resident,
+            num_shifts=pb.num_shifts,
+            num_media=pb.num_media,
+            policy=from_pb(Policy, c.policy),
+            keep=c.keep,
+            discard_fraction=c.discard_fraction if c.HasField("discard_fraction") else 0.5,
+            unit=from_pb(Unit, c.unit),
+            truncate_prompt=c.truncate_prompt,
+            sampling={f.name: v for f, v in pb.sampling.ListFields()},
+        )
