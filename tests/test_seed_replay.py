@@ -29,6 +29,7 @@ from oracle import (
 )
 
 from infer_service.ledger import EvictionUnit, Item, Ledger, Policy
+from infer_service.runtime import SamplingConfig
 from slotwise_core import native
 from slotwise_core.tiny_models import TinyPair
 
@@ -43,7 +44,7 @@ PROMPT_POSITIONS = TEXT_TOKENS + IMAGE_POSITIONS  # 213: the report's pastTokens
 @pytest.fixture(scope="module")
 def oracle(tiny: dict[str, TinyPair]) -> Iterator[Oracle]:
     rt = open_runtime(tiny["mrope"], ContextShape(N_CTX, 512, 512))
-    o = Oracle(rt, reencode=0.0)  # the 1288-cell image takes ~1.4 s to encode here
+    o = Oracle(rt)  # the 1288-cell image takes ~1.4 s to encode here: once (cached)
     yield o
     o.close()
     rt.close()
@@ -89,7 +90,7 @@ def test_position_accounting_fails_with_room_left(oracle: Oracle, prompt_text: s
     n_past = int(new_n_past.value)
     assert n_past == PROMPT_POSITIONS  # mtmd returns positions, not cells
     n_ctx = int(llama_cpp.llama_n_ctx(rt.ctx))
-    sampler = oracle.sampler
+    sampler = rt.sampler(SamplingConfig(temperature=0))
     token = rt.sample(sampler, -1)
     generated = 0
     rc = 0
@@ -103,8 +104,9 @@ def test_position_accounting_fails_with_room_left(oracle: Oracle, prompt_text: s
         generated += 1
         token = rt.sample(sampler, index)
     believed_free = n_ctx - n_past
-    cells, _ = oracle.probe.cells()
+    cells, _ = oracle.probes[0].cells()
     rt.seq_clear(0)
+    rt.free_sampler(sampler)
     assert rc == 1, "llama_decode: no KV slot"
     assert len(cells) == N_CTX, "llama.cpp is full"
     assert generated == N_CTX - PROMPT_CELLS == 337
