@@ -7,9 +7,13 @@ import asyncio
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from chaos import RSS_BOUND_MB, chaos, healthy
+
+pytestmark = pytest.mark.slow  # a documented run's short version
 
 
 def test_sixteen_chaotic_clients_cannot_stop_the_service_or_lose_a_turn() -> None:

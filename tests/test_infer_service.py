@@ -422,6 +422,7 @@ def test_reprefill_decodes_a_kept_image_again_from_the_embedding_cache(
 # -- 5. the seed replay: a big M-RoPE image in a context budgeted by cells ----------------------
 
 
+@pytest.mark.slow
 def test_seed_replay_big_image_many_tokens(prep_servers, infer_server) -> None:
     server = infer_server("mrope", ctx_size=1792)
     cap = capacity(server.port)

@@ -6,9 +6,13 @@ import asyncio
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from load import run
+
+pytestmark = pytest.mark.slow  # a documented run's short version
 
 
 def test_sixteen_streams_for_five_seconds_without_errors() -> None:

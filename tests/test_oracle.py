@@ -34,6 +34,7 @@ def drivers(tiny: dict[str, TinyPair]) -> Iterator[Drivers]:
     d.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pair", ALL)
 def test_random_runs_match_llama_cpp(drivers: Drivers, pair: str) -> None:
     sweep = drivers.sweep(pair, range(RUNS_PER_PAIR))

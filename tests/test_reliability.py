@@ -394,6 +394,7 @@ def rss() -> int:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.slow
 def test_150_image_turns_keep_memory_bounded(
     servers: Servers, prep_servers, tmp_path: Path
 ) -> None:

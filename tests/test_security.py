@@ -23,7 +23,6 @@ from clients.client import (
     Delta,
     Finished,
     Message,
-    RetryPolicy,
     SlotwiseClient,
     SlotwiseError,
     Tls,
@@ -334,13 +333,8 @@ def test_logs_hold_no_image_bytes_and_no_token(secured, caplog: pytest.LogCaptur
             client.prepare(conversation())
         details.append(e.value.details())
 
-    # the capture works: the client's retry lines (for a server that is gone) are in it
-    dead = RetryPolicy(max_attempts=2, initial_backoff=0.01, jitter=0.0)
-    with SlotwiseClient(free_address(), token=TOKEN, retry=dead) as client:
-        with pytest.raises(SlotwiseError) as e:
-            client.prepare(conversation())
-        details.append(e.value.details())
-    assert any(r.name == "slotwise.client" and "retrying" in r.getMessage() for r in caplog.records)
+    # the capture works: the services' lines about these very requests are in it
+    assert any(r.name.startswith("slotwise.") for r in caplog.records), caplog.records
 
     texts = [caplog.text, *details]
     secrets = [TOKEN, WRONG]
