@@ -7,7 +7,7 @@ neither builds a request or reads a response itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -43,9 +43,12 @@ from clients.types import (
 )
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 
-__all__ = ["DEFAULT_TIMEOUT", "Call", "Calls", "EventReader"]
+__all__ = ["AFFINITY_HEADER", "DEFAULT_TIMEOUT", "Call", "Calls", "EventReader"]
 
 DEFAULT_TIMEOUT = 30.0  # seconds, for every call but Generate
+# Session RPCs and turns carry their session id here, so that a proxy in front of several
+# replicas (nginx: hash on it) sends every call of one session to the replica that holds it.
+AFFINITY_HEADER = "x-slotwise-session"
 
 T = TypeVar("T")
 
@@ -72,6 +75,7 @@ class Call(Generic[T]):
     request: Any
     read: Callable[[Any], T]  # the response -> what the client returns
     timeout: float | None  # seconds; None: no deadline
+    affinity: str = ""  # x-slotwise-session: the replica a proxy sends this call to
 
     @property
     def idempotent(self) -> bool:
@@ -162,7 +166,10 @@ class Calls:
     def kwargs(self, call: Call[Any]) -> dict[str, Any]:
         """The per-call arguments of a stub method."""
         wait = True if call.idempotent and self.retry.wait_for_ready else None
-        return {"timeout": call.timeout, "metadata": self.metadata, "wait_for_ready": wait}
+        metadata = self.metadata
+        if call.affinity:
+            metadata = (*metadata, (AFFINITY_HEADER, call.affinity))
+        return {"timeout": call.timeout, "metadata": metadata, "wait_for_ready": wait}
 
     def _deadline(self, timeout: float | None) -> float | None:
         t = self.timeout if timeout is None else timeout
@@ -232,11 +239,15 @@ class Calls:
         timeout: float | None,
         options: dict[str, Any],
     ) -> Call[None]:
-        """Generate's deadline is `timeout` only: the client's default does not apply."""
+        """Generate's deadline is `timeout` only: the client's default does not apply.
+        options["affinity"]: the key a stateless conversation is routed by (a session turn is
+        routed by its session id)."""
         self.need("infer")
+        options = dict(options)
+        affinity = options.pop("affinity", None) or options.get("session_id") or ""
         request = generate_request(_prepared_pb(prompt), **options)
         t = None if timeout is None or timeout <= 0 else timeout
-        return Call("infer", INFER_SERVICE, "Generate", request, _nothing, t)
+        return Call("infer", INFER_SERVICE, "Generate", request, _nothing, t, affinity)
 
     def create_session(
         self, session_id: str, timeout: float | None, options: dict[str, Any]
@@ -254,7 +265,8 @@ class Calls:
 
     def delete_session(self, session_id: str, timeout: float | None) -> Call[None]:
         request = infer_pb2.DeleteSessionRequest(session_id=session_id)
-        return self._call("infer", INFER_SERVICE, "DeleteSession", request, _nothing, timeout)
+        call = self._call("infer", INFER_SERVICE, "DeleteSession", request, _nothing, timeout)
+        return replace(call, affinity=session_id)
 
     def save_session(self, session_id: str, timeout: float | None) -> Call[SessionInfo]:
         request = infer_pb2.SaveSessionRequest(session_id=session_id)
@@ -265,7 +277,8 @@ class Calls:
         return self._session("RestoreSession", request, timeout)
 
     def _session(self, method: str, request: Any, timeout: float | None) -> Call[SessionInfo]:
-        return self._call("infer", INFER_SERVICE, method, request, _session, timeout)
+        call = self._call("infer", INFER_SERVICE, method, request, _session, timeout)
+        return replace(call, affinity=request.session_id)
 
     # -- grpc.health.v1 -----------------------------------------------------------------------
 

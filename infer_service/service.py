@@ -252,7 +252,9 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
 
     async def _begin_turn(self, session_id: str) -> Session:
         """Mark the session busy for this turn; if the caller goes away while the engine runs
-        it, the mark is undone (else the session would stay busy for ever)."""
+        it, the mark is undone (else the session would stay busy for ever). First, what another
+        replica sharing the sessions directory did to it is taken in."""
+        await _outlived(self.engine.sessions.sync(session_id))
         future = self._engine_future(lambda: self.engine.sessions.begin_turn(session_id))
         try:
             return await asyncio.wrap_future(future)
@@ -347,6 +349,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         the engine thread. Every failure ends the call with its own status, never UNKNOWN."""
         try:
             check_session_id(session_id)
+            await _outlived(self.engine.sessions.sync(session_id))
             result = await asyncio.wrap_future(self.engine.call(lambda: fn(session_id, *args)))
             # disk work goes on when its caller leaves (shielded): only waiting for it stops
             if isinstance(result, tuple):  # (session, its write)

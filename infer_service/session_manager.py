@@ -23,7 +23,12 @@ from infer_service.executor import Executor
 from infer_service.ledger import ContextConfig, Ledger
 from infer_service.media import MediaHandle, media_handle
 from infer_service.runtime import SamplingConfig
-from infer_service.session_store import CorruptSessionError, SessionStore, ledger_digest
+from infer_service.session_store import (
+    CorruptSessionError,
+    SessionStore,
+    StaleSessionError,
+    ledger_digest,
+)
 from infer_service.sessions import Pixels, Session
 from infer_service.slots import EngineStats, EngineStoppedError, Job, SessionError, Slot, resolve
 from slotwise_core.descriptors import Fingerprint
@@ -61,13 +66,13 @@ class SessionManager:
         self._restoring: set[str] = set()
         self._deleting: set[str] = set()  # deletions queued on the io thread
         self._orphans: set[str] = set()  # media ids a session stopped referring to
-        # io thread only (filled before it starts): the media each session's file on disk
-        # refers to, as of its last write that landed, and pixels waiting to be collected
-        self._disk_media: dict[str, set[str]] = {}
+        # io thread only (filled before it starts): the generation of each session file this
+        # replica holds (its writes must find that one on disk), pixels waiting to be collected
+        self._generations: dict[str, int] = {}
         self._io_orphans: set[str] = set()
         if store is not None:
             for session_id in store.ids():
-                self._register(session_id, self._read_header(session_id))
+                self._register(session_id, self._read_header(session_id, hold=True))
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
@@ -128,7 +133,7 @@ class SessionManager:
 
         def delete() -> bool:
             found = store.delete(session_id)
-            self._io_orphans |= self._disk_media.pop(session_id, set())
+            self._generations.pop(session_id, None)
             collect()
             if not (found or was_broken or session is not None):
                 raise self._not_found(session_id)
@@ -176,7 +181,7 @@ class SessionManager:
                 resolve(done, error=e)
 
         def read() -> None:  # io thread
-            header = self._read_header(session_id)
+            header = self._read_header(session_id, hold=True)
             try:
                 self._call(lambda: register(header))
             except EngineStoppedError as e:
@@ -212,6 +217,87 @@ class SessionManager:
         """A turn refused before it reached the queue: nothing changed."""
         if session_id in self.by_id:
             self.by_id[session_id].busy = False
+
+    def sync(self, session_id: str) -> Future[None]:
+        """(Any thread) Before a session RPC: take in what another replica sharing the
+        directory did to the session since this one last read or wrote it -- a newer
+        generation replaces the copy in memory (and its slot), a deleted file removes it, a
+        session this replica never saw is adopted. Nothing is read but a few bytes when the
+        file is the generation this replica holds."""
+        done: Future[None] = Future()
+        store = self.store
+        if store is None:
+            done.set_result(None)
+            return done
+
+        def read() -> None:  # io thread
+            try:
+                try:
+                    found = store.generation(session_id)
+                except CorruptSessionError as e:
+                    # never another replica's newer state (writes are atomic): a copy in memory
+                    # stays the truth and writes a good file again; none is DATA_LOSS
+                    self._call(lambda error=e: self._keep_or_report(session_id, error, done))
+                    return
+                if found == self._generations.get(session_id):
+                    resolve(done, None)
+                    return
+                header = self._read_header(session_id) if found is not None else None
+                self._call(lambda: self._resync(session_id, header, done))
+            except OSError as e:
+                resolve(done, error=ProblemError(storage_problem(e, "the sessions directory")))
+            except Exception as e:  # the RPC hears it (the engine stopped, ...)
+                resolve(done, error=e)
+
+        self._io.submit(read)
+        return done
+
+    def _resync(
+        self, session_id: str, header: dict[str, Any] | BaseException | None, done: Future[None]
+    ) -> None:
+        """(Engine thread) The session as the directory has it now (header None: gone)."""
+        try:
+            session = self.by_id.get(session_id)
+            if session is not None and session.busy:  # its turn is refused when it saves
+                return
+            if session is not None:
+                self._forget(session)
+            self.broken.pop(session_id, None)
+            generation = None
+            if header is not None:
+                self._register(session_id, header)
+                if isinstance(header, dict) and session_id in self.by_id:
+                    generation = int(header["generation"])
+            # after this replica's writes queued so far: those of the old copy are refused
+            self._io.submit(self._hold, session_id, generation)
+        finally:
+            resolve(done, None)
+
+    def _keep_or_report(self, session_id: str, error: BaseException, done: Future[None]) -> None:
+        if session_id in self.by_id:
+            log.warning("session %r: its file is damaged (%s); keeping the copy in memory",
+                        session_id, error)  # fmt: skip
+            resolve(done, None)
+        else:
+            self._resync(session_id, error, done)
+
+    def _hold(self, session_id: str, generation: int | None) -> None:  # io thread
+        if generation is None:
+            self._generations.pop(session_id, None)
+        else:
+            self._generations[session_id] = generation
+
+    def _forget(self, session: Session) -> None:
+        """Drop a copy that is stale (another replica wrote the session): never saved again."""
+        if session.slot is not None:
+            self.swap_out(self.slots[session.slot], save=False)
+        session.release()
+        del self.by_id[session.session_id]
+
+    def _stale(self, session: Session) -> None:  # engine thread, after a refused write
+        if self.by_id.get(session.session_id) is session and not session.busy:
+            log.warning("session %r: another replica wrote it since; reloading", session.session_id)
+            self._forget(session)
 
     def _not_found(self, session_id: str) -> SessionError:
         return _error(ErrorKind.NOT_FOUND, Reason.SESSION_NOT_FOUND, f"no session {session_id!r}")
@@ -405,27 +491,27 @@ class SessionManager:
         session.dirty = True
         session.num_saves += 1
         number = session.num_saves
-        write = _Write(header, kv_state, kv_digest, [(m, session.rgb[m]) for m in media], [future])
+        pixels = [(m, session.rgb[m]) for m in media]
+        write = _Write(session, header, kv_state, kv_digest, pixels, [future])
         if self._writes.queue(sid, write):
             self._io.submit(self._write, sid)
 
         def saved(done: Future[None]) -> None:  # back on the engine thread: drop what is on disk
             if not done.cancelled() and done.exception() is None:
                 with contextlib.suppress(EngineStoppedError):
-                    self._call(lambda: self._saved(sid, number, media))
+                    self._call(lambda: self._saved(session, number, media))
 
         future.add_done_callback(saved)
         return future
 
     def _write(self, session_id: str) -> None:
-        """On the io thread: the newest queued state of one session, pixels first."""
+        """On the io thread: the newest queued state of one session, pixels first, over the
+        generation this replica holds and no other."""
         assert self.store is not None
         write = self._writes.take(session_id)
         if write is None:
             return
         try:
-            for media_id, rgb in write.pixels:
-                self.store.save_media(media_id, rgb)
             header = write.header
             state, header["kv_digest"] = write.kv_state, write.kv_digest
             if state is None:  # the KV bytes on disk stay, with their ledger's digest and layout
@@ -436,7 +522,21 @@ class SessionManager:
                     header["layout"] = saved.header.get("layout")
                 except (KeyError, CorruptSessionError):
                     state, header["kv_digest"] = b"", ""
-            self.store.save(session_id, header, state)
+            expect = self._generations.get(session_id)
+            self._generations[session_id] = self.store.save(
+                session_id, header, state, expect=expect, pixels=write.pixels
+            )
+        except StaleSessionError as e:
+            log.warning("session %r not saved: %s", session_id, e)
+            failure = ProblemError(problem(
+                ErrorKind.ABORTED, Reason.SESSION_STALE,
+                f"the turn was not saved: {e}; the next turn continues from the newer state",
+                found=e.found if e.found is not None else "none",
+            ))  # fmt: skip
+            for f in write.futures:
+                resolve(f, error=failure)
+            with contextlib.suppress(EngineStoppedError):
+                self._call(lambda: self._stale(write.session))
         except Exception as e:  # every waiter hears it: a full disk, or anything else
             log.warning("session %r not saved: %s", session_id, e)
             failure = ProblemError(
@@ -447,14 +547,12 @@ class SessionManager:
             for f in write.futures:
                 resolve(f, error=failure)
         else:
-            self._disk_media[session_id] = {px["media_id"] for px in header["pixels"].values()}
             for f in write.futures:
                 resolve(f, None)
 
-    def _saved(self, session_id: str, number: int, media_ids: set[str]) -> None:
-        session = self.by_id.get(session_id)
-        if session is None:
-            return
+    def _saved(self, session: Session, number: int, media_ids: set[str]) -> None:
+        if self.by_id.get(session.session_id) is not session:
+            return  # deleted, or replaced by a newer copy from disk
         if number == session.num_saves:  # the newest save asked for is on disk
             session.dirty = False
         for media_id in media_ids:
@@ -464,10 +562,10 @@ class SessionManager:
 
     def _pixel_collector(self) -> Callable[[], None]:
         """(Engine thread) what the io thread runs to delete the saved pixels no session needs
-        any more: none in memory (snapshot now) and none in a file on disk (as of the last
-        write that landed, known on the io thread when it runs). The disk stays bounded by
-        what sessions hold. With a broken session file around, whose needs are unknown,
-        nothing is deleted."""
+        any more: none in this replica's memory (snapshot now) and none in any session file in
+        the directory (every replica's, read when it runs, with their writes held off). The
+        disk stays bounded by what sessions hold. With a broken session file around, whose
+        needs are unknown, nothing is deleted."""
         store = self.store
         assert store is not None
         candidates, self._orphans = self._orphans, set()
@@ -478,19 +576,22 @@ class SessionManager:
             self._io_orphans |= candidates
             if broken:
                 return
-            on_disk = set().union(*self._disk_media.values())
-            gone = self._io_orphans - in_memory - on_disk
+            with store.collecting_pixels() as on_disk:  # every replica's files, writes held off
+                gone = self._io_orphans - in_memory - on_disk
+                for media_id in gone:
+                    store.delete_media(media_id)
             self._io_orphans -= gone
-            for media_id in gone:
-                store.delete_media(media_id)
 
         return collect
 
     # -- reading sessions ---------------------------------------------------------------------
 
-    def _read_header(self, session_id: str) -> dict[str, Any] | BaseException:
+    def _read_header(
+        self, session_id: str, *, hold: bool = False
+    ) -> dict[str, Any] | BaseException:
         """A session file's header (or why it is unusable), off the engine thread: the pixels
-        of every image its ledger holds must be there too (they are hashed when read)."""
+        of every image its ledger holds must be there too (they are hashed when read).
+        hold: this replica holds this generation from now on (its next write follows it)."""
         assert self.store is not None
         try:
             header = self.store.load_header(session_id)
@@ -498,7 +599,8 @@ class SessionManager:
             for key, px in dict(header.get("pixels", {})).items():
                 if key in held and not self.store.has_media(px["media_id"]):
                     raise CorruptSessionError(f"pixels of media {px['media_id'][:12]} are missing")
-            self._disk_media[session_id] = {px["media_id"] for px in header["pixels"].values()}
+            if hold:
+                self._generations[session_id] = int(header["generation"])
         except Exception as e:  # whatever is wrong with the file, the session is reported
             return e
         return header
@@ -554,6 +656,7 @@ class _Prefetched:
 
 @dataclass
 class _Write:
+    session: Session  # the copy it is of (a stale one is dropped when its write is refused)
     header: dict[str, Any]
     kv_state: bytes | bytearray | memoryview | None
     kv_digest: str

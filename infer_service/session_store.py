@@ -1,9 +1,16 @@
 """Sessions on disk: one file per session, replaced atomically after every completed turn.
 
-Layout of ROOT:
-  <session_id>.session    magic, header length, JSON header, then the KV state bytes
+Layout of ROOT (which several replicas may share: a volume on NFSv4, EFS, CephFS, ...):
+  <session_id>.session    magic, header length, generation, JSON header, then the KV state
   media/<media_id>.rgb    raw RGB pixels, content-addressed, written once
-  .tmp-*                  a write in progress (removed at startup: none can be in progress)
+  .locks/<n>.lock         POSIX locks: per session (striped), and one for the pixels
+  .tmp-*                  a write in progress (removed at startup once older than an hour)
+
+Each save of a session raises its generation by one, under the session's exclusive lock, and
+only if the generation on disk is the one the writer holds (`expect`): a replica whose copy is
+stale (another replica wrote the session since) is refused (StaleSessionError) and never
+writes over a newer file. Session writes hold the pixels' lock shared, pixel collection
+exclusive: pixels are written before the file that refers to them, and never deleted between.
 
 The header holds the format version, the model fingerprint, the context configuration the KV
 state was saved from (a state only loads into a context with the same stream layout), the
@@ -18,13 +25,17 @@ Pixels are hashed again when they are read: a damaged file is never encoded.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
 import struct
 import tempfile
-from collections.abc import Sequence
+import time
+import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +43,14 @@ from typing import Any
 from slotwise_core.images import media_id as pixels_id
 
 FORMAT_VERSION = 1
-_MAGIC = b"SLOTWISE-SESSION"
+_MAGIC_V1 = b"SLOTWISE-SESSION"  # magic, u64 header length (generation 0)
+_MAGIC = b"SLOTWISE-SESS-G2"  # magic, u64 header length, u64 generation
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_PREFIX = len(_MAGIC) + 8
+_PREFIX = len(_MAGIC) + 16
 _MAX_HEADER_BYTES = 256 << 20
+_LOCK_STRIPES = 256  # lock files for sessions: bounded, never deleted (a deleted lock file
+# would let two writers lock two different files of one name)
+_STALE_TMP_SECONDS = 3600.0  # another replica's write in progress is younger than this
 
 
 class SessionIdError(ValueError):
@@ -44,6 +59,17 @@ class SessionIdError(ValueError):
 
 class CorruptSessionError(ValueError):
     """A session file that cannot be read."""
+
+
+class StaleSessionError(Exception):
+    """The session on disk is not the generation the writer holds: another replica wrote it
+    (or deleted it) since."""
+
+    def __init__(self, session_id: str, expected: int | None, found: int | None):
+        self.expected, self.found = expected, found
+        on_disk = "no file" if found is None else f"generation {found}"
+        held = "none" if expected is None else f"generation {expected}"
+        super().__init__(f"session {session_id!r}: {on_disk} on disk, this replica holds {held}")
 
 
 def check_session_id(session_id: str) -> str:
@@ -71,8 +97,14 @@ class SessionStore:
     def __init__(self, root: Path):
         self.root = root
         (root / "media").mkdir(parents=True, exist_ok=True)
-        for stale in [*root.glob(".tmp-*"), *(root / "media").glob(".tmp-*")]:
-            stale.unlink(missing_ok=True)  # a write that a crash interrupted
+        (root / ".locks").mkdir(exist_ok=True)
+        # per session file (inode, mtime, size): the media ids it refers to (pixel collection)
+        self._referred: dict[str, tuple[tuple[int, int, int], frozenset[str]]] = {}
+        old = time.time() - _STALE_TMP_SECONDS
+        for tmp in [*root.glob(".tmp-*"), *(root / "media").glob(".tmp-*")]:
+            with contextlib.suppress(FileNotFoundError):
+                if tmp.stat().st_mtime < old:
+                    tmp.unlink()  # a write that a crash interrupted
 
     def path(self, session_id: str) -> Path:
         return self.root / f"{check_session_id(session_id)}.session"
@@ -81,15 +113,42 @@ class SessionStore:
         return sorted(p.name.removesuffix(".session") for p in self.root.glob("*.session"))
 
     def save(
-        self, session_id: str, header: dict[str, Any], kv_state: bytes | bytearray | memoryview
-    ) -> None:
-        body = json.dumps({"version": FORMAT_VERSION, **header}).encode()
-        _write_atomically(
-            self.path(session_id), _MAGIC + struct.pack("<Q", len(body)) + body, kv_state
-        )
+        self,
+        session_id: str,
+        header: dict[str, Any],
+        kv_state: bytes | bytearray | memoryview,
+        *,
+        expect: int | None = None,
+        pixels: Sequence[tuple[str, bytes]] = (),
+    ) -> int:
+        """Write the session (its pixels first) as the generation after `expect`, the one the
+        caller holds (None: no file may be there); returns the new generation."""
+        path = self.path(session_id)
+        with self._lock(self._session_lock(session_id)), self._lock(self._pixels_lock, shared=True):
+            try:
+                found = self.generation(session_id)
+            except CorruptSessionError:  # damaged, never newer (writes are atomic): replaced
+                found = expect
+            if found != expect:
+                raise StaleSessionError(session_id, expect, found)
+            for media_id, rgb in pixels:
+                self.save_media(media_id, rgb)
+            generation = (found or 0) + 1
+            body = json.dumps({"version": FORMAT_VERSION, **header}).encode()
+            prefix = _MAGIC + struct.pack("<QQ", len(body), generation)
+            _write_atomically(path, prefix + body, kv_state)
+        return generation
+
+    def generation(self, session_id: str) -> int | None:
+        """The generation on disk (None: no file), from the file's first bytes."""
+        try:
+            with open(self.path(session_id), "rb") as f:
+                return _read_prefix(session_id, f)[1]
+        except FileNotFoundError:
+            return None
 
     def load_header(self, session_id: str) -> dict[str, Any]:
-        """The header alone (startup reads no KV bytes)."""
+        """The header alone (startup reads no KV bytes), with its "generation"."""
         try:
             with open(self.path(session_id), "rb") as f:
                 header, _ = _read_header(session_id, f)
@@ -106,12 +165,51 @@ class SessionStore:
             raise KeyError(session_id) from None
 
     def delete(self, session_id: str) -> bool:
-        try:
-            self.path(session_id).unlink()
-        except FileNotFoundError:
-            return False
+        with self._lock(self._session_lock(session_id)):
+            try:
+                self.path(session_id).unlink()
+            except FileNotFoundError:
+                return False
         _fsync_dir(self.root)
         return True
+
+    @contextlib.contextmanager
+    def collecting_pixels(self) -> Iterator[set[str]]:
+        """Every media id a session file on disk refers to, with session writes held off (the
+        pixels' lock, exclusive) while the caller deletes pixels that none needs."""
+        with self._lock(self._pixels_lock):
+            referred: set[str] = set()
+            seen: dict[str, tuple[tuple[int, int, int], frozenset[str]]] = {}
+            for session_id in self.ids():
+                with contextlib.suppress(KeyError, CorruptSessionError, OSError):
+                    st = self.path(session_id).stat()
+                    key = (st.st_ino, st.st_mtime_ns, st.st_size)
+                    hit = self._referred.get(session_id)
+                    if hit is None or hit[0] != key:  # parsed again only when it changed
+                        pixels = self.load_header(session_id).get("pixels", {})
+                        hit = (key, frozenset(px["media_id"] for px in pixels.values()))
+                    seen[session_id] = hit
+                    referred |= hit[1]
+            self._referred = seen
+            yield referred
+
+    def _session_lock(self, session_id: str) -> Path:
+        stripe = zlib.crc32(check_session_id(session_id).encode()) % _LOCK_STRIPES
+        return self.root / ".locks" / f"{stripe}.lock"
+
+    @property
+    def _pixels_lock(self) -> Path:
+        return self.root / ".locks" / "pixels.lock"
+
+    @contextlib.contextmanager
+    def _lock(self, path: Path, *, shared: bool = False) -> Iterator[None]:
+        """A POSIX record lock (fcntl): across processes and, on NFSv4/EFS/CephFS, machines."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # (closing releases the lock)
 
     def _media_path(self, media_id: str) -> Path:
         return self.root / "media" / f"{check_session_id(media_id)}.rgb"
@@ -138,11 +236,21 @@ class SessionStore:
         return rgb
 
 
-def _read_header(session_id: str, f: Any) -> tuple[dict[str, Any], int]:
-    prefix = f.read(_PREFIX)
-    if len(prefix) < _PREFIX or not prefix.startswith(_MAGIC):
+def _read_prefix(session_id: str, f: Any) -> tuple[int, int]:
+    """(header length, generation) from a file's first bytes; f is left at the header."""
+    magic = f.read(len(_MAGIC))
+    if magic == _MAGIC_V1:
+        (n,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
+        return n, 0
+    rest = f.read(16)
+    if magic != _MAGIC or len(rest) < 16:
         raise CorruptSessionError(f"session {session_id!r}: not a slotwise session file")
-    (n,) = struct.unpack_from("<Q", prefix, len(_MAGIC))
+    n, generation = struct.unpack("<QQ", rest)
+    return n, generation
+
+
+def _read_header(session_id: str, f: Any) -> tuple[dict[str, Any], int]:
+    n, generation = _read_prefix(session_id, f)
     body = f.read(min(n, _MAX_HEADER_BYTES))
     if len(body) < n:
         raise CorruptSessionError(f"session {session_id!r}: file is truncated")
@@ -155,7 +263,8 @@ def _read_header(session_id: str, f: Any) -> tuple[dict[str, Any], int]:
         raise CorruptSessionError(
             f"session {session_id!r}: format version {version} is not {FORMAT_VERSION}"
         )
-    return header, _PREFIX + n
+    header["generation"] = generation
+    return header, f.tell()
 
 
 def _write_atomically(target: Path, head: bytes, body: bytes | bytearray | memoryview) -> None:

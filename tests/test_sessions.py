@@ -8,7 +8,6 @@ reply, as the chat template renders it, can be reused from the tokens the model 
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import socket
@@ -24,6 +23,7 @@ from typing import Any
 import grpc
 import pytest
 
+from infer_service.session_store import SessionStore
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 from slotwise_core.tiny_models import TinyPair
 from support.loop import LoopThread
@@ -172,10 +172,8 @@ def held_atoms(engine: Any, session_id: str) -> tuple[list[object], list[int]]:
 def saved_turns(path: Path) -> int | None:
     """num_turns in a session file's header (None while it is missing or being replaced)."""
     try:
-        data = path.read_bytes()
-        (n,) = struct.unpack_from("<Q", data, 16)
-        return int(json.loads(data[24 : 24 + n])["num_turns"])
-    except (OSError, struct.error, ValueError, KeyError):
+        return int(SessionStore(path.parent).load_header(path.stem)["num_turns"])
+    except (OSError, ValueError, KeyError):
         return None
 
 
@@ -600,7 +598,7 @@ def test_invalid_session_ids_are_refused(bad: str, servers: Servers, tmp_path: P
         assert status_of(call).code() == code
     e = status_of(lambda: stub.Generate(infer_pb2.GenerateRequest(session_id=bad), timeout=10))
     assert e.code() == code
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["media"]  # nothing was written
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".locks", "media"]  # nothing written
 
 
 def test_session_errors_have_clear_statuses_and_the_service_goes_on(
@@ -736,15 +734,16 @@ def test_restore_session_brings_back_the_last_saved_state(
 
 def corrupt_files(real: bytes) -> dict[str, bytes]:
     """Damaged session files by id; ``real`` is a good file to cut short."""
-    (n,) = struct.unpack_from("<Q", real, 16)  # after the 16-byte magic: the header length
-    magic = b"SLOTWISE-SESSION"
+    # after the 16-byte magic: the header length and the generation
+    (n, generation) = struct.unpack_from("<QQ", real, 16)
+    magic, v1 = b"SLOTWISE-SESS-G2", b"SLOTWISE-SESSION"  # v1: no generation (files of 0.1)
     return {
         "garbage": b"not a session at all",
         "empty": b"",
-        "cut-header": real[: 16 + 8 + n - 10],
-        "bad-json": magic + struct.pack("<Q", 9) + b"{not json",
-        "no-ledger": magic + struct.pack("<Q", 14) + b'{"version": 1}',
-        "future": magic + struct.pack("<Q", 15) + b'{"version": 99}',
+        "cut-header": real[: 16 + 16 + n - 10],
+        "bad-json": magic + struct.pack("<QQ", 9, generation) + b"{not json",
+        "no-ledger": magic + struct.pack("<QQ", 14, generation) + b'{"version": 1}',
+        "future": v1 + struct.pack("<Q", 15) + b'{"version": 99}',
     }
 
 
@@ -834,8 +833,9 @@ def test_corrupt_and_foreign_session_files_are_reported_not_fatal(
 def test_a_session_file_vanishing_under_a_swapped_out_session_is_rebuilt(
     servers: Servers, prep_servers: Callable[[str], int], tmp_path: Path
 ) -> None:
-    """The in-memory ledger is the truth: a missing or damaged file on swap-in costs a
-    re-prefill, never a hung or failed turn."""
+    """The in-memory ledger is the truth: a damaged file on swap-in costs a re-prefill, never
+    a hung or failed turn. (A missing file is a session deleted, by another replica sharing
+    the directory, say: test_cluster.)"""
     infer = servers.start("mrope", parallel=1, sessions_dir=tmp_path)
     stub = infer_stub(infer.port)
     prep = prep_stub(prep_servers("mrope"))

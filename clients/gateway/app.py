@@ -10,6 +10,7 @@ came from the cache.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import time
 import uuid
@@ -217,6 +218,25 @@ def _options(body: SamplingRequest, max_tokens: int | None, prepared: Prepared, 
     }
 
 
+def conversation_key(prompt: Sequence[Message] | str) -> str:
+    """The replica a stateless conversation is routed to (x-slotwise-session behind a proxy):
+    a digest of how it begins -- its messages up to and including the first user message, or a
+    completion prompt's first 512 characters -- which every continuation resends unchanged, so
+    that they land where their cache is."""
+    h = hashlib.blake2b(digest_size=12)
+    if isinstance(prompt, str):
+        h.update(prompt[:512].encode())
+    else:
+        for message in prompt:
+            h.update(message.role.encode() + b"\0")
+            for part in message.parts:
+                data = part.encode() if isinstance(part, str) else bytes(part)  # type: ignore[arg-type]
+                h.update(hashlib.blake2b(data, digest_size=16).digest())
+            if message.role == "user":
+                break
+    return f"conversation-{h.hexdigest()}"
+
+
 async def _complete(
     client: AsyncSlotwiseClient,
     config: GatewayConfig,
@@ -241,7 +261,10 @@ async def _complete(
             options.pop("keep")
         if session_id and first == 0:
             await _create_session(client, session_id, options)
-        events = client.generate(prepared, session_id=session_id or "", **options)
+        affinity = "" if session_id else conversation_key(prompt)
+        events = client.generate(
+            prepared, session_id=session_id or "", affinity=affinity, **options
+        )
         # the first event says whether it was admitted: refusals get their HTTP status
         first_event = await anext(events)
     except SlotwiseError as e:
