@@ -158,6 +158,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=GenerateLimits.default_max_tokens)
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20)
     add_security_arguments(p)
+    p.add_argument(
+        "--drain-seconds", type=float, default=30.0,
+        help="on SIGTERM: health turns NOT_SERVING, new calls are refused, and calls in flight "
+        "get this long to finish (default 30)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="info")
     return p
 
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             "infer_service serving on %s:%d: %d slots x %d cells, can_shift=%s, mrope=%s",
             args.host, infer.port, rt.num_slots, rt.num_cells_per_slot, rt.can_shift, rt.uses_mrope,
         )  # fmt: skip
-        await run_until_signal(infer.server, failed=infer.died)
+        await run_until_signal(infer.server, args.drain_seconds, failed=infer.died)
         await asyncio.to_thread(infer.engine.stop)
         if infer.died.is_set():
             log.critical(

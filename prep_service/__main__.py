@@ -110,6 +110,11 @@ def parser() -> argparse.ArgumentParser:
         "default: the model's own",
     )
     add_security_arguments(p)
+    p.add_argument(
+        "--drain-seconds", type=float, default=30.0,
+        help="on SIGTERM: health turns NOT_SERVING, new calls are refused, and calls in flight "
+        "get this long to finish (default 30)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="info")
     return p
 
@@ -132,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             chat_template=args.chat_template,
         )
         log.info("prep_service serving on %s:%d", args.host, prep.port)
-        await run_until_signal(prep.server)
+        await run_until_signal(prep.server, args.drain_seconds)
         prep.servicer.close()
 
     try:
