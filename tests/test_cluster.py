@@ -6,7 +6,9 @@ SIGTERM drains a replica without losing a stream."""
 
 from __future__ import annotations
 
+import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -261,3 +263,30 @@ def served(proc: Proc) -> int:
             infer_pb2.GetServerInfoRequest(), timeout=10
         )
     return r.num_active + r.num_queued + r.stats.num_generated_tokens
+
+
+NODE = shutil.which("node")
+NODE_DIR = Path(__file__).parent / "contract" / "node"
+
+
+@pytest.mark.skipif(
+    NODE is None or not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir(),
+    reason="needs node and tests/contract/node/node_modules (npm ci)",
+)
+def test_the_node_client_s_session_turns_stay_on_one_replica(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """client.js sends x-slotwise-session on CreateSession and Generate: without it, nginx
+    would spread the three calls (least_conn) and the session would be on several replicas."""
+    assert NODE is not None
+    image = tmp_path / "image.png"
+    image.write_bytes(image_bytes(40, 40, seed=9))
+    for _ in range(3):
+        done = subprocess.run(
+            [NODE, "client.js", "--prep", cluster.prep_address, "--infer", cluster.infer_address,
+             "--image", str(image), "--max-tokens", "3", "--session", "node-1"],
+            cwd=NODE_DIR, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    home = owners(cluster)["node-1"]  # (owners fails if two replicas hold it)
+    assert cluster.sessions_on(home)["node-1"] == 3

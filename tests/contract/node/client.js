@@ -3,9 +3,13 @@
 // contract is usable by another gRPC stack.
 //
 //   node client.js --prep HOST:PORT --infer HOST:PORT --image FILE.png [--max-tokens N]
+//                  [--session ID]
 //
 // Prepare (chat: a system message, then user text + the image + text) on the prep service, then
 // Generate on the inference service with the returned PreparedPrompt and greedy sampling.
+// With --session, the Generate is a turn of session ID (created first unless it exists), and
+// both calls carry the metadata x-slotwise-session: ID, by which a proxy in front of several
+// replicas (deploy/nginx) routes every call of one session to the replica that holds it.
 // Prints one JSON summary on stdout; exits 1 with the gRPC error on stderr if a call fails.
 'use strict';
 
@@ -38,6 +42,7 @@ function parseArgs(argv) {
     else if (flag === '--image') args.image = value;
     else if (flag === '--max-tokens') args.maxTokens = Number.parseInt(value, 10);
     else if (flag === '--timeout-ms') args.timeoutMs = Number.parseInt(value, 10);
+    else if (flag === '--session') args.session = value;
     else throw new Error(`unknown flag ${flag}`);
   }
   for (const required of ['prep', 'infer', 'image']) {
@@ -58,10 +63,28 @@ function prepare(stub, request, ms) {
   });
 }
 
+const AFFINITY_HEADER = 'x-slotwise-session';
+
+function affinity(sessionId) {
+  const metadata = new grpc.Metadata();
+  if (sessionId) metadata.set(AFFINITY_HEADER, sessionId);
+  return metadata;
+}
+
+function createSession(stub, sessionId, ms) {
+  return new Promise((resolve, reject) => {
+    stub.CreateSession({ session_id: sessionId }, affinity(sessionId), { deadline: deadline(ms) },
+      (err, response) => {
+        if (err && err.code !== grpc.status.ALREADY_EXISTS) reject(err);
+        else resolve(response);
+      });
+  });
+}
+
 function generate(stub, request, ms) {
   return new Promise((resolve, reject) => {
     const events = [];
-    const call = stub.Generate(request, { deadline: deadline(ms) });
+    const call = stub.Generate(request, affinity(request.session_id), { deadline: deadline(ms) });
     call.on('data', (event) => events.push(event));
     call.on('error', reject);
     call.on('end', () => resolve(events));
@@ -166,12 +189,14 @@ async function main() {
       },
       args.timeoutMs,
     );
+    if (args.session) await createSession(infer, args.session, args.timeoutMs);
     const events = await generate(
       infer,
       {
         prompt: prepared.prompt, // passed back as received: the contract between the services
         sampling: { temperature: 0 }, // greedy (an explicitly set proto3 `optional`)
         max_tokens: args.maxTokens,
+        session_id: args.session || '',
       },
       args.timeoutMs,
     );
