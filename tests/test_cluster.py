@@ -290,3 +290,13 @@ def test_the_node_client_s_session_turns_stay_on_one_replica(
         assert done.returncode == 0, done.stderr
     home = owners(cluster)["node-1"]  # (owners fails if two replicas hold it)
     assert cluster.sessions_on(home)["node-1"] == 3
+
+
+def test_the_cluster_run_short() -> None:
+    """tests/cluster.py as CI runs it: sessions through nginx while replicas are killed."""
+    import cluster as cluster_run
+
+    figures = cluster_run.run(sessions=4, replicas=3, seconds=12, kill_every=4)
+    print(figures)
+    assert figures["errors"] == [] and figures["turns_lost"] == 0
+    assert figures["kills"] >= 2 and figures["turns_completed"] > 0 and figures["failovers"] > 0
