@@ -292,6 +292,7 @@ def test_the_node_client_s_session_turns_stay_on_one_replica(
     assert cluster.sessions_on(home)["node-1"] == 3
 
 
+@pytest.mark.slow
 def test_the_cluster_run_short() -> None:
     """tests/cluster.py as CI runs it: sessions through nginx while replicas are killed."""
     import cluster as cluster_run
