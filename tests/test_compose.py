@@ -7,9 +7,15 @@ settings in .hadolint.yaml). What is slotwise's own is checked here: every comma
 `command`, Dockerfile `CMD`) is parsed by the service's own argument parser, so renaming a flag
 in prep_service/infer_service/clients fails here; ports, healthchecks, EXPOSE, the model and
 session volumes and the GPU reservation agree; the healthcheck one-liners run against real
-services. The compose files are read with PyYAML: every variable is `${NAME:-default}`, and
-compose.cpu.yaml replaces whole keys of one service (`!override`, `!reset`); where a docker CLI
-with the compose plugin exists, `docker compose config` confirms that reading.
+services. The compose files are read with PyYAML: every variable is `${NAME:-default}` (`$$` a
+literal `$`, in nginx's shell script), and compose.cpu.yaml replaces whole keys of one service
+(`!override`, `!reset`); where a docker CLI with the compose plugin exists, `docker compose
+config` confirms that reading.
+
+nginx is the entry (prep and infer publish nothing and scale with --scale): its ports agree with
+the template's listen values, the template is mounted, and the shell script that lists the infer
+replicas before nginx starts runs here against a stand-in nslookup (what nginx then makes of the
+rendered configuration: tests/test_deploy.py, with `nginx -t`).
 """
 
 from __future__ import annotations
@@ -115,6 +121,7 @@ for _tag in ("!reset", "!override"):
     ComposeLoader.add_constructor(_tag, _tagged)
 
 VARIABLE = re.compile(r"\$\{(?P<name>[A-Z][A-Z0-9_]*):-(?P<default>[^}$]*)\}")
+ESCAPED_OR_VARIABLE = re.compile(r"\$\$|" + VARIABLE.pattern)  # `$$`: a literal `$`
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -127,7 +134,9 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
     if isinstance(value, list):
         return [interpolate(v, env) for v in value]
     if isinstance(value, str):
-        return VARIABLE.sub(lambda m: env.get(m["name"]) or m["default"], value)
+        return ESCAPED_OR_VARIABLE.sub(
+            lambda m: "$" if m[0] == "$$" else env.get(m["name"]) or m["default"], value
+        )
     return value
 
 
@@ -252,6 +261,7 @@ def test_every_variable_has_a_default_and_is_documented() -> None:
     header = "\n".join(ln for ln in COMPOSE.read_text().splitlines() if ln.startswith("#"))
     for path in COMPOSE_FILES:
         body = "\n".join(ln for ln in path.read_text().splitlines() if not ln.startswith("#"))
+        body = body.replace("$$", "")  # a literal `$` (the shell's, in nginx's command)
         uses = VARIABLE.findall(body)
         assert body.count("$") == len(uses), f"{path.name}: write every variable ${{NAME:-default}}"
         for name, _ in uses:
@@ -278,11 +288,11 @@ def test_the_gateway_command_parses_and_its_ports_and_healthcheck_agree(
     known = set(sub._option_string_actions)
     assert all(a in known for a in command[2:] if a.startswith("--")), command
     args = parser().parse_args(command[1:])
-    assert (args.prep, args.infer) == ("prep:50051", "infer:50052")
+    assert (args.prep, args.infer) == entry_addresses(config)  # through nginx
     assert args.host == "0.0.0.0"
     assert container_ports(service) == [("127.0.0.1", 8080, args.port)]
     assert f"127.0.0.1:{args.port}/ready" in service["healthcheck"]["test"][3]
-    assert set(service["depends_on"]) == {"prep", "infer"}
+    assert service["depends_on"] == {"nginx": {"condition": "service_healthy"}}
     assert service["image"] == config["services"]["prep"]["image"]  # the package is in it
 
 
@@ -290,7 +300,7 @@ def test_the_gateway_command_parses_and_its_ports_and_healthcheck_agree(
 def test_ports_and_healthchecks_agree(config: dict[str, Any], name: str) -> None:
     service = config["services"][name]
     args = parse_command(service["command"], MODULES[name])
-    assert container_ports(service) == [("127.0.0.1", args.port, args.port)]
+    assert "ports" not in service  # published by nginx: a fixed host port allows one replica
     assert health_target(service) == (args.port, GRPC_SERVICES[name])
 
 
@@ -314,8 +324,8 @@ def test_published_ports_and_models_follow_the_environment() -> None:
     assert p.model == i.model == Path("/models/qwen2.5-vl-7b-q4_k_m.gguf")
     assert p.mmproj == i.mmproj == Path("/models/mmproj-qwen2.5-vl-7b-f16.gguf")
     assert (i.ctx_size, i.parallel, i.gpu_layers) == (8192, 2, 20)
-    assert container_ports(prep) == [("0.0.0.0", 6001, 50051)]
-    assert container_ports(infer) == [("0.0.0.0", 6002, 50052)]
+    nginx = config["services"]["nginx"]
+    assert container_ports(nginx) == [("0.0.0.0", 6001, p.port), ("0.0.0.0", 6002, i.port)]
     assert prep["volumes"][0]["source"] == "/srv/models"
     assert infer["image"] == "slotwise/infer:v1-cuda"
 
@@ -367,10 +377,10 @@ def test_cpu_override_removes_the_gpu() -> None:
     }
     assert infer["image"] != gpu["services"]["infer"]["image"]  # two tags, not one overwritten
     assert infer["image"].endswith("-cpu") and gpu["services"]["infer"]["image"].endswith("-cuda")
-    # everything else is the GPU stack's: same command, ports, healthcheck, volumes
-    for key in ("command", "ports", "healthcheck", "volumes"):
-        assert infer[key] == gpu["services"]["infer"][key]
-    for name in ("prep", "gateway", "client"):
+    # everything else is the GPU stack's: same command, (no) ports, healthcheck, volumes
+    for key in ("command", "ports", "healthcheck", "volumes", "container_name"):
+        assert infer.get(key) == gpu["services"]["infer"].get(key)
+    for name in ("prep", "nginx", "gateway", "client"):
         assert cpu["services"][name] == gpu["services"][name]
 
 
@@ -380,20 +390,176 @@ def test_client_waits_for_healthy_services(config: dict[str, Any]) -> None:
     services = config["services"]
     client = services["client"]
     assert client["profiles"] == ["client"]  # not started by `docker compose up`
-    assert client["depends_on"] == {
-        "prep": {"condition": "service_healthy"},
-        "infer": {"condition": "service_healthy"},
-    }
+    assert client["depends_on"] == {"nginx": {"condition": "service_healthy"}}
     assert client["entrypoint"] == ["slotwise"]
     parser().parse_args(client["command"])
-    for name in ("prep", "infer"):
-        port = parse_command(services[name]["command"], MODULES[name]).port
-        assert client["environment"][f"SLOTWISE_{name.upper()}"] == f"{name}:{port}"
+    env = client["environment"]
+    assert (env["SLOTWISE_PREP"], env["SLOTWISE_INFER"]) == entry_addresses(config)
     # the same image as prep (which has the CLI installed), built from the same definition
     assert (client["image"], client["build"]) == (
         services["prep"]["image"],
         services["prep"]["build"],
     )
+
+
+# -- nginx, the entry -------------------------------------------------------------------------
+
+TEMPLATE = ROOT / "deploy" / "nginx" / "slotwise.conf.template"
+TEMPLATE_TARGET = "/etc/nginx/templates/slotwise.conf.template"  # the image renders it to conf.d
+SERVER = re.compile(r"server (?P<host>[^\s:;]+):(?P<port>\d+)(?P<params>[^;]*);")
+
+
+def template_variables() -> set[str]:
+    return set(re.findall(r"\$\{(\w+)\}", TEMPLATE.read_text()))
+
+
+def entry_addresses(config: dict[str, Any]) -> tuple[str, str]:
+    """nginx's addresses for prep and infer, as the other containers reach them."""
+    env = config["services"]["nginx"]["environment"]
+    return f"nginx:{env['SLOTWISE_PREP_LISTEN']}", f"nginx:{env['SLOTWISE_INFER_LISTEN']}"
+
+
+def service_ports(config: dict[str, Any]) -> dict[str, int]:
+    services = config["services"]
+    return {n: parse_command(services[n]["command"], m).port for n, m in MODULES.items()}
+
+
+# What nginx's script reads from `nslookup -type=a infer`: busybox's answer in the image (alpine)
+# and the older busybox format; the DNS server's own address comes first and is no replica.
+NSLOOKUP_ANSWERS = {
+    "busybox": "Server:\t\t127.0.0.11\nAddress:\t127.0.0.11:53\n\nNon-authoritative answer:\n"
+    "Name:\tinfer\nAddress: 172.18.0.5\n\nName:\tinfer\nAddress: 172.18.0.3\n\n",
+    "busybox-old": "Server:    127.0.0.11\nAddress 1: 127.0.0.11\n\nName:      infer\n"
+    "Address 1: 172.18.0.3 slotwise-infer-1.slotwise_default\n"
+    "Address 2: 172.18.0.5 slotwise-infer-2.slotwise_default\n",
+}
+
+
+@dataclass
+class NginxStart:
+    env: dict[str, str]  # the environment the image's entrypoint (and so envsubst) gets
+    argv: list[str]  # what the entrypoint is asked to run
+    looked_up: list[str]  # nslookup's arguments
+    default_conf_removed: bool
+
+
+def run_nginx_startup(tmp_path: Path, answer: str, status: int = 0) -> NginxStart:
+    """The nginx service's script (its entrypoint and command), run by this machine's sh with a
+    stand-in nslookup that answers `answer`, and a stand-in for the image's entrypoint that
+    records what it was given. The image runs it with busybox's sh, awk and sort: the script
+    keeps to POSIX sh and awk."""
+    service = compose_config()["services"]["nginx"]
+    assert service["entrypoint"] == ["/bin/sh", "-ec"]
+    (script,) = service["command"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "answer").write_text(answer)
+    record = 'for a in "$@"; do printf "%s\\n" "$a"; done'
+    fakes = {
+        bin_dir / "nslookup": f"{record} > {tmp_path}/looked_up\ncat {tmp_path}/answer\n"
+        f"exit {status}\n",
+        tmp_path / "entrypoint.sh": f"{record} > {tmp_path}/argv\nenv > {tmp_path}/env\n",
+    }
+    for path, body in fakes.items():
+        path.write_text(f"#!/bin/sh\n{body}")
+        path.chmod(0o755)
+    default_conf = tmp_path / "default.conf"
+    default_conf.write_text("server { listen 80; }\n")
+    for path, stand_in in (
+        ("/docker-entrypoint.sh", tmp_path / "entrypoint.sh"),
+        ("/etc/nginx/conf.d/default.conf", default_conf),
+    ):
+        assert script.count(path) == 1, path
+        script = script.replace(path, str(stand_in))
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **service["environment"]}
+    done = subprocess.run(
+        ["/bin/sh", "-ec", script], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    lines = (tmp_path / "env").read_text().splitlines()
+    return NginxStart(
+        env=dict(line.split("=", 1) for line in lines if "=" in line),
+        argv=(tmp_path / "argv").read_text().splitlines(),
+        looked_up=(tmp_path / "looked_up").read_text().splitlines(),
+        default_conf_removed=not default_conf.exists(),
+    )
+
+
+def test_nginx_is_the_entry(config: dict[str, Any]) -> None:
+    services = config["services"]
+    nginx = services["nginx"]
+    assert re.fullmatch(r"nginx:\d+\.\d+-alpine", nginx["image"]), "the official image, pinned"
+    env = nginx["environment"]
+    listen = {name: int(env[f"SLOTWISE_{name.upper()}_LISTEN"]) for name in MODULES}
+    # the host ports prep and infer had: a client of the stack changes nothing
+    assert listen == service_ports(config) == {"prep": 50051, "infer": 50052}
+    assert container_ports(nginx) == [
+        ("127.0.0.1", 50051, listen["prep"]),
+        ("127.0.0.1", 50052, listen["infer"]),
+    ]
+    test = nginx["healthcheck"]["test"]
+    assert test[0] == "CMD-SHELL"
+    assert [int(p) for p in re.findall(r"nc -z 127\.0\.0\.1 (\d+)", test[1])] == [
+        listen["prep"],
+        listen["infer"],
+    ]
+    assert nginx["volumes"] == [
+        {
+            "type": "bind",
+            "source": "./deploy/nginx/slotwise.conf.template",
+            "target": TEMPLATE_TARGET,
+            "read_only": True,
+            "bind": {"create_host_path": False},
+        }
+    ]
+    assert (ROOT / nginx["volumes"][0]["source"]).is_file()
+    # every variable of the template is given: by the environment, or (the infer replicas) by
+    # the script before the image's entrypoint; envsubst renders those and nothing else
+    given = {k for k in env if k.startswith("SLOTWISE_")} | {"SLOTWISE_INFER_SERVERS"}
+    assert template_variables() == given
+    assert all(re.match(env["NGINX_ENVSUBST_FILTER"], name) for name in given)
+    prep = SERVER.fullmatch(env["SLOTWISE_PREP_SERVERS"])
+    assert prep and (prep["host"], int(prep["port"])) == ("prep", service_ports(config)["prep"])
+    assert nginx["depends_on"] == {
+        "prep": {"condition": "service_healthy"},
+        "infer": {"condition": "service_healthy"},
+    }
+    assert "init" not in nginx  # nginx is PID 1, stopped by the image's STOPSIGNAL (graceful)
+
+
+def test_prep_and_infer_scale(config: dict[str, Any]) -> None:
+    """`docker compose up --scale infer=N`: no fixed name, host port or hostname; every replica
+    mounts the one sessions volume read-write."""
+    for name in MODULES:
+        service = config["services"][name]
+        assert not {"container_name", "ports", "hostname"} & set(service), name
+    infer = config["services"]["infer"]
+    args = parse_command(infer["command"], "infer_service")
+    (mount,) = [v for v in infer["volumes"] if v["target"] == str(args.sessions_dir)]
+    assert mount["type"] == "volume" and mount["source"] in config["volumes"]
+    assert not mount.get("read_only")
+
+
+@pytest.mark.parametrize("answer", sorted(NSLOOKUP_ANSWERS))
+def test_nginx_lists_every_infer_replica_by_address(tmp_path: Path, answer: str) -> None:
+    """One `server` line per replica: nginx's consistent hash places server *names* on its ring
+    (one name for every replica would be one point, shared round robin)."""
+    start = run_nginx_startup(tmp_path, NSLOOKUP_ANSWERS[answer])
+    assert start.looked_up == ["-type=a", "infer"]
+    servers = [m.groupdict() for m in SERVER.finditer(start.env["SLOTWISE_INFER_SERVERS"])]
+    assert [(s["host"], int(s["port"])) for s in servers] == [
+        ("172.18.0.3", service_ports(compose_config())["infer"]),
+        ("172.18.0.5", service_ports(compose_config())["infer"]),
+    ]
+    prep = SERVER.fullmatch(start.env["SLOTWISE_PREP_SERVERS"])
+    assert prep and all(s["params"] == prep["params"] for s in servers)  # the same failover
+    assert start.argv == ["nginx", "-g", "daemon off;"]  # the image's own CMD
+    assert start.default_conf_removed  # the image's welcome page on port 80: not served
+
+
+def test_nginx_falls_back_to_the_service_name(tmp_path: Path) -> None:
+    start = run_nginx_startup(tmp_path, "** server can't find infer: NXDOMAIN\n", status=1)
+    assert start.env["SLOTWISE_INFER_SERVERS"] == "server infer:50052 max_fails=1 fail_timeout=5s;"
 
 
 def test_nothing_is_downloaded() -> None:
