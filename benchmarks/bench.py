@@ -13,6 +13,10 @@ an end-of-generation token early is counted over what it generated.
 
     python -m benchmarks.bench [--model PATH | --gemma] [--threads 2] [--repeats 3] [--tokens 128]
                             [--llama-server PATH] [--only NAME ...]
+
+The stall section (benchmarks/stall.py) runs on its own generated pair, the tiny qwen2vl model
+with a projector of --vision-width x --vision-layers (or --model with --mmproj): stream A
+generates text while client B sends a 1000x1000 JPEG; it needs no Gemma.
 """
 
 from __future__ import annotations
@@ -44,9 +48,19 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.stall import (
+    HEAVY,
+    ServerStall,
+    SlotwiseStall,
+    StallError,
+    StallRun,
+    heavy_pair,
+    stall_jpeg,
+)
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc
+from slotwise_core.tiny_models import Vision
 
-SECTIONS = ("stream1", "stream4", "shift", "prep", "ttft")
+SECTIONS = ("stream1", "stream4", "shift", "prep", "ttft", "stall")
 
 # Row names (the table's first column); the smoke test checks that each one is printed.
 ROW_STREAM1 = "1 stream tok/s: gRPC / raw loop"
@@ -64,6 +78,11 @@ ROW_PREPARE = "Prepare 1 MP JPEG, p50 ms"
 ROW_PREPARE8 = "Prepare 8 clients / 1 client, req/s"
 ROW_PREPARE_BYTES = "Prepare 1 MP JPEG: response / file, bytes"
 ROW_TTFT = "TTFT ms: gRPC / in-process"
+ROW_STALL_GAP = "image stall: A's longest gap / B's TTFT"
+ROW_STALL_RATE = "image stall: A's tok/s during B's prefill / without"
+ROW_STALL_SERVER = "image stall: B's TTFT slotwise / llama-server"
+ROW_STALL_SERVER_GAP = "image stall, llama-server: A's longest gap / B's TTFT"
+ROW_STALL_SERVER_RATE = "image stall, llama-server: A's tok/s during / without"
 
 SHIFT_TARGETS = {"SHIFT": 0.90, "GAP": 0.90, "REPREFILL": 0.60}
 SHIFT_POLICIES = {
@@ -445,13 +464,29 @@ class GrpcService(Process):
 
 class LlamaServer(Process):
     def __init__(
-        self, binary: str, model: Path, *, ctx: int, parallel: int, threads: int, log_dir: Path
+        self,
+        binary: str,
+        model: Path,
+        *,
+        ctx: int,
+        parallel: int,
+        threads: int,
+        log_dir: Path,
+        mmproj: Path | None = None,
     ):
         port = free_port()
         # like infer_service: a budget of cells per slot, full-size SWA cache
         flags = f"-c {ctx} -np {parallel} -t {threads} -tb {threads} -b 512 -ub 512 --host"
         flags += f" 127.0.0.1 --port {port} --no-kv-unified --swa-full --no-webui"
         argv = [binary, "-m", str(model), *flags.split()]
+        if mmproj is not None:
+            argv += ["--mmproj", str(mmproj)]
+        from slotwise_core import native
+
+        # the weight buffers infer and the raw loop use: where they go without llama.cpp's extra
+        # (repacked) buffer types, so does llama-server
+        if not native.extra_bufts_decision(native.cpu_flags(), native.amx_tile_permission)[0]:
+            argv.append("--no-repack")
         super().__init__("llama-server", argv, port, log_dir)
 
     def wait_serving(self, timeout: float = 180) -> None:
@@ -577,7 +612,7 @@ def concurrently(fns: Sequence[Callable[[], Stream]]) -> list[Stream]:
 
 @dataclass
 class Options:
-    model: Path
+    model: Path | None  # None: only the stall section, on its generated pair
     mmproj: Path | None
     threads: int
     repeats: int
@@ -590,6 +625,11 @@ class Options:
     shift_keep: int
     prep_requests: int
     verbose: bool
+    vision: Vision = HEAVY
+    stall_ctx: int = 4096
+    stall_decode_threads: int = 1
+    encode_threads: int | None = None  # None: --threads
+    stall_alone: float = 2.0
 
 
 class Bench:
@@ -608,15 +648,21 @@ class Bench:
             print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
     @property
+    def model(self) -> Path:
+        if self.o.model is None:
+            raise BenchError("this section needs --model (or --gemma)")
+        return self.o.model
+
+    @property
     def raw_model(self) -> RawModel:
         if self._raw_model is None:
-            self._raw_model = RawModel(self.o.model)
+            self._raw_model = RawModel(self.model)
         return self._raw_model
 
     @property
     def prep(self) -> prep_pb2_grpc.PrepServiceStub:
         if self._prep is None:
-            self._prep = self.service("prep_service", ["--model", str(self.o.model)])
+            self._prep = self.service("prep_service", ["--model", str(self.model)])
         return prep_pb2_grpc.PrepServiceStub(self._prep.channel)
 
     def service(self, module: str, args: list[str]) -> GrpcService:
@@ -630,7 +676,7 @@ class Bench:
 
     @contextlib.contextmanager
     def infer(self, *, ctx: int, parallel: int) -> Iterator[infer_pb2_grpc.InferServiceStub]:
-        args = ["--model", str(self.o.model), "--threads", str(self.o.threads)]
+        args = ["--model", str(self.model), "--threads", str(self.o.threads)]
         args += ["--ctx-size", str(ctx), "--parallel", str(parallel)]
         svc = self.service("infer_service", args)
         try:
@@ -652,14 +698,20 @@ class Bench:
 
     @contextlib.contextmanager
     def llama_server(
-        self, *, ctx: int, parallel: int, wanted: bool = True
+        self,
+        *,
+        ctx: int,
+        parallel: int,
+        wanted: bool = True,
+        model: Path | None = None,
+        mmproj: Path | None = None,
     ) -> Iterator[LlamaServer | None]:
         if not (wanted and self.o.llama_server):
             yield None
             return
         srv = LlamaServer(
-            self.o.llama_server, self.o.model, ctx=ctx, parallel=parallel,
-            threads=self.o.threads, log_dir=self.log_dir,
+            self.o.llama_server, model or self.model, ctx=ctx, parallel=parallel,
+            threads=self.o.threads, log_dir=self.log_dir, mmproj=mmproj,
         )  # fmt: skip
         try:
             srv.wait_serving()
@@ -691,6 +743,8 @@ class Bench:
                 self.bench_shift()
             if "prep" in only:
                 self.bench_prep()
+            if "stall" in only:
+                self.bench_stall()
         finally:
             if self._prep:
                 self._prep.stop()
@@ -870,7 +924,8 @@ class Bench:
     def bench_prep(self) -> None:
         o = self.o
         if o.mmproj:
-            model, mmproj, what = o.model, o.mmproj, f"{o.model.name} + {o.mmproj.name}"
+            model, mmproj = self.model, o.mmproj
+            what = f"{model.name} + {mmproj.name}"
         else:
             out = self.log_dir / "tiny"
             subprocess.run(
@@ -950,6 +1005,133 @@ class Bench:
         finally:
             svc.stop()
 
+    # -- 7: the image prefill stall (benchmarks/stall.py)
+
+    def bench_stall(self) -> None:
+        o = self.o
+        ban: Sequence[int] = ()
+        if o.mmproj and o.model:
+            model, mmproj = o.model, o.mmproj
+            what = f"{model.name} + {mmproj.name}"
+        else:
+            pair = heavy_pair(self.log_dir / "stall", o.vision)
+            model, mmproj = pair.model, pair.mmproj
+            what = f"tiny mrope pair, vision {o.vision.width} x {o.vision.layers}"
+            ban = range(128, 256)  # the pair's non-ASCII byte tokens (see ServerStall)
+        pair_args = ["--model", str(model), "--mmproj", str(mmproj)]
+        enc = o.encode_threads or o.threads
+        infer_args = [*pair_args, "--parallel", "2", "--ctx-size", str(2 * o.stall_ctx)]
+        infer_args += ["--threads", str(o.stall_decode_threads), "--encode-threads", str(enc)]
+        prep = self.service("prep_service", [*pair_args, "--threads", "1"])
+        try:
+            infer = self.service("infer_service", infer_args)
+            try:
+                with self.llama_server(
+                    ctx=2 * o.stall_ctx, parallel=2, model=model, mmproj=mmproj
+                ) as server:
+                    self._stall_rows(
+                        SlotwiseStall(
+                            prep_pb2_grpc.PrepServiceStub(prep.channel),
+                            infer_pb2_grpc.InferServiceStub(infer.channel),
+                        ),
+                        ServerStall(server.port, ban) if server else None,
+                        what=what,
+                        infer_flags=" ".join(infer_args[4:]),
+                    )
+            finally:
+                infer.stop()
+        finally:
+            prep.stop()
+
+    def _stall_rows(
+        self, ours: SlotwiseStall, theirs: ServerStall | None, *, what: str, infer_flags: str
+    ) -> None:
+        """Both sides interleaved, after one warm-up run each; the rows from the medians."""
+        o = self.o
+        seed = iter(range(1, 1 << 30))  # a new picture every run: no cache may answer B
+        got: dict[str, list[StallRun]] = {"slotwise": [], "llama-server": []}
+        sides: dict[str, Callable[[], float]] = {}
+
+        def side(name: str, target: SlotwiseStall | ServerStall) -> Callable[[], float]:
+            def fn() -> float:
+                n = next(seed)
+                try:
+                    r = target.run(stall_jpeg(n), n, alone_s=o.stall_alone, settle_s=0.5)
+                except StallError as e:
+                    raise BenchError(f"stall, {name}: {e}") from e
+                if not r.alone_rate > 0:
+                    raise BenchError(f"stall, {name}: A got no token while timed alone")
+                got[name].append(r)
+                self.log(f"stall {name}: {r.figures()}")
+                return r.ttft
+
+            return fn
+
+        sides["slotwise"] = side("slotwise", ours)
+        if theirs:
+            sides["llama-server"] = side("llama-server", theirs)
+        for fn in sides.values():  # warm-up: first encode, first image of each size
+            fn()
+        for runs in got.values():
+            runs.clear()
+        self.interleaved(sides, o.repeats)
+        mine = got["slotwise"]
+        cells = mine[-1].b_cells
+        during = median([r.a_tokens_during for r in mine])
+        shifts = median([r.shifts_during for r in mine])
+        calm = median([r.longest_gap_between_shifts for r in mine]) * 1e3
+        note = (
+            f"{what}; B: {cells} image cells ({len(stall_jpeg(0)) >> 10} KiB JPEG, a new one "
+            f"each run); infer {infer_flags}; A's longest wait for a token over B's wait (B's "
+            f"Prepare to its first token); medians: A got {during:.0f} tokens and made "
+            f"{shifts:.0f} context shifts during B's TTFT; its longest gap leaving out the "
+            f"shifts: {calm:.0f} ms"
+        )
+        self.rows.append(
+            compared(
+                ROW_STALL_GAP, [r.longest_gap for r in mine], [r.ttft for r in mine], "ms",
+                "<= 0.05", note, scale=1e3,
+            )
+        )  # fmt: skip
+        self.rows.append(
+            compared(
+                ROW_STALL_RATE, [r.rate_during for r in mine], [r.alone_rate for r in mine],
+                "tok/s", ">= 0.5", f"A alone: the {o.stall_alone:g} s before B was sent",
+            )
+        )  # fmt: skip
+        if not theirs:
+            return
+        ref = got["llama-server"]
+        note = (
+            f"llama-server -np 2 -t {o.threads} -c {2 * o.stall_ctx}, the same pair, A and B "
+            "through /completion (B's image as multimodal_data, cache_prompt off"
+            + (
+                ", byte tokens 128-255 banned: it streams no incomplete UTF-8"
+                if theirs.extra
+                else ""
+            )
+            + "); lower is better"
+        )
+        self.rows.append(
+            compared(
+                ROW_STALL_SERVER, [r.ttft for r in mine], [r.ttft for r in ref], "ms", "<= 1.0",
+                note, scale=1e3,
+            )
+        )  # fmt: skip
+        self.rows.append(
+            compared(
+                ROW_STALL_SERVER_GAP, [r.longest_gap for r in ref], [r.ttft for r in ref], "ms",
+                note=f"for reference; median: A got {median([r.a_tokens_during for r in ref]):.0f}"
+                " tokens during B's TTFT", scale=1e3,
+            )
+        )  # fmt: skip
+        self.rows.append(
+            compared(
+                ROW_STALL_SERVER_RATE, [r.rate_during for r in ref],
+                [r.alone_rate for r in ref], "tok/s", note="for reference",
+            )
+        )  # fmt: skip
+
 
 def make_jpeg(width: int, height: int) -> bytes:
     """A photo-like JPEG (smooth gradients plus noise), the same bytes every run."""
@@ -1007,6 +1189,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shift-tokens", type=int, default=1024, help="tokens generated per shift run")
     p.add_argument("--shift-keep", type=int, default=1, help="pinned prefix (1: the prompt chunk)")
     p.add_argument("--prep-requests", type=int, default=32, help="Prepare calls per measurement")
+    p.add_argument(
+        "--vision-width", type=int, default=HEAVY.width, help="stall: the projector's width"
+    )
+    p.add_argument(
+        "--vision-layers", type=int, default=HEAVY.layers, help="stall: the projector's layers"
+    )
+    p.add_argument("--stall-ctx", type=int, default=4096, help="stall: KV cells per slot (2 slots)")
+    p.add_argument("--stall-decode-threads", type=int, default=1, help="stall: infer's --threads")
+    p.add_argument(
+        "--encode-threads", type=int, help="stall: infer's --encode-threads (default --threads)"
+    )
+    p.add_argument("--stall-alone", type=float, default=2.0, help="stall: seconds A is timed alone")
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("-v", "--verbose", action="store_true", help="per-repeat figures on stderr")
     return p
@@ -1017,9 +1211,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     STREAM_TOKENS[0] = args.stream_tokens
     if args.repeats < 1 or args.tokens < 2:
         parser().error("--repeats must be >= 1 and --tokens >= 2")
+    if args.stall_alone <= 0:
+        parser().error("--stall-alone must be > 0")
     try:
-        model = args.model or gemma_path()
-        if not model.is_file():
+        vision = Vision(args.vision_width, args.vision_layers)
+    except ValueError as e:
+        parser().error(str(e))
+    only = tuple(args.only or SECTIONS)
+    try:
+        model = args.model
+        if model is None and (set(only) != {"stall"} or args.mmproj):
+            model = gemma_path()
+        if model is not None and not model.is_file():
             raise BenchError(f"model file not found: {model}")
         opts = Options(
             model=model,
@@ -1030,12 +1233,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             ctx=args.ctx,
             llama_server=args.llama_server
             and (shutil.which(args.llama_server) or args.llama_server),
-            only=tuple(args.only or SECTIONS),
+            only=only,
             shift_ctx=args.shift_ctx,
             shift_tokens=args.shift_tokens,
             shift_keep=args.shift_keep,
             prep_requests=args.prep_requests,
             verbose=args.verbose,
+            vision=vision,
+            stall_ctx=args.stall_ctx,
+            stall_decode_threads=args.stall_decode_threads,
+            encode_threads=args.encode_threads,
+            stall_alone=args.stall_alone,
         )
         t0 = time.monotonic()
         load0 = os.getloadavg()[0]
@@ -1046,7 +1254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     print(
-        f"slotwise bench {stamp}: {model.name}, {opts.threads} threads, {opts.repeats} repeats, "
+        f"slotwise bench {stamp}: {model.name if model else 'the stall pair'}, "
+        f"{opts.threads} threads, {opts.repeats} repeats, "
         f"{os.cpu_count()} CPUs ({platform.machine()}), load average {load0:.1f} -> "
         f"{os.getloadavg()[0]:.1f}, {time.monotonic() - t0:.0f}s"
     )

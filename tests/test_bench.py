@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench
+from benchmarks.stall import StallRun
 from slotwise_core.tiny_models import TinyPair
 
 EXPECTED = [
@@ -26,7 +27,14 @@ EXPECTED = [
     bench.ROW_PREPARE,
     bench.ROW_PREPARE_BYTES,
     bench.ROW_PREPARE8,
+    bench.ROW_STALL_GAP,
+    bench.ROW_STALL_RATE,
 ]
+STALL_SERVER_ROWS = (
+    bench.ROW_STALL_SERVER,
+    bench.ROW_STALL_SERVER_GAP,
+    bench.ROW_STALL_SERVER_RATE,
+)
 
 
 def test_bench_smoke_on_tiny_rope(
@@ -36,6 +44,8 @@ def test_bench_smoke_on_tiny_rope(
     argv = ["--model", str(tiny["rope"].model), "--threads", "1", "--repeats", "1"]
     argv += ["--tokens", "8", "--ctx", "2048", "--prep-requests", "2", "--json", str(out)]
     argv += ["--shift-ctx", "256", "--shift-tokens", "300"]
+    # the stall on the default tiny projector: the rows come out, the goals mean nothing here
+    argv += ["--vision-width", "32", "--vision-layers", "1", "--stall-alone", "0.5"]
     assert bench.main(argv) == 0
 
     printed = capsys.readouterr().out
@@ -54,6 +64,9 @@ def test_bench_smoke_on_tiny_rope(
     assert rows[bench.ROW_PREPARE_BYTES]["ratio"] <= 1.25
     # no llama-server given: its rows are skipped, not printed empty
     assert bench.ROW_SERVER1 not in rows and bench.ROW_SERVER4 not in rows
+    assert not any(name in rows for name in STALL_SERVER_ROWS)
+    # A streamed through B's whole wait (a gap is shorter than B's TTFT)
+    assert rows[bench.ROW_STALL_GAP]["ratio"] < 1.0
     # the shift rows really shifted, with the policy they asked for
     for name, row in bench.ROW_SHIFT.items():
         assert "shifts by " + name in rows[row]["note"], rows[row]["note"]
@@ -68,6 +81,19 @@ def test_streamed_rate_counts_tokens_after_the_latest_first_token() -> None:
     assert bench.streamed_rate([bench.Stream(arrivals=[(3.0, 8)], t_sent=1.0)]) == 4.0
     with pytest.raises(bench.BenchError):
         bench.streamed_rate([bench.Stream(arrivals=[(1.0, 1)])])
+
+
+def test_stall_gap_spans_the_whole_wait() -> None:
+    # A's tokens at 0.0, 0.1, 0.2 then a stall until 1.5; B sent at 0.25, first token at 1.4
+    run = StallRun([0.0, 0.1, 0.2, 1.5, 1.6], alone_rate=10.0, b_sent=0.25, b_first=1.4)
+    assert run.ttft == pytest.approx(1.15)
+    assert run.a_tokens_during == 0 and run.rate_during == 0.0
+    # the stall counts whole: from A's last token before B to its first after B's first token
+    assert run.longest_gap == pytest.approx(1.3)
+    steady = StallRun([0.0, 0.1, 0.2, 0.3, 0.4, 0.5], alone_rate=10.0, b_sent=0.15, b_first=0.45)
+    assert steady.longest_gap == pytest.approx(0.1)
+    assert steady.a_tokens_during == 3
+    assert steady.figures()["during_over_without"] == pytest.approx(1.0)
 
 
 def test_table_marks_targets() -> None:
