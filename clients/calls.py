@@ -167,7 +167,7 @@ class Calls:
         """The per-call arguments of a stub method."""
         wait = True if call.idempotent and self.retry.wait_for_ready else None
         metadata = self.metadata
-        if call.affinity:
+        if call.affinity and all(key != AFFINITY_HEADER for key, _ in metadata):
             metadata = (*metadata, (AFFINITY_HEADER, call.affinity))
         return {"timeout": call.timeout, "metadata": metadata, "wait_for_ready": wait}
 
@@ -244,7 +244,8 @@ class Calls:
         routed by its session id)."""
         self.need("infer")
         options = dict(options)
-        affinity = options.pop("affinity", None) or options.get("session_id") or ""
+        affinity = options.get("session_id") or options.pop("affinity", None) or ""
+        options.pop("affinity", None)
         request = generate_request(_prepared_pb(prompt), **options)
         t = None if timeout is None or timeout <= 0 else timeout
         return Call("infer", INFER_SERVICE, "Generate", request, _nothing, t, affinity)

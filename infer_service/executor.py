@@ -439,6 +439,7 @@ class Executor:
         if len({slot.seq for slot, _, _ in taken}) > 1:
             self.stats.num_multi_seq_decodes += 1
         if rc != 0:
+            self.stats.num_failed_decodes += 1
             log.error("llama_decode returned %d for a batch the ledgers admitted", rc)
             self._decode_alone(taken)  # a failed decode changes nothing: find the culprit
             return
@@ -463,6 +464,7 @@ class Executor:
             rc = self.rt.decode()
             self.stats.num_decodes += 1
             if rc != 0:
+                self.stats.num_failed_decodes += 1
                 why = Problem(
                     ErrorKind.INTERNAL, f"llama_decode failed (rc={rc})", Reason.DECODE_FAILED
                 )

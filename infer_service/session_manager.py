@@ -25,6 +25,7 @@ from infer_service.media import MediaHandle, media_handle
 from infer_service.runtime import SamplingConfig
 from infer_service.session_store import (
     CorruptSessionError,
+    Generation,
     SessionStore,
     StaleSessionError,
     ledger_digest,
@@ -68,7 +69,7 @@ class SessionManager:
         self._orphans: set[str] = set()  # media ids a session stopped referring to
         # io thread only (filled before it starts): the generation of each session file this
         # replica holds (its writes must find that one on disk), pixels waiting to be collected
-        self._generations: dict[str, int] = {}
+        self._generations: dict[str, Generation] = {}
         self._io_orphans: set[str] = set()
         if store is not None:
             for session_id in store.ids():
@@ -183,7 +184,7 @@ class SessionManager:
         def read() -> None:  # io thread
             header = self._read_header(session_id, hold=True)
             try:
-                self._call(lambda: register(header))
+                self._on_engine(lambda: register(header), done)
             except EngineStoppedError as e:
                 resolve(done, error=e)
 
@@ -237,13 +238,14 @@ class SessionManager:
                 except CorruptSessionError as e:
                     # never another replica's newer state (writes are atomic): a copy in memory
                     # stays the truth and writes a good file again; none is DATA_LOSS
-                    self._call(lambda error=e: self._keep_or_report(session_id, error, done))
+                    damaged: BaseException = e
+                    self._on_engine(lambda: self._keep_or_report(session_id, damaged, done), done)
                     return
                 if found == self._generations.get(session_id):
                     resolve(done, None)
                     return
                 header = self._read_header(session_id) if found is not None else None
-                self._call(lambda: self._resync(session_id, header, done))
+                self._on_engine(lambda: self._resync(session_id, header, done), done)
             except OSError as e:
                 resolve(done, error=ProblemError(storage_problem(e, "the sessions directory")))
             except Exception as e:  # the RPC hears it (the engine stopped, ...)
@@ -267,11 +269,20 @@ class SessionManager:
             if header is not None:
                 self._register(session_id, header)
                 if isinstance(header, dict) and session_id in self.by_id:
-                    generation = int(header["generation"])
+                    generation = _generation_of(header)
             # after this replica's writes queued so far: those of the old copy are refused
             self._io.submit(self._hold, session_id, generation)
         finally:
             resolve(done, None)
+
+    def _on_engine(self, fn: Callable[[], None], done: Future[Any]) -> None:
+        """Run fn on the engine thread; if the engine stops before it runs, done hears why."""
+        ran = self._call(fn)
+        ran.add_done_callback(
+            lambda f: (
+                resolve(done, error=f.exception()) if not f.cancelled() and f.exception() else None
+            )
+        )
 
     def _keep_or_report(self, session_id: str, error: BaseException, done: Future[None]) -> None:
         if session_id in self.by_id:
@@ -281,14 +292,21 @@ class SessionManager:
         else:
             self._resync(session_id, error, done)
 
-    def _hold(self, session_id: str, generation: int | None) -> None:  # io thread
+    def _hold(self, session_id: str, generation: Generation | None) -> None:  # io thread
         if generation is None:
             self._generations.pop(session_id, None)
         else:
             self._generations[session_id] = generation
 
     def _forget(self, session: Session) -> None:
-        """Drop a copy that is stale (another replica wrote the session): never saved again."""
+        """Drop a copy that is stale (another replica wrote the session): never saved again
+        (a write of it still queued is taken out and refused)."""
+        queued = self._writes.take(session.session_id)
+        for f in queued.futures if queued else ():
+            resolve(f, error=ProblemError(problem(
+                ErrorKind.ABORTED, Reason.SESSION_STALE,
+                f"session {session.session_id!r} was written by another replica meanwhile",
+            )))  # fmt: skip
         if session.slot is not None:
             self.swap_out(self.slots[session.slot], save=False)
         session.release()
@@ -531,7 +549,7 @@ class SessionManager:
             failure = ProblemError(problem(
                 ErrorKind.ABORTED, Reason.SESSION_STALE,
                 f"the turn was not saved: {e}; the next turn continues from the newer state",
-                found=e.found if e.found is not None else "none",
+                found=e.found.number if e.found is not None else "none",
             ))  # fmt: skip
             for f in write.futures:
                 resolve(f, error=failure)
@@ -577,6 +595,8 @@ class SessionManager:
             if broken:
                 return
             with store.collecting_pixels() as on_disk:  # every replica's files, writes held off
+                if on_disk is None:  # a file whose needs are unknown: nothing goes
+                    return
                 gone = self._io_orphans - in_memory - on_disk
                 for media_id in gone:
                     store.delete_media(media_id)
@@ -600,7 +620,7 @@ class SessionManager:
                 if key in held and not self.store.has_media(px["media_id"]):
                     raise CorruptSessionError(f"pixels of media {px['media_id'][:12]} are missing")
             if hold:
-                self._generations[session_id] = int(header["generation"])
+                self._generations[session_id] = _generation_of(header)
         except Exception as e:  # whatever is wrong with the file, the session is reported
             return e
         return header
@@ -641,6 +661,10 @@ class SessionManager:
         )
 
 
+def _generation_of(header: dict[str, Any]) -> Generation:
+    return Generation(str(header.get("lineage", "")), int(header["generation"]))
+
+
 def _error(kind: ErrorKind, reason: Reason, message: str) -> SessionError:
     return SessionError(kind, message, reason)
 
@@ -679,6 +703,7 @@ class _Writes:
             if old is None:
                 self._queued[session_id] = write
                 return True
+            assert old.session is write.session, "a dropped copy's write is taken out first"
             if write.kv_state is None:  # keeps the KV bytes: those of the queued write
                 write.kv_state, write.kv_digest = old.kv_state, old.kv_digest
             write.pixels[:0] = old.pixels

@@ -1,7 +1,7 @@
 """Sessions on disk: one file per session, replaced atomically after every completed turn.
 
 Layout of ROOT (which several replicas may share: a volume on NFSv4, EFS, CephFS, ...):
-  <session_id>.session    magic, header length, generation, JSON header, then the KV state
+  <session_id>.session    magic, header length, generation, lineage, JSON header, KV state
   media/<media_id>.rgb    raw RGB pixels, content-addressed, written once
   .locks/<n>.lock         POSIX locks: per session (striped), and one for the pixels
   .tmp-*                  a write in progress (removed at startup once older than an hour)
@@ -9,8 +9,10 @@ Layout of ROOT (which several replicas may share: a volume on NFSv4, EFS, CephFS
 Each save of a session raises its generation by one, under the session's exclusive lock, and
 only if the generation on disk is the one the writer holds (`expect`): a replica whose copy is
 stale (another replica wrote the session since) is refused (StaleSessionError) and never
-writes over a newer file. Session writes hold the pixels' lock shared, pixel collection
-exclusive: pixels are written before the file that refers to them, and never deleted between.
+writes over a newer file. A generation names its lineage too, random for every session file
+created: a session deleted and created again elsewhere never matches an old copy's number.
+Session writes hold the pixels' lock shared, pixel collection exclusive: pixels are written
+before the file that refers to them, and never deleted between.
 
 The header holds the format version, the model fingerprint, the context configuration the KV
 state was saved from (a state only loads into a context with the same stream layout), the
@@ -38,15 +40,15 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from slotwise_core.images import media_id as pixels_id
 
 FORMAT_VERSION = 1
 _MAGIC_V1 = b"SLOTWISE-SESSION"  # magic, u64 header length (generation 0)
-_MAGIC = b"SLOTWISE-SESS-G2"  # magic, u64 header length, u64 generation
+_MAGIC = b"SLOTWISE-SESS-G2"  # magic, u64 header length, u64 generation, 16 bytes lineage
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_PREFIX = len(_MAGIC) + 16
+_PREFIX = len(_MAGIC) + 32
 _MAX_HEADER_BYTES = 256 << 20
 _LOCK_STRIPES = 256  # lock files for sessions: bounded, never deleted (a deleted lock file
 # would let two writers lock two different files of one name)
@@ -61,14 +63,26 @@ class CorruptSessionError(ValueError):
     """A session file that cannot be read."""
 
 
+class Generation(NamedTuple):
+    """Which save of which session file: its lineage (created with the file) and number."""
+
+    lineage: str  # hex; "" for files written before generations (number 0)
+    number: int
+
+    def next(self) -> Generation:
+        return Generation(self.lineage, self.number + 1)
+
+
 class StaleSessionError(Exception):
     """The session on disk is not the generation the writer holds: another replica wrote it
     (or deleted it) since."""
 
-    def __init__(self, session_id: str, expected: int | None, found: int | None):
+    def __init__(self, session_id: str, expected: Generation | None, found: Generation | None):
         self.expected, self.found = expected, found
-        on_disk = "no file" if found is None else f"generation {found}"
-        held = "none" if expected is None else f"generation {expected}"
+        on_disk = "no file" if found is None else f"generation {found.number}"
+        held = "none" if expected is None else f"generation {expected.number}"
+        if found and expected and found.lineage != expected.lineage:
+            on_disk += " of a session created again"
         super().__init__(f"session {session_id!r}: {on_disk} on disk, this replica holds {held}")
 
 
@@ -118,9 +132,9 @@ class SessionStore:
         header: dict[str, Any],
         kv_state: bytes | bytearray | memoryview,
         *,
-        expect: int | None = None,
+        expect: Generation | None = None,
         pixels: Sequence[tuple[str, bytes]] = (),
-    ) -> int:
+    ) -> Generation:
         """Write the session (its pixels first) as the generation after `expect`, the one the
         caller holds (None: no file may be there); returns the new generation."""
         path = self.path(session_id)
@@ -133,13 +147,13 @@ class SessionStore:
                 raise StaleSessionError(session_id, expect, found)
             for media_id, rgb in pixels:
                 self.save_media(media_id, rgb)
-            generation = (found or 0) + 1
+            generation = found.next() if found else Generation(os.urandom(16).hex(), 1)
             body = json.dumps({"version": FORMAT_VERSION, **header}).encode()
-            prefix = _MAGIC + struct.pack("<QQ", len(body), generation)
-            _write_atomically(path, prefix + body, kv_state)
+            prefix = _MAGIC + struct.pack("<QQ", len(body), generation.number)
+            _write_atomically(path, prefix + bytes.fromhex(generation.lineage) + body, kv_state)
         return generation
 
-    def generation(self, session_id: str) -> int | None:
+    def generation(self, session_id: str) -> Generation | None:
         """The generation on disk (None: no file), from the file's first bytes."""
         try:
             with open(self.path(session_id), "rb") as f:
@@ -148,7 +162,7 @@ class SessionStore:
             return None
 
     def load_header(self, session_id: str) -> dict[str, Any]:
-        """The header alone (startup reads no KV bytes), with its "generation"."""
+        """The header alone (startup reads no KV bytes), with its "generation" and "lineage"."""
         try:
             with open(self.path(session_id), "rb") as f:
                 header, _ = _read_header(session_id, f)
@@ -174,14 +188,17 @@ class SessionStore:
         return True
 
     @contextlib.contextmanager
-    def collecting_pixels(self) -> Iterator[set[str]]:
+    def collecting_pixels(self) -> Iterator[set[str] | None]:
         """Every media id a session file on disk refers to, with session writes held off (the
-        pixels' lock, exclusive) while the caller deletes pixels that none needs."""
+        pixels' lock, exclusive) while the caller deletes pixels that none needs. None when a
+        file cannot be read (damaged, a newer format, a passing I/O error): its needs are
+        unknown, so nothing may be deleted."""
         with self._lock(self._pixels_lock):
             referred: set[str] = set()
             seen: dict[str, tuple[tuple[int, int, int], frozenset[str]]] = {}
+            unreadable = False
             for session_id in self.ids():
-                with contextlib.suppress(KeyError, CorruptSessionError, OSError):
+                try:
                     st = self.path(session_id).stat()
                     key = (st.st_ino, st.st_mtime_ns, st.st_size)
                     hit = self._referred.get(session_id)
@@ -190,8 +207,14 @@ class SessionStore:
                         hit = (key, frozenset(px["media_id"] for px in pixels.values()))
                     seen[session_id] = hit
                     referred |= hit[1]
+                except FileNotFoundError:
+                    continue  # deleted meanwhile: it needs nothing
+                except KeyError as e:
+                    unreadable |= e.args != (session_id,)  # (no file: deleted meanwhile)
+                except (CorruptSessionError, OSError):
+                    unreadable = True
             self._referred = seen
-            yield referred
+            yield None if unreadable else referred
 
     def _session_lock(self, session_id: str) -> Path:
         stripe = zlib.crc32(check_session_id(session_id).encode()) % _LOCK_STRIPES
@@ -236,17 +259,20 @@ class SessionStore:
         return rgb
 
 
-def _read_prefix(session_id: str, f: Any) -> tuple[int, int]:
+def _read_prefix(session_id: str, f: Any) -> tuple[int, Generation]:
     """(header length, generation) from a file's first bytes; f is left at the header."""
     magic = f.read(len(_MAGIC))
     if magic == _MAGIC_V1:
-        (n,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
-        return n, 0
-    rest = f.read(16)
-    if magic != _MAGIC or len(rest) < 16:
+        length = f.read(8)
+        if len(length) < 8:
+            raise CorruptSessionError(f"session {session_id!r}: file is truncated")
+        (n,) = struct.unpack("<Q", length)
+        return n, Generation("", 0)
+    rest = f.read(32)
+    if magic != _MAGIC or len(rest) < 32:
         raise CorruptSessionError(f"session {session_id!r}: not a slotwise session file")
-    n, generation = struct.unpack("<QQ", rest)
-    return n, generation
+    n, number = struct.unpack_from("<QQ", rest)
+    return n, Generation(rest[16:].hex(), number)
 
 
 def _read_header(session_id: str, f: Any) -> tuple[dict[str, Any], int]:
@@ -263,7 +289,7 @@ def _read_header(session_id: str, f: Any) -> tuple[dict[str, Any], int]:
         raise CorruptSessionError(
             f"session {session_id!r}: format version {version} is not {FORMAT_VERSION}"
         )
-    header["generation"] = generation
+    header["generation"], header["lineage"] = generation.number, generation.lineage
     return header, f.tell()
 
 

@@ -134,6 +134,7 @@ class Slot:
 @dataclass
 class EngineStats:
     num_decodes: int = 0
+    num_failed_decodes: int = 0  # llama_decode != 0 for a batch the ledgers admitted
     num_multi_seq_decodes: int = 0
     num_media_decodes: int = 0
     num_generated_tokens: int = 0

@@ -236,6 +236,11 @@ class Preparer:
         return [s for s in rest if s.text]
 
     def _tokenize(self, segment: _Segment) -> list[Chunk]:
+        if any(im.width == 0 for im in segment.images):
+            raise InputError(
+                "this chat template moves text across messages, so the images before "
+                "first_message are part of what is returned: send first_message 0"
+            )
         if not segment.images:
             tokens = native.tokenize_text(
                 self._vocab, segment.text, add_special=segment.add_special, parse_special=True

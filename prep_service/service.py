@@ -126,7 +126,12 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
         if which == "raw":
             pbs = list(request.raw.images)
         elif which == "chat":
-            pbs = [p.image for m in request.chat.messages for p in m.parts if p.HasField("image")]
+            pbs = [
+                p.image
+                for m in list(request.chat.messages)[request.first_message :]
+                for p in m.parts
+                if p.HasField("image")
+            ]
         else:
             return
         if len(pbs) > self.limits.max_images:
@@ -189,6 +194,10 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                     kind = p.WhichOneof("kind")
                     if kind == "text":
                         parts.append(p.text)
+                    elif kind == "image" and i < request.first_message:
+                        # a session holds it: only its marker is rendered, never decoded or
+                        # counted (a long session's earlier images cost nothing, and no limit)
+                        parts.append(ImageRef(0, 0))
                     elif kind == "image":
                         parts.append(image(p.image, f"message {i} part {j}"))
                     else:

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -39,6 +40,8 @@ class Session(threading.Thread):
         self.completed = 0
         self.retries = 0
         self.served: list[float] = []  # when each turn completed
+        self.refusals: Counter[str] = Counter()  # why a turn was sent again
+        self.examples: dict[str, str] = {}
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -60,7 +63,10 @@ class Session(threading.Thread):
             try:
                 prepared = client.prepare(sent, first_message=first)
                 done = collect(client.generate(prepared, session_id=self.session_id, max_tokens=4))
-            except SlotwiseError:
+            except SlotwiseError as e:
+                why = f"{e.code().name} {e.reason or ''}".strip()
+                self.refusals[why] += 1
+                self.examples.setdefault(why, e.details()[:200])
                 if self._holds(client, k + 1):  # it completed; only its report was lost
                     done = None
                 else:
@@ -94,14 +100,24 @@ def run(
             threads = [Session(cluster, f"run-{i:03d}", until) for i in range(sessions)]
             for t in threads:
                 t.start()
-            kills: list[tuple[float, list[str]]] = []  # when, and the sessions it held
-            while time.monotonic() + kill_every < until:
-                time.sleep(kill_every)
-                victim = rng.choice([p for p in cluster.infer if p.alive])
-                homed = list(cluster.sessions_on(victim))
+            kills: list[tuple[float, list[str]]] = []  # when, and the sessions it served
+            # what each replica held when it (re)started: served since then is what changed
+            baseline: dict[str, dict[str, int]] = {p.name: {} for p in cluster.infer}
+            start = time.monotonic()
+            while (next_kill := start + (len(kills) + 1) * kill_every) < until:
+                time.sleep(max(0.0, next_kill - time.monotonic()))  # on a fixed schedule
+                served = {  # what each replica served since it (re)started
+                    p.name: [s for s, n in cluster.sessions_on(p).items()
+                             if baseline[p.name].get(s) != n]
+                    for p in cluster.infer if p.alive
+                }  # fmt: skip
+                busy = [p for p in cluster.infer if served.get(p.name)]
+                victim = rng.choice(busy or [p for p in cluster.infer if p.alive])
+                homed = served[victim.name]
                 victim.stop()  # kill -9
                 kills.append((time.monotonic(), homed))
                 cluster.restart(victim)
+                baseline[victim.name] = cluster.sessions_on(victim)
             for t in threads:
                 t.join(seconds + 120)
             with SlotwiseClient(cluster.prep_address, cluster.infer_address) as client:
@@ -124,6 +140,8 @@ def run(
         "turns_completed": sum(t.completed for t in threads),
         "turns_lost": sum(max(0, t.completed - held[t.session_id]) for t in threads),
         "turns_retried": sum(t.retries for t in threads),
+        "retried_because": dict(sum((t.refusals for t in threads), Counter()).most_common(6)),
+        "examples": {k: v for t in threads for k, v in t.examples.items()},
         "failovers": len(failovers),
         "failover_ms_median": round(statistics.median(failovers) * 1000) if failovers else None,
         "failover_ms_max": round(max(failovers) * 1000) if failovers else None,

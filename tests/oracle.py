@@ -691,8 +691,12 @@ class Oracle:
 
     def _step(self) -> None:
         before = self._progress()
+        failed = self.stats.num_failed_decodes
         self._woken.clear()
         self.executor.step(self.slots)
+        if self.stats.num_failed_decodes != failed:  # (the executor retries each alone)
+            for run in self._runs.values():
+                run.fail(OracleError("llama_decode failed for a batch the ledgers admitted"))
         for run in list(self._runs.values()):
             for probe in run.probes:
                 self._probe_full(run, probe)
@@ -1032,9 +1036,7 @@ class Sweep:
 
     def summary(self) -> str:
         c = self.counts
-        plans = ", ".join(
-            f"{k} {c[k]}" for k in ("Fits", "Shift", "Gap", "Reprefill", "CannotFit") if c[k]
-        )
+        plans = ", ".join(f"{k} {c[k]}" for k in ("Shift", "Gap", "Reprefill", "CannotFit") if c[k])
         rate = self.seconds / self.runs * 1000 if self.runs else 0.0
         lines = [
             f"{self.pair}: {self.runs} runs in {self.seconds:.1f} s ({rate:.0f} ms/run), "

@@ -899,3 +899,27 @@ def test_start_refuses_a_mismatched_pair_and_closes_its_port(
         loop_thread.run(start(tiny["mrope"].model, mismatched, address=f"127.0.0.1:{port}"))
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens there any more
+
+
+def test_a_session_turn_does_not_decode_or_count_the_images_its_session_holds(stub) -> None:
+    """A long multimodal session sends its whole chat each turn (the template renders it) with
+    first_message at the new message: the images before it are never decoded nor counted
+    against --max-images (70 here, past the limit of 64, and not even valid files)."""
+    history = []
+    for k in range(70):
+        history.append(msg("user", text(f"turn {k}"), image(b"not decoded: held by the session")))
+        history.append(msg("assistant", text("ok")))
+    new = msg("user", text("and this one?"), image(image_bytes(64, 48, seed=5)))
+    req = chat(*history, new)
+    req.first_message = len(history)
+    prompt = stub("mrope").Prepare(req, timeout=30).prompt
+    media = [c for c in prompt.chunks if c.WhichOneof("kind") == "media"]
+    assert len(media) == 1 and {c.message_index for c in prompt.chunks} == {
+        len(history),
+        len(history) + 1,
+    }
+    # from 0, the same chat is refused (more than 64 images), as before
+    req.first_message = 0
+    with pytest.raises(grpc.RpcError) as e:
+        stub("mrope").Prepare(req, timeout=30)
+    assert e.value.code() == IA
