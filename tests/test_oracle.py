@@ -49,8 +49,11 @@ def test_random_runs_match_llama_cpp(drivers: Drivers, pair: str) -> None:
     c = sweep.counts
     # the random scripts really exercise every plan and boundary
     assert c["media_decodes"] > 0 and c["generated"] > 0
-    # the executor's own batching of several sequences, and images checked half in
-    assert c["multi_seq_decodes"] > 0 and c["checks_mid_media"] > 0
+    # the executor's own batching of several sequences, and images checked half in (a
+    # non-causal projector's image goes into the cache whole)
+    assert c["multi_seq_decodes"] > 0
+    non_causal = drivers.get(pair, 0).rt.mtmd.non_causal  # type: ignore[union-attr]
+    assert (c["checks_mid_media"] > 0) != non_causal
     assert c["Gap"] > 0 and c["Reprefill"] > 0
     can_shift = drivers.get(pair, 0).rt.can_shift
     assert (c["Shift"] > 0) == can_shift, "Shift plans exactly where the memory can shift"
