@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from signal import SIGKILL, SIGTERM
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -68,9 +68,16 @@ class Proc:
         assert self.popen is not None
         return self.popen.wait(timeout)
 
-    def stop(self) -> None:
-        if self.alive:
-            self.signal(signal.SIGKILL)
+    def stop(self, sig: int = SIGKILL) -> None:
+        """kill -9 by default (a replica's crash); nginx gets SIGTERM, since its workers
+        outlive a master killed with -9."""
+        if not self.alive:
+            return
+        self.signal(sig)
+        try:
+            self.wait(10)
+        except subprocess.TimeoutExpired:
+            self.signal(SIGKILL)
             self.wait()
 
     def wait_serving(self, timeout: float = 120) -> None:
@@ -188,9 +195,10 @@ class Cluster:
         proc.wait_serving()
 
     def close(self) -> None:
-        for proc in (self.nginx, *self.infer, *self.prep):
-            if proc is not None:
-                proc.stop()
+        if self.nginx is not None:
+            self.nginx.stop(SIGTERM)
+        for proc in (*self.infer, *self.prep):
+            proc.stop()
 
     def logs(self) -> str:
         return "\n".join(
