@@ -423,6 +423,8 @@ class Executor:
             if n == 0:
                 continue
             head = slot.pending[0]
+            assert slot.ledger is not None
+            n = fitting_take(slot.ledger, n, head.group)
             if not self._make_room(slot, n, n, head.group):
                 continue  # finished, or a reprefill put other items first
             item = take_text(slot.pending, n)
@@ -589,6 +591,18 @@ def text_take_size(pending: deque[Item], budget: int, batch_size: int) -> int:
         if not _joins(first, item) or n == budget:
             break
         n += min(item.num_cells, budget - n)
+    return n
+
+
+def fitting_take(ledger: Ledger, n: int, group: int | None) -> int:
+    """A take of n text tokens, made smaller until the ledger can make room for it at once.
+
+    An admitted prompt fits when it goes in piece by piece, evicting as it goes; one take of
+    it may not (after a REPREFILL, the kept items and the prompt's rest join into one take
+    larger than what is not pinned). Grouped text goes whole, as it must.
+    """
+    while n > 1 and group is None and isinstance(ledger.ensure(n, n), CannotFit):
+        n //= 2
     return n
 
 

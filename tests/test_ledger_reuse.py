@@ -639,3 +639,19 @@ def test_units_a_truncation_dropped_become_history() -> None:
     decode_all(ledger, admission.kept)
     found = ledger.continuation([system, old, new, text([9], 3)])
     assert found is not None and atoms(found[2]) == [9]
+
+
+def test_a_take_too_large_to_fit_at_once_is_made_smaller() -> None:
+    """The executor's text takes: 125 pinned cells and 100 others in 256; 179 tokens at once
+    cannot fit (148 to evict, 100 evictable), fewer can, evicting what is not pinned."""
+    from infer_service.executor import fitting_take
+
+    ledger = Ledger(256, can_shift=True, n_ctx_train=4096, policy=Policy.REPREFILL, keep=125)
+    ledger.append(Item.text(tuple(range(125)), 0))
+    ledger.append(Item.text(tuple(range(100)), 1))
+    assert ledger.num_pinned_cells == 125
+    assert isinstance(ledger.ensure(179), CannotFit)
+    n = fitting_take(ledger, 179, None)
+    assert 1 <= n <= 256 - 125 and not isinstance(ledger.ensure(n), CannotFit)
+    assert fitting_take(ledger, 179, 7) == 179  # grouped text is never split
+    assert fitting_take(ledger, 20, None) == 20  # what fits stays whole
