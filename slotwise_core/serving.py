@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import inspect
 import logging
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -261,23 +262,11 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
             behavior = handler.unary_unary
 
             async def unary_unary(request, context):
-                start = time.perf_counter()
-                code = grpc.StatusCode.OK
-                try:
+                async with _observed(context, method, metrics):
                     if isinstance(request, _Undecodable):
                         await abort(context, grpc.StatusCode.INVALID_ARGUMENT, _message(request))
                     result = behavior(request, context)
                     return await result if inspect.isawaitable(result) else result
-                except Exception as e:
-                    code = context.code() or grpc.StatusCode.INTERNAL
-                    await _internal(context, method, e)
-                    raise
-                except BaseException:
-                    code = context.code() or grpc.StatusCode.CANCELLED
-                    raise
-                finally:
-                    if metrics:
-                        metrics.observe(method, code, time.perf_counter() - start)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary,
@@ -287,9 +276,7 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
         stream = handler.unary_stream
 
         async def unary_stream(request, context):
-            start = time.perf_counter()
-            code = grpc.StatusCode.OK
-            try:
+            async with _observed(context, method, metrics):
                 if isinstance(request, _Undecodable):
                     await abort(context, grpc.StatusCode.INVALID_ARGUMENT, _message(request))
                 result = stream(request, context)
@@ -305,16 +292,6 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
                 else:
                     for item in result:
                         yield item
-            except Exception as e:
-                code = context.code() or grpc.StatusCode.INTERNAL
-                await _internal(context, method, e)
-                raise
-            except BaseException:
-                code = context.code() or grpc.StatusCode.CANCELLED
-                raise
-            finally:
-                if metrics:
-                    metrics.observe(method, code, time.perf_counter() - start)
 
         return grpc.unary_stream_rpc_method_handler(
             unary_stream,
@@ -328,6 +305,28 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
                 got = value.encode() if isinstance(value, str) else value
                 return hmac.compare_digest(got, self._expected or b"")
         return False
+
+
+@contextlib.asynccontextmanager
+async def _observed(
+    context: grpc.aio.ServicerContext, method: str, metrics: ServiceMetrics | None
+) -> AsyncIterator[None]:
+    """One call of a handler: an unexpected exception becomes INTERNAL (never UNKNOWN), and
+    its latency and status code are counted."""
+    start = time.perf_counter()
+    code = grpc.StatusCode.OK
+    try:
+        yield
+    except Exception as e:
+        code = context.code() or grpc.StatusCode.INTERNAL
+        await _internal(context, method, e)
+        raise
+    except BaseException:
+        code = context.code() or grpc.StatusCode.CANCELLED
+        raise
+    finally:
+        if metrics:
+            metrics.observe(method, code, time.perf_counter() - start)
 
 
 async def _internal(context: grpc.aio.ServicerContext, method: str, e: Exception) -> None:
