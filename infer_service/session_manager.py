@@ -251,7 +251,12 @@ class SessionManager:
             except Exception as e:  # the RPC hears it (the engine stopped, ...)
                 resolve(done, error=e)
 
-        self._io.submit(read)
+        try:
+            self._io.submit(read)
+        except RuntimeError:  # the io thread is shut down: the engine is stopping
+            resolve(done, error=EngineStoppedError(problem(
+                ErrorKind.UNAVAILABLE, Reason.SHUTTING_DOWN, "server shutting down",
+            )))  # fmt: skip
         return done
 
     def _resync(
