@@ -26,7 +26,6 @@ import contextlib
 import ctypes
 import datetime
 import http.client
-import io
 import json
 import os
 import platform
@@ -48,6 +47,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.images import make_jpeg
 from benchmarks.stall import (
     HEAVY,
     ServerStall,
@@ -1036,7 +1036,7 @@ class Bench:
                         ),
                         ServerStall(server.port, ban) if server else None,
                         what=what,
-                        infer_flags=" ".join(infer_args[4:]),
+                        infer_flags=" ".join(infer_args[len(pair_args) :]),
                     )
             finally:
                 infer.stop()
@@ -1131,21 +1131,6 @@ class Bench:
                 [r.alone_rate for r in ref], "tok/s", note="for reference",
             )
         )  # fmt: skip
-
-
-def make_jpeg(width: int, height: int) -> bytes:
-    """A photo-like JPEG (smooth gradients plus noise), the same bytes every run."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x * 255 // width, y * 255 // height, (x + y) * 255 // (width + height)], -1)
-    noise = rng.integers(-24, 24, size=base.shape)
-    rgb = np.clip(base + noise, 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(rgb, "RGB").save(buf, "JPEG", quality=90)
-    return buf.getvalue()
 
 
 # -- command line -----------------------------------------------------------------------------

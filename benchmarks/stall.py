@@ -22,7 +22,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import http.client
-import io
 import itertools
 import json
 import socket
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.images import make_jpeg
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc
 from slotwise_core.tiny_models import TinyPair, Vision, write_tiny_models
 
@@ -60,18 +60,8 @@ def heavy_pair(out_dir: Path, vision: Vision = HEAVY) -> TinyPair:
 
 
 def stall_jpeg(seed: int, side: int = IMAGE_SIDE) -> bytes:
-    """A photo-like JPEG (gradients plus noise) whose pixels depend on ``seed``."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:side, 0:side]
-    phase = seed * 37 % 256
-    base = np.stack([x * 255 // side, y * 255 // side, (x + y + phase) * 255 // (2 * side)], -1)
-    rgb = np.clip(base + rng.integers(-24, 24, size=base.shape), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(rgb, "RGB").save(buf, "JPEG", quality=90)
-    return buf.getvalue()
+    """B's image: a new one for every seed (neither server's cache may answer it)."""
+    return make_jpeg(side, side, seed)
 
 
 # -- the figures ------------------------------------------------------------------------------
@@ -101,27 +91,28 @@ class StallRun:
         """A's tokens from B's request to B's first token."""
         return self.tokens_between(self.b_sent, self.b_first)
 
-    @property
-    def longest_gap(self) -> float:
-        """A's longest wait for a token over B's wait: consecutive arrivals whose interval
-        overlaps [B sent, B's first token], so a stall that starts before B was sent or ends
-        after B's first token counts whole; the window itself when A got nothing in it."""
-        gaps = [
+    def _gaps(self, *, without_shifts: bool = False) -> list[float]:
+        """A's waits between consecutive tokens whose interval overlaps [B sent, B's first
+        token], so a stall that starts before B was sent or ends after B's first token counts
+        whole (without_shifts: leaving out those in which A's context shifted)."""
+        return [
             b - a
             for a, b in itertools.pairwise(self.a_times)
-            if b >= self.b_sent and a <= self.b_first
+            if b >= self.b_sent
+            and a <= self.b_first
+            and not (without_shifts and any(a < t <= b for t in self.a_shifts))
         ]
-        return max(gaps, default=self.ttft)
+
+    @property
+    def longest_gap(self) -> float:
+        """A's longest wait for a token over B's wait (the window itself when A got nothing
+        in it)."""
+        return max(self._gaps(), default=self.ttft)
 
     @property
     def longest_gap_between_shifts(self) -> float:
         """As longest_gap, leaving out the gaps in which A's context shifted."""
-        gaps = [
-            b - a
-            for a, b in itertools.pairwise(self.a_times)
-            if b >= self.b_sent and a <= self.b_first and not any(a < t <= b for t in self.a_shifts)
-        ]
-        return max(gaps, default=self.ttft)
+        return max(self._gaps(without_shifts=True), default=self.ttft)
 
     @property
     def shifts_during(self) -> int:

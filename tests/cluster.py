@@ -129,7 +129,7 @@ def run(
         next(served for served in by_id[sid].served if served > killed) - killed
         for killed, homed in kills
         for sid in homed
-        if sid in by_id and any(served > killed for served in by_id[sid].served)
+        if any(served > killed for served in by_id[sid].served)
     ]
     errors = [repr(t.error) for t in threads if t.error is not None]
     return {
