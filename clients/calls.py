@@ -244,8 +244,8 @@ class Calls:
         routed by its session id)."""
         self.need("infer")
         options = dict(options)
-        affinity = options.get("session_id") or options.pop("affinity", None) or ""
-        options.pop("affinity", None)
+        explicit = options.pop("affinity", None) or ""
+        affinity = options.get("session_id") or explicit
         request = generate_request(_prepared_pb(prompt), **options)
         t = None if timeout is None or timeout <= 0 else timeout
         return Call("infer", INFER_SERVICE, "Generate", request, _nothing, t, affinity)

@@ -144,15 +144,19 @@ def event_from_pb(pb: infer_pb2.GenerateResponse) -> Event | None:
 class Completion:
     """A whole generation, gathered from its events by `collect`."""
 
-    text: str = ""
     token_ids: list[int] = field(default_factory=list)
     started: Started | None = None
     shifts: list[Shift] = field(default_factory=list)
     finished: Finished | None = None
+    pieces: list[str] = field(default_factory=list)  # the deltas' text (joined once, in text)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
     def add(self, event: Event) -> None:
         if isinstance(event, Delta):
-            self.text += event.text
+            self.pieces.append(event.text)
             self.token_ids.extend(event.token_ids)
         elif isinstance(event, Shift):
             self.shifts.append(event)
