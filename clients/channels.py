@@ -107,14 +107,12 @@ class RetryPolicy:
     by a wait of min(max_backoff, initial_backoff * multiplier ** (k - 1)), +/-20% (gRPC's
     jitter). max_attempts above 5 counts as 5. wait_for_ready: idempotent calls wait for the
     channel to connect (until their deadline) rather than fail UNAVAILABLE while it cannot.
-    `jitter` is accepted for existing callers and has no effect: gRPC's jitter is fixed.
     """
 
     max_attempts: int = 5
     initial_backoff: float = 0.1
     max_backoff: float = 2.0
     multiplier: float = 2.0
-    jitter: float = JITTER
     retry_codes: frozenset[grpc.StatusCode] = frozenset({grpc.StatusCode.UNAVAILABLE})
     wait_for_ready: bool = False
 
