@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from infer_service.events import (
@@ -51,6 +51,7 @@ from infer_service.slots import (
 
 __all__ = [
     "Engine",
+    "EngineSnapshot",
     "EngineStats",
     "EngineStoppedError",
     "Job",
@@ -64,6 +65,18 @@ log = logging.getLogger("slotwise.engine")
 T = TypeVar("T")
 
 _ENCODE_POLL = 0.05  # seconds: how often a slot waiting for its image checks its deadline
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's counters as of one moment between steps (made on the engine thread)."""
+
+    cells: tuple[int, ...]  # per slot
+    waiting: int
+    active: int
+    cache_hits: int
+    cache_misses: int
+    stats: EngineStats
 
 
 class Engine:
@@ -127,6 +140,18 @@ class Engine:
     @property
     def num_active(self) -> int:
         return sum(1 for s in self.slots if s.job)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Call on the engine thread (`call(engine.snapshot)`): readers off it would see a
+        step half done."""
+        return EngineSnapshot(
+            cells=tuple(s.num_cells for s in self.slots),
+            waiting=self.num_waiting,
+            active=self.num_active,
+            cache_hits=self.cache.hits,
+            cache_misses=self.cache.misses,
+            stats=replace(self.stats, shifts_by_policy=dict(self.stats.shifts_by_policy)),
+        )
 
     def submit(self, job: Job) -> None:
         with self._wake:

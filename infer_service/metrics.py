@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
 
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from infer_service.engine import Engine, EngineStats, EngineStoppedError
+from infer_service.engine import Engine, EngineStoppedError
 from slotwise_core.metrics import ServiceMetrics
 
 
@@ -23,8 +22,16 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
 
     def collect() -> Iterable[Metric]:
         try:  # read on the engine thread, between steps: a consistent snapshot
-            snap = engine.call(lambda: _snapshot(engine)).result(timeout=2)
-        except (EngineStoppedError, TimeoutError):
+            future = engine.call(engine.snapshot)
+        except EngineStoppedError:
+            future = None
+        try:
+            snap = future.result(timeout=2) if future is not None else None
+        except TimeoutError:
+            assert future is not None
+            future.cancel()  # not wanted any more: the engine skips it
+            snap = None
+        if snap is None:
             yield GaugeMetricFamily("slotwise_infer_engine_up", "the engine thread runs", value=0)
             return
         yield GaugeMetricFamily("slotwise_infer_engine_up", "the engine thread runs", value=1)
@@ -61,22 +68,3 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
         )
 
     return collect
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    cells: tuple[int, ...]
-    waiting: int
-    active: int
-    cache_hits: int
-    stats: EngineStats
-
-
-def _snapshot(engine: Engine) -> _Snapshot:
-    return _Snapshot(
-        cells=tuple(s.ledger.num_cells if s.ledger else 0 for s in engine.slots),
-        waiting=engine.num_waiting,
-        active=engine.num_active,
-        cache_hits=engine.cache.hits,
-        stats=replace(engine.stats, shifts_by_policy=dict(engine.stats.shifts_by_policy)),
-    )

@@ -173,7 +173,13 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         self._relays: dict[asyncio.AbstractEventLoop, EventRelay] = {}
 
     async def GetServerInfo(self, request, context):
-        rt, st = self.engine.rt, self.engine.stats
+        rt = self.engine.rt
+        try:  # made on the engine thread between steps: counters that belong together
+            snap = await asyncio.wrap_future(self.engine.call(self.engine.snapshot))
+        except ProblemError as e:
+            await abort_problem(context, e.problem)
+            return
+        st = snap.stats
         return infer_pb2.GetServerInfoResponse(
             fingerprint=rt.fingerprint.to_pb(),
             num_slots=rt.num_slots,
@@ -183,16 +189,16 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             uses_mrope=rt.uses_mrope,
             batch_size=rt.batch_size,
             ubatch_size=rt.ubatch_size,
-            num_queued=self.engine.num_waiting,
-            num_active=self.engine.num_active,
+            num_queued=snap.waiting,
+            num_active=snap.active,
             stats=infer_pb2.EngineStats(
                 num_decodes=st.num_decodes,
                 num_multi_seq_decodes=st.num_multi_seq_decodes,
                 num_media_decodes=st.num_media_decodes,
                 num_generated_tokens=st.num_generated_tokens,
                 num_shifts=st.num_shifts,
-                num_media_cache_hits=self.engine.cache.hits,
-                num_media_cache_misses=self.engine.cache.misses,
+                num_media_cache_hits=snap.cache_hits,
+                num_media_cache_misses=snap.cache_misses,
             ),
         )
 

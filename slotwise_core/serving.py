@@ -11,7 +11,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,13 @@ def _loading_handler() -> grpc.RpcMethodHandler:
 
 
 @dataclass
+class InFlight:
+    """Calls of ours being handled now (on the event loop: no lock)."""
+
+    num_calls: int = 0
+
+
+@dataclass
 class Server:
     server: grpc.aio.Server
     port: int
@@ -73,6 +80,7 @@ class Server:
     services: tuple[str, ...]
     _late: _LateHandlers
     metrics: ServiceMetrics | None = None
+    in_flight: InFlight = field(default_factory=InFlight)
 
     def bind(self, add_to_server: Callable[[Any, Any], None], servicer: Any) -> None:
         """Attach a servicer to the running server (until then its methods say UNAVAILABLE)."""
@@ -109,8 +117,9 @@ async def create_server(
 
     Register servicers with `server.server` before calling `start()`; see `start_server`.
     """
+    edge = EdgeInterceptor(token=security.token if security else None, metrics=metrics)
     server = grpc.aio.server(
-        interceptors=[EdgeInterceptor(token=security.token if security else None, metrics=metrics)],
+        interceptors=[edge],
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -134,7 +143,7 @@ async def create_server(
         raise OSError(f"cannot listen on {address}")
     for name in ("", *services):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return Server(server, port, health, tuple(services), late, metrics)
+    return Server(server, port, health, tuple(services), late, metrics, edge.in_flight)
 
 
 async def run_until_signal(
@@ -152,7 +161,7 @@ async def run_until_signal(
     _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:
         task.cancel()
-    log.info("draining (grace %.1fs)", grace)
+    log.info("draining %d calls in flight (grace %.1fs)", server.in_flight.num_calls, grace)
     await server.stop(grace)
 
 
@@ -236,6 +245,7 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, *, token: str | None = None, metrics: ServiceMetrics | None = None):
         self._expected = f"Bearer {token}".encode() if token else None
         self._metrics = metrics
+        self.in_flight = InFlight()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -257,12 +267,12 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
         if handler.request_streaming or handler.request_deserializer is None:
             return handler
         deserializer = _tolerant(handler.request_deserializer)
-        metrics = self._metrics
+        metrics, in_flight = self._metrics, self.in_flight
         if not handler.response_streaming:
             behavior = handler.unary_unary
 
             async def unary_unary(request, context):
-                async with _observed(context, method, metrics):
+                async with _observed(context, method, metrics, in_flight):
                     if isinstance(request, _Undecodable):
                         await abort(context, grpc.StatusCode.INVALID_ARGUMENT, _message(request))
                     result = behavior(request, context)
@@ -276,7 +286,7 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
         stream = handler.unary_stream
 
         async def unary_stream(request, context):
-            async with _observed(context, method, metrics):
+            async with _observed(context, method, metrics, in_flight):
                 if isinstance(request, _Undecodable):
                     await abort(context, grpc.StatusCode.INVALID_ARGUMENT, _message(request))
                 result = stream(request, context)
@@ -309,12 +319,16 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
 
 @contextlib.asynccontextmanager
 async def _observed(
-    context: grpc.aio.ServicerContext, method: str, metrics: ServiceMetrics | None
+    context: grpc.aio.ServicerContext,
+    method: str,
+    metrics: ServiceMetrics | None,
+    in_flight: InFlight,
 ) -> AsyncIterator[None]:
     """One call of a handler: an unexpected exception becomes INTERNAL (never UNKNOWN), and
     its latency and status code are counted."""
     start = time.perf_counter()
     code = grpc.StatusCode.OK
+    in_flight.num_calls += 1
     try:
         yield
     except Exception as e:
@@ -325,6 +339,7 @@ async def _observed(
         code = context.code() or grpc.StatusCode.CANCELLED
         raise
     finally:
+        in_flight.num_calls -= 1
         if metrics:
             metrics.observe(method, code, time.perf_counter() - start)
 

@@ -970,19 +970,21 @@ def stop_exactness(oracle: Oracle, prompt: Sequence[tuple[int, ...] | Picture]) 
     )
 
 
-def media_boundary(oracle: Oracle, picture: Picture) -> tuple[int, int, int]:
+def media_boundary(oracle: Oracle, picture: Picture) -> tuple[int, int, int, int]:
     """An image whose cells exceed the free cells by one fails; one that fits exactly works.
 
-    Returns (image cells, image positions, rc of the unguarded over-full decode: 0 or 1).
+    The image goes in as the executor puts it there: whole when it fits one batch, else a
+    batch-sized piece per llama_decode (then the pieces before the last fit, and the last
+    finds no slot). Returns (image cells, image positions, rc of the unguarded over-full
+    decode: 0 or 1, the number of llama_decode calls the image took).
     """
     rt = oracle.rt
     outcome = []
+    num_pieces = 0
     for spare in (-1, 0):
         with _alone(oracle, Policy.STOP) as run:
             group = oracle.image_items(run, picture, 0)
             (media,) = [i for i in group if i.is_media]
-            if media.num_cells > rt.batch_size:
-                raise OracleError("the boundary image must fit one batch")
             filler = oracle.capacity - media.num_cells - spare
             rng = random.Random(filler)
             _request(oracle, run, [Item.text([rng.randrange(256) for _ in range(filler)], 0)], 1)
@@ -991,26 +993,33 @@ def media_boundary(oracle: Oracle, picture: Picture) -> tuple[int, int, int]:
             assert media.media_id is not None
             chunk = run.media[media.media_id].chunk
             embd = rt.encode_media(chunk)  # (no request runs: the encode worker is idle)
+            positions = rt.media_positions(chunk, pos)
+            pieces = range(0, media.num_cells, rt.batch_size)
+            num_pieces = len(pieces)
+            rcs = [
+                rt.decode_embeddings(
+                    embd, positions, at, min(rt.batch_size, media.num_cells - at), SEQ
+                )
+                for at in pieces
+            ]
             if spare < 0:
                 if not isinstance(plan, CannotFit):
                     raise OracleError(f"{run.ledger.num_free_cells} free cells: ensure said {plan}")
-                try:
-                    rt.decode_media(chunk, embd, pos, SEQ)
-                    outcome.append(0)
-                except native.NativeError:
-                    outcome.append(1)
+                if rcs[:-1] != [0] * (len(rcs) - 1):
+                    raise OracleError(f"pieces before the last found no slot: rc {rcs}")
+                outcome.append(rcs[-1])
+                rt.seq_rm(SEQ, pos, -1)  # the pieces that went in leave again (as _drop_piece)
                 oracle.verify(run)
             else:
                 if not isinstance(plan, Fits):
                     raise OracleError(f"an image that fits exactly got {plan}")
-                end = rt.decode_media(chunk, embd, pos, SEQ)
-                if end - pos != media.num_positions:
-                    raise OracleError(f"media advanced {end - pos}, not {media.num_positions}")
+                if any(rcs):
+                    raise OracleError(f"an image that fits exactly failed: rc {rcs}")
                 run.ledger.append(media)
                 oracle.verify(run)
                 if run.ledger.num_cells != oracle.capacity:
                     raise OracleError("the exact fit did not fill the sequence")
-    return media.num_cells, media.num_positions, outcome[0]
+    return media.num_cells, media.num_positions, outcome[0], num_pieces
 
 
 # -- many runs -----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ SIGTERM drains a replica without losing a stream."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import subprocess
@@ -26,11 +27,12 @@ from clients.client import (
     Started,
     collect,
 )
-from infer_service.session_store import SessionStore, StaleSessionError
+from infer_service.session_store import SessionStore
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.tiny_models import TinyPair
 from support.cluster import NGINX, Cluster, Proc
 from support.media import image_bytes
+from support.wait import wait_until
 
 pytestmark = pytest.mark.skipif(NGINX is None, reason="needs nginx (.ci/run installs it)")
 
@@ -187,7 +189,8 @@ def test_a_returning_replica_loads_the_newer_state_and_never_writes_an_older_one
         other = owners(cluster)[sid]
         assert other is not home
         cluster.restart(home)  # it reads the headers again at startup: turn 2
-        time.sleep(3.5)  # nginx's fail_timeout: the hash sends the session home again
+        # once nginx's fail_timeout is over, the hash sends the session home again
+        wait_until(lambda: cluster.routed_to(sid) is home, what="nginx routing home again")
         done = chats[sid].turn(2)
         assert done.finished is not None and not done.finished.error
         assert client.get_session(sid).num_turns == 3
@@ -203,32 +206,6 @@ def test_a_returning_replica_loads_the_newer_state_and_never_writes_an_older_one
             saved = stub.SaveSession(infer_pb2.SaveSessionRequest(session_id=sid), timeout=10)
         assert saved.session.num_turns == 3
         assert store.load_header(sid)["num_turns"] == 3
-
-
-def test_a_stale_writer_is_refused_by_the_store(tmp_path: Path) -> None:
-    """Two replicas' stores on one directory: the one holding an older generation cannot
-    write, and the file stays the newer one."""
-    a, b = SessionStore(tmp_path), SessionStore(tmp_path)
-    g1 = a.save("s", {"num_turns": 1}, b"kv1", expect=None)
-    assert b.generation("s") == g1 and g1.number == 1
-    g2 = b.save("s", {"num_turns": 2}, b"kv2", expect=g1)  # b took the session over
-    with pytest.raises(StaleSessionError) as stale:
-        a.save("s", {"num_turns": 1}, b"kv1-again", expect=g1)
-    assert (stale.value.expected, stale.value.found) == (g1, g2)
-    header = a.load_header("s")
-    assert a.load("s").kv_state == b"kv2" and (header["generation"], header["lineage"]) == g2[::-1]
-    with pytest.raises(StaleSessionError):  # holds a file that is not there (deleted elsewhere)
-        a.save("new", {}, b"", expect=g2)
-    # deleted and created again, twice saved: the same number, another lineage
-    b.delete("s")
-    with pytest.raises(StaleSessionError):
-        a.save("s", {}, b"", expect=g2)
-    again = b.save("s", {"num_turns": 1}, b"new", expect=None)
-    again = b.save("s", {"num_turns": 2}, b"new", expect=again)
-    assert again.number == g2.number and again != g2
-    with pytest.raises(StaleSessionError, match="created again"):
-        a.save("s", {"num_turns": 2}, b"old", expect=g2)
-    assert a.load("s").kv_state == b"new"
 
 
 def test_stateless_streams_spread_and_a_drained_replica_loses_none(cluster: Cluster) -> None:
@@ -249,12 +226,8 @@ def test_stateless_streams_spread_and_a_drained_replica_loses_none(cluster: Clus
         for t in threads:
             t.start()
         # every replica busy (least_conn spreads the 32): drain one with streams in flight
-        deadline = time.monotonic() + 60
-        while min(running(p) for p in cluster.infer) == 0:
-            assert time.monotonic() < deadline, [running(p) for p in cluster.infer]
-            time.sleep(0.01)
+        wait_until(lambda: min(running(p) for p in cluster.infer) > 0, what="every replica busy")
         drained = cluster.infer[0]
-        in_flight = running(drained)
         drained.signal(signal.SIGTERM)
         for t in threads:
             t.join(180)
@@ -262,7 +235,9 @@ def test_stateless_streams_spread_and_a_drained_replica_loses_none(cluster: Clus
     errors = [r for r in results if not isinstance(r, Completion)]
     assert not errors, errors[:3]
     assert all(r.finished is not None and not r.finished.error for r in results)  # type: ignore[union-attr]
-    assert in_flight > 0
+    # the signal found streams in flight there, and they finished (none of the 32 failed)
+    drained_calls = re.findall(r"draining (\d+) calls in flight", drained.log.read_text())
+    assert drained_calls and int(drained_calls[-1]) > 0, drained.log.read_text()[-2000:]
 
 
 def running(proc: Proc) -> int:

@@ -12,6 +12,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import grpc
 import llama_cpp
@@ -38,6 +39,7 @@ from support.rpc import (
     server_info,
 )
 from support.rpc import request as make_request
+from support.wait import PATIENCE, assert_nothing_runs_on, idle_stats, wait_until
 
 SERVICE = "slotwise.v1.InferService"
 AUTO = infer_pb2.SHIFT_POLICY_AUTO
@@ -94,14 +96,6 @@ def media_chunks(prompt: prompt_pb2.PreparedPrompt) -> list[prompt_pb2.MediaChun
 
 def capacity(port: int) -> int:
     return server_info(port).num_cells_per_slot
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
 
 
 def assert_consistent(s: Stream, prompt: prompt_pb2.PreparedPrompt) -> None:
@@ -539,9 +533,7 @@ def test_cancel_frees_the_slot(prep_servers, infer_server) -> None:
     assert (s.finished.reason, len(s.token_ids)) == (LENGTH, 8)
     info = server_info(server.port)
     assert (info.num_active, info.num_queued) == (0, 0)
-    generated = info.stats.num_generated_tokens
-    time.sleep(0.2)
-    assert server_info(server.port).stats.num_generated_tokens == generated  # nothing runs on
+    assert_nothing_runs_on(server.port)
 
 
 # -- 8. validation errors -----------------------------------------------------------------------
@@ -822,42 +814,74 @@ def test_full_queue_is_resource_exhausted(prep_servers, infer_server) -> None:
 # -- 9. deadlines -------------------------------------------------------------------------------
 
 
-def test_deadline_expiring_mid_prefill_frees_the_slot(prep_servers, infer_server) -> None:
-    # one token per llama_decode: a prompt of ~3700 tokens takes a while to prefill, while it
-    # is admitted at once (text needs no verification)
-    server = infer_server("mrope", ctx_size=4096, batch_size=1, ubatch_size=1)
+class PrefillHold:
+    """Holds the engine thread inside the `at`-th text llama_decode from now until released: a
+    prefill that is provably under way, however fast or slow the machine."""
+
+    def __init__(self, rt, at: int):
+        self.rt, self.at, self.num_decodes = rt, at, 0
+        self.held, self.released = threading.Event(), threading.Event()
+
+    def _decode(self) -> int:
+        self.num_decodes += 1
+        if self.num_decodes == self.at:
+            self.held.set()
+            self.released.wait(PATIENCE)
+        return type(self.rt).decode(self.rt)
+
+    def __enter__(self) -> PrefillHold:
+        self.rt.decode = self._decode
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.released.set()
+        del self.rt.decode  # back to the class's method
+
+
+@pytest.mark.parametrize("ending", ["deadline", "cancel"])
+def test_a_request_ended_mid_prefill_frees_the_slot(prep_servers, infer_server, ending) -> None:
+    """The client's deadline passes (or it cancels) while the engine is inside the prompt's
+    second batch: no token comes, the rest of the prompt is never decoded, the slot is free."""
+    server = infer_server("mrope", ctx_size=4096, batch_size=16, ubatch_size=16)
     port = prep_servers("mrope")
-    # how long this machine, now, takes to admit and prefill such a prompt (a different text of
-    # the same length: the measured one must not be reused from the slot)
-    probe = text_prompt(port, "A quick brown fox jumps over the lazy dog. " * 90)
-    t0 = time.monotonic()
-    admitted = first_token = 0.0
-    with channel(server.port) as ch:
-        for e in infer_pb2_grpc.InferServiceStub(ch).Generate(make_request(probe, max_tokens=1)):
-            kind = e.WhichOneof("event")
-            if kind == "started":
-                admitted = time.monotonic() - t0
-            elif kind == "delta" and not first_token:
-                first_token = time.monotonic() - t0
-    deadline = admitted + (first_token - admitted) / 2
     prompt = text_prompt(port, "The quick brown fox jumps over the lazy dog. " * 90)
-    assert prompt.num_cells > 3000
-    before = server_info(server.port).stats
-    seen: list[str] = []
-    with channel(server.port) as ch:
-        stub = infer_pb2_grpc.InferServiceStub(ch)
-        with pytest.raises(grpc.RpcError) as err:
-            for e in stub.Generate(make_request(prompt, max_tokens=4), timeout=deadline):
-                seen.append(e.WhichOneof("event"))
-    assert err.value.code() == Code.DEADLINE_EXCEEDED
-    # it expired during the prefill: no token came
+    num_batches = math.ceil(prompt.num_cells / 16)
+    assert num_batches > 100
+    engine = server.engine
+    deadline = 1.0  # doubled until this machine reaches the prompt's second batch within it
+    while True:
+        before = idle_stats(server.port)
+        seen: list[str] = []
+        with PrefillHold(engine.rt, at=2) as hold, channel(server.port) as ch:
+            stub = infer_pb2_grpc.InferServiceStub(ch)
+            timeout = deadline if ending == "deadline" else PATIENCE
+            call = stub.Generate(make_request(prompt, max_tokens=4), timeout=timeout)
+            with pytest.raises(grpc.RpcError) as err:
+                for e in call:
+                    seen.append(e.WhichOneof("event"))
+                    if ending == "cancel" and seen[-1] == "prefill":
+                        hold.held.wait(PATIENCE)
+                        call.cancel()
+            # the engine is held in the second batch, or the request ended before it
+            wait_until(lambda: hold.held.is_set() or engine.slots[0].job is None)
+            if not hold.held.is_set():
+                deadline *= 2  # it expired before the second batch: try with more time
+                assert ending == "deadline" and deadline < PATIENCE, seen
+                continue
+            held = engine.slots[0].job  # (stable: the engine thread is held)
+            assert held is not None and not hold.released.is_set()
+            ended = partial(lambda job: job.expired(time.monotonic()), held)
+            wait_until(ended, what="the request marked ended")
+        break
+    code = Code.DEADLINE_EXCEEDED if ending == "deadline" else Code.CANCELLED
+    assert err.value.code() == code
+    assert seen[0] == "started" and "prefill" in seen
     assert "delta" not in seen and "finished" not in seen, seen
-    wait_until(lambda: server_info(server.port).num_active == 0)
-    # the engine gave up on the rest of the prompt
-    num_decodes = server_info(server.port).stats.num_decodes - before.num_decodes
-    assert num_decodes < prompt.num_cells
-    time.sleep(0.1)
-    assert server_info(server.port).stats.num_decodes - before.num_decodes == num_decodes
+    after = idle_stats(server.port)
+    # the batch in flight was the last: the other batches of the prompt were never decoded
+    assert after.num_decodes - before.num_decodes == 2 < num_batches
+    assert after.num_generated_tokens == before.num_generated_tokens
+    assert_nothing_runs_on(server.port)
     assert_good_request_succeeds(server.port, text_prompt(port))
     assert server_info(server.port).num_active == 0
 

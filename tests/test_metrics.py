@@ -3,7 +3,6 @@ generation that shifts its context, refused requests, a cancelled stream."""
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +22,7 @@ from support.media import image_bytes
 from support.procs import free_port
 from support.rpc import channel, message, prepare, rpc_error, run, server_info
 from support.rpc import request as make_request
+from support.wait import idle_stats
 
 GAP = infer_pb2.SHIFT_POLICY_GAP
 
@@ -103,9 +103,9 @@ def test_metrics_after_a_shifting_multimodal_generation_and_failures(services) -
                 seen_tokens += len(e.delta.token_ids)
                 break
         call.cancel()
-    info = wait_idle(infer)
     # tokens sampled after the client's last read are counted by the server, not seen by us
-    tokens_sampled = info.stats.num_generated_tokens
+    stats = idle_stats(infer)
+    tokens_sampled = stats.num_generated_tokens
     assert tokens_sampled >= seen_tokens
 
     m = scrape(services["infer_metrics"])
@@ -117,8 +117,8 @@ def test_metrics_after_a_shifting_multimodal_generation_and_failures(services) -
     assert value(m, "slotwise_infer_shifts_total", policy="gap") == len(s.shifts)
     assert value(m, "slotwise_infer_evicted_cells_total") == evicted > 0
     assert value(m, "slotwise_infer_generated_tokens_total") == tokens_sampled
-    assert value(m, "slotwise_infer_decodes_total") == info.stats.num_decodes
-    assert value(m, "slotwise_infer_media_cache_hits_total") == info.stats.num_media_cache_hits
+    assert value(m, "slotwise_infer_decodes_total") == stats.num_decodes
+    assert value(m, "slotwise_infer_media_cache_hits_total") == stats.num_media_cache_hits
     assert value(m, "slotwise_infer_time_to_first_token_seconds_count") == 3
     assert value(m, "slotwise_infer_time_to_first_token_seconds_sum") > 0
 
@@ -143,16 +143,6 @@ def test_metrics_after_a_shifting_multimodal_generation_and_failures(services) -
         if name == "slotwise_prep_request_seconds_bucket" and dict(labels)["method"] == "Prepare"
     ]
     assert ("+Inf", 3.0) in buckets
-
-
-def wait_idle(port: int, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = server_info(port)
-        if info.num_active == 0 and info.num_queued == 0:
-            return info
-        assert time.monotonic() < deadline, "the engine did not go idle"
-        time.sleep(0.02)
 
 
 def test_refused_and_undecodable_calls_are_counted(services) -> None:

@@ -9,6 +9,7 @@ with ``python tests/oracle.py --pair PAIR --seed SEED --runs 1 -v``. The larger 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -97,15 +98,15 @@ def test_stop_boundary_is_llama_cpp_full(drivers: Drivers, pair: str, shape: int
 @pytest.mark.parametrize("shape", range(3))
 @pytest.mark.parametrize("pair", ALL)
 def test_media_boundary(drivers: Drivers, pair: str, shape: int) -> None:
-    """An image one cell too big for the free cells fails in llama.cpp, atomically; an exact fit
-    fills the sequence."""
+    """An image one cell too big for the free cells fails in llama.cpp (in its last piece, when
+    it takes several batches), and the ledger refuses it before any piece; an exact fit fills
+    the sequence."""
     oracle = drivers.get(pair, shape)
-    if oracle.rt.batch_size < 64:
-        pytest.skip("the 64-cell image is split over several llama_decode calls")
     picture = Picture(224, 224, 3) if pair == "mrope" else Picture(50, 80, 3)
-    cells, positions, rc = media_boundary(oracle, picture)
+    cells, positions, rc, num_pieces = media_boundary(oracle, picture)
     assert (cells, positions) == ((64, 8) if pair == "mrope" else (64, 64))
     assert rc == 1
+    assert num_pieces == math.ceil(64 / oracle.rt.batch_size)  # (rope, shape 2: 48 + 16)
 
 
 def test_an_oracle_failure_names_the_run(drivers: Drivers) -> None:

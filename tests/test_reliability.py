@@ -46,6 +46,7 @@ from infer_service.session_store import SessionStore
 from slotwise.v1 import infer_pb2, prep_pb2, prompt_pb2
 from support.media import image_bytes
 from support.rpc import Stream, channel
+from support.wait import PATIENCE, wait_until
 
 GAP = infer_pb2.SHIFT_POLICY_GAP
 
@@ -149,11 +150,14 @@ def test_a_thousand_session_rpcs_with_1ms_deadlines_while_a_stream_runs(
     stream.cancel()
     assert infer.engine.alive and health(infer.port) == SERVING
     # no session is left marked busy by a turn whose caller left
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and infer.engine.call(
-        lambda: any(s.busy for s in infer.engine.sessions.by_id.values())
-    ).result(5):
-        time.sleep(0.05)
+    wait_until(
+        lambda: (
+            not infer.engine.call(
+                lambda: any(s.busy for s in infer.engine.sessions.by_id.values())
+            ).result(PATIENCE)
+        ),
+        what="no session marked busy",
+    )
     chat = Chat(prep, stub, "a", max_tokens=3)
     assert chat.turn("and now?").finished.reason in OK_REASONS
     assert infer.engine.num_waiting == 0
@@ -178,10 +182,7 @@ def test_the_engine_dying_ends_every_stream_and_health_says_not_serving(
         list(stream)
     assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
     assert reason_of(ended.value)[0] == "ENGINE_DIED"
-    deadline = time.monotonic() + 10
-    while health(infer.port) != NOT_SERVING and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert health(infer.port) == NOT_SERVING
+    wait_until(lambda: health(infer.port) == NOT_SERVING, what="health NOT_SERVING")
     assert infer.died.is_set() and not infer.engine.alive
     for call in (
         lambda: list(stub.Generate(infer_pb2.GenerateRequest(prompt=prompt), timeout=10)),
@@ -212,12 +213,13 @@ def test_an_infer_process_whose_engine_dies_exits_70(tiny, prep_servers) -> None
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+
+        def serving() -> bool:
             with contextlib.suppress(grpc.RpcError):
-                if health(port) == SERVING:
-                    break
-            time.sleep(0.1)
+                return health(port) == SERVING
+            return False
+
+        wait_until(serving, what="the infer process SERVING")
         prompt = prepare(prep_stub(prep_servers("rope")), [message("user", "hi")])
         e = status_of(
             lambda: list(
@@ -427,10 +429,14 @@ def test_150_image_turns_keep_memory_bounded(
     assert session_info(stub, "long").num_shifts > 10
     assert set(session.pixels) == held and set(session.media) <= held
     assert not session.rgb  # all of it is on disk
-    # and the disk keeps only the pixels of the images the session still holds
-    time.sleep(0.5)  # the last deletions run after the last write
-    on_disk = {p.stem for p in (tmp_path / "media").glob("*.rgb")}
-    assert on_disk == session.media_ids(), (len(on_disk), len(held))
+
+    # and the disk keeps only the pixels of the images the session still holds (the last
+    # deletions run on the io thread after the last write)
+    def on_disk() -> set[str]:
+        return {p.stem for p in (tmp_path / "media").glob("*.rgb")}
+
+    wanted = session.media_ids()
+    wait_until(lambda: on_disk() == wanted, what=f"pixels on disk == the {len(wanted)} held")
     assert growth < 50 << 20, f"RSS grew {growth >> 20} MB over 120 image turns"
 
 

@@ -29,6 +29,7 @@ from slotwise_core.tiny_models import TinyPair
 from support.loop import LoopThread
 from support.media import image_bytes
 from support.rpc import Stream
+from support.wait import wait_until
 
 GREEDY = infer_pb2.SamplingParams(temperature=0.0)
 # Greedy decoding of a random-weight model repeats one token, which would hide a wrong KV
@@ -179,10 +180,9 @@ def saved_turns(path: Path) -> int | None:
 
 def wait_saved(path: Path, num_turns: int) -> None:
     """Saving runs after a turn's Finished event, off the engine thread: wait for it."""
-    deadline = time.monotonic() + 20
-    while saved_turns(path) != num_turns:
-        assert time.monotonic() < deadline, f"{path.name} never recorded {num_turns} turns"
-        time.sleep(0.02)
+    wait_until(
+        lambda: saved_turns(path) == num_turns, what=f"{path.name} recording {num_turns} turns"
+    )
 
 
 # -- servers -------------------------------------------------------------------------------------
@@ -639,16 +639,16 @@ def test_session_errors_have_clear_statuses_and_the_service_goes_on(
         e = status_of(call)
         assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "running" in e.details()
     long_turn.cancel()
+
     # the cancelled turn is not kept; the session is usable again as soon as it ended
-    deadline = time.monotonic() + 10
-    while True:
+    def turn_once_free() -> Stream | None:
         try:
-            stream = generate(stub, prompt=prompt, session_id="busy", max_tokens=2)
-            break
+            return generate(stub, prompt=prompt, session_id="busy", max_tokens=2)
         except grpc.RpcError as err:
             assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+            return None
+
+    stream = wait_until(turn_once_free, what="the session free again")
     assert stream.finished.reason in OK_REASONS
     assert stream.started.num_reused_cells == 0
     assert session_info(stub, "busy").num_turns == 1
@@ -678,10 +678,10 @@ def cancel_after_first_token(
 
 
 def wait_idle(stub: infer_pb2_grpc.InferServiceStub) -> None:
-    deadline = time.monotonic() + 10
-    while stub.GetServerInfo(infer_pb2.GetServerInfoRequest(), timeout=10).num_active:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(
+        lambda: not stub.GetServerInfo(infer_pb2.GetServerInfoRequest(), timeout=10).num_active,
+        what="the engine idle",
+    )
 
 
 @pytest.mark.parametrize("persisted", [True, False])

@@ -4,6 +4,8 @@ deleted one), and a copy of a session deleted and created again is never taken f
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,10 +16,12 @@ import pytest
 from clients.client import Message, SlotwiseClient, SlotwiseError, collect
 from infer_service.__main__ import start
 from infer_service.runtime import RuntimeConfig
-from infer_service.session_store import SessionStore
+from infer_service.session_store import SessionStore, StaleSessionError
 from slotwise_core.tiny_models import TinyPair
+from support.cluster import Proc
 from support.loop import LoopThread
 from support.media import image_bytes
+from support.procs import free_port
 
 
 @pytest.fixture
@@ -88,3 +92,87 @@ def test_a_session_created_again_is_never_mistaken_for_the_old_copy(replicas, tm
     turn(a, "again", 2)
     assert store.load_header("again")["num_turns"] == 2
     assert store.load_header("again")["context"]["keep"] == 5
+
+
+def test_two_processes_racing_on_one_session_never_lose_a_saved_turn(
+    loop_thread: LoopThread,
+    tiny: dict[str, TinyPair],
+    prep_servers: Callable[[str], int],
+    tmp_path: Path,
+) -> None:
+    """One replica in this process, the other in its own: POSIX locks exclude only between
+    processes. Both run turns of one session at once; every save takes the session's lock and
+    writes only over the generation it holds, so each turn is either saved (and counted in the
+    file) or refused as stale, never written over another replica's turn."""
+    pair = tiny["mrope"]
+    config = RuntimeConfig(pair.model, pair.mmproj, ctx_size=2048, parallel=2, threads=1)
+    here = loop_thread.run(start(config, sessions_dir=tmp_path))
+    port = free_port()
+    there = Proc(
+        "infer-b",
+        [sys.executable, "-m", "infer_service", "--model", str(pair.model), "--mmproj",
+         str(pair.mmproj), "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
+         "--ctx-size", "2048", "--parallel", "2", "--sessions-dir", str(tmp_path)],
+        port,
+        tmp_path.parent / f"{tmp_path.name}-infer-b.log",
+    )  # fmt: skip
+    there.start()
+    prep = f"127.0.0.1:{prep_servers('mrope')}"
+    clients = [SlotwiseClient(prep, f"127.0.0.1:{here.port}"), SlotwiseClient(prep, there.address)]
+    outcomes: list[str] = []
+    try:
+        there.wait_serving()
+        clients[0].create_session("race")
+        turn(clients[0], "race", 0)  # create + 1 turn: generation 2
+
+        def turns(client: SlotwiseClient, k0: int) -> None:
+            for k in range(k0, k0 + 8):
+                prepared = client.prepare([Message.user(image_bytes(40, 32, seed=k), f"{k}?")])
+                try:
+                    done = collect(client.generate(prepared, session_id="race", max_tokens=3))
+                    assert done.finished is not None and not done.finished.error
+                    outcomes.append("saved")
+                except SlotwiseError as e:
+                    outcomes.append(e.metadata.get("storage", e.reason))
+
+        racers = [threading.Thread(target=turns, args=(c, 100 * i)) for i, c in enumerate(clients)]
+        for t in racers:
+            t.start()
+        for t in racers:
+            t.join(120)
+        assert len(outcomes) == 16 and set(outcomes) <= {"saved", "SESSION_STALE"}, outcomes
+        header = SessionStore(tmp_path).load_header("race")
+        saved = outcomes.count("saved")
+        assert (header["num_turns"], header["generation"]) == (1 + saved, 2 + saved), outcomes
+        assert clients[1].get_session("race").num_turns == 1 + saved
+    finally:
+        for c in clients:
+            c.close()
+        there.stop()
+        loop_thread.run(here.stop(0))
+
+
+def test_a_stale_writer_is_refused_by_the_store(tmp_path: Path) -> None:
+    """Two replicas' stores on one directory: the one holding an older generation cannot
+    write, and the file stays the newer one."""
+    a, b = SessionStore(tmp_path), SessionStore(tmp_path)
+    g1 = a.save("s", {"num_turns": 1}, b"kv1", expect=None)
+    assert b.generation("s") == g1 and g1.number == 1
+    g2 = b.save("s", {"num_turns": 2}, b"kv2", expect=g1)  # b took the session over
+    with pytest.raises(StaleSessionError) as stale:
+        a.save("s", {"num_turns": 1}, b"kv1-again", expect=g1)
+    assert (stale.value.expected, stale.value.found) == (g1, g2)
+    header = a.load_header("s")
+    assert a.load("s").kv_state == b"kv2" and (header["generation"], header["lineage"]) == g2[::-1]
+    with pytest.raises(StaleSessionError):  # holds a file that is not there (deleted elsewhere)
+        a.save("new", {}, b"", expect=g2)
+    # deleted and created again, twice saved: the same number, another lineage
+    b.delete("s")
+    with pytest.raises(StaleSessionError):
+        a.save("s", {}, b"", expect=g2)
+    again = b.save("s", {"num_turns": 1}, b"new", expect=None)
+    again = b.save("s", {"num_turns": 2}, b"new", expect=again)
+    assert again.number == g2.number and again != g2
+    with pytest.raises(StaleSessionError, match="created again"):
+        a.save("s", {"num_turns": 2}, b"old", expect=g2)
+    assert a.load("s").kv_state == b"new"

@@ -170,12 +170,27 @@ class Cluster:
         (d / "nginx.conf").write_text(
             f"daemon off;\nworker_processes 1;\npid {d / 'nginx.pid'};\n"
             f"error_log {d / 'error.log'} warn;\nevents {{ worker_connections 1024; }}\n"
-            f"http {{\n  access_log off;\n  {temp}\n  include {d / 'slotwise.conf'};\n}}\n"
+            f"http {{\n  access_log off;\n  {temp}\n"
+            # which replica answered (tests only): routed_to() reads it
+            "  add_header x-slotwise-upstream $upstream_addr always;\n"
+            f"  include {d / 'slotwise.conf'};\n}}\n"
         )
         argv = [NGINX, "-c", str(d / "nginx.conf"), "-p", str(d)]
         self.nginx = Proc("nginx", argv, self.infer_port, self.work / "nginx.log")
         self.nginx.start()
         self.nginx.wait_serving(30)  # health through nginx: some replica answers
+
+    def routed_to(self, session_id: str) -> Proc:
+        """The replica nginx sends the session's calls to now (a GetServerInfo carrying the
+        session's header, answered by whichever replica its hash picks)."""
+        with grpc.insecure_channel(self.infer_address) as ch:
+            _, call = infer_pb2_grpc.InferServiceStub(ch).GetServerInfo.with_call(
+                infer_pb2.GetServerInfoRequest(),
+                metadata=[("x-slotwise-session", session_id)],
+                timeout=10,
+            )
+        upstream = dict(call.initial_metadata())["x-slotwise-upstream"]
+        return self.replica_of(upstream.split(",")[-1].strip())
 
     def replica_of(self, address: str) -> Proc:
         return next(p for p in self.infer if p.address == address)
