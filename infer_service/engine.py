@@ -314,7 +314,7 @@ class Engine:
             problem = Problem(ErrorKind.INTERNAL, error or "internal error")
         usage = slot.usage
         job = self.executor.end(slot, reason)
-        completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
+        completed = reason.completed
         saved = self.sessions.end_turn(job, completed=completed)
         # the slot is free before the client hears about it: its next request finds it so
         finished = Finished(reason, usage, stop_string=stop_string, error=error, problem=problem)

@@ -22,6 +22,12 @@ class FinishReason(enum.IntEnum):
     LENGTH = infer_pb2.FINISH_REASON_LENGTH
     CANCELLED = infer_pb2.FINISH_REASON_CANCELLED
     ERROR = infer_pb2.FINISH_REASON_ERROR
+    GRAMMAR = infer_pb2.FINISH_REASON_GRAMMAR  # the constraint allows nothing next
+
+    @property
+    def completed(self) -> bool:
+        """The generation ran to an end of its own (a session keeps such a turn)."""
+        return self in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.GRAMMAR)
 
 
 POLICY_TO_PB = {
@@ -170,17 +176,47 @@ class PrefillProgress:
 
 
 @dataclass(frozen=True)
+class TokenChoice:
+    token_id: int
+    piece: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    chosen: TokenChoice
+    top: tuple[TokenChoice, ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when the request asked
 
     def merged(self, other: TokenDelta) -> TokenDelta:
-        return TokenDelta(self.token_ids + other.token_ids, self.text + other.text)
+        return TokenDelta(
+            self.token_ids + other.token_ids,
+            self.text + other.text,
+            self.logprobs + other.logprobs,
+        )
 
     def to_pb(self) -> infer_pb2.GenerateResponse:
         return infer_pb2.GenerateResponse(
-            delta=infer_pb2.TokenDelta(token_ids=self.token_ids, text=self.text)
+            delta=infer_pb2.TokenDelta(
+                token_ids=self.token_ids,
+                text=self.text,
+                logprobs=[_logprobs_pb(lp) for lp in self.logprobs],
+            )
         )
+
+
+def _choice_pb(c: TokenChoice) -> infer_pb2.TokenLogprob:
+    return infer_pb2.TokenLogprob(token_id=c.token_id, piece=c.piece, logprob=c.logprob)
+
+
+def _logprobs_pb(lp: TokenLogprobs) -> infer_pb2.TokenLogprobs:
+    return infer_pb2.TokenLogprobs(chosen=_choice_pb(lp.chosen), top=map(_choice_pb, lp.top))
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ from infer_service.ledger import (
 )
 from infer_service.media import MediaHandle
 from infer_service.runtime import EmbeddingCache, Runtime
+from infer_service.sampling import ConstraintError, GrammarDeadEnd, SlotSampler
 from infer_service.session_store import CorruptSessionError
 from infer_service.slots import EngineStats, Job, MediaPiece, SessionError, Slot, too_long
 from infer_service.state_cache import StateCache, reuse_of
@@ -158,6 +159,10 @@ class Executor:
         job the slot's. `start`: the segments before it are the session's and stay.
         `reprefill`: the sequence is empty (its saved state did not load); everything the
         ledger keeps is decoded again. A refused prompt raises ProblemError."""
+        try:  # first: a refusal here changes nothing
+            sampler = SlotSampler(self.rt, job.sampler_spec)
+        except ConstraintError as e:
+            raise SessionError(ErrorKind.INVALID_ARGUMENT, str(e), Reason.BAD_REQUEST) from e
         ctx = job.context
         ledger.reconfigure(
             policy=ctx.policy, keep=ctx.keep, discard_fraction=ctx.discard_fraction, unit=ctx.unit
@@ -203,6 +208,7 @@ class Executor:
         elif not reprefill:
             self.rt.seq_rm(slot.seq, cut, -1)
         if error is not None:
+            sampler.close()
             raise error
         assert not isinstance(admission, CannotFit)
         kept, dropped = admission.kept, admission.dropped
@@ -216,7 +222,8 @@ class Executor:
         slot.job = job
         slot.ledger = ledger
         slot.pending = deque([*restore, *kept])
-        slot.sampler = self.rt.sampler(job.sampling)
+        slot.sampler = sampler
+        slot.reply = []
         slot.text = TextStream(job.stop)
         slot.num_prefill_total = sum(i.num_cells for i in slot.pending)
         slot.num_prefill_done = 0
@@ -249,10 +256,10 @@ class Executor:
         self._drop_piece(slot)
         if slot.prefilling:
             slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
-        completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
-        self.send_delta(slot, slot.text.flush() if completed else "")
-        self.rt.free_sampler(slot.sampler)
-        slot.sampler = 0
+        self.send_delta(slot, slot.text.flush() if reason.completed else "")
+        if slot.sampler is not None:
+            slot.sampler.close()
+            slot.sampler = None
         slot.job = None
         slot.pending.clear()
         if reason is FinishReason.ERROR and job.session_id is None:
@@ -484,13 +491,19 @@ class Executor:
             slot.prefilling = False
             slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
             self.on_first_token(slot.usage.prefill_seconds)
-        token = self.rt.sample(slot.sampler, index)
+        assert slot.sampler is not None
+        try:
+            token, logprobs = slot.sampler.sample(index)
+        except GrammarDeadEnd:
+            self.finish(slot, FinishReason.GRAMMAR)
+            return
         if self.rt.is_eog(token):
             self.finish(slot, FinishReason.STOP)
             return
         slot.usage.num_generated_tokens += 1
         self.stats.num_generated_tokens += 1
-        delta = TokenDelta((token,), slot.text.push(self.rt.piece(token)))
+        text = slot.text.push(self.rt.piece(token))
+        delta = TokenDelta((token,), text, (logprobs,) if logprobs else ())
         slot.unsent = slot.unsent.merged(delta) if slot.unsent else delta
         if slot.text.stopped_by is not None:
             self.finish(slot, FinishReason.STOP, stop_string=slot.text.stopped_by)
@@ -508,6 +521,8 @@ class Executor:
         if tail:
             delta = delta.merged(TokenDelta((), tail)) if delta else TokenDelta((), tail)
         if delta is not None and slot.job is not None:
+            if slot.job.session_id is not None:
+                slot.reply.append(delta.text)
             slot.job.emit(delta)
 
     # -- the ledger's plans -------------------------------------------------------------------

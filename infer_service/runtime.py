@@ -12,6 +12,7 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -254,9 +255,14 @@ class Runtime:
 
     # -- sampling and text ----------------------------------------------------------------
 
-    def sampler(self, s: SamplingConfig) -> int:
+    def sampler(self, s: SamplingConfig, logit_bias: tuple[tuple[int, float], ...] = ()) -> int:
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         add = llama_cpp.llama_sampler_chain_add
+        if logit_bias:
+            biases = (llama_cpp.llama_logit_bias * len(logit_bias))(*logit_bias)
+            add(chain, llama_cpp.llama_sampler_init_logit_bias(
+                self.num_vocab, len(logit_bias), biases
+            ))  # fmt: skip
         if s.repeat_penalty != 1.0 or s.presence_penalty or s.frequency_penalty:
             add(chain, llama_cpp.llama_sampler_init_penalties(
                 self.num_vocab, s.penalty_last_n, s.repeat_penalty, s.frequency_penalty,
@@ -272,6 +278,19 @@ class Runtime:
         add(chain, llama_cpp.llama_sampler_init_temp(s.temperature))
         add(chain, llama_cpp.llama_sampler_init_dist(s.seed))
         return chain
+
+    def grammar_sampler(self, gbnf: str) -> Any:
+        """A grammar sampler, or None when llama.cpp cannot parse the grammar. Reads only the
+        vocabulary: callable off the engine thread (to check a request before it queues)."""
+        return llama_cpp.llama_sampler_init_grammar(self.vocab, gbnf.encode(), b"root") or None
+
+    def logits(self, batch_index: int) -> np.ndarray:
+        """The logits of the last decode at batch_index: a view, valid until the next decode."""
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, batch_index)
+        return np.ctypeslib.as_array(ptr, shape=(self.num_vocab,))
+
+    def tokenize(self, text: str) -> list[int]:
+        return native.tokenize_text(self.vocab, text, add_special=False, parse_special=True)
 
     def sample(self, sampler: int, batch_index: int) -> int:
         return int(llama_cpp.llama_sampler_sample(sampler, self.ctx, batch_index))

@@ -31,7 +31,14 @@ from infer_service.events import (
 )
 from infer_service.ledger import ContextConfig, EvictionUnit, Policy
 from infer_service.media import MediaLimits, StaleDescriptorError, verify_prompt
-from infer_service.runtime import SamplingConfig
+from infer_service.runtime import Runtime, SamplingConfig
+from infer_service.sampling import (
+    Constraint,
+    ConstraintError,
+    SamplerSpec,
+    check_spec,
+    json_schema_grammar,
+)
 from infer_service.session_store import SessionIdError, check_session_id
 from infer_service.sessions import Session
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
@@ -285,13 +292,23 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         self, request, prompt: PreparedPrompt, session: Session | None, context
     ) -> tuple[Job, Mailbox] | None:
         """Validate everything that can be checked before queueing; None after an abort."""
+        rt = self.engine.rt
         try:
             args = self._parse(request, session)
-            _check_token_ids(prompt, self.engine.rt.num_vocab)
+            _check_token_ids(prompt, rt.num_vocab)
+            if len(request.turn_note) > MAX_TURN_NOTE:
+                raise RequestError(f"turn_note: at most {MAX_TURN_NOTE} bytes", "turn_note")
+            if request.turn_note and session is None:
+                raise RequestError("turn_note goes with a session turn", "turn_note")
+            # a grammar (or schema) is parsed off the event loop: it may be large
+            args |= await asyncio.to_thread(_sampler_fields, rt, request, args["sampling"])
         except RequestError as e:
             await _bad_request(context, e)
             return None
-        rt = self.engine.rt
+        except ConstraintError as e:
+            await _bad_request(context, RequestError(str(e), e.field))
+            return None
+        args["note"] = request.turn_note
         limits = MediaLimits(rt.ubatch_size, bool(rt.mtmd and rt.mtmd.non_causal))
         try:
             media, decoded = await asyncio.to_thread(
@@ -461,6 +478,41 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             "stop": tuple(request.stop),
             "stream_tokens": max(1, request.stream_tokens),
         }
+
+
+MAX_TURN_NOTE = 64 << 10
+
+
+def _sampler_fields(
+    rt: Runtime, request: infer_pb2.GenerateRequest, sampling: SamplingConfig
+) -> dict[str, Any]:
+    """The request's constraint, logit biases and log-probabilities, checked (ConstraintError
+    names the field)."""
+    constraint = None
+    c = request.constraint
+    kind = c.WhichOneof("kind")
+    if kind is not None or c.trigger_patterns:
+        if kind == "json_schema":
+            grammar = json_schema_grammar(c.json_schema)
+        elif kind == "grammar" and c.grammar.strip():
+            grammar = c.grammar
+        else:
+            raise ConstraintError("constraint: give a grammar or a json_schema", "constraint")
+        constraint = Constraint(grammar, tuple(c.trigger_patterns))
+    if request.top_logprobs and not request.logprobs:
+        raise ConstraintError("top_logprobs needs logprobs", "top_logprobs")
+    spec = SamplerSpec(
+        sampling,
+        constraint,
+        logit_bias=tuple(sorted(request.logit_bias.items())),
+        top_logprobs=request.top_logprobs if request.logprobs else None,
+    )
+    check_spec(rt, spec)
+    return {
+        "constraint": spec.constraint,
+        "logit_bias": spec.logit_bias,
+        "top_logprobs": spec.top_logprobs,
+    }
 
 
 def _context(c: infer_pb2.ContextOptions, base: ContextConfig) -> ContextConfig:

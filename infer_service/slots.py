@@ -24,6 +24,7 @@ from infer_service.events import (
 from infer_service.ledger import CannotFit, ContextConfig, Item, Ledger
 from infer_service.media import MediaHandle, media_key
 from infer_service.runtime import SamplingConfig
+from infer_service.sampling import Constraint, SamplerSpec, SlotSampler
 from infer_service.sessions import Pixels
 from infer_service.text_stream import TextStream
 from slotwise_core.descriptors import MediaChunk, PreparedPrompt
@@ -64,9 +65,17 @@ class Job:
     rgb: dict[str, bytes] = field(default_factory=dict)  # media_id -> pixels (session turns)
     cancelled: threading.Event = field(default_factory=threading.Event)
     resume: int | None = None  # a StateCache entry to continue (chosen with the slot)
+    constraint: Constraint | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int | None = None  # None: no log-probabilities
+    note: bytes = b""  # a session turn's, kept with its record
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    @property
+    def sampler_spec(self) -> SamplerSpec:
+        return SamplerSpec(self.sampling, self.constraint, self.logit_bias, self.top_logprobs)
 
     def release(self) -> None:
         for h in self.media.values():
@@ -115,7 +124,8 @@ class Slot:
     ledger: Ledger | None = None  # what the sequence holds, also between requests
     owner: str | None = None  # session id whose sequence this is
     pending: deque[Item] = field(default_factory=deque)
-    sampler: int = 0
+    sampler: SlotSampler | None = None
+    reply: list[str] = field(default_factory=list)  # a session turn's text, for its record
     text: TextStream = field(default_factory=TextStream)
     unsent: TokenDelta | None = None  # tokens held for the next TokenDelta (stream_tokens > 1)
     piece: MediaPiece | None = None  # a media chunk being decoded, a piece per step

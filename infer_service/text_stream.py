@@ -37,3 +37,38 @@ class TextStream:
         out = self._text + self._decoder.decode(b"", final=True)
         self._text = ""
         return out
+
+
+# the bytes that may follow each lead byte, one range per continuation byte (RFC 3629, table 3)
+_TAIL = (0x80, 0xBF)
+_UTF8_LEADS: dict[int, tuple[tuple[int, int], ...]] = {
+    **{b: () for b in range(0x00, 0x80)},
+    **{b: (_TAIL,) for b in range(0xC2, 0xE0)},
+    0xE0: ((0xA0, 0xBF), _TAIL),
+    **{b: (_TAIL, _TAIL) for b in (*range(0xE1, 0xED), 0xEE, 0xEF)},
+    0xED: ((0x80, 0x9F), _TAIL),
+    0xF0: ((0x90, 0xBF), _TAIL, _TAIL),
+    **{b: (_TAIL, _TAIL, _TAIL) for b in range(0xF1, 0xF4)},
+    0xF4: ((0x80, 0x8F), _TAIL, _TAIL),
+}
+
+
+def utf8_tail(tail: bytes, piece: bytes) -> bytes | None:
+    """`tail` (the unfinished character so far, maybe empty) followed by `piece`: the new
+    unfinished character, or None when the bytes can no longer be well-formed UTF-8 (a byte
+    no character can start with, an overlong form, a surrogate, a code point past U+10FFFF)."""
+    pending = tail
+    for b in piece:
+        if not pending:
+            if b not in _UTF8_LEADS:
+                return None
+            if _UTF8_LEADS[b]:
+                pending = bytes((b,))
+            continue
+        lo, hi = _UTF8_LEADS[pending[0]][len(pending) - 1]
+        if not lo <= b <= hi:
+            return None
+        pending += bytes((b,))
+        if len(pending) == 1 + len(_UTF8_LEADS[pending[0]]):
+            pending = b""
+    return pending

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from infer_service.text_stream import TextStream
+from infer_service.text_stream import TextStream, utf8_tail
 
 
 def stream_all(
@@ -130,3 +132,37 @@ def test_empty_stop_strings_are_ignored() -> None:
     assert ts.stopped_by is None
     assert deltas == ["abc"]
     assert rest == ""
+
+
+@given(st.lists(st.binary(max_size=4), max_size=12))
+@settings(max_examples=500, deadline=None)
+def test_utf8_tail_agrees_with_python_on_whole_texts(pieces: list[bytes]) -> None:
+    """Piece by piece, utf8_tail refuses exactly the byte strings no completion makes valid."""
+    tail: bytes | None = b""
+    done = b""
+    for piece in pieces:
+        assert tail is not None
+        tail = utf8_tail(tail, piece)
+        if tail is None:
+            # no continuation helps: every completion of done + piece fails to decode
+            with pytest.raises(UnicodeDecodeError):
+                (done + piece).decode("utf-8")
+            for ending in (b"\x80", b"\x80\x80", b"\x80\x80\x80", b"\xbf"):
+                with pytest.raises(UnicodeDecodeError):
+                    (done + piece + ending).decode("utf-8")
+            return
+        done += piece
+        # all but the unfinished character decodes; the unfinished one is a real prefix
+        head = done[: len(done) - len(tail)]
+        head.decode("utf-8")
+        assert len(tail) < 4
+    assert tail is not None
+    (done[: len(done) - len(tail)]).decode("utf-8")
+
+
+def test_utf8_tail_examples() -> None:
+    assert utf8_tail(b"", "héllo".encode()) == b""
+    assert utf8_tail(b"", "é".encode()[:1]) == b"\xc3"
+    assert utf8_tail(b"\xc3", b"\xa9") == b""
+    for bad in (b"\xc0\x80", b"\xe0\x80", b"\xed\xa0", b"\xf4\x90", b"\xf5", b"\x80", b"\xff"):
+        assert utf8_tail(b"", bad) is None, bad

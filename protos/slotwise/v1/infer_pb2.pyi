@@ -30,6 +30,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+    FINISH_REASON_GRAMMAR: _ClassVar[FinishReason]
 
 class Persistence(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -51,6 +52,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
+FINISH_REASON_GRAMMAR: FinishReason
 PERSISTENCE_UNSPECIFIED: Persistence
 PERSISTENCE_MEMORY: Persistence
 PERSISTENCE_SAVED: Persistence
@@ -141,7 +143,14 @@ class ContextOptions(_message.Message):
     def __init__(self, policy: _Optional[_Union[ShiftPolicy, str]] = ..., keep: _Optional[int] = ..., discard_fraction: _Optional[float] = ..., unit: _Optional[_Union[EvictionUnit, str]] = ..., truncate_prompt: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "sampling", "max_tokens", "stop", "context", "session_id", "stream_tokens")
+    __slots__ = ("prompt", "sampling", "max_tokens", "stop", "context", "session_id", "stream_tokens", "constraint", "logit_bias", "logprobs", "top_logprobs", "turn_note")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +158,11 @@ class GenerateRequest(_message.Message):
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STREAM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TURN_NOTE_FIELD_NUMBER: _ClassVar[int]
     prompt: _prompt_pb2.PreparedPrompt
     sampling: SamplingParams
     max_tokens: int
@@ -156,7 +170,12 @@ class GenerateRequest(_message.Message):
     context: ContextOptions
     session_id: str
     stream_tokens: int
-    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., session_id: _Optional[str] = ..., stream_tokens: _Optional[int] = ...) -> None: ...
+    constraint: _prompt_pb2.Constraint
+    logit_bias: _containers.ScalarMap[int, float]
+    logprobs: bool
+    top_logprobs: int
+    turn_note: bytes
+    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., session_id: _Optional[str] = ..., stream_tokens: _Optional[int] = ..., constraint: _Optional[_Union[_prompt_pb2.Constraint, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., turn_note: _Optional[bytes] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("slot", "num_prompt_cells", "num_prompt_positions", "num_capacity_cells", "num_truncated_cells", "truncated_media_ids", "num_truncated_chunks", "num_reused_cells")
@@ -187,12 +206,32 @@ class PrefillProgress(_message.Message):
     def __init__(self, num_cells_done: _Optional[int] = ..., num_cells_total: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("token_ids", "text")
+    __slots__ = ("token_ids", "text", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "piece", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    piece: bytes
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., piece: _Optional[bytes] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("chosen", "top")
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    chosen: TokenLogprob
+    top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, chosen: _Optional[_Union[TokenLogprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ContextShift(_message.Message):
     __slots__ = ("policy", "num_cells_evicted", "num_positions_evicted", "media_ids_evicted", "num_cells_used_after", "next_position_after")
@@ -259,7 +298,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, started: _Optional[_Union[Started, _Mapping]] = ..., prefill: _Optional[_Union[PrefillProgress, _Mapping]] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., shift: _Optional[_Union[ContextShift, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "num_turns", "num_cells", "next_position", "resident", "context", "sampling", "num_shifts", "num_media", "error")
+    __slots__ = ("session_id", "num_turns", "num_cells", "next_position", "resident", "context", "sampling", "num_shifts", "num_media", "error", "records")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
     NUM_CELLS_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +309,7 @@ class SessionInfo(_message.Message):
     NUM_SHIFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_MEDIA_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_turns: int
     num_cells: int
@@ -280,7 +320,24 @@ class SessionInfo(_message.Message):
     num_shifts: int
     num_media: int
     error: str
-    def __init__(self, session_id: _Optional[str] = ..., num_turns: _Optional[int] = ..., num_cells: _Optional[int] = ..., next_position: _Optional[int] = ..., resident: _Optional[bool] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_shifts: _Optional[int] = ..., num_media: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    records: _containers.RepeatedCompositeFieldContainer[TurnRecord]
+    def __init__(self, session_id: _Optional[str] = ..., num_turns: _Optional[int] = ..., num_cells: _Optional[int] = ..., next_position: _Optional[int] = ..., resident: _Optional[bool] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_shifts: _Optional[int] = ..., num_media: _Optional[int] = ..., error: _Optional[str] = ..., records: _Optional[_Iterable[_Union[TurnRecord, _Mapping]]] = ...) -> None: ...
+
+class TurnRecord(_message.Message):
+    __slots__ = ("turn", "text", "reason", "usage", "note", "created")
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    turn: int
+    text: str
+    reason: FinishReason
+    usage: Usage
+    note: bytes
+    created: float
+    def __init__(self, turn: _Optional[int] = ..., text: _Optional[str] = ..., reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., note: _Optional[bytes] = ..., created: _Optional[float] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
     __slots__ = ("session_id", "context", "sampling")
@@ -299,10 +356,12 @@ class CreateSessionResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "num_records")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECORDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    num_records: int
+    def __init__(self, session_id: _Optional[str] = ..., num_records: _Optional[int] = ...) -> None: ...
 
 class GetSessionResponse(_message.Message):
     __slots__ = ("session",)
@@ -353,3 +412,25 @@ class RestoreSessionResponse(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     session: SessionInfo
     def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("texts", "normalize")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    normalize: bool
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values", "num_tokens")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    num_tokens: int
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings",)
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...

@@ -74,6 +74,11 @@ class InferServiceStub:
                 request_serializer=slotwise_dot_v1_dot_infer__pb2.RestoreSessionRequest.SerializeToString,
                 response_deserializer=slotwise_dot_v1_dot_infer__pb2.RestoreSessionResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/slotwise.v1.InferService/Embed',
+                request_serializer=slotwise_dot_v1_dot_infer__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=slotwise_dot_v1_dot_infer__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class InferServiceServicer:
@@ -133,6 +138,13 @@ class InferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Mean-pooled embeddings of texts, on a context of their own (with --embeddings).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +187,11 @@ def add_InferServiceServicer_to_server(servicer, server):
                     servicer.RestoreSession,
                     request_deserializer=slotwise_dot_v1_dot_infer__pb2.RestoreSessionRequest.FromString,
                     response_serializer=slotwise_dot_v1_dot_infer__pb2.RestoreSessionResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=slotwise_dot_v1_dot_infer__pb2.EmbedRequest.FromString,
+                    response_serializer=slotwise_dot_v1_dot_infer__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -393,6 +410,33 @@ class InferService:
             '/slotwise.v1.InferService/RestoreSession',
             slotwise_dot_v1_dot_infer__pb2.RestoreSessionRequest.SerializeToString,
             slotwise_dot_v1_dot_infer__pb2.RestoreSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slotwise.v1.InferService/Embed',
+            slotwise_dot_v1_dot_infer__pb2.EmbedRequest.SerializeToString,
+            slotwise_dot_v1_dot_infer__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,13 +25,17 @@ _sym_db = _symbol_database.Default()
 from slotwise.v1 import prompt_pb2 as slotwise_dot_v1_dot_prompt__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16slotwise/v1/prep.proto\x12\x0bslotwise.v1\x1a\x18slotwise/v1/prompt.proto\"\x15\n\x13GetModelInfoRequest\"\xe5\x02\n\tModelInfo\x12-\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32\x18.slotwise.v1.Fingerprint\x12\x14\n\x0cmedia_marker\x18\x02 \x01(\t\x12\x12\n\nuses_mrope\x18\x03 \x01(\x08\x12\x18\n\x10media_non_causal\x18\x04 \x01(\x08\x12\x17\n\x0fsupports_vision\x18\x05 \x01(\x08\x12\x16\n\x0esupports_audio\x18\x06 \x01(\x08\x12\x13\n\x0bn_ctx_train\x18\x07 \x01(\r\x12\x11\n\tnum_vocab\x18\x08 \x01(\r\x12\x19\n\x0c\x62os_token_id\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65os_token_id\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x19\n\x11model_description\x18\x0c \x01(\tB\x0f\n\r_bos_token_idB\x0f\n\r_eos_token_id\"<\n\x14GetModelInfoResponse\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.slotwise.v1.ModelInfo\"*\n\tImageSize\x12\r\n\x05width\x18\x01 \x01(\r\x12\x0e\n\x06height\x18\x02 \x01(\r\"I\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12&\n\x04size\x18\x02 \x01(\x0b\x32\x16.slotwise.v1.ImageSizeH\x00\x42\x08\n\x06source\"C\n\x04Part\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x05image\x18\x02 \x01(\x0b\x32\x12.slotwise.v1.ImageH\x00\x42\x06\n\x04kind\"9\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12 \n\x05parts\x18\x02 \x03(\x0b\x32\x11.slotwise.v1.Part\".\n\x04\x43hat\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.slotwise.v1.Message\"R\n\tRawPrompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\"\n\x06images\x18\x02 \x03(\x0b\x32\x12.slotwise.v1.Image\x12\x13\n\x0b\x61\x64\x64_special\x18\x03 \x01(\x08\"z\n\x0ePrepareRequest\x12!\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x11.slotwise.v1.ChatH\x00\x12%\n\x03raw\x18\x02 \x01(\x0b\x32\x16.slotwise.v1.RawPromptH\x00\x12\x15\n\rfirst_message\x18\x03 \x01(\rB\x07\n\x05input\"U\n\x0fPrepareResponse\x12+\n\x06prompt\x18\x01 \x01(\x0b\x32\x1b.slotwise.v1.PreparedPrompt\x12\x15\n\rrendered_text\x18\x02 \x01(\t\"~\n\x12\x43ountTokensRequest\x12!\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x11.slotwise.v1.ChatH\x00\x12%\n\x03raw\x18\x02 \x01(\x0b\x32\x16.slotwise.v1.RawPromptH\x00\x12\x15\n\rfirst_message\x18\x03 \x01(\rB\x07\n\x05input\"t\n\nChunkCount\x12\x15\n\rmessage_index\x18\x01 \x01(\r\x12\x13\n\x0bmedia_group\x18\x02 \x01(\r\x12\x10\n\x08is_media\x18\x03 \x01(\x08\x12\x11\n\tnum_cells\x18\x04 \x01(\r\x12\x15\n\rnum_positions\x18\x05 \x01(\r\"h\n\x13\x43ountTokensResponse\x12\x11\n\tnum_cells\x18\x01 \x01(\r\x12\x15\n\rnum_positions\x18\x02 \x01(\r\x12\'\n\x06\x63hunks\x18\x03 \x03(\x0b\x32\x17.slotwise.v1.ChunkCount2\xfa\x01\n\x0bPrepService\x12S\n\x0cGetModelInfo\x12 .slotwise.v1.GetModelInfoRequest\x1a!.slotwise.v1.GetModelInfoResponse\x12\x44\n\x07Prepare\x12\x1b.slotwise.v1.PrepareRequest\x1a\x1c.slotwise.v1.PrepareResponse\x12P\n\x0b\x43ountTokens\x12\x1f.slotwise.v1.CountTokensRequest\x1a .slotwise.v1.CountTokensResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16slotwise/v1/prep.proto\x12\x0bslotwise.v1\x1a\x18slotwise/v1/prompt.proto\"\x15\n\x13GetModelInfoRequest\"\xe5\x02\n\tModelInfo\x12-\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32\x18.slotwise.v1.Fingerprint\x12\x14\n\x0cmedia_marker\x18\x02 \x01(\t\x12\x12\n\nuses_mrope\x18\x03 \x01(\x08\x12\x18\n\x10media_non_causal\x18\x04 \x01(\x08\x12\x17\n\x0fsupports_vision\x18\x05 \x01(\x08\x12\x16\n\x0esupports_audio\x18\x06 \x01(\x08\x12\x13\n\x0bn_ctx_train\x18\x07 \x01(\r\x12\x11\n\tnum_vocab\x18\x08 \x01(\r\x12\x19\n\x0c\x62os_token_id\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65os_token_id\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x19\n\x11model_description\x18\x0c \x01(\tB\x0f\n\r_bos_token_idB\x0f\n\r_eos_token_id\"<\n\x14GetModelInfoResponse\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.slotwise.v1.ModelInfo\"*\n\tImageSize\x12\r\n\x05width\x18\x01 \x01(\r\x12\x0e\n\x06height\x18\x02 \x01(\r\"I\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12&\n\x04size\x18\x02 \x01(\x0b\x32\x16.slotwise.v1.ImageSizeH\x00\x42\x08\n\x06source\"C\n\x04Part\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x05image\x18\x02 \x01(\x0b\x32\x12.slotwise.v1.ImageH\x00\x42\x06\n\x04kind\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\x88\x01\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12 \n\x05parts\x18\x02 \x03(\x0b\x32\x11.slotwise.v1.Part\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.slotwise.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xcb\x01\n\x04\x43hat\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.slotwise.v1.Message\x12 \n\x05tools\x18\x02 \x03(\x0b\x32\x11.slotwise.v1.Tool\x12,\n\x0btool_choice\x18\x03 \x01(\x0e\x32\x17.slotwise.v1.ToolChoice\x12\x11\n\ttool_name\x18\x04 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"c\n\x0bToolCalling\x12\'\n\x06\x66ormat\x18\x01 \x01(\x0e\x32\x17.slotwise.v1.ToolFormat\x12+\n\nconstraint\x18\x02 \x01(\x0b\x32\x17.slotwise.v1.Constraint\"R\n\tRawPrompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\"\n\x06images\x18\x02 \x03(\x0b\x32\x12.slotwise.v1.Image\x12\x13\n\x0b\x61\x64\x64_special\x18\x03 \x01(\x08\"z\n\x0ePrepareRequest\x12!\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x11.slotwise.v1.ChatH\x00\x12%\n\x03raw\x18\x02 \x01(\x0b\x32\x16.slotwise.v1.RawPromptH\x00\x12\x15\n\rfirst_message\x18\x03 \x01(\rB\x07\n\x05input\"\x85\x01\n\x0fPrepareResponse\x12+\n\x06prompt\x18\x01 \x01(\x0b\x32\x1b.slotwise.v1.PreparedPrompt\x12\x15\n\rrendered_text\x18\x02 \x01(\t\x12.\n\x0ctool_calling\x18\x03 \x01(\x0b\x32\x18.slotwise.v1.ToolCalling\"~\n\x12\x43ountTokensRequest\x12!\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x11.slotwise.v1.ChatH\x00\x12%\n\x03raw\x18\x02 \x01(\x0b\x32\x16.slotwise.v1.RawPromptH\x00\x12\x15\n\rfirst_message\x18\x03 \x01(\rB\x07\n\x05input\"t\n\nChunkCount\x12\x15\n\rmessage_index\x18\x01 \x01(\r\x12\x13\n\x0bmedia_group\x18\x02 \x01(\r\x12\x10\n\x08is_media\x18\x03 \x01(\x08\x12\x11\n\tnum_cells\x18\x04 \x01(\r\x12\x15\n\rnum_positions\x18\x05 \x01(\r\"h\n\x13\x43ountTokensResponse\x12\x11\n\tnum_cells\x18\x01 \x01(\r\x12\x15\n\rnum_positions\x18\x02 \x01(\r\x12\'\n\x06\x63hunks\x18\x03 \x03(\x0b\x32\x17.slotwise.v1.ChunkCount*\x89\x01\n\nToolChoice\x12\x1b\n\x17TOOL_CHOICE_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x01\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x02\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x03\x12\x18\n\x14TOOL_CHOICE_FUNCTION\x10\x04*\x88\x01\n\nToolFormat\x12\x1b\n\x17TOOL_FORMAT_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_FORMAT_JSON\x10\x01\x12\x16\n\x12TOOL_FORMAT_HERMES\x10\x02\x12\x16\n\x12TOOL_FORMAT_LLAMA3\x10\x03\x12\x17\n\x13TOOL_FORMAT_MISTRAL\x10\x04\x32\xfa\x01\n\x0bPrepService\x12S\n\x0cGetModelInfo\x12 .slotwise.v1.GetModelInfoRequest\x1a!.slotwise.v1.GetModelInfoResponse\x12\x44\n\x07Prepare\x12\x1b.slotwise.v1.PrepareRequest\x1a\x1c.slotwise.v1.PrepareResponse\x12P\n\x0b\x43ountTokens\x12\x1f.slotwise.v1.CountTokensRequest\x1a .slotwise.v1.CountTokensResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'slotwise.v1.prep_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TOOLCHOICE']._serialized_start=1971
+  _globals['_TOOLCHOICE']._serialized_end=2108
+  _globals['_TOOLFORMAT']._serialized_start=2111
+  _globals['_TOOLFORMAT']._serialized_end=2247
   _globals['_GETMODELINFOREQUEST']._serialized_start=65
   _globals['_GETMODELINFOREQUEST']._serialized_end=86
   _globals['_MODELINFO']._serialized_start=89
@@ -44,22 +48,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_IMAGE']._serialized_end=627
   _globals['_PART']._serialized_start=629
   _globals['_PART']._serialized_end=696
-  _globals['_MESSAGE']._serialized_start=698
-  _globals['_MESSAGE']._serialized_end=755
-  _globals['_CHAT']._serialized_start=757
-  _globals['_CHAT']._serialized_end=803
-  _globals['_RAWPROMPT']._serialized_start=805
-  _globals['_RAWPROMPT']._serialized_end=887
-  _globals['_PREPAREREQUEST']._serialized_start=889
-  _globals['_PREPAREREQUEST']._serialized_end=1011
-  _globals['_PREPARERESPONSE']._serialized_start=1013
-  _globals['_PREPARERESPONSE']._serialized_end=1098
-  _globals['_COUNTTOKENSREQUEST']._serialized_start=1100
-  _globals['_COUNTTOKENSREQUEST']._serialized_end=1226
-  _globals['_CHUNKCOUNT']._serialized_start=1228
-  _globals['_CHUNKCOUNT']._serialized_end=1344
-  _globals['_COUNTTOKENSRESPONSE']._serialized_start=1346
-  _globals['_COUNTTOKENSRESPONSE']._serialized_end=1450
-  _globals['_PREPSERVICE']._serialized_start=1453
-  _globals['_PREPSERVICE']._serialized_end=1703
+  _globals['_TOOLCALL']._serialized_start=698
+  _globals['_TOOLCALL']._serialized_end=758
+  _globals['_MESSAGE']._serialized_start=761
+  _globals['_MESSAGE']._serialized_end=897
+  _globals['_TOOL']._serialized_start=899
+  _globals['_TOOL']._serialized_end=965
+  _globals['_CHAT']._serialized_start=968
+  _globals['_CHAT']._serialized_end=1171
+  _globals['_TOOLCALLING']._serialized_start=1173
+  _globals['_TOOLCALLING']._serialized_end=1272
+  _globals['_RAWPROMPT']._serialized_start=1274
+  _globals['_RAWPROMPT']._serialized_end=1356
+  _globals['_PREPAREREQUEST']._serialized_start=1358
+  _globals['_PREPAREREQUEST']._serialized_end=1480
+  _globals['_PREPARERESPONSE']._serialized_start=1483
+  _globals['_PREPARERESPONSE']._serialized_end=1616
+  _globals['_COUNTTOKENSREQUEST']._serialized_start=1618
+  _globals['_COUNTTOKENSREQUEST']._serialized_end=1744
+  _globals['_CHUNKCOUNT']._serialized_start=1746
+  _globals['_CHUNKCOUNT']._serialized_end=1862
+  _globals['_COUNTTOKENSRESPONSE']._serialized_start=1864
+  _globals['_COUNTTOKENSRESPONSE']._serialized_end=1968
+  _globals['_PREPSERVICE']._serialized_start=2250
+  _globals['_PREPSERVICE']._serialized_end=2500
 # @@protoc_insertion_point(module_scope)

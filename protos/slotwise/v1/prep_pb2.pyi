@@ -1,11 +1,38 @@
 from slotwise.v1 import prompt_pb2 as _prompt_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ToolChoice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_CHOICE_UNSPECIFIED: _ClassVar[ToolChoice]
+    TOOL_CHOICE_AUTO: _ClassVar[ToolChoice]
+    TOOL_CHOICE_NONE: _ClassVar[ToolChoice]
+    TOOL_CHOICE_REQUIRED: _ClassVar[ToolChoice]
+    TOOL_CHOICE_FUNCTION: _ClassVar[ToolChoice]
+
+class ToolFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_FORMAT_UNSPECIFIED: _ClassVar[ToolFormat]
+    TOOL_FORMAT_JSON: _ClassVar[ToolFormat]
+    TOOL_FORMAT_HERMES: _ClassVar[ToolFormat]
+    TOOL_FORMAT_LLAMA3: _ClassVar[ToolFormat]
+    TOOL_FORMAT_MISTRAL: _ClassVar[ToolFormat]
+TOOL_CHOICE_UNSPECIFIED: ToolChoice
+TOOL_CHOICE_AUTO: ToolChoice
+TOOL_CHOICE_NONE: ToolChoice
+TOOL_CHOICE_REQUIRED: ToolChoice
+TOOL_CHOICE_FUNCTION: ToolChoice
+TOOL_FORMAT_UNSPECIFIED: ToolFormat
+TOOL_FORMAT_JSON: ToolFormat
+TOOL_FORMAT_HERMES: ToolFormat
+TOOL_FORMAT_LLAMA3: ToolFormat
+TOOL_FORMAT_MISTRAL: ToolFormat
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
@@ -69,19 +96,61 @@ class Part(_message.Message):
     image: Image
     def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[Image, _Mapping]] = ...) -> None: ...
 
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments_json")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments_json: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
+
 class Message(_message.Message):
-    __slots__ = ("role", "parts")
+    __slots__ = ("role", "parts", "tool_calls", "tool_call_id", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     parts: _containers.RepeatedCompositeFieldContainer[Part]
-    def __init__(self, role: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[Part, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[Part, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters_json: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
 
 class Chat(_message.Message):
-    __slots__ = ("messages",)
+    __slots__ = ("messages", "tools", "tool_choice", "tool_name", "parallel_tool_calls")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[Message]
-    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: ToolChoice
+    tool_name: str
+    parallel_tool_calls: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_name: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+
+class ToolCalling(_message.Message):
+    __slots__ = ("format", "constraint")
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    format: ToolFormat
+    constraint: _prompt_pb2.Constraint
+    def __init__(self, format: _Optional[_Union[ToolFormat, str]] = ..., constraint: _Optional[_Union[_prompt_pb2.Constraint, _Mapping]] = ...) -> None: ...
 
 class RawPrompt(_message.Message):
     __slots__ = ("text", "images", "add_special")
@@ -104,12 +173,14 @@ class PrepareRequest(_message.Message):
     def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ..., raw: _Optional[_Union[RawPrompt, _Mapping]] = ..., first_message: _Optional[int] = ...) -> None: ...
 
 class PrepareResponse(_message.Message):
-    __slots__ = ("prompt", "rendered_text")
+    __slots__ = ("prompt", "rendered_text", "tool_calling")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RENDERED_TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLING_FIELD_NUMBER: _ClassVar[int]
     prompt: _prompt_pb2.PreparedPrompt
     rendered_text: str
-    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., rendered_text: _Optional[str] = ...) -> None: ...
+    tool_calling: ToolCalling
+    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., rendered_text: _Optional[str] = ..., tool_calling: _Optional[_Union[ToolCalling, _Mapping]] = ...) -> None: ...
 
 class CountTokensRequest(_message.Message):
     __slots__ = ("chat", "raw", "first_message")

@@ -61,3 +61,13 @@ class PreparedPrompt(_message.Message):
     num_cells: int
     num_positions: int
     def __init__(self, fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., num_cells: _Optional[int] = ..., num_positions: _Optional[int] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("grammar", "json_schema", "trigger_patterns")
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_PATTERNS_FIELD_NUMBER: _ClassVar[int]
+    grammar: str
+    json_schema: str
+    trigger_patterns: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, grammar: _Optional[str] = ..., json_schema: _Optional[str] = ..., trigger_patterns: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,106 @@
+"""JSON Schema -> GBNF: llama-cpp-python's converter, with two gaps of its 0.3.36 copy closed.
+
+- Strings: its `char` rule lets raw control characters through, which `json.loads` (and so
+  every client that parses the reply) refuses; llama.cpp's current rule excludes them.
+- Integers: `minimum` / `maximum` (and the exclusive forms) are ignored there (a TODO);
+  here they become an exact grammar of the decimal numbers in the range.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llama_cpp.llama_grammar import BuiltinRule, SchemaConverter
+
+_HEX = "[0-9a-fA-F]"
+_JSON_CHAR = BuiltinRule(
+    r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" ' + " ".join([_HEX] * 4) + ")", []
+)
+_MAX_DIGITS = 16  # what the converter allows an unbounded integer
+
+
+def json_schema_to_gbnf(schema: str) -> str:
+    """Raises ValueError (or what the converter raises) for a schema it cannot follow."""
+    converter = _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    converter.visit(converter.resolve_refs(json.loads(schema), "input"), "")
+    return converter.format_grammar()
+
+
+class _Converter(SchemaConverter):
+    def _add_primitive(self, name: str, rule: BuiltinRule) -> str:
+        return super()._add_primitive(name, _JSON_CHAR if name == "char" else rule)
+
+    def visit(self, schema: Any, name: str) -> str:
+        if isinstance(schema, dict) and schema.get("type") == "integer":
+            bounds = _bounds(schema)
+            if bounds is not None:
+                lo, hi = bounds
+                return self._add_rule(name or "root", f"({integer_range(lo, hi)}) space")
+        return super().visit(schema, name)
+
+
+def _bounds(schema: dict[str, Any]) -> tuple[int, int] | None:
+    keys = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+    if not any(k in schema for k in keys):
+        return None
+    top = 10 ** (_MAX_DIGITS - 1) - 1
+    lo, hi = -top, top
+    if "minimum" in schema:
+        lo = max(lo, _ceil(schema["minimum"]))
+    if "exclusiveMinimum" in schema:
+        lo = max(lo, _floor(schema["exclusiveMinimum"]) + 1)
+    if "maximum" in schema:
+        hi = min(hi, _floor(schema["maximum"]))
+    if "exclusiveMaximum" in schema:
+        hi = min(hi, _ceil(schema["exclusiveMaximum"]) - 1)
+    if lo > hi:
+        raise ValueError(f"no integer lies within the bounds of {schema}")
+    return lo, hi
+
+
+def _ceil(x: Any) -> int:
+    return -int(-float(x) // 1)
+
+
+def _floor(x: Any) -> int:
+    return int(float(x) // 1)
+
+
+def integer_range(lo: int, hi: int) -> str:
+    """A GBNF expression matching exactly the decimal integers in [lo, hi] (no leading zeros,
+    no "-0")."""
+    if lo > hi:
+        raise ValueError(f"empty range [{lo}, {hi}]")
+    if hi < 0:
+        return f'"-" ({integer_range(-hi, -lo)})'
+    if lo < 0:
+        return f'"-" ({integer_range(1, -lo)}) | {integer_range(0, hi)}'
+    alternatives = []
+    while lo <= hi:  # one run of numbers of the same length at a time
+        top = min(hi, 10 ** len(str(lo)) - 1)
+        alternatives.append(_same_length(str(lo), str(top)))
+        lo = top + 1
+    return " | ".join(alternatives)
+
+
+def _same_length(a: str, b: str) -> str:
+    """The digit strings from a to b, both of one length (a <= b)."""
+    if a == b:
+        return f'"{a}"'
+    if len(a) == 1:
+        return f"[{a}-{b}]"
+    if a[0] == b[0]:
+        return f'"{a[0]}" ({_same_length(a[1:], b[1:])})'
+    rest = len(a) - 1
+    low_full, high_full = a[1:] == "0" * rest, b[1:] == "9" * rest
+    first = int(a[0]) + (0 if low_full else 1)
+    last = int(b[0]) - (0 if high_full else 1)
+    alternatives = []
+    if not low_full:
+        alternatives.append(f'"{a[0]}" ({_same_length(a[1:], "9" * rest)})')
+    if first <= last:
+        alternatives.append(f"[{first}-{last}]" + " [0-9]" * rest)
+    if not high_full:
+        alternatives.append(f'"{b[0]}" ({_same_length("0" * rest, b[1:])})')
+    return " | ".join(alternatives)
