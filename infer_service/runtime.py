@@ -255,7 +255,7 @@ class Runtime:
 
     # -- sampling and text ----------------------------------------------------------------
 
-    def sampler(self, s: SamplingConfig, logit_bias: tuple[tuple[int, float], ...] = ()) -> int:
+    def sampler(self, s: SamplingConfig, logit_bias: tuple[tuple[int, float], ...] = ()) -> Any:
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         add = llama_cpp.llama_sampler_chain_add
         if logit_bias:
@@ -292,11 +292,11 @@ class Runtime:
     def tokenize(self, text: str) -> list[int]:
         return native.tokenize_text(self.vocab, text, add_special=False, parse_special=True)
 
-    def sample(self, sampler: int, batch_index: int) -> int:
+    def sample(self, sampler: Any, batch_index: int) -> int:
         return int(llama_cpp.llama_sampler_sample(sampler, self.ctx, batch_index))
 
     @staticmethod
-    def free_sampler(sampler: int) -> None:
+    def free_sampler(sampler: Any) -> None:
         llama_cpp.llama_sampler_free(sampler)
 
     def is_eog(self, token: int) -> bool:

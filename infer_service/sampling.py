@@ -128,7 +128,7 @@ class SlotSampler:
 
     def __init__(self, rt: Runtime, spec: SamplerSpec):
         self.rt = rt
-        self.chain = rt.sampler(spec.sampling, spec.logit_bias)
+        self.chain: Any = rt.sampler(spec.sampling, spec.logit_bias)  # a llama_sampler pointer
         self.grammar: Any = None  # a llama_sampler pointer
         self.top_logprobs = spec.top_logprobs
         self._triggers: tuple[re.Pattern[str], ...] = ()
