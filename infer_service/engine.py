@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 from infer_service.events import (
@@ -36,6 +36,7 @@ from infer_service.runtime import Runtime
 from infer_service.scheduler import Scheduler
 from infer_service.session_manager import SessionManager
 from infer_service.session_store import SessionStore
+from infer_service.sessions import TurnRecord
 from infer_service.slots import (
     EngineStats,
     EngineStoppedError,
@@ -315,7 +316,11 @@ class Engine:
         usage = slot.usage
         job = self.executor.end(slot, reason)
         completed = reason.completed
-        saved = self.sessions.end_turn(job, completed=completed)
+        record = None
+        if completed and job.session_id is not None:
+            text = "".join(slot.reply)
+            record = TurnRecord(0, text, int(reason), asdict(usage), job.note, time.time())
+        saved = self.sessions.end_turn(job, completed=completed, record=record)
         # the slot is free before the client hears about it: its next request finds it so
         finished = Finished(reason, usage, stop_string=stop_string, error=error, problem=problem)
         if saved is None:

@@ -40,7 +40,7 @@ from infer_service.sampling import (
     json_schema_grammar,
 )
 from infer_service.session_store import SessionIdError, check_session_id
-from infer_service.sessions import Session
+from infer_service.sessions import MAX_RECORDS, Session
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.descriptors import DescriptorError, PreparedPrompt, TextChunk
 from slotwise_core.serving import abort
@@ -407,8 +407,11 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         return infer_pb2.CreateSessionResponse(session=await self._info(context, session))
 
     async def GetSession(self, request, context):
+        n = min(request.num_records, MAX_RECORDS)
         info = await self._session_rpc(  # read on the engine thread: a snapshot
-            context, lambda sid: session_info(self.engine.sessions.get(sid)), request.session_id
+            context,
+            lambda sid: session_info(self.engine.sessions.get(sid), num_records=n),
+            request.session_id,
         )
         return infer_pb2.GetSessionResponse(session=info)
 
@@ -566,9 +569,21 @@ def _check_token_ids(prompt: PreparedPrompt, num_vocab: int) -> None:
             )
 
 
-def session_info(s: Session) -> infer_pb2.SessionInfo:
+def session_info(s: Session, *, num_records: int = 0) -> infer_pb2.SessionInfo:
     c = s.context
+    records = list(s.records)[-num_records:] if num_records else []
     return infer_pb2.SessionInfo(
+        records=[
+            infer_pb2.TurnRecord(
+                turn=r.turn,
+                text=r.text,
+                reason=r.reason,  # type: ignore[arg-type]
+                usage=infer_pb2.Usage(**r.usage),
+                note=r.note,
+                created=r.created,
+            )
+            for r in records
+        ],
         session_id=s.session_id,
         num_turns=s.num_turns,
         num_cells=s.ledger.num_cells,

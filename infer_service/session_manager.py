@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from infer_service.events import ErrorKind, Problem, ProblemError, Reason, problem, storage_problem
@@ -30,7 +30,7 @@ from infer_service.session_store import (
     StaleSessionError,
     ledger_digest,
 )
-from infer_service.sessions import Pixels, Session
+from infer_service.sessions import Pixels, Session, TurnRecord
 from infer_service.slots import EngineStats, EngineStoppedError, Job, SessionError, Slot, resolve
 from slotwise_core.descriptors import Fingerprint
 from slotwise_core.native import Bitmap
@@ -382,9 +382,12 @@ class SessionManager:
         job.media, job.rgb = {}, {}  # the session owns the native chunks and pixels now
         return session.ledger, session.ledger.generated_tail(), reprefill
 
-    def end_turn(self, job: Job, *, completed: bool) -> Future[None] | None:
-        """Completed: save the session (returns the write). Not: back to the last completed
-        turn (the ledger from the snapshot; the KV state from disk, or re-prefilled)."""
+    def end_turn(
+        self, job: Job, *, completed: bool, record: TurnRecord | None = None
+    ) -> Future[None] | None:
+        """Completed: keep its record and save the session (returns the write). Not: back to
+        the last completed turn (the ledger from the snapshot; the KV state from disk, or
+        re-prefilled)."""
         self._prefetch.pop(job.session_id or "", None)
         if job.session_id is None or job.session_id not in self.by_id:
             return None
@@ -394,7 +397,11 @@ class SessionManager:
         snapshot, session.snapshot = session.snapshot, None
         if completed:
             session.num_turns += 1
+            if record is not None:
+                session.records.append(replace(record, turn=session.num_turns))
             self._orphans |= session.prune()
+            if self.store is None:  # (no copy of the KV state for nothing)
+                return None
             assert session.slot is not None
             return self._save(session, self.executor.state_of(self.slots[session.slot]))
         if snapshot is not None:

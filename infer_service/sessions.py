@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,6 +19,35 @@ class Pixels:
     width: int
     height: int
     media_id: str  # the image's content hash (several slices of one image share it)
+
+
+MAX_RECORDS = 256  # turn records a session keeps (the oldest go first)
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """What one completed turn produced, kept with the session (on disk too)."""
+
+    turn: int
+    text: str
+    reason: int  # FinishReason
+    usage: dict[str, Any]  # Usage's fields
+    note: bytes = b""
+    created: float = 0.0  # time.time()
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "note": base64.b64encode(self.note).decode()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TurnRecord:
+        return cls(
+            turn=int(d["turn"]),
+            text=str(d["text"]),
+            reason=int(d["reason"]),
+            usage=dict(d["usage"]),
+            note=base64.b64decode(d["note"]),
+            created=float(d["created"]),
+        )
 
 
 @dataclass
@@ -42,6 +73,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     dirty: bool = False  # the newest save asked for is not on disk yet (or failed)
     num_saves: int = 0
+    records: deque[TurnRecord] = field(default_factory=lambda: deque(maxlen=MAX_RECORDS))
 
     def release(self) -> None:
         for h in self.media.values():
@@ -88,6 +120,7 @@ class Session:
             "pixels": {k: asdict(p) for k, p in self.pixels.items()},
             "num_turns": self.num_turns,
             "num_shifts": self.num_shifts,
+            "records": [r.to_json() for r in self.records],
         }
 
     @classmethod
@@ -111,4 +144,7 @@ class Session:
             pixels={k: Pixels(**p) for k, p in header["pixels"].items()},
             num_turns=int(header["num_turns"]),
             num_shifts=int(header["num_shifts"]),
+            records=deque(
+                map(TurnRecord.from_json, header.get("records", ())), maxlen=MAX_RECORDS
+            ),  # (files before turn records have none)
         )

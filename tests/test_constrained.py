@@ -204,6 +204,7 @@ def test_a_logit_bias_forces_and_bans_tokens(servers, prep_servers) -> None:
         (lambda r: r.logit_bias.__setitem__(1 << 20, 1.0), "logit_bias"),
         (lambda r: r.logit_bias.__setitem__(5, 1000.0), "logit_bias"),
         (lambda r: setattr(r, "top_logprobs", 3), "top_logprobs"),
+        (lambda r: setattr(r, "turn_note", b"a note without a session"), "turn_note"),
         (lambda r: (setattr(r, "logprobs", True), setattr(r, "top_logprobs", 21)), "top_logprobs"),
     ],
 )

@@ -440,8 +440,11 @@ def test_sessions_survive_sigkill_mid_turn_and_a_clean_restart(
     try:
         create(server.stub, "kept", SEEDED)
         chat = Chat(prep, server.stub, "kept", max_tokens=8)
+        replies = []
         for t in range(3):
-            assert chat.turn(f"turn {t} ", image(20 + t), " ok").finished.reason in OK_REASONS
+            done = chat.turn(f"turn {t} ", image(20 + t), " ok", turn_note=f"note {t}".encode())
+            assert done.finished.reason in OK_REASONS
+            replies.append((done.text, done.finished.usage.num_generated_tokens))
         after3 = session_info(server.stub, "kept")
         assert after3.num_turns == 3
         wait_saved(sessions_dir / "kept.session", 3)  # by itself: no SaveSession call
@@ -472,6 +475,14 @@ def test_sessions_survive_sigkill_mid_turn_and_a_clean_restart(
             3, after3.num_cells, after3.next_position,
         )  # fmt: skip
         assert not s.resident
+        # each completed turn's record came back with it: what it generated, and its note
+        got = server.stub.GetSession(
+            infer_pb2.GetSessionRequest(session_id="kept", num_records=2), timeout=10
+        ).session.records
+        assert [(r.turn, r.note, r.text, r.usage.num_generated_tokens) for r in got] == [
+            (t + 1, f"note {t}".encode(), *replies[t]) for t in (1, 2)
+        ]
+        assert all(r.reason in OK_REASONS and r.created > 0 for r in got)
         again = generate(
             server.stub, prompt=prompt4, session_id="kept", max_tokens=8, sampling=GREEDY
         )
