@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from infer_service.embedder import Embedder
 from infer_service.engine import Engine
 from infer_service.metrics import engine_metrics
 from infer_service.runtime import Runtime, RuntimeConfig
@@ -43,6 +44,7 @@ class RunningInfer:
     server: Server
     engine: Engine
     died: asyncio.Event  # the engine thread died: health is NOT_SERVING, the process must go
+    embedder: Embedder | None = None
 
     @property
     def port(self) -> int:
@@ -51,6 +53,8 @@ class RunningInfer:
     async def stop(self, grace: float = 1.0) -> None:
         await self.server.stop(grace)
         await asyncio.to_thread(self.engine.stop)
+        if self.embedder is not None:
+            await asyncio.to_thread(self.embedder.close)
         self.engine.rt.close()
 
 
@@ -67,6 +71,7 @@ async def start(
     state_cache_bytes: int = 256 << 20,
     security: Security = Security(),
     metrics_port: int | None = None,
+    embeddings_ctx: int = 0,
 ) -> RunningInfer:
     """Listen first (health NOT_SERVING), load the model, then report SERVING."""
     metrics = ServiceMetrics("infer")
@@ -84,6 +89,16 @@ async def start(
     except BaseException:
         await server.stop(0)  # don't leave a port open that will never serve
         raise
+    embedder = None
+    if embeddings_ctx:
+        try:
+            embedder = await asyncio.to_thread(
+                Embedder, runtime, ctx_size=embeddings_ctx, threads=config.threads
+            )
+        except BaseException:
+            runtime.close()
+            await server.stop(0)
+            raise
     store = SessionStore(sessions_dir) if sessions_dir else None
     engine = await asyncio.to_thread(
         Engine,
@@ -108,12 +123,13 @@ async def start(
     engine.on_death = on_death
     engine.start()
     server.bind(
-        infer_pb2_grpc.add_InferServiceServicer_to_server, InferServicer(engine, limits=limits)
+        infer_pb2_grpc.add_InferServiceServicer_to_server,
+        InferServicer(engine, limits=limits, embedder=embedder),
     )
     if metrics_port is not None:
         metrics.serve(metrics_port)
     await server.set_serving()
-    return RunningInfer(server, engine, died)
+    return RunningInfer(server, engine, died, embedder)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -154,6 +170,13 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="host memory for the KV states of stateless conversations that lost their slot",
+    )
+    p.add_argument(
+        "--embeddings", action="store_true",
+        help="serve Embed: mean-pooled embeddings on a context of their own",
+    )  # fmt: skip
+    p.add_argument(
+        "--embeddings-ctx", type=int, default=512, help="tokens per text for --embeddings"
     )
     p.add_argument("--default-max-tokens", type=int, default=GenerateLimits.default_max_tokens)
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20)
@@ -196,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             state_cache_bytes=args.state_cache_mb << 20,
             security=security_from_args(args),
             metrics_port=args.metrics_port,
+            embeddings_ctx=args.embeddings_ctx if args.embeddings else 0,
         )
         rt = infer.engine.rt
         log.info(

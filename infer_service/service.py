@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from infer_service.embedder import Embedder, EmbedError
 from infer_service.engine import Engine, EngineStoppedError, Job, prompt_items
 from infer_service.events import (
     POLICY_TO_PB,
@@ -174,10 +175,38 @@ class GenerateLimits:
 
 
 class InferServicer(infer_pb2_grpc.InferServiceServicer):
-    def __init__(self, engine: Engine, *, limits: GenerateLimits = GenerateLimits()):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        limits: GenerateLimits = GenerateLimits(),
+        embedder: Embedder | None = None,
+    ):
         self.engine = engine
         self.limits = limits
+        self.embedder = embedder
         self._relays: dict[asyncio.AbstractEventLoop, EventRelay] = {}
+
+    async def Embed(self, request, context):
+        if self.embedder is None:
+            await abort(context, grpc.StatusCode.UNIMPLEMENTED,
+                        "embeddings are off: start infer_service with --embeddings",
+                        reason="EMBEDDINGS_DISABLED")  # fmt: skip
+            return
+        try:
+            embedded = await asyncio.wrap_future(
+                self.embedder.embed(list(request.texts), normalize=request.normalize)
+            )
+        except EmbedError as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), reason="BAD_REQUEST",
+                        field="texts")  # fmt: skip
+            return
+        return infer_pb2.EmbedResponse(
+            embeddings=[
+                infer_pb2.Embedding(values=e.values.tolist(), num_tokens=e.num_tokens)
+                for e in embedded
+            ]
+        )
 
     async def GetServerInfo(self, request, context):
         rt = self.engine.rt

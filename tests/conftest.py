@@ -78,7 +78,14 @@ def infer_server(
     from infer_service.runtime import RuntimeConfig
 
     started: list[Any] = []
-    start_options = {"max_queue", "cache_bytes", "limits", "max_message_bytes", "sessions_dir"}
+    start_options = {
+        "max_queue",
+        "cache_bytes",
+        "limits",
+        "max_message_bytes",
+        "sessions_dir",
+        "embeddings_ctx",
+    }
 
     def start_one(name: str, **kwargs: Any) -> Any:
         pair = tiny[name]
