@@ -27,6 +27,7 @@ from clients.channels import (
 from clients.errors import SlotwiseError
 from clients.events import Event, Finished, event_from_pb
 from clients.requests import (
+    ToolOptions,
     count_request,
     create_session_request,
     generate_request,
@@ -34,6 +35,7 @@ from clients.requests import (
 )
 from clients.types import (
     Count,
+    Embedding,
     ImageInput,
     ModelInfo,
     Prepared,
@@ -104,6 +106,10 @@ def _session(r: Any) -> SessionInfo:  # any response with a `session` field
 
 def _sessions(r: infer_pb2.ListSessionsResponse) -> list[SessionInfo]:
     return [SessionInfo.from_pb(s) for s in r.sessions]
+
+
+def _embeddings(r: infer_pb2.EmbedResponse) -> list[Embedding]:
+    return [Embedding(tuple(e.values), e.num_tokens) for e in r.embeddings]
 
 
 def _status(r: health_pb2.HealthCheckResponse) -> str:
@@ -204,10 +210,11 @@ class Calls:
         add_special: bool,
         first_message: int,
         timeout: float | None,
+        tools: ToolOptions | None = None,
     ) -> Call[Prepared]:
         self.need("prep")
         request = prepare_request(
-            prompt, images, add_special=add_special, first_message=first_message
+            prompt, images, add_special=add_special, first_message=first_message, tools=tools
         )
         return self._call("prep", PREP_SERVICE, "Prepare", request, Prepared.from_pb, timeout)
 
@@ -218,10 +225,11 @@ class Calls:
         add_special: bool,
         first_message: int,
         timeout: float | None,
+        tools: ToolOptions | None = None,
     ) -> Call[Count]:
         self.need("prep")
         request = count_request(
-            prompt, images, add_special=add_special, first_message=first_message
+            prompt, images, add_special=add_special, first_message=first_message, tools=tools
         )
         return self._call("prep", PREP_SERVICE, "CountTokens", request, Count.from_pb, timeout)
 
@@ -256,9 +264,17 @@ class Calls:
         request = create_session_request(session_id, **options)
         return self._session("CreateSession", request, timeout)
 
-    def get_session(self, session_id: str, timeout: float | None) -> Call[SessionInfo]:
-        request = infer_pb2.GetSessionRequest(session_id=session_id)
+    def get_session(
+        self, session_id: str, timeout: float | None, num_records: int = 0
+    ) -> Call[SessionInfo]:
+        request = infer_pb2.GetSessionRequest(session_id=session_id, num_records=num_records)
         return self._session("GetSession", request, timeout)
+
+    def embed(
+        self, texts: Sequence[str], normalize: bool, timeout: float | None
+    ) -> Call[list[Embedding]]:
+        request = infer_pb2.EmbedRequest(texts=list(texts), normalize=normalize)
+        return self._call("infer", INFER_SERVICE, "Embed", request, _embeddings, timeout)
 
     def list_sessions(self, timeout: float | None) -> Call[list[SessionInfo]]:
         request = infer_pb2.ListSessionsRequest()

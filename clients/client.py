@@ -49,7 +49,7 @@ from clients.channels import (
     channel_options,
     service_config,
 )
-from clients.enums import FinishReason, Persistence, Policy, Unit
+from clients.enums import FinishReason, Persistence, Policy, ToolChoice, ToolFormat, Unit
 from clients.errors import SlotwiseError
 from clients.events import (
     Completion,
@@ -59,12 +59,15 @@ from clients.events import (
     Prefill,
     Shift,
     Started,
+    TokenLogprob,
+    TokenLogprobs,
     Usage,
     acollect,
     collect,
     event_from_pb,
 )
 from clients.requests import (
+    ToolOptions,
     chat_pb,
     context_pb,
     count_request,
@@ -76,7 +79,9 @@ from clients.requests import (
 )
 from clients.types import (
     ChunkCount,
+    Constraint,
     Count,
+    Embedding,
     EngineStats,
     ImageInput,
     ImageSize,
@@ -87,6 +92,9 @@ from clients.types import (
     PromptInput,
     ServerInfo,
     SessionInfo,
+    Tool,
+    ToolCall,
+    TurnRecord,
 )
 from slotwise.v1 import prompt_pb2
 
@@ -97,8 +105,10 @@ __all__ = [
     "AsyncSlotwiseClient",
     "ChunkCount",
     "Completion",
+    "Constraint",
     "Count",
     "Delta",
+    "Embedding",
     "EngineStats",
     "Event",
     "FinishReason",
@@ -121,6 +131,14 @@ __all__ = [
     "SlotwiseError",
     "Started",
     "Tls",
+    "TokenLogprob",
+    "TokenLogprobs",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
+    "ToolFormat",
+    "ToolOptions",
+    "TurnRecord",
     "Unit",
     "Usage",
     "acollect",
@@ -234,12 +252,17 @@ class SlotwiseClient(_Client):
         add_special: bool = True,
         first_message: int = 0,
         timeout: float | None = None,
+        tools: ToolOptions | None = None,
     ) -> Prepared:
         """Messages (chat template applied) or a raw prompt whose media markers take `images`.
 
         first_message: only the chunks of messages[first_message:] (a session turn).
+        tools: shown to the model the way its template shows them; the result's
+        tool_constraint (passed to generate) makes its calls valid, and
+        clients.tool_calls.parse_reply(result.tool_format, text) reads them.
         """
-        return self._unary(self._calls.prepare(prompt, images, add_special, first_message, timeout))
+        call = self._calls.prepare(prompt, images, add_special, first_message, timeout, tools)
+        return self._unary(call)
 
     def count(
         self,
@@ -249,9 +272,11 @@ class SlotwiseClient(_Client):
         add_special: bool = True,
         first_message: int = 0,
         timeout: float | None = None,
+        tools: ToolOptions | None = None,
     ) -> Count:
         """Cells and positions without preparing; images may be ImageSize / (w, h) sizes."""
-        return self._unary(self._calls.count(prompt, images, add_special, first_message, timeout))
+        call = self._calls.count(prompt, images, add_special, first_message, timeout, tools)
+        return self._unary(call)
 
     # -- InferService -------------------------------------------------------------------------
 
@@ -294,8 +319,17 @@ class SlotwiseClient(_Client):
         for its turns (see `generate_request`). Not retried: the id may already be taken."""
         return self._unary(self._calls.create_session(session_id, timeout, options))
 
-    def get_session(self, session_id: str, *, timeout: float | None = None) -> SessionInfo:
-        return self._unary(self._calls.get_session(session_id, timeout))
+    def get_session(
+        self, session_id: str, *, num_records: int = 0, timeout: float | None = None
+    ) -> SessionInfo:
+        """num_records: also the records of the session's last N completed turns."""
+        return self._unary(self._calls.get_session(session_id, timeout, num_records))
+
+    def embed(
+        self, texts: Sequence[str], *, normalize: bool = False, timeout: float | None = None
+    ) -> list[Embedding]:
+        """Mean-pooled embeddings (infer started with --embeddings)."""
+        return self._unary(self._calls.embed(texts, normalize, timeout))
 
     def list_sessions(self, *, timeout: float | None = None) -> list[SessionInfo]:
         return self._unary(self._calls.list_sessions(timeout))
@@ -378,10 +412,12 @@ class AsyncSlotwiseClient(_Client):
         add_special: bool = True,
         first_message: int = 0,
         timeout: float | None = None,
+        tools: ToolOptions | None = None,
     ) -> Prepared:
         """See SlotwiseClient.prepare; images are read and encoded off the event loop."""
-        build = self._calls.prepare
-        call = await asyncio.to_thread(build, prompt, images, add_special, first_message, timeout)
+        call = await asyncio.to_thread(
+            self._calls.prepare, prompt, images, add_special, first_message, timeout, tools
+        )
         return await self._unary(call)
 
     async def count(
@@ -392,10 +428,12 @@ class AsyncSlotwiseClient(_Client):
         add_special: bool = True,
         first_message: int = 0,
         timeout: float | None = None,
+        tools: ToolOptions | None = None,
     ) -> Count:
         """See SlotwiseClient.count."""
-        build = self._calls.count
-        call = await asyncio.to_thread(build, prompt, images, add_special, first_message, timeout)
+        call = await asyncio.to_thread(
+            self._calls.count, prompt, images, add_special, first_message, timeout, tools
+        )
         return await self._unary(call)
 
     # -- InferService -------------------------------------------------------------------------
@@ -428,8 +466,15 @@ class AsyncSlotwiseClient(_Client):
     ) -> SessionInfo:
         return await self._unary(self._calls.create_session(session_id, timeout, options))
 
-    async def get_session(self, session_id: str, *, timeout: float | None = None) -> SessionInfo:
-        return await self._unary(self._calls.get_session(session_id, timeout))
+    async def get_session(
+        self, session_id: str, *, num_records: int = 0, timeout: float | None = None
+    ) -> SessionInfo:
+        return await self._unary(self._calls.get_session(session_id, timeout, num_records))
+
+    async def embed(
+        self, texts: Sequence[str], *, normalize: bool = False, timeout: float | None = None
+    ) -> list[Embedding]:
+        return await self._unary(self._calls.embed(texts, normalize, timeout))
 
     async def list_sessions(self, *, timeout: float | None = None) -> list[SessionInfo]:
         return await self._unary(self._calls.list_sessions(timeout))

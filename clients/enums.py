@@ -13,9 +13,18 @@ from typing import Any, TypeVar
 
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
-from slotwise.v1 import infer_pb2
+from slotwise.v1 import infer_pb2, prep_pb2
 
-__all__ = ["FinishReason", "Persistence", "Policy", "Unit", "from_pb", "to_pb"]
+__all__ = [
+    "FinishReason",
+    "Persistence",
+    "Policy",
+    "ToolChoice",
+    "ToolFormat",
+    "Unit",
+    "from_pb",
+    "to_pb",
+]
 
 
 class Policy(enum.StrEnum):
@@ -41,6 +50,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
+    GRAMMAR = "grammar"  # the constraint allowed no token next, nor the end
 
 
 class Persistence(enum.StrEnum):
@@ -52,6 +62,23 @@ class Persistence(enum.StrEnum):
     NOT_SAVED = "not_saved"  # completed and kept in memory, but not on disk (error says why)
 
 
+class ToolChoice(enum.StrEnum):
+    AUTO = "auto"  # the model answers in text or calls tools
+    NONE = "none"  # no calls (the tools are not shown)
+    REQUIRED = "required"  # at least one call
+    FUNCTION = "function"  # a call of the function named by tool_name
+
+
+class ToolFormat(enum.StrEnum):
+    """How the chat template's model writes tool calls (clients.tool_calls reads each)."""
+
+    UNSPECIFIED = "unspecified"
+    JSON = "json"  # {"tool_calls": [...]} or {"response": "..."} (templates without tools)
+    HERMES = "hermes"  # <tool_call>{...}</tool_call>
+    LLAMA3 = "llama3"  # {"name": ..., "parameters": ...}
+    MISTRAL = "mistral"  # [TOOL_CALLS][{...}]
+
+
 E = TypeVar("E", bound=enum.Enum)
 
 # enum -> (its proto enum, the prefix of the proto's value names, what unknown values read as)
@@ -60,6 +87,8 @@ _PAIRS: dict[type[enum.Enum], tuple[EnumTypeWrapper, str, enum.Enum]] = {
     Unit: (infer_pb2.EvictionUnit, "EVICTION_UNIT_", Unit.TOKEN),
     FinishReason: (infer_pb2.FinishReason, "FINISH_REASON_", FinishReason.UNSPECIFIED),
     Persistence: (infer_pb2.Persistence, "PERSISTENCE_", Persistence.UNSPECIFIED),
+    ToolChoice: (prep_pb2.ToolChoice, "TOOL_CHOICE_", ToolChoice.AUTO),
+    ToolFormat: (prep_pb2.ToolFormat, "TOOL_FORMAT_", ToolFormat.UNSPECIFIED),
 }
 
 _TO_PB: dict[type[enum.Enum], dict[Any, int]] = {

@@ -17,6 +17,8 @@ __all__ = [
     "Prefill",
     "Shift",
     "Started",
+    "TokenLogprob",
+    "TokenLogprobs",
     "Usage",
     "acollect",
     "collect",
@@ -45,9 +47,23 @@ class Prefill:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    piece: bytes  # the token's bytes (maybe part of a UTF-8 character)
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    chosen: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()  # most likely first (top_logprobs of them)
+
+
+@dataclass(frozen=True)
 class Delta:
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprobs, ...] = ()  # with logprobs: one per token id
 
 
 @dataclass(frozen=True)
@@ -94,7 +110,8 @@ def event_from_pb(pb: infer_pb2.GenerateResponse) -> Event | None:
     """A GenerateResponse -> its typed event (None for an event kind this client does not know)."""
     kind = pb.WhichOneof("event")
     if kind == "delta":
-        return Delta(tuple(pb.delta.token_ids), pb.delta.text)
+        d = pb.delta
+        return Delta(tuple(d.token_ids), d.text, tuple(map(_logprobs, d.logprobs)))
     if kind == "prefill":
         return Prefill(pb.prefill.num_cells_done, pb.prefill.num_cells_total)
     if kind == "started":
@@ -140,6 +157,14 @@ def event_from_pb(pb: infer_pb2.GenerateResponse) -> Event | None:
     return None
 
 
+def _logprob(pb: infer_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(pb.token_id, pb.piece, pb.logprob)
+
+
+def _logprobs(pb: infer_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(_logprob(pb.chosen), tuple(map(_logprob, pb.top)))
+
+
 @dataclass
 class Completion:
     """A whole generation, gathered from its events by `collect`."""
@@ -149,6 +174,7 @@ class Completion:
     shifts: list[Shift] = field(default_factory=list)
     finished: Finished | None = None
     pieces: list[str] = field(default_factory=list)  # the deltas' text (joined once, in text)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -158,6 +184,7 @@ class Completion:
         if isinstance(event, Delta):
             self.pieces.append(event.text)
             self.token_ids.extend(event.token_ids)
+            self.logprobs.extend(event.logprobs)
         elif isinstance(event, Shift):
             self.shifts.append(event)
         elif isinstance(event, Started):

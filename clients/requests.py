@@ -8,16 +8,28 @@ from __future__ import annotations
 
 import inspect
 import io
+import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clients.enums import Policy, Unit, to_pb
-from clients.types import ImageInput, ImageSize, Message, PromptInput, is_pil_image, is_size
+from clients.enums import Policy, ToolChoice, Unit, to_pb
+from clients.types import (
+    Constraint,
+    ImageInput,
+    ImageSize,
+    Message,
+    PromptInput,
+    Tool,
+    is_pil_image,
+    is_size,
+)
 from slotwise.v1 import infer_pb2, prep_pb2, prompt_pb2
 
 __all__ = [
+    "ToolOptions",
     "chat_pb",
     "context_pb",
     "count_request",
@@ -51,7 +63,19 @@ def image_pb(image: ImageInput, *, sizes_allowed: bool) -> prep_pb2.Image:
     raise TypeError(f"not an image: {type(image).__name__}")
 
 
-def chat_pb(messages: Sequence[Message], *, sizes_allowed: bool) -> prep_pb2.Chat:
+@dataclass(frozen=True)
+class ToolOptions:
+    """A chat's tools and how the model may use them."""
+
+    tools: Sequence[Tool] = ()
+    choice: ToolChoice | str = ToolChoice.AUTO
+    name: str = ""  # ToolChoice.FUNCTION: the function to call
+    parallel: bool | None = None  # None: the server's default (several calls allowed)
+
+
+def chat_pb(
+    messages: Sequence[Message], *, sizes_allowed: bool, tools: ToolOptions | None = None
+) -> prep_pb2.Chat:
     out = []
     for m in messages:
         if not isinstance(m, Message):
@@ -62,8 +86,34 @@ def chat_pb(messages: Sequence[Message], *, sizes_allowed: bool) -> prep_pb2.Cha
             else prep_pb2.Part(image=image_pb(p, sizes_allowed=sizes_allowed))
             for p in m.parts
         ]
-        out.append(prep_pb2.Message(role=m.role, parts=parts))
-    return prep_pb2.Chat(messages=out)
+        calls = [
+            prep_pb2.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments)
+            for c in m.tool_calls
+        ]
+        out.append(
+            prep_pb2.Message(
+                role=m.role,
+                parts=parts,
+                tool_calls=calls,
+                tool_call_id=m.tool_call_id,
+                name=m.name,
+            )
+        )
+    chat = prep_pb2.Chat(messages=out)
+    if tools is not None:
+        chat.tools.extend(
+            prep_pb2.Tool(
+                name=t.name,
+                description=t.description,
+                parameters_json=json.dumps(t.parameters) if t.parameters is not None else "",
+            )
+            for t in tools.tools
+        )
+        chat.tool_choice = to_pb(ToolChoice, tools.choice)  # type: ignore[assignment]
+        chat.tool_name = tools.name
+        if tools.parallel is not None:
+            chat.parallel_tool_calls = tools.parallel
+    return chat
 
 
 def _input_fields(
@@ -73,11 +123,14 @@ def _input_fields(
     first_message: int,
     *,
     sizes_allowed: bool,
+    tools: ToolOptions | None = None,
 ) -> dict[str, Any]:
     """The prompt fields PrepareRequest and CountTokensRequest share."""
     if isinstance(prompt, str):
         if first_message:
             raise ValueError("first_message applies to messages, not to a raw prompt")
+        if tools is not None:
+            raise ValueError("tools go with messages, not with a raw prompt")
         raw = prep_pb2.RawPrompt(
             text=prompt,
             images=[image_pb(im, sizes_allowed=sizes_allowed) for im in images],
@@ -87,7 +140,7 @@ def _input_fields(
     if images:
         raise ValueError("images= goes with a raw prompt; put images in the messages' parts")
     return {
-        "chat": chat_pb(list(prompt), sizes_allowed=sizes_allowed),
+        "chat": chat_pb(list(prompt), sizes_allowed=sizes_allowed, tools=tools),
         "first_message": first_message,
     }
 
@@ -98,10 +151,14 @@ def prepare_request(
     *,
     add_special: bool = True,
     first_message: int = 0,
+    tools: ToolOptions | None = None,
 ) -> prep_pb2.PrepareRequest:
     """Messages (chat template applied) or a raw prompt whose media markers take `images`;
-    first_message: only the chunks of messages[first_message:] (a session turn)."""
-    fields = _input_fields(prompt, images, add_special, first_message, sizes_allowed=False)
+    first_message: only the chunks of messages[first_message:] (a session turn); tools: shown
+    to the model as the template shows them (Prepared.tool_constraint makes its calls valid)."""
+    fields = _input_fields(
+        prompt, images, add_special, first_message, sizes_allowed=False, tools=tools
+    )
     return prep_pb2.PrepareRequest(**fields)
 
 
@@ -111,9 +168,12 @@ def count_request(
     *,
     add_special: bool = True,
     first_message: int = 0,
+    tools: ToolOptions | None = None,
 ) -> prep_pb2.CountTokensRequest:
     """As prepare_request; images may also be ImageSize / (width, height) sizes."""
-    fields = _input_fields(prompt, images, add_special, first_message, sizes_allowed=True)
+    fields = _input_fields(
+        prompt, images, add_special, first_message, sizes_allowed=True, tools=tools
+    )
     return prep_pb2.CountTokensRequest(**fields)
 
 
@@ -189,6 +249,11 @@ def generate_request(
     max_tokens: int = 0,
     stop: Sequence[str] | str = (),
     session_id: str = "",
+    constraint: Constraint | None = None,
+    logit_bias: dict[int, float] | None = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    turn_note: bytes = b"",
     **options: Any,
 ) -> infer_pb2.GenerateRequest:
     """The GenerateRequest for these options.
@@ -197,6 +262,9 @@ def generate_request(
     presence_penalty, frequency_penalty, seed) and context (policy, keep, discard_fraction,
     unit, truncate_prompt). Options left out (or None) are the server's defaults, or for a
     session turn (session_id) the session's. max_tokens 0: the server's default.
+    constraint: a grammar or JSON Schema the text keeps to; logit_bias: token id -> bias;
+    logprobs / top_logprobs: each Delta carries its tokens' log-probabilities (and the top
+    alternatives); turn_note: kept with a session turn's record.
     """
     if isinstance(stop, str):
         stop = (stop,)
@@ -207,7 +275,13 @@ def generate_request(
         max_tokens=max_tokens,
         stop=list(stop),
         session_id=session_id,
+        logit_bias=logit_bias or {},
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        turn_note=turn_note,
     )
+    if constraint is not None:
+        request.constraint.CopyFrom(constraint.to_pb())
     ctx = context_pb(**context)
     if ctx is not None:
         request.context.CopyFrom(ctx)

@@ -7,13 +7,14 @@ nothing here imports it (a PIL image exists only once PIL.Image has been importe
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 
-from clients.enums import Policy, Unit, from_pb
+from clients.enums import FinishReason, Policy, ToolFormat, Unit, from_pb
 from slotwise.v1 import infer_pb2, prep_pb2, prompt_pb2
 
 if TYPE_CHECKING:
@@ -21,7 +22,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ChunkCount",
+    "Constraint",
     "Count",
+    "Embedding",
     "EngineStats",
     "ImageInput",
     "ImageSize",
@@ -32,6 +35,9 @@ __all__ = [
     "PromptInput",
     "ServerInfo",
     "SessionInfo",
+    "Tool",
+    "ToolCall",
+    "TurnRecord",
     "is_pil_image",
     "is_size",
 ]
@@ -72,22 +78,85 @@ def is_size(value: object) -> bool:
 
 
 @dataclass(frozen=True)
+class Tool:
+    """A function the model may call: `parameters` is the JSON Schema of its arguments."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call an assistant message made (or that the model wrote): arguments as JSON text."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Constrained decoding for Generate: a GBNF grammar, or a JSON Schema (as text or as a
+    dict); trigger_patterns make it lazy (free text until one of them is found)."""
+
+    grammar: str = ""
+    json_schema: str | dict[str, Any] = ""
+    trigger_patterns: tuple[str, ...] = ()
+
+    def to_pb(self) -> prompt_pb2.Constraint:
+        if bool(self.grammar) == bool(self.json_schema):
+            raise ValueError("a Constraint has a grammar or a json_schema")
+        pb = prompt_pb2.Constraint(trigger_patterns=list(self.trigger_patterns))
+        if self.grammar:
+            pb.grammar = self.grammar
+        else:
+            schema = self.json_schema
+            pb.json_schema = schema if isinstance(schema, str) else json.dumps(schema)
+        return pb
+
+    @classmethod
+    def from_pb(cls, pb: prompt_pb2.Constraint) -> Constraint:
+        return cls(pb.grammar, pb.json_schema, tuple(pb.trigger_patterns))
+
+
+@dataclass(frozen=True)
 class Message:
     """One chat message: a role and parts, each text (`str`) or an image.
 
     Images: encoded file `bytes` (PNG, JPEG, WebP, GIF, BMP), a `pathlib.Path` (a plain `str` is
     text, never a path), a PIL image, or, for counting only, `ImageSize` / `(width, height)`.
+    An assistant message may carry the tool calls it made; a `tool` message answers one
+    (tool_call_id, and the function's name).
     """
 
     role: str
     parts: tuple[Part, ...]
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
 
-    def __init__(self, role: str, parts: Part | Sequence[Part]):
+    def __init__(
+        self,
+        role: str,
+        parts: Part | Sequence[Part] = (),
+        *,
+        tool_calls: Sequence[ToolCall] = (),
+        tool_call_id: str = "",
+        name: str = "",
+    ):
         one = isinstance(parts, str | bytes | bytearray | os.PathLike) or is_pil_image(parts)
         one = one or is_size(parts)  # (w, h) is one size, not two parts
         items: tuple[Part, ...] = (parts,) if one else tuple(parts)  # type: ignore[assignment,arg-type]
         object.__setattr__(self, "role", role)
         object.__setattr__(self, "parts", items)
+        object.__setattr__(self, "tool_calls", tuple(tool_calls))
+        object.__setattr__(self, "tool_call_id", tool_call_id)
+        object.__setattr__(self, "name", name)
+
+    @classmethod
+    def tool(cls, tool_call_id: str, content: str, name: str = "") -> Message:
+        return cls("tool", content, tool_call_id=tool_call_id, name=name)
 
     @classmethod
     def system(cls, *parts: Part) -> Message:
@@ -231,14 +300,25 @@ class Count:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A prepared prompt (the descriptor to send to Generate) and the rendered prompt text."""
+    """A prepared prompt (the descriptor to send to Generate) and the rendered prompt text.
+
+    With tools: how the template's model writes calls (clients.tool_calls parses it), and the
+    constraint that makes its reply a valid call (pass it to generate)."""
 
     prompt: prompt_pb2.PreparedPrompt
     rendered_text: str = ""
+    tool_format: ToolFormat = ToolFormat.UNSPECIFIED
+    tool_constraint: Constraint | None = None
 
     @classmethod
     def from_pb(cls, pb: prep_pb2.PrepareResponse) -> Prepared:
-        return cls(pb.prompt, pb.rendered_text)
+        calling = pb.tool_calling if pb.HasField("tool_calling") else None
+        return cls(
+            pb.prompt,
+            pb.rendered_text,
+            from_pb(ToolFormat, calling.format) if calling else ToolFormat.UNSPECIFIED,
+            Constraint.from_pb(calling.constraint) if calling else None,
+        )
 
     @property
     def num_cells(self) -> int:
@@ -279,6 +359,40 @@ def _chunk_cells(c: prompt_pb2.Chunk) -> int:
 
 
 @dataclass(frozen=True)
+class TurnRecord:
+    """What one completed session turn produced (GetSession with num_records)."""
+
+    turn: int
+    text: str
+    reason: FinishReason
+    num_prompt_cells: int
+    num_reused_cells: int
+    num_generated_tokens: int
+    note: bytes
+    created: float
+
+    @classmethod
+    def from_pb(cls, pb: infer_pb2.TurnRecord) -> TurnRecord:
+        u = pb.usage
+        return cls(
+            pb.turn,
+            pb.text,
+            from_pb(FinishReason, pb.reason),
+            u.num_prompt_cells,
+            u.num_reused_cells,
+            u.num_generated_tokens,
+            pb.note,
+            pb.created,
+        )
+
+
+@dataclass(frozen=True)
+class Embedding:
+    values: tuple[float, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class SessionInfo:
     """A server-side conversation: its sequence and ledger live on between turns."""
 
@@ -295,6 +409,7 @@ class SessionInfo:
     unit: Unit
     truncate_prompt: bool
     sampling: dict[str, float | int]  # the session's sampling parameters, as the server reports
+    records: tuple[TurnRecord, ...] = ()  # get_session(num_records=N): the last N turns
 
     @classmethod
     def from_pb(cls, pb: infer_pb2.SessionInfo) -> SessionInfo:
@@ -313,4 +428,5 @@ class SessionInfo:
             unit=from_pb(Unit, c.unit),
             truncate_prompt=c.truncate_prompt,
             sampling={f.name: v for f, v in pb.sampling.ListFields()},
+            records=tuple(map(TurnRecord.from_pb, pb.records)),
         )

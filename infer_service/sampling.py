@@ -25,9 +25,9 @@ import llama_cpp
 import numpy as np
 
 from infer_service.events import TokenChoice, TokenLogprobs
-from infer_service.json_grammar import json_schema_to_gbnf
 from infer_service.runtime import Runtime, SamplingConfig
 from infer_service.text_stream import utf8_tail
+from slotwise_core.json_grammar import json_schema_to_gbnf
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries: OpenAI allows 300
@@ -69,7 +69,7 @@ class SamplerSpec:
 
 
 def json_schema_grammar(schema: str) -> str:
-    """A JSON Schema (text) -> GBNF (infer_service/json_grammar.py)."""
+    """A JSON Schema (text) -> GBNF (slotwise_core/json_grammar.py)."""
     try:
         return json_schema_to_gbnf(schema)
     except RecursionError:

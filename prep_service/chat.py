@@ -25,21 +25,47 @@ class TemplateError(ValueError):
 class Turn:
     role: str
     content: str  # text with media markers where the images go
+    tool_calls: tuple[dict[str, Any], ...] = ()  # assistant: as templates read them
+    tool_call_id: str = ""  # tool: the call it answers
+    name: str = ""  # tool: the function
+
+    def as_message(self) -> dict[str, Any]:
+        m: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            m["tool_calls"] = list(self.tool_calls)
+        if self.tool_call_id:
+            m["tool_call_id"] = self.tool_call_id
+        if self.name:
+            m["name"] = self.name
+        return m
+
+
+Tools = list[dict[str, Any]] | None  # OpenAI's shape, what templates read as `tools`
 
 
 class _Template:
-    def render(self, turns: Sequence[Turn], *, add_generation_prompt: bool) -> str:
+    source: str | None = None  # a Jinja template's text (its tool format is read from it)
+
+    def render(
+        self, turns: Sequence[Turn], *, add_generation_prompt: bool, tools: Tools = None
+    ) -> str:
         raise NotImplementedError
 
-    def pieces(self, turns: Sequence[Turn]) -> list[str]:
+    def pieces(self, turns: Sequence[Turn], tools: Tools = None) -> list[str]:
         """The rendered conversation cut at message boundaries.
 
         Piece i is what message i adds to the prompt; the last piece is the generation prompt.
         Templates that are not prefix-stable (rendering n messages does not start with the
         rendering of n-1) come back as one piece for the last message, which is all they allow.
         """
-        full = self.render(turns, add_generation_prompt=True)
-        cuts = [self.render(turns[: i + 1], add_generation_prompt=False) for i in range(len(turns))]
+        full = self.render(turns, add_generation_prompt=True, tools=tools)
+        try:
+            cuts = [
+                self.render(turns[: i + 1], add_generation_prompt=False, tools=tools)
+                for i in range(len(turns))
+            ]
+        except TemplateError:  # a part alone it refuses (Llama 3.2's tools need a user message)
+            return [""] * (len(turns) - 1) + [full, ""]
         pieces: list[str] = []
         done = ""
         for cut in [*cuts, full]:
@@ -66,17 +92,21 @@ class ChatTemplate(_Template):
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(source)
+        self.source = source
         self._bos = bos_token
         self._eos = eos_token
 
-    def render(self, turns: Sequence[Turn], *, add_generation_prompt: bool) -> str:
-        messages: list[dict[str, Any]] = [{"role": t.role, "content": t.content} for t in turns]
+    def render(
+        self, turns: Sequence[Turn], *, add_generation_prompt: bool, tools: Tools = None
+    ) -> str:
+        extra = {"tools": tools} if tools else {}  # (absent, as without tools: `is defined`)
         try:
             return self._template.render(
-                messages=messages,
+                messages=[t.as_message() for t in turns],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos,
                 eos_token=self._eos,
+                **extra,
             )
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template: {e}") from None
@@ -94,7 +124,10 @@ class BuiltinTemplate(_Template):
             )
         self.name = name
 
-    def render(self, turns: Sequence[Turn], *, add_generation_prompt: bool) -> str:
+    def render(
+        self, turns: Sequence[Turn], *, add_generation_prompt: bool, tools: Tools = None
+    ) -> str:
+        assert not tools, "built-in templates show no tools (prep_service.tools writes them)"
         roles = [t.role.encode() for t in turns]
         contents = [t.content.encode() for t in turns]
         chat = (llama_cpp.llama_chat_message * max(1, len(turns)))()

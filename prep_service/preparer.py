@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 
-from prep_service.chat import ROLES, Turn, load_template
+from prep_service.chat import ROLES, TemplateError, Turn, load_template
+from prep_service.tools import (
+    JSON,
+    Choice,
+    Grammar,
+    ToolCall,
+    ToolFormat,
+    Tools,
+    call_id,
+    check_tools,
+    grammar,
+    json_call_text,
+    json_result_text,
+    json_system_prompt,
+    template_format,
+    template_tools,
+)
 from slotwise_core import model_files, native
 from slotwise_core.descriptors import Chunk, Fingerprint, MediaChunk, PreparedPrompt, TextChunk
 from slotwise_core.images import RgbImage
@@ -42,6 +59,9 @@ Part = str | ImageRef
 class Message:
     role: str
     parts: Sequence[Part]
+    tool_calls: Sequence[ToolCall] = ()  # assistant: the calls it made
+    tool_call_id: str = ""  # tool: the call it answers
+    name: str = ""  # tool: the function
 
 
 @dataclass(frozen=True)
@@ -144,21 +164,41 @@ class Preparer:
     # -- the two operations ---------------------------------------------------------------
 
     def prepare(
-        self, request: Sequence[Message] | RawPrompt, first_message: int = 0
+        self,
+        request: Sequence[Message] | RawPrompt,
+        first_message: int = 0,
+        tools: Tools | None = None,
     ) -> tuple[PreparedPrompt, str]:
         """Chunks with pixels; also returns the rendered prompt text."""
-        segments = self._segments(request, first_message)
+        segments = self._segments(request, first_message, tools)
         chunks = [c for s in _numbered_images(segments) for c in self._tokenize(s)]
         return PreparedPrompt(self.fingerprint, tuple(chunks)), "".join(s.text for s in segments)
 
-    def count(self, request: Sequence[Message] | RawPrompt, first_message: int = 0) -> list[Chunk]:
+    def count(
+        self,
+        request: Sequence[Message] | RawPrompt,
+        first_message: int = 0,
+        tools: Tools | None = None,
+    ) -> list[Chunk]:
         """Like prepare, but images may be sizes only; media chunks come back without pixels."""
-        segments = _numbered_images(self._segments(request, first_message))
+        segments = _numbered_images(self._segments(request, first_message, tools))
         return [c for s in segments for c in self._tokenize(s)]
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        return template_format(self.template.source if self.template else None)
+
+    def tool_grammar(self, tools: Tools) -> Grammar | None:
+        """The constraint a reply with these tools follows (None: the model calls none)."""
+        if tools.choice is Choice.NONE or not tools.tools:
+            return None
+        return grammar(self.tool_format, tools)
 
     # -- internals --------------------------------------------------------------------------
 
-    def _segments(self, request: Sequence[Message] | RawPrompt, first: int = 0) -> list[_Segment]:
+    def _segments(
+        self, request: Sequence[Message] | RawPrompt, first: int = 0, tools: Tools | None = None
+    ) -> list[_Segment]:
         if isinstance(request, RawPrompt):
             if first:
                 raise InputError("first_message applies to chat input only")
@@ -173,6 +213,11 @@ class Preparer:
             return [_Segment(request.text, list(request.images), 0, request.add_special)]
         if not request:
             raise InputError("chat has no messages")
+        if tools is not None:
+            try:
+                check_tools(tools)
+            except ValueError as e:
+                raise InputError(str(e)) from None
         turns = []
         images: list[list[ImageRef]] = []
         for i, message in enumerate(request):
@@ -180,8 +225,10 @@ class Preparer:
                 raise InputError(
                     f"message {i}: unknown role {message.role!r} (use {', '.join(ROLES)})"
                 )
-            if not message.parts:
+            if not message.parts and not message.tool_calls:
                 raise InputError(f"message {i} has no parts")
+            if message.tool_calls and message.role != "assistant":
+                raise InputError(f"message {i}: only assistant messages make tool calls")
             text = []
             for j, part in enumerate(message.parts):
                 if isinstance(part, str):
@@ -193,7 +240,7 @@ class Preparer:
                     text.append(part)
                 else:
                     text.append(self.marker)
-            turns.append(Turn(message.role, "".join(text)))
+            turns.append(self._turn(message, "".join(text)))
             images.append([p for p in message.parts if isinstance(p, ImageRef)])
         if self.template is None:
             raise UnsupportedError(
@@ -201,10 +248,18 @@ class Preparer:
                 "(a llama.cpp built-in name such as chatml or gemma, or a Jinja file), or send "
                 "a raw prompt"
             )
-        pieces = self.template.pieces(turns)
-        segments = [
-            _Segment(p, imgs, i) for i, (p, imgs) in enumerate(zip(pieces, images, strict=False))
-        ]
+        shown = tools if tools is not None and tools.choice is not Choice.NONE else None
+        template_tools_ = template_tools(shown) if shown and self.tool_format is not JSON else None
+        prompt = json_system_prompt(shown) if shown and self.tool_format is JSON else ""
+        plan, pieces = self._render(turns, template_tools_, prompt)
+        # each message's piece; a rendered turn made of several messages belongs to the first
+        texts = [""] * len(turns)
+        owned: list[list[ImageRef]] = [[] for _ in turns]
+        for (_, sources), piece in zip(plan, pieces, strict=False):
+            owner = sources[0] if sources else 0  # (the tools' system message: message 0's)
+            texts[owner] += piece
+            owned[owner] += [im for k in sources for im in images[k]]
+        segments = [_Segment(t, im, i) for i, (t, im) in enumerate(zip(texts, owned, strict=True))]
         if any(s.text.count(self.marker) != len(s.images) for s in segments):
             # the template moved text across messages: one segment, owned by the last message
             segments = [
@@ -214,23 +269,80 @@ class Preparer:
             ]
         segments.append(_Segment(pieces[-1], [], len(turns)))  # the generation prompt
         if first:
-            return self._continuation(turns, segments, first)
+            if any(src and min(src) < first <= max(src) for _, src in plan):
+                raise InputError(f"first_message {first} falls inside messages rendered as one")
+            head = [t for t, src in plan if not src or max(src) < first]
+            return self._continuation(turns, segments, first, head, template_tools_)
         # BOS once: from the vocabulary's add_special unless the template wrote it already
         bos = self._piece(self.info.bos_token_id)
         segments[0].add_special = not (bos and pieces[0].startswith(bos))
         return [s for s in segments if s.text]
 
+    def _render(
+        self, turns: list[Turn], tools: list[dict[str, Any]] | None, prompt: str
+    ) -> tuple[list[tuple[Turn, list[int]]], list[str]]:
+        """The turns as the template takes them, each with the messages it renders, and the
+        pieces. A tool prompt (templates without tools) is a system message of its own, or the
+        start of the first one; templates that refuse that, or consecutive messages of one role
+        (tool results become user messages), get it merged (Gemma's insist on alternation)."""
+        assert self.template is not None
+        plan = [(t, [i]) for i, t in enumerate(turns)]
+        plans = [plan]
+        if prompt and turns[0].role == "system":
+            plans = [[(replace(turns[0], content=f"{prompt}\n\n{turns[0].content}"), [0]),
+                      *plan[1:]]]  # fmt: skip
+        elif prompt:
+            first = replace(turns[0], content=f"{prompt}\n\n{turns[0].content}")
+            plans = [[(Turn("system", prompt), []), *plan], [(first, [0]), *plan[1:]]]
+        plans += [merged for p in plans if (merged := _merge_runs(p)) != p]
+        error: TemplateError | None = None
+        for candidate in plans:
+            try:
+                return candidate, self.template.pieces([t for t, _ in candidate], tools)
+            except TemplateError as e:
+                error = error or e
+        assert error is not None
+        raise error
+
+    def _turn(self, message: Message, content: str) -> Turn:
+        """A message as the template is given it: tool calls and results in the template's
+        own form, or (templates without tools) as the JSON text the generic format uses."""
+        fmt = self.tool_format
+        if fmt is ToolFormat.JSON:
+            if message.role == "tool":
+                return Turn("user", json_result_text(message.name, message.tool_call_id, content))
+            if message.tool_calls:
+                written = json_call_text(message.tool_calls)
+                return Turn("assistant", f"{content}\n{written}" if content else written)
+            return Turn(message.role, content)
+        calls: tuple[dict[str, Any], ...] = tuple(
+            {
+                "id": call_id(fmt, c.id),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for c in message.tool_calls
+        )
+        return Turn(message.role, content, calls, call_id(fmt, message.tool_call_id), message.name)
+
     def _continuation(
-        self, turns: list[Turn], segments: list[_Segment], first: int
+        self,
+        turns: list[Turn],
+        segments: list[_Segment],
+        first: int,
+        head: list[Turn],
+        tools: list[dict] | None = None,
     ) -> list[_Segment]:
-        """Segments of messages[first:], for a session that holds everything before."""
+        """Segments of messages[first:], for a session that holds everything before (head:
+        the turns the template rendered for them)."""
         assert self.template is not None
         if first >= len(turns):
             raise InputError(f"first_message {first} is past the last message ({len(turns) - 1})")
         rest = [s for s in segments if s.message_index >= first]
         if turns[first].role == "assistant":
-            before = self.template.render(turns[:first], add_generation_prompt=False)
-            prompt = self.template.render(turns[:first], add_generation_prompt=True)[len(before) :]
+            before = self.template.render(head, add_generation_prompt=False, tools=tools)
+            prompt = self.template.render(head, add_generation_prompt=True, tools=tools)
+            prompt = prompt[len(before) :]
             if rest and rest[0].message_index == first and rest[0].text.startswith(prompt):
                 rest[0].text = rest[0].text[len(prompt) :]
         return [s for s in rest if s.text]
@@ -346,3 +458,17 @@ def _media(c: native.RawChunk, image: ImageRef, msg: int, group: int) -> MediaCh
         media_group=group,
         encoded=px.encoded if px else b"",
     )
+
+
+def _merge_runs(plan: list[tuple[Turn, list[int]]]) -> list[tuple[Turn, list[int]]]:
+    """Consecutive user (or assistant) turns as one, their contents joined."""
+    out: list[tuple[Turn, list[int]]] = []
+    for turn, sources in plan:
+        if out and out[-1][0].role == turn.role and turn.role in ("user", "assistant"):
+            last, last_sources = out[-1]
+            joined = replace(last, content=f"{last.content}\n\n{turn.content}",
+                             tool_calls=last.tool_calls + turn.tool_calls)  # fmt: skip
+            out[-1] = (joined, last_sources + sources)
+        else:
+            out.append((turn, sources))
+    return out

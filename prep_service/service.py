@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from prep_service.preparer import (
     RawPrompt,
     UnsupportedError,
 )
+from prep_service.tools import Choice, Tool, ToolCall, ToolFormat, Tools
 from slotwise.v1 import prep_pb2, prep_pb2_grpc
 from slotwise_core import native
 from slotwise_core.descriptors import MediaChunk
@@ -32,6 +34,20 @@ from slotwise_core.images import (
 from slotwise_core.serving import abort
 
 log = logging.getLogger("slotwise.prep")
+
+_FORMATS = {
+    ToolFormat.JSON: prep_pb2.TOOL_FORMAT_JSON,
+    ToolFormat.HERMES: prep_pb2.TOOL_FORMAT_HERMES,
+    ToolFormat.LLAMA3: prep_pb2.TOOL_FORMAT_LLAMA3,
+    ToolFormat.MISTRAL: prep_pb2.TOOL_FORMAT_MISTRAL,
+}
+_CHOICES = {
+    prep_pb2.TOOL_CHOICE_UNSPECIFIED: Choice.AUTO,
+    prep_pb2.TOOL_CHOICE_AUTO: Choice.AUTO,
+    prep_pb2.TOOL_CHOICE_NONE: Choice.NONE,
+    prep_pb2.TOOL_CHOICE_REQUIRED: Choice.REQUIRED,
+    prep_pb2.TOOL_CHOICE_FUNCTION: Choice.FUNCTION,
+}
 
 T = TypeVar("T")
 
@@ -75,17 +91,24 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
 
     async def Prepare(self, request, context):
         def work() -> prep_pb2.PrepareResponse:
+            tools = _tools(request)
             prompt, text = self.preparer.prepare(
-                self._request(request, sizes_allowed=False), request.first_message
+                self._request(request, sizes_allowed=False), request.first_message, tools
             )
-            return prep_pb2.PrepareResponse(prompt=prompt.to_pb(), rendered_text=text)
+            response = prep_pb2.PrepareResponse(prompt=prompt.to_pb(), rendered_text=text)
+            g = self.preparer.tool_grammar(tools) if tools is not None else None
+            if g is not None:
+                response.tool_calling.format = _FORMATS[self.preparer.tool_format]
+                response.tool_calling.constraint.grammar = g.gbnf
+                response.tool_calling.constraint.trigger_patterns.extend(g.trigger_patterns)
+            return response
 
         return await self._run(work, context)
 
     async def CountTokens(self, request, context):
         def work() -> prep_pb2.CountTokensResponse:
             chunks = self.preparer.count(
-                self._request(request, sizes_allowed=True), request.first_message
+                self._request(request, sizes_allowed=True), request.first_message, _tools(request)
             )
             return prep_pb2.CountTokensResponse(
                 num_cells=sum(c.num_cells for c in chunks),
@@ -202,6 +225,40 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                         parts.append(image(p.image, f"message {i} part {j}"))
                     else:
                         raise InputError(f"message {i} part {j} is empty (neither text nor image)")
-                messages.append(Message(m.role, parts))
+                calls = [
+                    ToolCall(c.id, c.name, _json_object(c.arguments_json, f"message {i} call {k}"))
+                    for k, c in enumerate(m.tool_calls)
+                ]
+                messages.append(Message(m.role, parts, calls, m.tool_call_id, m.name))
             return messages
         raise InputError("request has neither chat nor raw input")
+
+
+def _tools(request) -> Tools | None:
+    """The chat's tools and tool choice (None: a raw prompt, or a chat without tools)."""
+    if request.WhichOneof("input") != "chat":
+        return None
+    chat = request.chat
+    if chat.tool_choice not in _CHOICES:
+        raise InputError(f"unknown tool_choice {chat.tool_choice}")
+    if not chat.tools and chat.tool_choice in (
+        prep_pb2.TOOL_CHOICE_UNSPECIFIED,
+        prep_pb2.TOOL_CHOICE_NONE,
+    ):
+        return None
+    tools = tuple(
+        Tool(t.name, t.description, _json_object(t.parameters_json or "{}", f"tool {t.name!r}"))
+        for t in chat.tools
+    )
+    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
+    return Tools(tools, _CHOICES[chat.tool_choice], chat.tool_name, parallel)
+
+
+def _json_object(text: str, where: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise InputError(f"{where}: not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{where}: a JSON object is needed, got {type(value).__name__}")
+    return value

@@ -243,7 +243,7 @@ def _as_regex(gbnf: str) -> re.Pattern[str]:
 @given(st.integers(-(10**6), 10**6), st.integers(0, 10**6))
 @settings(max_examples=300, deadline=None)
 def test_integer_ranges_match_exactly_the_integers_within(lo: int, width: int) -> None:
-    from infer_service.json_grammar import integer_range
+    from slotwise_core.json_grammar import integer_range
 
     hi = lo + width
     regex = _as_regex(integer_range(lo, hi))

@@ -104,7 +104,9 @@ def events(media_id: str) -> dict[str, object]:
         Persistence,
         PrefillProgress,
         Started,
+        TokenChoice,
         TokenDelta,
+        TokenLogprobs,
         Usage,
     )
     from infer_service.ledger import Policy
@@ -121,7 +123,18 @@ def events(media_id: str) -> dict[str, object]:
             num_reused_cells=7,
         ),
         "prefill": PrefillProgress(num_cells_done=38, num_cells_total=60),
-        "delta": TokenDelta(token_ids=(72, 105, 258), text="Hé ✓"),
+        "delta": TokenDelta(
+            token_ids=(72, 105, 258),
+            text="Hé ✓",
+            logprobs=tuple(
+                TokenLogprobs(
+                    TokenChoice(t, bytes([t % 256]), -0.25 * (i + 1)),
+                    (TokenChoice(t, bytes([t % 256]), -0.25 * (i + 1)),
+                     TokenChoice(7, b"\x07", -3.5)),
+                )
+                for i, t in enumerate((72, 105, 258))
+            ),
+        ),  # fmt: skip
         "shift": ContextShift(
             policy=Policy.GAP,
             num_cells_evicted=12,

@@ -22,9 +22,19 @@ _MAX_DIGITS = 16  # what the converter allows an unbounded integer
 
 def json_schema_to_gbnf(schema: str) -> str:
     """Raises ValueError (or what the converter raises) for a schema it cannot follow."""
+    return json_schema_rules([json.loads(schema)], root=True)[0]
+
+
+def json_schema_rules(schemas: list[Any], *, root: bool = False) -> tuple[str, list[str]]:
+    """GBNF for several schemas, and the name of each one's rule: the pieces of a larger
+    grammar (a tool call's arguments inside its format's markers). root: the one schema's
+    rule is `root`."""
     converter = _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-    converter.visit(converter.resolve_refs(json.loads(schema), "input"), "")
-    return converter.format_grammar()
+    names = [
+        converter.visit(converter.resolve_refs(schema, f"schema{i}"), "" if root else f"s{i}")
+        for i, schema in enumerate(schemas)
+    ]
+    return converter.format_grammar(), names
 
 
 class _Converter(SchemaConverter):
