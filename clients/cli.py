@@ -238,6 +238,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--chat-template", metavar="NAME|FILE", help="llama.cpp built-in name or Jinja file"
     )
+    s.add_argument(
+        "--embeddings", action="store_true", help="serve embeddings (a context of their own)"
+    )
+    s.add_argument("--embeddings-ctx", type=positive_int, default=512, help="tokens per text")
     h = s.add_argument_group("hardening")
     h.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate: serve TLS")
     h.add_argument("--tls-key", type=Path, metavar="PEM", help="server private key")
@@ -273,6 +277,18 @@ def parser() -> argparse.ArgumentParser:
 def _http_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("HTTP API")
     g.add_argument("--model-name", default="slotwise", help="the model's id in /v1/models")
+    g.add_argument(
+        "--strict-model-name",
+        action="store_true",
+        help="404 for any other model name (default: any name means the one model served)",
+    )
+    g.add_argument(
+        "--cors-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="let browser apps on these origins call the API (* for any); default none",
+    )
     g.add_argument("--api-key-file", type=Path, help="require `Authorization: Bearer <key>`")
     g.add_argument(
         "--allow-image-urls", action="store_true", help="fetch http(s) image_url (else data:)"
@@ -291,6 +307,8 @@ def gateway_config(args: argparse.Namespace, prep: str, infer: str, token: str |
         api_key=read_token(args.api_key_file),
         media=MediaPolicy(allow_http=args.allow_image_urls, max_bytes=args.max_image_mb << 20),
         token=token,
+        strict_model_name=args.strict_model_name,
+        cors_origins=tuple(args.cors_origins),
     )
 
 
@@ -694,6 +712,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prep_metrics_port=args.prep_metrics_port,
         infer_metrics_port=args.infer_metrics_port,
         chat_template=args.chat_template,
+        embeddings_ctx=args.embeddings_ctx if args.embeddings else 0,
     )
 
     def ready(s: Services) -> None:

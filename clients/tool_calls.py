@@ -39,8 +39,11 @@ def _call(obj: object, arguments_key: str = "arguments") -> ToolCall | None:
     if not isinstance(arguments, dict):
         return None
     given = obj.get("id")
-    return ToolCall(given if isinstance(given, str) and given else _new_id(), obj["name"],
-                    json.dumps(arguments, ensure_ascii=False))  # fmt: skip
+    return ToolCall(
+        given if isinstance(given, str) and given else _new_id(),
+        obj["name"],
+        json.dumps(arguments, ensure_ascii=False),
+    )
 
 
 def _json(text: str) -> object:

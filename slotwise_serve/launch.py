@@ -50,6 +50,7 @@ class ServeConfig:
     prep_metrics_port: int | None = None  # Prometheus metrics, one port per service
     infer_metrics_port: int | None = None
     chat_template: str | None = None  # NAME|FILE: for models without one (see prep --help)
+    embeddings_ctx: int = 0  # > 0: serve Embed, with this many tokens per text
 
 
 @dataclass
@@ -129,6 +130,7 @@ async def start_services(config: ServeConfig) -> Services:
             max_message_bytes=config.max_message_mb << 20,
             sessions_dir=config.sessions_dir,
             state_cache_bytes=config.state_cache_mb << 20,
+            embeddings_ctx=config.embeddings_ctx,
             security=security,
             metrics_port=config.infer_metrics_port,
         )

@@ -8,7 +8,6 @@ import json
 import statistics
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -17,56 +16,25 @@ import pytest
 from long_chat import long_chat
 
 from slotwise_core.tiny_models import TinyPair
+from support.http_stack import Stack, Stacks
 from support.loop import LoopThread
 from support.media import image_bytes
 from support.wait import assert_nothing_runs_on, wait_until
-
-
-@dataclass
-class Stack:
-    infer: Any
-    gateway: Any
-    url: str
-
-    def client(self, **kwargs: Any) -> openai.OpenAI:
-        kwargs.setdefault("api_key", "unused")
-        return openai.OpenAI(base_url=f"{self.url}/v1", max_retries=0, timeout=60, **kwargs)
 
 
 @pytest.fixture
 def stack(
     loop_thread: LoopThread, tiny: dict[str, TinyPair], prep_servers: Callable[[str], int]
 ) -> Iterator[Callable[..., Stack]]:
-    """start(pair, api_key=None, prep_port=None, **RuntimeConfig/start() options) -> Stack."""
-    from clients.gateway import GatewayConfig
-    from clients.gateway.serve import start_gateway
-    from infer_service.__main__ import start
-    from infer_service.runtime import RuntimeConfig
-
-    running: list[Stack] = []
+    """start(pair, api_key=None, **Stacks.start options) -> Stack."""
+    stacks = Stacks(loop_thread, tiny, prep_servers)
 
     def start_one(pair: str = "mrope", *, api_key: str | None = None, **kwargs: Any) -> Stack:
-        prep_port = kwargs.pop("prep_port", None) or prep_servers(pair)
-        options = {k: kwargs.pop(k) for k in ("max_queue", "sessions_dir") if k in kwargs}
-        kwargs.setdefault("threads", 1)
-        kwargs.setdefault("ctx_size", 1024)
-        config = RuntimeConfig(tiny[pair].model, tiny[pair].mmproj, **kwargs)
-        infer = loop_thread.run(start(config, **options))
-        gateway = loop_thread.run(
-            start_gateway(
-                GatewayConfig(f"127.0.0.1:{prep_port}", f"127.0.0.1:{infer.port}", api_key=api_key),
-                "127.0.0.1",
-                0,
-            )
-        )
-        s = Stack(infer, gateway, f"http://127.0.0.1:{gateway.port}")
-        running.append(s)
-        return s
+        gateway = {**kwargs.pop("gateway", {}), "api_key": api_key}
+        return stacks.start(pair, gateway=gateway, **kwargs)
 
     yield start_one
-    for s in running:
-        loop_thread.run(s.gateway.stop())
-        loop_thread.run(s.infer.stop(0))
+    stacks.close()
 
 
 def data_uri(data: bytes) -> str:
@@ -161,17 +129,27 @@ def test_every_error_class_with_its_status_and_code(stack: Callable[..., Stack])
     client = s.client()
     hi = [{"role": "user", "content": "hi"}]
     for name, extra in [
-        ("n", {"n": 2}),
-        ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
-        ("logprobs", {"logprobs": True}),
-        ("response_format", {"response_format": {"type": "json_object"}}),
-    ]:
+        ("n", {"n": 9}),
+        ("functions", {"functions": [{"name": "f"}]}),
+        ("top_logprobs", {"top_logprobs": 2}),
+        ("modalities", {"modalities": ["text", "audio"]}),
+        ("tool_choice", {"tool_choice": "required"}),  # (no tools)
+        ("response_format", {"response_format": {"type": "json_schema"}}),
+        ("response_format", {"response_format": {"type": "json_object"},
+                             "extra_body": {"grammar": 'root ::= "x"'}}),
+        ("logit_bias", {"logit_bias": {"1000000": 5}}),
+        ("logit_bias", {"logit_bias": {"7": 500}}),
+    ]:  # fmt: skip
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="slotwise", messages=hi, **extra)
-        assert e.value.status_code == 400 and e.value.param == name, e.value
+            client.chat.completions.create(model="slotwise", messages=hi, max_tokens=2, **extra)
+        assert e.value.status_code == 400 and e.value.param == name, (name, e.value)
 
+    # any model name is this server's one model (apps hardcode names); a strict server 404s
+    r = client.chat.completions.create(model="gpt-4o-mini", messages=hi, max_tokens=2)
+    assert r.model == "slotwise"
+    strict = stack("rope", gateway={"strict_model_name": True}).client()
     with pytest.raises(openai.NotFoundError) as nf:
-        client.chat.completions.create(model="gpt-4o", messages=hi)
+        strict.chat.completions.create(model="gpt-4o", messages=hi)
     assert nf.value.code == "model_not_found"
 
     long = [{"role": "user", "content": "word " * 2000}]
@@ -185,7 +163,6 @@ def test_every_error_class_with_its_status_and_code(stack: Callable[..., Stack])
     assert ok.usage is not None and ok.usage.model_extra["slotwise"]["truncated_cells"] > 0
 
     for bad in (
-        {"messages": hi},  # no model
         {"model": "slotwise", "messages": []},
         {"model": "slotwise", "messages": [{"role": "tool", "content": "x"}]},
         {"model": "slotwise", "messages": hi, "temperature": "hot"},

@@ -38,28 +38,34 @@ def test_the_session_example_runs(prep_servers, infer_server, tmp_path, monkeypa
     assert [s.num_turns for s in sessions] == [2]
 
 
-def test_the_openai_example_runs(
+def test_the_http_api_examples_run(
     prep_servers, infer_server, loop_thread, tmp_path, monkeypatch
 ) -> None:
+    """The OpenAI example, then (in its scope) the tools, Responses, Anthropic and gRPC ones."""
     from clients.gateway import GatewayConfig
     from clients.gateway.serve import start_gateway
 
-    (code,) = [c for c in examples() if "from openai import OpenAI" in c]
-    infer = infer_server("mrope", ctx_size=1024)
+    blocks = examples()
+    openai_block = next(i for i, c in enumerate(blocks) if "from openai import OpenAI" in c)
+    others = blocks[openai_block + 1 :]
+    infer = infer_server("mrope", ctx_size=4096, parallel=2)
+    prep = f"127.0.0.1:{prep_servers('mrope')}"
     gateway = loop_thread.run(
-        start_gateway(
-            GatewayConfig(f"127.0.0.1:{prep_servers('mrope')}", f"127.0.0.1:{infer.port}"),
-            "127.0.0.1",
-            0,
-        )
+        start_gateway(GatewayConfig(prep, f"127.0.0.1:{infer.port}"), "127.0.0.1", 0)
     )
+    scope: dict[str, object] = {}
     try:
-        code = code.replace("127.0.0.1:8080", f"127.0.0.1:{gateway.port}")
         (tmp_path / "cat.jpg").write_bytes(image_bytes(224, 160, "JPEG"))
         monkeypatch.chdir(tmp_path)
-        scope: dict[str, object] = {}
-        exec(compile(code, str(README), "exec"), scope)
+        for code in [blocks[openai_block], *others]:
+            code = code.replace("127.0.0.1:8080", f"127.0.0.1:{gateway.port}")
+            code = code.replace("127.0.0.1:50051", prep).replace(
+                "127.0.0.1:50052", f"127.0.0.1:{infer.port}"
+            )
+            exec(compile(code, str(README), "exec"), scope)
     finally:
         loop_thread.run(gateway.stop())
+    assert {"reply", "call", "second", "message", "done"} <= set(scope)
     reply = scope["reply"]
     assert reply.choices[0].finish_reason in ("stop", "length")  # type: ignore[attr-defined]
+    assert scope["call"].function.name == "get_weather"  # type: ignore[attr-defined]

@@ -66,6 +66,7 @@ _BY_CODE = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
     grpc.StatusCode.DATA_LOSS: (500, "server_error"),
     grpc.StatusCode.INTERNAL: (500, "server_error"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "server_error"),  # e.g. infer without --embeddings
 }
 
 

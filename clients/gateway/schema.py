@@ -1,4 +1,5 @@
-"""The OpenAI request bodies the gateway accepts, as pydantic models.
+"""The OpenAI request bodies the gateway accepts (Chat Completions, Completions, Embeddings),
+as pydantic models.
 
 Unknown fields are accepted and ignored (SDKs send `user`, `store`, `metadata`, ...); the
 parameters slotwise cannot honour are refused by name in `unsupported`, never ignored.
@@ -11,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_TOKENS = 1 << 20  # what infer accepts at most (GenerateLimits.max_tokens)
+MAX_N = 8  # choices per request
 
 
 class _Open(BaseModel):
@@ -35,9 +37,23 @@ class ImagePart(_Open):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCall(_Open):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(_Open):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Open):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class StreamOptions(_Open):
@@ -57,8 +73,41 @@ class SlotwiseOptions(BaseModel):
     session_id: str | None = None
 
 
+class FunctionDef(_Open):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Open):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Open):
+    name: str
+
+
+class NamedToolChoice(_Open):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Open):
+    name: str = "response"
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Open):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(_Open):
-    model: str
+    model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -68,38 +117,49 @@ class SamplingRequest(_Open):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    logit_bias: dict[str, float] | None = None
     # the extensions other servers accept
     top_k: int | None = Field(default=None, ge=0, lt=1 << 31)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repeat_penalty: float | None = Field(default=None, gt=0.0)
-    n: int | None = None
-    logprobs: Any = None
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None  # llama-server's: GBNF
+    json_schema: dict[str, Any] | None = None  # llama-server's
     slotwise: SlotwiseOptions = Field(default_factory=SlotwiseOptions)
 
     def unsupported(self) -> str | None:
         """The first parameter given that slotwise cannot honour."""
-        if self.n not in (None, 1):
-            return "n"
-        if self.logprobs not in (None, False):
-            return "logprobs"
+        given = [x for x in (self.response_format, self.grammar, self.json_schema) if x]
+        if len(given) > 1:
+            return "response_format"  # (more than one constraint)
         return None
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | dict[str, Any] | None = (
+        None
+    )
+    parallel_tool_calls: bool | None = None
     functions: Any = None
-    response_format: Any = None
-    top_logprobs: Any = None
+    function_call: Any = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
 
     def unsupported(self) -> str | None:
-        for name in ("tools", "tool_choice", "functions", "top_logprobs"):
-            if getattr(self, name) not in (None, [], "none"):
+        for name in ("functions", "function_call", "audio", "prediction"):
+            if getattr(self, name) not in (None, []):
                 return name
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format"
+        if self.modalities not in (None, ["text"]):
+            return "modalities"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs"
         return super().unsupported()
 
 
@@ -109,6 +169,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)
 
     def unsupported(self) -> str | None:
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
@@ -117,6 +178,13 @@ class CompletionRequest(SamplingRequest):
             return "echo"
         if self.suffix:
             return "suffix"
-        if self.best_of not in (None, 1):
+        if self.best_of not in (None, 1, self.n):
             return "best_of"
         return super().unsupported()
+
+
+class EmbeddingRequest(_Open):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)

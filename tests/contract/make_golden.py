@@ -129,12 +129,14 @@ def events(media_id: str) -> dict[str, object]:
             logprobs=tuple(
                 TokenLogprobs(
                     TokenChoice(t, bytes([t % 256]), -0.25 * (i + 1)),
-                    (TokenChoice(t, bytes([t % 256]), -0.25 * (i + 1)),
-                     TokenChoice(7, b"\x07", -3.5)),
+                    (
+                        TokenChoice(t, bytes([t % 256]), -0.25 * (i + 1)),
+                        TokenChoice(7, b"\x07", -3.5),
+                    ),
                 )
                 for i, t in enumerate((72, 105, 258))
             ),
-        ),  # fmt: skip
+        ),
         "shift": ContextShift(
             policy=Policy.GAP,
             num_cells_evicted=12,

@@ -1,0 +1,341 @@
+"""The Anthropic Messages API over slotwise: POST /v1/messages (streamed or not) and
+/v1/messages/count_tokens (CountTokens: exact, images counted by their size).
+
+Content blocks map onto the chat the templates render: text and base64 images, `tool_use`
+blocks as an assistant message's calls, `tool_result` blocks as tool messages. Errors come in
+Anthropic's shape: {"type": "error", "error": {"type": ..., "message": ...}}.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from clients.client import (
+    AsyncSlotwiseClient,
+    Constraint,
+    Message,
+    SlotwiseError,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolOptions,
+)
+from clients.gateway.errors import ApiError, bad_request, from_slotwise
+from clients.gateway.media import MediaPolicy, image_bytes
+from clients.gateway.schema import MAX_TOKENS, SlotwiseOptions
+from clients.gateway.turns import Keep, Text, TurnEnd, TurnRequest, refuse, start_turn
+
+# Anthropic's error types by HTTP status
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    501: "api_error",
+    503: "overloaded_error",
+    504: "api_error",
+}
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    body = {
+        "type": "error",
+        "error": {"type": _TYPES.get(e.status, "api_error"), "message": e.message},
+    }
+    headers = {"retry-after": str(max(1, round(e.retry_after)))} if e.retry_after else None
+    return JSONResponse(body, status_code=e.status, headers=headers)
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class MessageParam(_Open):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class AnthropicTool(_Open):
+    name: str
+    description: str = ""
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    type: str | None = None  # (custom, or absent: a client tool)
+
+
+class MessagesRequest(_Open):
+    model: str | None = None
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS)
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    thinking: Any = None
+    output_config: dict[str, Any] | None = None
+    service_tier: str | None = None
+    slotwise: SlotwiseOptions = Field(default_factory=SlotwiseOptions)
+
+
+class CountRequest(_Open):
+    model: str | None = None
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+def _system_text(system: str | list[dict[str, Any]] | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    return "".join(b.get("text", "") for b in system if b.get("type") == "text")
+
+
+async def _messages(
+    body: MessagesRequest | CountRequest, media: MediaPolicy, *, sizes: bool = False
+) -> list[Message]:
+    out: list[Message] = []
+    system = _system_text(body.system)
+    if system:
+        out.append(Message.system(system))
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, str):
+            out.append(Message(m.role, m.content))
+            continue
+        parts: list[str | bytes] = []
+        calls: list[ToolCall] = []
+        for j, block in enumerate(m.content):
+            where = f"messages.{i}.content.{j}"
+            kind = block.get("type")
+            if kind == "text":
+                parts.append(str(block.get("text", "")))
+            elif kind == "image":
+                parts.append(await _image(block.get("source") or {}, media, where))
+            elif kind == "tool_use" and m.role == "assistant":
+                calls.append(
+                    ToolCall(
+                        str(block.get("id", "")),
+                        str(block.get("name", "")),
+                        json.dumps(block.get("input") or {}),
+                    )
+                )
+            elif kind == "tool_result" and m.role == "user":
+                if parts or calls:  # what came before the result is a message of its own
+                    out.append(Message(m.role, parts, tool_calls=calls))
+                    parts, calls = [], []
+                content = block.get("content")
+                text = (
+                    content
+                    if isinstance(content, str)
+                    else "".join(
+                        c.get("text", "") for c in content or () if c.get("type") == "text"
+                    )
+                )
+                if block.get("is_error"):
+                    text = f"(error) {text}"
+                out.append(Message.tool(str(block.get("tool_use_id", "")), text))
+            elif kind == "thinking" or kind == "redacted_thinking":
+                continue  # (no model here thinks aloud: nothing of it is shown)
+            else:
+                raise refuse(f"{where}.type", f"{kind!r} is not a content block served here")
+        if parts or calls:
+            out.append(Message(m.role, parts or (), tool_calls=calls))
+    return out
+
+
+async def _image(source: dict[str, Any], media: MediaPolicy, where: str) -> bytes:
+    kind = source.get("type")
+    if kind == "base64":
+        try:
+            return base64.b64decode(str(source.get("data", "")), validate=True)
+        except (binascii.Error, ValueError):
+            raise bad_request(f"{where}: the image is not valid base64", where) from None
+    if kind == "url":
+        return await image_bytes(str(source.get("url", "")), media, where)
+    raise refuse(f"{where}.source.type", f"{kind!r} is not an image source served here")
+
+
+def _tools(body: MessagesRequest | CountRequest) -> ToolOptions | None:
+    if not body.tools:
+        if body.tool_choice and body.tool_choice.get("type") not in ("auto", "none"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None
+    for i, t in enumerate(body.tools):
+        if t.type not in (None, "custom"):
+            raise refuse(f"tools.{i}", f"{t.type!r} (a server tool) is not served here")
+    defs = [Tool(t.name, t.description, t.input_schema) for t in body.tools]
+    choice = body.tool_choice or {"type": "auto"}
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    kind = choice.get("type")
+    if kind in ("auto", "none"):
+        return ToolOptions(defs, ToolChoice(kind), parallel=parallel)
+    if kind == "any":
+        return ToolOptions(defs, ToolChoice.REQUIRED, parallel=parallel)
+    if kind == "tool" and choice.get("name"):
+        return ToolOptions(defs, ToolChoice.FUNCTION, str(choice["name"]), parallel)
+    raise bad_request(f"tool_choice {choice!r} is not one this server knows", "tool_choice")
+
+
+class Messages:
+    def __init__(self, client: AsyncSlotwiseClient, media: MediaPolicy, model: str):
+        self.client, self.media, self.model = client, media, model
+
+    async def create(self, body: MessagesRequest) -> Response:
+        if body.thinking not in (None, {"type": "disabled"}):
+            raise refuse("thinking")
+        o = body.slotwise
+        out = body.output_config or {}
+        if out.get("effort") is not None or set(out) - {"effort", "format"}:
+            raise refuse("output_config", "takes only format here")
+        fmt = out.get("format")
+        if fmt is not None and (fmt.get("type") != "json_schema" or "schema" not in fmt):
+            raise bad_request(
+                "output_config.format: a json_schema with its schema", "output_config.format"
+            )
+        req = TurnRequest(
+            await _messages(body, self.media),
+            max_tokens=body.max_tokens,
+            stop=body.stop_sequences or (),
+            sampling={"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k},
+            context={
+                "policy": o.policy,
+                "discard_fraction": o.discard_fraction,
+                "unit": o.unit,
+                "truncate_prompt": o.truncate,
+            },
+            keep=Keep(o.keep if isinstance(o.keep, int) else None),
+            tools=_tools(body),
+            constraint=Constraint(json_schema=fmt["schema"]) if fmt is not None else None,
+            session_id=o.session_id,
+        )
+        turn, _ = await start_turn(self.client, req)
+        mid = f"msg_{uuid.uuid4().hex}"
+        if body.stream:
+            return StreamingResponse(
+                self._stream(turn.events(), mid), media_type="text/event-stream"
+            )
+        return JSONResponse(self._message(mid, await turn.whole()))
+
+    async def count_tokens(self, body: CountRequest) -> dict[str, int]:
+        try:
+            counted = await self.client.count(await _messages(body, self.media), tools=_tools(body))
+        except SlotwiseError as e:
+            raise from_slotwise(e) from None
+        return {"input_tokens": counted.num_cells}
+
+    def _message(self, mid: str, end: TurnEnd) -> dict[str, Any]:
+        content: list[dict[str, Any]] = []
+        if end.content or not end.calls:
+            content.append({"type": "text", "text": end.content})
+        content += [_tool_use(c) for c in end.calls]
+        stop_reason, stop_sequence = _stop(end)
+        return {
+            "id": mid,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": _usage(end),
+        }
+
+    async def _stream(self, events: AsyncIterator[Text | TurnEnd], mid: str) -> AsyncIterator[str]:
+        def sse(kind: str, **data: Any) -> str:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+        start: dict[str, Any] = {
+            "id": mid,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+        yield sse("message_start", message=start)
+        text_open = False
+        index = 0
+        try:
+            async for e in events:
+                if isinstance(e, Text):
+                    if not e.text:
+                        continue
+                    if not text_open:
+                        yield sse(
+                            "content_block_start",
+                            index=index,
+                            content_block={"type": "text", "text": ""},
+                        )
+                        text_open = True
+                    yield sse(
+                        "content_block_delta",
+                        index=index,
+                        delta={"type": "text_delta", "text": e.text},
+                    )
+                    continue
+                if text_open:
+                    yield sse("content_block_stop", index=index)
+                    index += 1
+                for call in e.calls:
+                    block = {**_tool_use(call), "input": {}}
+                    yield sse("content_block_start", index=index, content_block=block)
+                    yield sse(
+                        "content_block_delta",
+                        index=index,
+                        delta={"type": "input_json_delta", "partial_json": call.arguments},
+                    )
+                    yield sse("content_block_stop", index=index)
+                    index += 1
+                stop_reason, stop_sequence = _stop(e)
+                yield sse(
+                    "message_delta",
+                    delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                    usage=_usage(e),
+                )
+                yield sse("message_stop")
+        except ApiError as err:
+            yield sse(
+                "error", error={"type": _TYPES.get(err.status, "api_error"), "message": err.message}
+            )
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    tid = call.id if call.id.startswith("toolu_") else f"toolu_{call.id.removeprefix('call_')}"
+    return {"type": "tool_use", "id": tid, "name": call.name, "input": json.loads(call.arguments)}
+
+
+def _stop(end: TurnEnd) -> tuple[str, str | None]:
+    if end.calls:
+        return "tool_use", None
+    if end.finished is not None and end.finished.stop_string:
+        return "stop_sequence", end.finished.stop_string
+    if end.finish_reason == "length":
+        return "max_tokens", None
+    return "end_turn", None
+
+
+def _usage(end: TurnEnd) -> dict[str, int]:
+    return {
+        "input_tokens": end.num_prompt_cells - end.num_reused_cells,
+        "cache_read_input_tokens": end.num_reused_cells,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": end.num_completion_tokens,
+    }

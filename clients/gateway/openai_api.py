@@ -1,0 +1,462 @@
+"""OpenAI's Chat Completions, Completions and Embeddings over slotwise.
+
+Each request becomes one TurnRequest per choice (`n` choices are n generations: every slot
+has a KV stream of its own, so a choice costs its prefill wherever it runs, and the engine
+runs them side by side in as many slots). Tools go to prep, which shows them as the chat
+template does and returns the grammar of a valid call; `response_format`, and llama-server's
+`grammar` and `json_schema` body fields, constrain the reply in the engine's sampler chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from clients.client import (
+    AsyncSlotwiseClient,
+    Constraint,
+    Message,
+    SlotwiseError,
+    TokenLogprobs,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolOptions,
+)
+from clients.gateway.errors import ApiError, bad_request, from_slotwise
+from clients.gateway.media import MediaPolicy, image_bytes
+from clients.gateway.schema import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    EmbeddingRequest,
+    ImagePart,
+    NamedToolChoice,
+    SamplingRequest,
+    ToolDef,
+)
+from clients.gateway.turns import Keep, Text, Turn, TurnEnd, TurnRequest, refuse, start_turn
+
+
+def sse(body: object) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+# -- requests -> turns ------------------------------------------------------------------------
+
+
+async def chat_messages(messages: Sequence[ChatMessage], media: MediaPolicy) -> list[Message]:
+    return [await _message(m, i, media) for i, m in enumerate(messages)]
+
+
+async def _message(m: ChatMessage, i: int, media: MediaPolicy) -> Message:
+    role = "system" if m.role == "developer" else m.role
+    parts: list[str | bytes] = []
+    if m.content is None or isinstance(m.content, str):
+        parts = [m.content or ""]
+    else:
+        for j, part in enumerate(m.content):
+            if isinstance(part, ImagePart):
+                param = f"messages.{i}.content.{j}.image_url"
+                parts.append(await image_bytes(part.image_url.url, media, param))
+            else:
+                parts.append(part.text)
+    if role == "tool":
+        if not m.tool_call_id:
+            raise bad_request("a tool message needs tool_call_id", f"messages.{i}.tool_call_id")
+        text = "".join(p for p in parts if isinstance(p, str))
+        return Message.tool(m.tool_call_id, text, m.name or "")
+    calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()]
+    if calls and role != "assistant":
+        raise bad_request("only assistant messages carry tool_calls", f"messages.{i}.tool_calls")
+    return Message(role, parts if parts != [""] or not calls else (), tool_calls=calls)
+
+
+def tool_options(
+    tools: Sequence[ToolDef] | None, choice: object, parallel: bool | None
+) -> ToolOptions | None:
+    """OpenAI's tools and tool_choice (auto, none, required, a named function, or the
+    allowed_tools form) -> what prep takes."""
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None
+    defs = [Tool(t.function.name, t.function.description, t.function.parameters) for t in tools]
+    if choice in (None, "auto"):
+        return ToolOptions(defs, ToolChoice.AUTO, parallel=parallel)
+    if choice == "none":
+        return ToolOptions(defs, ToolChoice.NONE, parallel=parallel)
+    if choice == "required":
+        return ToolOptions(defs, ToolChoice.REQUIRED, parallel=parallel)
+    if isinstance(choice, NamedToolChoice):
+        return ToolOptions(defs, ToolChoice.FUNCTION, choice.function.name, parallel)
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        allowed = choice.get("allowed_tools") or {}
+        names = {t.get("function", {}).get("name") for t in allowed.get("tools", [])}
+        chosen = [t for t in defs if t.name in names]
+        if not chosen:
+            raise bad_request("tool_choice.allowed_tools names none of the tools", "tool_choice")
+        mode = allowed.get("mode", "auto")
+        if mode not in ("auto", "required"):
+            raise bad_request(f"tool_choice.allowed_tools.mode {mode!r}", "tool_choice")
+        return ToolOptions(chosen, ToolChoice(mode), parallel=parallel)
+    raise bad_request(f"tool_choice {choice!r} is not one this server knows", "tool_choice")
+
+
+def constraint_of(body: SamplingRequest) -> Constraint | None:
+    """response_format (json_object, json_schema), or llama-server's grammar / json_schema."""
+    f = body.response_format
+    if f is not None and f.type == "json_object":
+        return Constraint(json_schema={"type": "object"})
+    if f is not None and f.type == "json_schema":
+        if f.json_schema is None or f.json_schema.schema_ is None:
+            raise bad_request("response_format.json_schema needs a schema", "response_format")
+        return Constraint(json_schema=f.json_schema.schema_)
+    if body.grammar:
+        return Constraint(grammar=body.grammar)
+    if body.json_schema is not None:
+        return Constraint(json_schema=body.json_schema)
+    return None
+
+
+def logit_bias_of(body: SamplingRequest) -> dict[int, float]:
+    try:
+        return {int(k): float(v) for k, v in (body.logit_bias or {}).items()}
+    except ValueError:
+        raise bad_request("logit_bias: keys are token ids", "logit_bias") from None
+
+
+def sampling_of(body: SamplingRequest) -> dict[str, Any]:
+    return {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "repeat_penalty": body.repeat_penalty,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "seed": body.seed,
+    }
+
+
+def context_of(body: SamplingRequest) -> dict[str, Any]:
+    o = body.slotwise
+    return {
+        "policy": o.policy,
+        "discard_fraction": o.discard_fraction,
+        "unit": o.unit,
+        "truncate_prompt": o.truncate,
+    }
+
+
+def check_body(body: SamplingRequest) -> None:
+    name = body.unsupported()
+    if name is not None:
+        raise refuse(name)
+    if body.n > 1 and body.slotwise.session_id:
+        raise refuse("n", "above 1 does not go with a session (one conversation, one reply)")
+
+
+def choices(req: TurnRequest, n: int) -> list[TurnRequest]:
+    """n choices: n turns, each with its own seed when one is given (the same seed would give
+    the same text n times)."""
+    seed = req.sampling.get("seed")
+    return [
+        replace(req, sampling={**req.sampling, "seed": None if seed is None else seed + i})
+        for i in range(n)
+    ]
+
+
+async def start_all(client: AsyncSlotwiseClient, reqs: list[TurnRequest]) -> list[Turn]:
+    """Start every choice; a refusal of one ends the others."""
+    started = await asyncio.gather(*(start_turn(client, r) for r in reqs), return_exceptions=True)
+    turns = [s[0] for s in started if not isinstance(s, BaseException)]
+    failure = next((s for s in started if isinstance(s, BaseException)), None)
+    if failure is not None:
+        for t in turns:
+            await t.close()
+        raise failure
+    return turns
+
+
+# -- Chat Completions -------------------------------------------------------------------------
+
+
+async def chat_completion(
+    client: AsyncSlotwiseClient, body: ChatCompletionRequest, media: MediaPolicy, model: str
+) -> Response:
+    check_body(body)
+    messages = await chat_messages(body.messages, media)
+    keep = body.slotwise.keep
+    req = TurnRequest(
+        messages,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        stop=[body.stop] if isinstance(body.stop, str) else body.stop or (),
+        sampling=sampling_of(body),
+        context=context_of(body),
+        keep=Keep(keep if isinstance(keep, int) else None),
+        tools=tool_options(body.tools, body.tool_choice, body.parallel_tool_calls),
+        constraint=constraint_of(body),
+        logit_bias=logit_bias_of(body),
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        session_id=body.slotwise.session_id,
+    )
+    turns = await start_all(client, choices(req, body.n))
+    reply = _Chat(model, chat=True, include_usage=_include_usage(body))
+    if body.stream:
+        return StreamingResponse(reply.stream(turns), media_type="text/event-stream")
+    ends = await _wholes(turns)
+    return _json(reply.whole(ends), ends)
+
+
+async def completion(client: AsyncSlotwiseClient, body: CompletionRequest, model: str) -> Response:
+    check_body(body)
+    prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    req = TurnRequest(
+        prompt,
+        max_tokens=body.max_tokens,
+        stop=[body.stop] if isinstance(body.stop, str) else body.stop or (),
+        sampling=sampling_of(body),
+        context=context_of(body),
+        keep=Keep(body.slotwise.keep if isinstance(body.slotwise.keep, int) else 0),
+        constraint=constraint_of(body),
+        logit_bias=logit_bias_of(body),
+        logprobs=body.logprobs is not None,
+        top_logprobs=body.logprobs or 0,
+    )
+    if body.slotwise.session_id:
+        raise refuse("slotwise.session_id", "goes with chat completions")
+    turns = await start_all(client, choices(req, body.n))
+    reply = _Chat(model, chat=False, include_usage=_include_usage(body))
+    if body.stream:
+        return StreamingResponse(reply.stream(turns), media_type="text/event-stream")
+    ends = await _wholes(turns)
+    return _json(reply.whole(ends), ends)
+
+
+def _include_usage(body: SamplingRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+async def _wholes(turns: list[Turn]) -> list[TurnEnd]:
+    return list(await asyncio.gather(*(t.whole() for t in turns)))
+
+
+def _json(body: dict[str, Any], ends: list[TurnEnd]) -> JSONResponse:
+    warning = next((e.warning for e in ends if e.warning), "")
+    headers = {"x-slotwise-warning": warning} if warning else None
+    return JSONResponse(body, headers=headers)
+
+
+class _Chat:
+    """One response (of n choices) in the Chat Completions or Completions shape."""
+
+    def __init__(self, model: str, *, chat: bool, include_usage: bool):
+        self.model, self.chat, self.include_usage = model, chat, include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _frame(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def usage(self, ends: list[TurnEnd]) -> dict[str, object]:
+        prompt = ends[0].num_prompt_cells if ends else 0
+        completion = sum(e.num_completion_tokens for e in ends)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": ends[0].num_reused_cells if ends else 0},
+            "completion_tokens_details": {"reasoning_tokens": 0},
+            "slotwise": ends[0].slotwise_usage() if ends else {},
+        }
+
+    def whole(self, ends: list[TurnEnd]) -> dict[str, Any]:
+        choices = []
+        for i, end in enumerate(ends):
+            choice: dict[str, Any] = {"index": i, "finish_reason": end.finish_reason}
+            if self.chat:
+                message: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": end.content if end.content or not end.calls else None,
+                    "refusal": None,
+                }
+                if end.calls:
+                    message["tool_calls"] = [_tool_call(c) for c in end.calls]
+                choice["message"] = message
+                choice["logprobs"] = _chat_logprobs(end.logprobs) if end.logprobs else None
+            else:
+                choice["text"] = end.content
+                choice["logprobs"] = _completion_logprobs(end.logprobs) if end.logprobs else None
+            choices.append(choice)
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self._frame(kind, choices), "usage": self.usage(ends)}
+
+    def _chunk(
+        self,
+        index: int,
+        delta: dict[str, Any] | None,
+        finish: str | None = None,
+        logprobs: Any = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
+        if self.chat:
+            choice["delta"] = delta or {}
+            return self._frame("chat.completion.chunk", [choice])
+        choice["text"] = (delta or {}).get("content", "")
+        return self._frame("text_completion", [choice])
+
+    async def stream(self, turns: list[Turn]) -> AsyncIterator[str]:
+        """Per choice: the role delta, content deltas, tool call deltas, the finishing chunk;
+        then the usage chunk when asked, and [DONE]. A client that goes away cancels every
+        choice's generation."""
+        queue: asyncio.Queue[tuple[int, Text | TurnEnd | ApiError]] = asyncio.Queue()
+
+        async def run(i: int, turn: Turn) -> None:
+            try:
+                async for event in turn.events():
+                    await queue.put((i, event))
+            except ApiError as e:
+                await queue.put((i, e))
+
+        tasks = [asyncio.ensure_future(run(i, t)) for i, t in enumerate(turns)]
+        ends: list[TurnEnd] = []
+        try:
+            if self.chat:
+                for i in range(len(turns)):
+                    yield sse(self._chunk(i, {"role": "assistant", "content": ""}))
+            while len(ends) < len(turns):
+                i, event = await queue.get()
+                if isinstance(event, ApiError):  # the headers are out: the error goes as data
+                    yield sse(event.body())
+                    return
+                if isinstance(event, Text):
+                    lp = None
+                    if event.logprobs:
+                        lp = (_chat_logprobs if self.chat else _completion_logprobs)(
+                            list(event.logprobs)
+                        )
+                    if event.text or lp:
+                        yield sse(self._chunk(i, {"content": event.text}, logprobs=lp))
+                    continue
+                ends.append(event)
+                if self.chat:
+                    for k, call in enumerate(event.calls):
+                        yield sse(
+                            self._chunk(
+                                i, {"tool_calls": [{"index": k, **_tool_call(call, arguments="")}]}
+                            )
+                        )
+                        yield sse(
+                            self._chunk(
+                                i,
+                                {
+                                    "tool_calls": [
+                                        {"index": k, "function": {"arguments": call.arguments}}
+                                    ]
+                                },
+                            )
+                        )
+                yield sse(self._chunk(i, None, event.finish_reason))
+            if self.include_usage:
+                kind = "chat.completion.chunk" if self.chat else "text_completion"
+                yield sse({**self._frame(kind, []), "usage": self.usage(ends)})
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for turn in turns:
+                await turn.close()
+
+
+def _tool_call(call: ToolCall, arguments: str | None = None) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {
+            "name": call.name,
+            "arguments": call.arguments if arguments is None else arguments,
+        },
+    }
+
+
+def _token(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+def _chat_logprobs(infos: list[TokenLogprobs]) -> dict[str, Any]:
+    def one(c: Any) -> dict[str, Any]:
+        return {"token": _token(c.piece), "logprob": c.logprob, "bytes": list(c.piece)}
+
+    return {
+        "content": [{**one(lp.chosen), "top_logprobs": [one(t) for t in lp.top]} for lp in infos],
+        "refusal": None,
+    }
+
+
+def _completion_logprobs(infos: list[TokenLogprobs]) -> dict[str, Any]:
+    offsets, at = [], 0
+    for lp in infos:
+        offsets.append(at)
+        at += len(_token(lp.chosen.piece))
+    return {
+        "tokens": [_token(lp.chosen.piece) for lp in infos],
+        "token_logprobs": [lp.chosen.logprob for lp in infos],
+        "top_logprobs": [{_token(t.piece): t.logprob for t in lp.top} for lp in infos],
+        "text_offset": offsets,
+    }
+
+
+# -- Embeddings --------------------------------------------------------------------------------
+
+
+async def embeddings(
+    client: AsyncSlotwiseClient, body: EmbeddingRequest, model: str
+) -> dict[str, Any]:
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise bad_request(
+            "input: give a string or a list of strings (token ids are the "
+            "tokenizer's of another model)",
+            "input",
+        )
+    try:
+        out = await client.embed(texts, normalize=True)  # type: ignore[arg-type]
+    except SlotwiseError as e:
+        raise from_slotwise(e) from None
+    if body.dimensions is not None and out and body.dimensions != len(out[0].values):
+        raise bad_request(
+            f"dimensions: this model's embeddings have {len(out[0].values)}", "dimensions"
+        )
+    data = []
+    for i, one in enumerate(out):
+        if body.encoding_format == "base64":  # (what the openai SDK asks for by default)
+            packed = struct.pack(f"<{len(one.values)}f", *one.values)
+            vector: Any = base64.b64encode(packed).decode()
+        else:
+            vector = list(one.values)
+        data.append({"object": "embedding", "index": i, "embedding": vector})
+    n = sum(one.num_tokens for one in out)
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": n, "total_tokens": n},
+    }

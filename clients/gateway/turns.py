@@ -1,0 +1,315 @@
+"""One generation as every HTTP API needs it, whatever its shape.
+
+An API module turns its request body into a `TurnRequest`; `start_turn` prepares the prompt
+(tools shown the way the template shows them), starts the generation (a constraint, biases,
+log-probabilities, a session turn) and waits for admission, so that a refusal still gets its
+HTTP status; the `Turn` then yields the reply's text as it streams and ends with `TurnEnd`:
+the content and tool calls read back in the template's format, the finish reason, usage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from clients.client import (
+    AsyncSlotwiseClient,
+    Constraint,
+    Delta,
+    Finished,
+    FinishReason,
+    Message,
+    Persistence,
+    Prepared,
+    Shift,
+    SlotwiseError,
+    Started,
+    TokenLogprobs,
+    ToolCall,
+    ToolFormat,
+    ToolOptions,
+)
+from clients.gateway.errors import ApiError, bad_request, from_slotwise
+from clients.tool_calls import ReplyStream
+
+_SAVED = {Persistence.SAVED: True, Persistence.NOT_SAVED: False}  # else: not a session turn
+
+
+@dataclass(frozen=True)
+class Keep:
+    """What a request pins: a number of cells, or the system message (the default)."""
+
+    cells: int | None = None  # None: the system message's cells, when the chat begins with one
+
+
+@dataclass
+class TurnRequest:
+    prompt: Sequence[Message] | str  # a chat, or a raw completion prompt
+    max_tokens: int | None = None
+    stop: Sequence[str] = ()
+    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, seed, ...
+    context: dict[str, Any] = field(default_factory=dict)  # policy, discard_fraction, ...
+    keep: Keep = Keep()
+    tools: ToolOptions | None = None
+    constraint: Constraint | None = None  # a response format or a grammar
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    session_id: str | None = None  # a server-side session's turn
+    first_message: int | None = None  # a session turn's first new message (None: found)
+    create_session: bool = False  # the session is new: create it first
+    note: Callable[[Prepared], bytes] | None = None  # a session turn's note, once prepared
+
+
+@dataclass
+class Text:
+    """Reply content as it streams (held back where tool calls may begin)."""
+
+    text: str
+    logprobs: tuple[TokenLogprobs, ...] = ()
+
+
+@dataclass
+class TurnEnd:
+    content: str  # what the reply says (its tool calls taken out)
+    calls: tuple[ToolCall, ...]
+    raw_text: str  # what the model wrote
+    finished: Finished | None
+    started: Started | None
+    num_shifts: int = 0
+    evicted_media: set[str] = field(default_factory=set)
+    warning: str = ""  # a completed session turn that was not saved
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's words: tool_calls, stop or length."""
+        if self.calls:
+            return "tool_calls"
+        if self.finished is not None and self.finished.reason is FinishReason.LENGTH:
+            return "length"
+        return "stop"
+
+    @property
+    def num_prompt_cells(self) -> int:
+        return self.finished.usage.num_prompt_cells if self.finished else 0
+
+    @property
+    def num_reused_cells(self) -> int:
+        return self.finished.usage.num_reused_cells if self.finished else 0
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.finished.usage.num_generated_tokens if self.finished else 0
+
+    def slotwise_usage(self) -> dict[str, object]:
+        """slotwise's own numbers beside an API's usage."""
+        u = self.finished.usage if self.finished else None
+        s = self.started
+        prompt = u.num_prompt_cells if u else 0
+        return {
+            "prompt_positions": u.num_prompt_positions if u else 0,
+            "decoded_prompt_cells": prompt - (u.num_reused_cells if u else 0),
+            "capacity_cells": s.num_capacity_cells if s else 0,
+            "shifts": u.num_shifts if u else 0,
+            "evicted_cells": u.num_evicted_cells if u else 0,
+            "evicted_images": len(self.evicted_media),
+            "truncated_cells": s.num_truncated_cells if s else 0,
+            "truncated_images": len(set(s.truncated_media_ids)) if s else 0,
+            "saved": _SAVED.get(self.finished.persistence) if self.finished else None,
+            "finish": self.finished.reason.value if self.finished else "unspecified",
+        }
+
+
+class Turn:
+    """A started generation: `events()` yields Text and then one TurnEnd."""
+
+    def __init__(self, first: object, events: AsyncIterator[object], fmt: ToolFormat):
+        self._first, self._events = first, events
+        self._reply = ReplyStream(fmt) if fmt is not ToolFormat.UNSPECIFIED else None
+        self.end = TurnEnd("", (), "", None, None)
+        self._pieces: list[str] = []
+
+    async def events(self) -> AsyncIterator[Text | TurnEnd]:
+        try:
+            event: object | None = self._first
+            while event is not None:
+                text = self._take(event)
+                if text is not None:
+                    yield text
+                event = await anext(self._events, None)
+        except SlotwiseError as e:
+            if not self._completed_despite(e):
+                raise from_slotwise(e) from None
+        finally:
+            await self._events.aclose()  # type: ignore[attr-defined]
+        end = self.end
+        end.raw_text = "".join(self._pieces)
+        if self._reply is not None:
+            reply = self._reply.finish()
+            shown = end.content
+            end.calls = reply.calls
+            end.content = shown + reply.content
+            if reply.content:
+                yield Text(reply.content)
+        else:
+            end.content = end.raw_text
+        yield end
+
+    async def whole(self) -> TurnEnd:
+        async for _ in self.events():
+            pass
+        return self.end
+
+    async def close(self) -> None:
+        """End the generation if it still runs (a client gone, another choice refused)."""
+        await self._events.aclose()  # type: ignore[attr-defined]
+
+    def _take(self, event: object) -> Text | None:
+        end = self.end
+        if isinstance(event, Started):
+            end.started = event
+        elif isinstance(event, Delta):
+            self._pieces.append(event.text)
+            end.logprobs.extend(event.logprobs)
+            shown = self._reply.push(event.text) if self._reply is not None else event.text
+            if self._reply is not None:
+                end.content += shown
+            if shown or event.logprobs:
+                return Text(shown, event.logprobs)
+        elif isinstance(event, Shift):
+            end.num_shifts += 1
+            end.evicted_media.update(event.media_ids_evicted)
+        elif isinstance(event, Finished):
+            end.finished = event
+        return None
+
+    def _completed_despite(self, e: SlotwiseError) -> bool:
+        """A session turn that completed but was not saved is still a reply: the client gets
+        it with a warning (an error status would make SDKs retry a turn that happened)."""
+        if e.finished is None or e.reason != "SESSION_NOT_SAVED":
+            return False
+        self._take(e.finished)
+        self.end.warning = f"the turn was not saved: {e.message}"
+        return True
+
+
+async def start_turn(client: AsyncSlotwiseClient, req: TurnRequest) -> tuple[Turn, Prepared]:
+    """Prepare and start the generation; refusals (the prompt, the queue, a session) raise
+    ApiError before any byte of the reply is sent."""
+    try:
+        first = 0
+        messages = req.prompt if not isinstance(req.prompt, str) else None
+        if req.session_id and messages is not None:
+            first = (
+                req.first_message
+                if req.first_message is not None
+                else await _session_first_message(client, req.session_id, messages)
+            )
+        tools = req.tools if messages is not None else None
+        prepared = await client.prepare(req.prompt, first_message=first, tools=tools)
+        constraint = req.constraint
+        if prepared.tool_constraint is not None:
+            if constraint is not None:
+                raise bad_request(
+                    "a response format (or grammar) and tool calls cannot constrain one reply "
+                    "together here: give one of them",
+                    "response_format",
+                )
+            constraint = prepared.tool_constraint
+        options = _options(req, prepared, first, messages)
+        if req.session_id and (req.create_session or first == 0):
+            await _create_session(client, req.session_id, options, required=req.create_session)
+        if req.session_id and first > 0:
+            options.pop("keep")  # a session keeps its own pins
+        affinity = "" if req.session_id else conversation_key(req.prompt)
+        events = client.generate(
+            prepared,
+            session_id=req.session_id or "",
+            affinity=affinity,
+            constraint=constraint,
+            logit_bias=req.logit_bias or None,
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs,
+            turn_note=req.note(prepared) if req.note is not None else b"",
+            **options,
+        )
+        first_event = await anext(events)  # admitted, or refused with its own status
+    except SlotwiseError as e:
+        raise from_slotwise(e) from None
+    except (ValueError, TypeError) as e:  # a value the contract cannot carry
+        raise bad_request(str(e)) from None
+    fmt = prepared.tool_format if prepared.tool_constraint is not None else ToolFormat.UNSPECIFIED
+    return Turn(first_event, events, fmt), prepared
+
+
+def _options(
+    req: TurnRequest, prepared: Prepared, first: int, messages: Sequence[Message] | None
+) -> dict[str, Any]:
+    keep = req.keep.cells
+    if keep is None:
+        system = first == 0 and messages is not None and messages[0].role == "system"
+        keep = prepared.num_cells_of(0) if system else 0
+    return {
+        "max_tokens": req.max_tokens or 0,
+        "stop": tuple(req.stop),
+        "keep": keep,
+        **{k: v for k, v in req.sampling.items() if v is not None},
+        **{k: v for k, v in req.context.items() if v is not None},
+    }
+
+
+async def _session_first_message(
+    client: AsyncSlotwiseClient, session_id: str, messages: Sequence[Message]
+) -> int:
+    """A session turn sends the conversation from the last reply on (it holds the rest)."""
+    try:
+        info = await client.get_session(session_id)
+    except SlotwiseError as e:
+        if e.reason == "SESSION_NOT_FOUND":
+            return 0
+        raise
+    if info.num_turns == 0:
+        return 0
+    replies = [i for i, m in enumerate(messages) if m.role == "assistant"]
+    return replies[-1] if replies else 0
+
+
+async def _create_session(
+    client: AsyncSlotwiseClient, session_id: str, options: dict[str, Any], *, required: bool
+) -> None:
+    context = {
+        k: options[k] for k in ("policy", "keep", "discard_fraction", "unit") if k in options
+    }
+    try:
+        await client.create_session(
+            session_id, truncate_prompt=options.get("truncate_prompt"), **context
+        )
+    except SlotwiseError as e:
+        if required or e.reason != "SESSION_EXISTS":
+            raise
+
+
+def conversation_key(prompt: Sequence[Message] | str) -> str:
+    """The replica a stateless conversation is routed to (x-slotwise-session behind a proxy):
+    a digest of how it begins -- its messages up to and including the first user message, or a
+    completion prompt's first 512 characters -- which every continuation resends unchanged, so
+    that they land where their cache is."""
+    h = hashlib.blake2b(digest_size=12)
+    if isinstance(prompt, str):
+        h.update(prompt[:512].encode())
+    else:
+        for message in prompt:
+            h.update(message.role.encode() + b"\0")
+            for part in message.parts:
+                data = part.encode() if isinstance(part, str) else bytes(part)  # type: ignore[arg-type]
+                h.update(hashlib.blake2b(data, digest_size=16).digest())
+            if message.role == "user":
+                break
+    return f"conversation-{h.hexdigest()}"
+
+
+def refuse(name: str, why: str = "is not supported by this server") -> ApiError:
+    return bad_request(f"{name} {why}", name, "unsupported_parameter")

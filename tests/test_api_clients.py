@@ -1,0 +1,573 @@
+"""The field's client libraries, unchanged, against real servers on the tiny models: openai
+(logprobs, structured output, tools, n, embeddings, the Responses API), anthropic,
+langchain-openai, instructor, pydantic-ai, openai-agents and the `llm` CLI.
+
+Random weights decide nothing of interest, so the checks are about validity: a grammar makes
+even them call tools with arguments that match the schema, and write JSON that validates.
+The tiny tokenizer spends a token per byte: calls need a few hundred tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+
+from slotwise_core.tiny_models import TinyPair
+from support.http_stack import Stack, Stacks
+from support.loop import LoopThread
+from support.media import image_bytes
+
+TEMPLATES = Path(__file__).parent / "templates"
+QWEN = str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja")  # Hermes-style <tool_call>
+ROOM = 400  # tokens: a call, byte by byte
+
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Oslo", "Lima", "Pune"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "The weather", "parameters": WEATHER_SCHEMA},
+}
+HI = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+class City(BaseModel):
+    name: Literal["Oslo", "Lima", "Pune"]
+    rank: Literal[1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def stacks(
+    loop_thread: LoopThread, tiny: dict[str, TinyPair], prep_servers: Callable[[str], int]
+) -> Iterator[Stacks]:
+    s = Stacks(loop_thread, tiny, prep_servers)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def hermes(stacks: Stacks, tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    """mrope with Qwen 2.5's template: tools in its own format; embeddings; sessions on disk."""
+    return stacks.start(
+        "mrope",
+        chat_template=QWEN,
+        ctx_size=8192,
+        parallel=2,
+        embeddings_ctx=256,
+        sessions_dir=tmp_path_factory.mktemp("sessions"),
+    )
+
+
+@pytest.fixture(scope="module")
+def generic(stacks: Stacks) -> Stack:
+    """mrope with llama.cpp's built-in chatml: no tool format of its own (the JSON form)."""
+    return stacks.start("mrope", chat_template="chatml", ctx_size=8192, parallel=2)
+
+
+def data_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+# -- openai: Chat Completions and Completions -------------------------------------------------
+
+
+def test_logprobs_and_top_logprobs(hermes: Stack) -> None:
+    client = hermes.client()
+    r = client.chat.completions.create(
+        model="gpt-4o-mini",
+        messages=HI,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert r.usage is not None and len(content) == r.usage.completion_tokens
+    for lp in content:
+        tops = [t.logprob for t in lp.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert lp.logprob == pytest.approx(tops[0]) and lp.token == lp.top_logprobs[0].token
+    c = client.completions.create(model="x", prompt="Once", max_tokens=5, logprobs=2)
+    lps = c.choices[0].logprobs
+    assert lps is not None and len(lps.tokens) == len(lps.token_logprobs) == 5
+    assert all(len(t) <= 2 for t in lps.top_logprobs) and lps.text_offset[0] == 0
+
+
+def test_response_format_json_schema_json_object_and_the_body_grammar(hermes: Stack) -> None:
+    client = hermes.client()
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "weather", "schema": WEATHER_SCHEMA, "strict": True},
+    }
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model="gpt-4o-mini",
+            messages=HI,
+            max_tokens=ROOM,
+            response_format=fmt,
+            temperature=1.0,
+            seed=seed,
+        )
+        jsonschema.validate(json.loads(r.choices[0].message.content or ""), WEATHER_SCHEMA)
+    r = client.chat.completions.create(
+        model="x",
+        messages=HI,
+        max_tokens=ROOM,
+        response_format={"type": "json_object"},
+        extra_body={"logit_bias": {"125": -100}},  # (no early "}": an object with keys)
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
+    # llama-server's body fields on /completions: applied, never ignored
+    c = client.completions.create(
+        model="x", prompt="Answer:", max_tokens=ROOM, extra_body={"json_schema": WEATHER_SCHEMA}
+    )
+    jsonschema.validate(json.loads(c.choices[0].text), WEATHER_SCHEMA)
+    g = client.completions.create(
+        model="x", prompt="Answer:", max_tokens=10, extra_body={"grammar": 'root ::= "yes" | "no"'}
+    )
+    assert g.choices[0].text in ("yes", "no")
+
+
+def test_tools_required_named_streamed_and_a_result_sent_back(hermes: Stack) -> None:
+    client = hermes.client()
+    r = client.chat.completions.create(
+        model="gpt-4o-mini",
+        messages=HI,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=ROOM,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = client.chat.completions.create(
+        model="x",
+        messages=HI,
+        tools=[WEATHER],
+        tool_choice=named,
+        parallel_tool_calls=False,
+        max_tokens=ROOM,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in stream:
+        if not chunk.choices:
+            assert chunk.usage is not None and chunk.usage.completion_tokens > 0
+            continue
+        d = chunk.choices[0].delta
+        for t in d.tool_calls or ():
+            entry = calls.setdefault(t.index, {"name": "", "arguments": "", "id": ""})
+            entry["id"] = t.id or entry["id"]
+            entry["name"] += (t.function.name or "") if t.function else ""
+            entry["arguments"] += (t.function.arguments or "") if t.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0]["id"]
+    assert calls[0]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_SCHEMA)
+
+    # the call and its result in the history, then the model answers (tool_choice none)
+    history = [
+        *HI,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    after = client.chat.completions.create(
+        model="x", messages=history, tools=[WEATHER], tool_choice="none", max_tokens=8
+    )
+    assert after.choices[0].finish_reason in ("stop", "length")
+    assert not after.choices[0].message.tool_calls
+
+
+def test_n_choices_whole_and_streamed(hermes: Stack) -> None:
+    client = hermes.client()
+    r = client.chat.completions.create(model="x", messages=HI, n=3, max_tokens=6, seed=11)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1  # each its own seed
+    seen: dict[int, str] = {}
+    for chunk in client.chat.completions.create(
+        model="x", messages=HI, n=2, max_tokens=6, stream=True
+    ):
+        for c in chunk.choices:
+            seen[c.index] = seen.get(c.index, "") + (c.delta.content or "")
+    assert set(seen) == {0, 1}
+
+
+def test_embeddings_as_the_sdk_asks_for_them(hermes: Stack, generic: Stack) -> None:
+    client = hermes.client()
+    e = client.embeddings.create(model="text-embedding-3-small", input=["a red apple", "tea"])
+    a, b = (d.embedding for d in e.data)
+    assert len(a) == 64 and a != b and e.usage.prompt_tokens > 0
+    again = client.embeddings.create(model="x", input="a red apple", encoding_format="float")
+    assert again.data[0].embedding == pytest.approx(a, abs=1e-6)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.embeddings.create(model="x", input=[[1, 2, 3]])
+    assert bad.value.param == "input"
+    with pytest.raises(openai.APIStatusError) as off:
+        generic.client().embeddings.create(model="x", input="hi")
+    assert off.value.status_code == 501
+
+
+def test_routes_without_v1_cors_and_the_api_key_as_x_api_key(stacks: Stacks) -> None:
+    s = stacks.start(
+        "rope", gateway={"api_key": "sesame", "cors_origins": ("https://app.example",)}
+    )
+    ok = {"Authorization": "Bearer sesame"}
+    for path in ("/models", "/v1/models"):
+        assert httpx.get(s.url + path, headers=ok).json()["data"][0]["id"] == "slotwise"
+    body = {"model": "whatever", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(f"{s.url}/chat/completions", json=body, headers=ok).status_code == 200
+    r = httpx.post(f"{s.url}/chat/completions", json=body, headers={"x-api-key": "sesame"})
+    assert r.status_code == 200
+    assert httpx.post(f"{s.url}/chat/completions", json=body).status_code == 401
+    wrong = httpx.post(f"{s.url}/v1/messages", json={}, headers={"x-api-key": "nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+    preflight = httpx.options(
+        f"{s.url}/v1/chat/completions",
+        headers={
+            "Origin": "https://app.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+    other = httpx.options(
+        f"{s.url}/v1/chat/completions",
+        headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+    )
+    assert "access-control-allow-origin" not in other.headers
+
+
+# -- openai: the Responses API -----------------------------------------------------------------
+
+
+def test_responses_whole_streamed_with_tools_formats_and_stored(hermes: Stack) -> None:
+    client = hermes.client()
+    r = client.responses.create(
+        model="gpt-4o-mini",
+        instructions="Be brief.",
+        max_output_tokens=8,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "What is this?"},
+                    {"type": "input_image", "image_url": data_uri(image_bytes(64, 48, seed=3))},
+                ],
+            }
+        ],
+    )
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
+    assert r.output_text and r.usage is not None and r.usage.output_tokens == 8
+    again = client.responses.retrieve(r.id)
+    assert (again.id, again.output_text, again.instructions) == (r.id, r.output_text, "Be brief.")
+
+    # the chain goes on from its latest response: only the new input is decoded
+    r2 = client.responses.create(
+        model="x", input="And its colour?", previous_response_id=r.id, max_output_tokens=8
+    )
+    assert r2.previous_response_id == r.id and r2.usage is not None
+    assert r2.usage.input_tokens_details.cached_tokens > r.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as stale:
+        client.responses.create(model="x", input="again", previous_response_id=r.id)
+    assert stale.value.param == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as changed:
+        client.responses.create(
+            model="x", input="again", previous_response_id=r2.id, instructions="Be long."
+        )
+    assert changed.value.param == "instructions"
+
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The weather",
+        "parameters": WEATHER_SCHEMA,
+    }
+    calling = client.responses.create(
+        model="x", input="Weather?", tools=[tool], tool_choice="required", max_output_tokens=ROOM
+    )
+    (call,) = [o for o in calling.output if o.type == "function_call"][:1]
+    jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
+
+    def call_ids(r: Any) -> list[str]:
+        return [o.call_id for o in r.output if o.type == "function_call"]
+
+    assert call_ids(client.responses.retrieve(calling.id)) == call_ids(calling)
+    answered = client.responses.create(
+        model="x",
+        previous_response_id=calling.id,
+        max_output_tokens=8,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+    )
+    assert answered.output_text is not None
+
+    formatted = client.responses.create(
+        model="x",
+        input="Weather?",
+        max_output_tokens=ROOM,
+        store=False,
+        text={"format": {"type": "json_schema", "name": "w", "schema": WEATHER_SCHEMA}},
+    )
+    jsonschema.validate(json.loads(formatted.output_text), WEATHER_SCHEMA)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(formatted.id)  # not stored
+
+    kinds = [
+        e.type
+        for e in client.responses.create(
+            model="x", input="Stream it", max_output_tokens=6, stream=True
+        )
+    ]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert "response.output_text.delta" in kinds and kinds[-1] == "response.incomplete"
+
+    deleted = client.responses.delete(r2.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)  # the whole chain is its session: gone
+
+
+# -- anthropic ---------------------------------------------------------------------------------
+
+
+def test_anthropic_messages_tools_streaming_count_and_errors(hermes: Stack) -> None:
+    a = anthropic.Anthropic(base_url=hermes.url, api_key="unused", max_retries=0)
+    png = base64.b64encode(image_bytes(64, 48, seed=5)).decode()
+    chat = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is it?"},
+                {
+                    "type": "image",
+                    "source": {"type": "base64", "media_type": "image/png", "data": png},
+                },
+            ],
+        },
+        {"role": "assistant", "content": "A picture."},
+        {"role": "user", "content": "Sure?"},
+    ]
+    m = a.messages.create(
+        model="claude-x",
+        max_tokens=12,
+        system="Be brief.",
+        messages=chat,
+        stop_sequences=["\n\n\n"],
+        extra_body={"temperature": 0.7, "top_p": 0.9, "top_k": 20},
+    )
+    assert m.type == "message" and m.content[0].type == "text"
+    assert m.stop_reason in ("max_tokens", "end_turn", "stop_sequence")
+    counted = a.messages.count_tokens(model="x", system="Be brief.", messages=chat)
+    assert counted.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+
+    tools = [{"name": "get_weather", "description": "The weather", "input_schema": WEATHER_SCHEMA}]
+    called = a.messages.create(
+        model="x",
+        max_tokens=ROOM,
+        tools=tools,
+        tool_choice={"type": "any"},
+        messages=[{"role": "user", "content": "Weather?"}],
+    )
+    (use,) = [b for b in called.content if b.type == "tool_use"][:1]
+    assert called.stop_reason == "tool_use" and use.name == "get_weather"
+    jsonschema.validate(use.input, WEATHER_SCHEMA)
+    follow = a.messages.create(
+        model="x",
+        max_tokens=8,
+        tools=tools,
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [b.model_dump() for b in called.content]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}],
+            },
+        ],
+    )
+    assert follow.stop_reason in ("max_tokens", "end_turn")
+
+    with a.messages.stream(
+        model="x", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+    ) as s:
+        assert s.get_final_message().content[0].type == "text"
+    with a.messages.stream(
+        model="x",
+        max_tokens=ROOM,
+        tools=tools,
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": "Weather?"}],
+    ) as s:
+        final = s.get_final_message()
+    (streamed,) = [b for b in final.content if b.type == "tool_use"]
+    jsonschema.validate(streamed.input, WEATHER_SCHEMA)
+
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        a.messages.create(model="x", max_tokens=8, messages=[])
+    assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError):
+        a.messages.create(
+            model="x",
+            max_tokens=8,
+            thinking={"type": "enabled", "budget_tokens": 1024},
+            messages=[{"role": "user", "content": "hi"}],
+        )
+
+
+# -- frameworks ----------------------------------------------------------------------------------
+
+
+def test_langchain_invoke_stream_images_and_structured_output(hermes: Stack) -> None:
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=f"{hermes.url}/v1",
+        api_key="unused",
+        model="gpt-4o-mini",
+        max_tokens=ROOM,
+        max_retries=0,
+    )
+    assert isinstance(llm.bind(max_tokens=8).invoke("hi").content, str)
+    assert len(list(llm.bind(max_tokens=8).stream("hi"))) > 1
+    picture = HumanMessage(
+        content=[
+            {"type": "text", "text": "What is it?"},
+            {"type": "image_url", "image_url": {"url": data_uri(image_bytes(64, 48, seed=7))}},
+        ]
+    )
+    assert llm.bind(max_tokens=4).invoke([picture]).usage_metadata["input_tokens"] > 8
+    for method in ("json_schema", "function_calling"):
+        city = llm.with_structured_output(City, method=method).invoke("Name a city")
+        assert isinstance(city, City), method
+
+
+def test_instructor_json_schema_and_tools_modes(hermes: Stack) -> None:
+    import instructor
+
+    for mode in (instructor.Mode.JSON_SCHEMA, instructor.Mode.TOOLS):
+        client = instructor.from_openai(hermes.client(), mode=mode)
+        city = client.chat.completions.create(
+            model="gpt-4o-mini",
+            response_model=City,
+            max_retries=0,
+            max_tokens=ROOM,
+            messages=[{"role": "user", "content": "Name a city"}],
+        )
+        assert isinstance(city, City), mode
+
+
+def test_a_pydantic_ai_agent_calls_a_tool_and_gets_its_result_back(generic: Stack) -> None:
+    """The generic (JSON) format: the reply is {"tool_calls": ...} or {"response": ...}; the
+    bias on "t" makes the random model take the first, once; the tool then leaves."""
+    from pydantic_ai import Agent, RunContext, Tool
+    from pydantic_ai.messages import ToolReturnPart
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    calls: list[str] = []
+
+    def get_weather(city: Literal["Oslo", "Lima"]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"sunny in {city}"
+
+    async def until_called(ctx: RunContext, tool_def: Any) -> Any:
+        done = any(isinstance(p, ToolReturnPart) for m in ctx.messages for p in m.parts)
+        return None if done else tool_def
+
+    provider = OpenAIProvider(base_url=f"{generic.url}/v1", api_key="unused")
+    agent = Agent(
+        OpenAIChatModel("gpt-4o-mini", provider=provider),
+        tools=[Tool(get_weather, prepare=until_called)],
+        model_settings={"logit_bias": {str(ord("t")): 100}, "max_tokens": 200},
+    )
+    result = agent.run_sync("What is the weather in Oslo?")
+    parts = [type(p).__name__ for m in result.all_messages() for p in m.parts]
+    assert calls and calls[0] in ("Oslo", "Lima")
+    assert parts.index("ToolCallPart") < parts.index("ToolReturnPart") < parts.index("TextPart")
+    assert isinstance(result.output, str)
+
+
+def test_an_openai_agents_agent_with_a_function_tool(hermes: Stack) -> None:
+    """Agents use the Responses API; tool_choice required for the first step (the SDK resets
+    it after a call), so the agent calls the tool, gets its result and answers."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: Literal["Oslo", "Lima"]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"sunny in {city}"
+
+    client = openai.AsyncOpenAI(base_url=f"{hermes.url}/v1", api_key="unused", max_retries=0)
+    agent = Agent(
+        name="weather",
+        instructions="Answer with the weather.",
+        tools=[get_weather],
+        model=OpenAIResponsesModel(model="gpt-4o-mini", openai_client=client),
+        model_settings=ModelSettings(tool_choice="required", max_tokens=ROOM),
+    )
+
+    async def run() -> Any:
+        try:
+            return await Runner.run(agent, "What is the weather in Oslo?", max_turns=4)
+        finally:
+            await client.close()
+
+    result = asyncio.run(run())
+    assert calls and calls[0] in ("Oslo", "Lima")
+    assert isinstance(result.final_output, str)
+
+
+def test_the_llm_cli(hermes: Stack, tmp_path: Path) -> None:
+    (tmp_path / "extra-openai-models.yaml").write_text(
+        f'- model_id: slotwise\n  model_name: gpt-4o-mini\n  api_base: "{hermes.url}/v1"\n'
+    )
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "OPENAI_API_KEY": "unused"}
+    llm = str(Path(sys.executable).parent / "llm")
+    for extra in ([], ["--no-stream"]):
+        out = subprocess.run(
+            [llm, "-m", "slotwise", "Say hello", "-o", "max_tokens", "6", *extra],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip()
