@@ -571,3 +571,103 @@ def test_the_llm_cli(hermes: Stack, tmp_path: Path) -> None:
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip()
+
+
+def test_the_scenario_table_runs_and_every_scenario_works_here(hermes: Stack) -> None:
+    """benchmarks/client_scenarios.py, the table of the issue, on the tiny model."""
+    from benchmarks.client_scenarios import run
+
+    results = run(hermes.url)
+    assert len(results) == 13
+    assert all(r == "ok" or r.startswith("ok ") for r in results.values()), results
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "names"),
+    [
+        ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0"),
+        ("/v1/responses", {"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+        ("/v1/responses", {"input": "hi", "include": ["file_search_call.results"]}, "include"),
+        ("/v1/responses", {"input": "hi", "tool_choice": "required"}, "tool_choice"),
+        (
+            "/v1/responses",
+            {"input": "hi", "text": {"format": {"type": "json_schema"}}},
+            "text.format.schema",
+        ),
+        ("/v1/responses", {"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
+        (
+            "/v1/responses",
+            {"input": "hi", "previous_response_id": "resp_nope"},
+            "previous_response_id",
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hi"}],
+                "thinking": {"type": "enabled", "budget_tokens": 9},
+            },
+            "thinking",
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"name": "x", "type": "web_search_20250305"}],
+            },
+            "tools.0",
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}],
+            },
+            "messages.0.content.0.type",
+        ),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": HI,
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "no"}},
+            },
+            "not among the tools",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": HI, "tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "tool name",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": HI,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "integer", "minimum": 5, "maximum": 1},
+                    },
+                },
+            },
+            '"param": "response_format"',
+        ),
+        ("/v1/embeddings", {"input": [[1, 2]]}, "input"),
+    ],
+)
+def test_bad_input_for_every_new_field_is_a_400_naming_it(hermes: Stack, path, body, names):
+    r = httpx.post(hermes.url + path, json={"model": "x", **body}, timeout=60)
+    assert r.status_code in (400, 404), r.text
+    error = r.json()["error"]
+    said = json.dumps(error)
+    assert names in said, said
+    # and the server goes on serving
+    ok = httpx.post(
+        f"{hermes.url}/v1/chat/completions",
+        timeout=60,
+        json={"model": "x", "messages": HI, "max_tokens": 2},
+    )
+    assert ok.status_code == 200

@@ -222,6 +222,7 @@ class Messages:
             keep=Keep(o.keep if isinstance(o.keep, int) else None),
             tools=_tools(body),
             constraint=Constraint(json_schema=fmt["schema"]) if fmt is not None else None,
+            constraint_param="output_config.format",
             session_id=o.session_id,
         )
         turn, _ = await start_turn(self.client, req)

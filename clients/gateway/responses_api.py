@@ -268,6 +268,7 @@ class Responses:
             keep=Keep(o.keep if isinstance(o.keep, int) else None),
             tools=_tools(body),
             constraint=_constraint(body),
+            constraint_param="text.format",
             logprobs=bool(body.include) or bool(body.top_logprobs),
             top_logprobs=body.top_logprobs or 0,
             session_id=f"resp-{chain}" if body.store else None,

@@ -54,6 +54,7 @@ class TurnRequest:
     keep: Keep = Keep()
     tools: ToolOptions | None = None
     constraint: Constraint | None = None  # a response format or a grammar
+    constraint_param: str = "response_format"  # the API's name for it, in errors
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
@@ -238,7 +239,10 @@ async def start_turn(client: AsyncSlotwiseClient, req: TurnRequest) -> tuple[Tur
         )
         first_event = await anext(events)  # admitted, or refused with its own status
     except SlotwiseError as e:
-        raise from_slotwise(e) from None
+        refused = from_slotwise(e)
+        if refused.param and refused.param.startswith("constraint"):  # in the API's words
+            refused.param = req.constraint_param if req.constraint is not None else "tools"
+        raise refused from None
     except (ValueError, TypeError) as e:  # a value the contract cannot carry
         raise bad_request(str(e)) from None
     fmt = prepared.tool_format if prepared.tool_constraint is not None else ToolFormat.UNSPECIFIED
