@@ -27,7 +27,7 @@ WEATHER_SCHEMA = {
     "required": ["city"],
     "additionalProperties": False,
 }
-ASK = [{"role": "user", "content": "What is the weather in Oslo? Use the tool."}]
+ASK: Any = [{"role": "user", "content": "What is the weather in Oslo? Use the tool."}]
 TOKENS = 200
 
 
@@ -36,7 +36,8 @@ def scenarios(base: str) -> dict[str, Callable[[], str]]:
     from pydantic import BaseModel
 
     v1 = f"{base}/v1"
-    client = openai.OpenAI(base_url=v1, api_key="unused", max_retries=0, timeout=300)
+    # (typed loosely: each scenario is written the way an app writes it, not to the stubs)
+    client: Any = openai.OpenAI(base_url=v1, api_key="unused", max_retries=0, timeout=300)
 
     class City(BaseModel):
         name: Literal["Oslo", "Lima"]
@@ -45,7 +46,8 @@ def scenarios(base: str) -> dict[str, Callable[[], str]]:
     def plain_langchain() -> str:
         from langchain_openai import ChatOpenAI
 
-        llm = ChatOpenAI(base_url=v1, api_key="unused", model="gpt-4o-mini", max_tokens=16)
+        llm: Any = ChatOpenAI
+        llm = llm(base_url=v1, api_key="unused", model="gpt-4o-mini", max_tokens=16)
         return _ok(isinstance(llm.invoke("Say hi").content, str))
 
     def llm_cli() -> str:
@@ -130,7 +132,8 @@ def scenarios(base: str) -> dict[str, Callable[[], str]]:
     def structured_langchain() -> str:
         from langchain_openai import ChatOpenAI
 
-        llm = ChatOpenAI(base_url=v1, api_key="unused", model="gpt-4o-mini", max_tokens=TOKENS)
+        llm: Any = ChatOpenAI
+        llm = llm(base_url=v1, api_key="unused", model="gpt-4o-mini", max_tokens=TOKENS)
         return _ok(isinstance(llm.with_structured_output(City).invoke("Name a city"), City))
 
     def instructor_json_schema() -> str:
