@@ -293,19 +293,37 @@ def _http_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--allow-image-urls", action="store_true", help="fetch http(s) image_url (else data:)"
     )
+    g.add_argument(
+        "--image-url-allow",
+        action="append",
+        default=[],
+        metavar="HOST|CIDR",
+        help="with --allow-image-urls: a host or network that may be fetched although not "
+        "public (an internal image store); repeatable. Default: public addresses only",
+    )
     g.add_argument("--max-image-mb", type=positive_int, default=20, help="per image_url")
 
 
 def gateway_config(args: argparse.Namespace, prep: str, infer: str, token: str | None):
     from clients.gateway import GatewayConfig
-    from clients.gateway.media import MediaPolicy
+    from clients.gateway.media import MediaPolicy, check_allow_patterns
+
+    def allow_patterns(patterns: list[str]) -> tuple[str, ...]:
+        try:
+            return check_allow_patterns(patterns)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
     return GatewayConfig(
         prep_address=prep,
         infer_address=infer,
         model_name=args.model_name,
         api_key=read_token(args.api_key_file),
-        media=MediaPolicy(allow_http=args.allow_image_urls, max_bytes=args.max_image_mb << 20),
+        media=MediaPolicy(
+            allow_http=args.allow_image_urls,
+            max_bytes=args.max_image_mb << 20,
+            allow=allow_patterns(args.image_url_allow),
+        ),
         token=token,
         strict_model_name=args.strict_model_name,
         cors_origins=tuple(args.cors_origins),

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from clients.client import AsyncSlotwiseClient
-from clients.gateway import anthropic_api, openai_api
+from clients.gateway import anthropic_api, media, openai_api
 from clients.gateway.anthropic_api import CountRequest, Messages, MessagesRequest
 from clients.gateway.errors import ApiError, bad_request
 from clients.gateway.media import MediaPolicy
@@ -71,6 +71,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             expose_headers=["x-slotwise-warning", "retry-after"],
         )
     registry = CollectorRegistry()
+    registry.register(media.FETCHES)
     requests = Counter(
         "slotwise_http_requests", "HTTP requests", ["endpoint", "status"], registry=registry
     )
