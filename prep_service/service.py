@@ -250,7 +250,7 @@ def _tools(request) -> Tools | None:
         Tool(t.name, t.description, _json_object(t.parameters_json or "{}", f"tool {t.name!r}"))
         for t in chat.tools
     )
-    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
+    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else None
     return Tools(tools, _CHOICES[chat.tool_choice], chat.tool_name, parallel)
 
 

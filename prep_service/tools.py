@@ -66,7 +66,15 @@ class Tools:
     tools: tuple[Tool, ...]
     choice: Choice = Choice.AUTO
     name: str = ""  # Choice.FUNCTION
-    parallel: bool = True
+    parallel: bool | None = None  # several calls in one reply; None: as the format allows
+
+    def parallel_in(self, fmt: ToolFormat) -> bool:
+        """Unless asked, several calls only where the template's format has them (as
+        llama-server decides): a small model given the generic form repeats its call until
+        max_tokens cuts it."""
+        if self.parallel is not None:
+            return self.parallel
+        return fmt in (ToolFormat.HERMES, ToolFormat.MISTRAL)
 
     @property
     def callable(self) -> tuple[Tool, ...]:
@@ -86,6 +94,7 @@ class Grammar:
 
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+MAX_CALLS = 8  # in one reply
 
 
 def check_tools(tools: Tools) -> None:
@@ -153,7 +162,9 @@ def json_system_prompt(tools: Tools) -> str:
     else:
         how = (
             f"Reply with one JSON object: {calls} to call tools, or "
-            '{"response": "<your answer>"} to answer the user.'
+            '{"response": "<your answer>"} to answer the user. Call a tool only for a result '
+            "you do not have yet: once the tool_response you need is in the conversation, "
+            "answer with it."
         )
     return f"You can call these tools (the JSON Schema of each one's arguments):\n{listed}\n{how}"
 
@@ -191,15 +202,20 @@ def grammar(fmt: ToolFormat, tools: Tools) -> Grammar:
             for t, rule in zip(callable_, args, strict=True)
         )
 
+    parallel = tools.parallel_in(fmt)
+    more = MAX_CALLS - 1  # (bounded: a reply that repeats its call ends all the same)
+
     def listed(item: str) -> str:
-        return f'"[" space {item} ' + (f'("," space {item})* ' if tools.parallel else "") + '"]"'
+        return (
+            f'"[" space {item} ' + (f'("," space {item}){{0,{more}}} ' if parallel else "") + '"]"'
+        )
 
     triggers: tuple[str, ...] = ()
     if fmt is ToolFormat.HERMES:
         rules = {
             "call": call("arguments"),
             "tool-call": '"<tool_call>" "\\n"? call "\\n"? "</tool_call>" space',
-            "root": "tool-call" + (" tool-call*" if tools.parallel else ""),
+            "root": "tool-call" + (f" tool-call{{0,{more}}}" if parallel else ""),
         }
         triggers = (r"(<tool_call>)",)
     elif fmt is ToolFormat.LLAMA3:
