@@ -16,6 +16,7 @@ checked first, and a mismatch ends the generation like a grammar with no way on.
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 import re
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from slotwise_core.json_grammar import json_schema_to_gbnf
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries: OpenAI allows 300
 MAX_TRIGGER_PATTERNS = 16
+MAX_TRIGGER_LENGTH = 256  # characters of a pattern
+_TRIGGER_REACH = 512  # characters before a token's text that a match may begin in
 
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
@@ -103,6 +106,11 @@ def check_spec(rt: Runtime, spec: SamplerSpec) -> None:
             f"at most {MAX_TRIGGER_PATTERNS} trigger patterns", "constraint.trigger_patterns"
         )
     for p in c.trigger_patterns:
+        if len(p) > MAX_TRIGGER_LENGTH:
+            raise ConstraintError(
+                f"a trigger pattern of at most {MAX_TRIGGER_LENGTH} characters",
+                "constraint.trigger_patterns",
+            )
         _compile(p)
     grammar = rt.grammar_sampler(c.grammar)
     if not grammar:
@@ -128,15 +136,16 @@ class SlotSampler:
 
     def __init__(self, rt: Runtime, spec: SamplerSpec):
         self.rt = rt
+        c = spec.constraint
+        # (the patterns first: a refusal then leaves nothing native behind)
+        self._triggers = tuple(_compile(p) for p in c.trigger_patterns) if c else ()
         self.chain: Any = rt.sampler(spec.sampling, spec.logit_bias)  # a llama_sampler pointer
         self.grammar: Any = None  # a llama_sampler pointer
         self.top_logprobs = spec.top_logprobs
-        self._triggers: tuple[re.Pattern[str], ...] = ()
-        self._pending = b""  # a lazy grammar's text before its trigger
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text = ""  # a lazy grammar's text before its trigger
         self._cur: np.ndarray | None = None
-        c = spec.constraint
         if c is not None:
-            self._triggers = tuple(_compile(p) for p in c.trigger_patterns)
             self.grammar = rt.grammar_sampler(c.grammar)
             if not self.grammar:  # (checked before queueing: only if llama.cpp changed its mind)
                 self.close()
@@ -184,7 +193,9 @@ class SlotSampler:
                 arr = _array(work)
                 llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(arr))
                 token = int(arr.data[arr.selected].id)
-                if self._utf8_ok(token):
+                # (what the grammar refused is -inf: a chain that picked one anyway must not
+                # reach the grammar's accept, which would throw)
+                if np.isfinite(cur["logit"][token]) and self._utf8_ok(token):
                     break
                 cur["logit"][token] = -np.inf
         llama_cpp.llama_sampler_accept(self.grammar, token)
@@ -216,19 +227,29 @@ class SlotSampler:
 
     def _watch_for_trigger(self, token: int) -> None:
         """A lazy grammar: once a trigger is found in the text, the grammar takes over from
-        the match, fed with that text's tokens (each one checked before it is accepted)."""
+        the match, fed with that text's tokens (each one checked before it is accepted).
+
+        Only the text's tail is searched again each token (a match ends in what is new):
+        the cost per token stays bounded however long the free text grows.
+        """
         if self.rt.is_eog(token):
             return
-        self._pending += self.rt.piece(token)
-        text = self._pending.decode("utf-8", errors="ignore")
-        starts = [_start(m) for p in self._triggers if (m := p.search(text))]
+        new = self._decoder.decode(self.rt.piece(token))
+        if not new:
+            return
+        self._text += new
+        text = self._text
+        tail = max(0, len(text) - len(new) - _TRIGGER_REACH)
+        starts = [_start(m) for p in self._triggers if (m := p.search(text, tail))]
         if not starts:
             return
-        self._triggers, self._pending = (), b""
-        for t in self.rt.tokenize(text[min(starts) :]):
+        self._triggers, self._text = (), ""
+        matched = text[min(starts) :]
+        for t in self.rt.tokenize(matched):
             if not self._allows(t):
                 raise GrammarDeadEnd
             llama_cpp.llama_sampler_accept(self.grammar, t)
+        self._utf8 = utf8_tail(b"", matched.encode()) or b""
 
     # -- log-probabilities --------------------------------------------------------------------
 

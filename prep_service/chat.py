@@ -51,29 +51,39 @@ class _Template:
     ) -> str:
         raise NotImplementedError
 
-    def pieces(self, turns: Sequence[Turn], tools: Tools = None) -> list[str]:
-        """The rendered conversation cut at message boundaries.
+    def pieces(self, turns: Sequence[Turn], tools: Tools = None) -> tuple[list[str], list[int]]:
+        """The rendered conversation cut at message boundaries, and who holds each message.
 
         Piece i is what message i adds to the prompt; the last piece is the generation prompt.
-        Templates that are not prefix-stable (rendering n messages does not start with the
-        rendering of n-1) come back as one piece for the last message, which is all they allow.
+        A cut the template refuses (Llama 3.2 puts tools into the first user message: the
+        system message alone fails), or one that the whole rendering does not begin with (a
+        template that moves text, like Mistral's tools before the last user message), is no
+        boundary: its messages' text goes with the next boundary's message, which holds them
+        (holders[i]). The last message holds what has no boundary after it.
         """
         full = self.render(turns, add_generation_prompt=True, tools=tools)
-        try:
-            cuts = [
-                self.render(turns[: i + 1], add_generation_prompt=False, tools=tools)
-                for i in range(len(turns))
-            ]
-        except TemplateError:  # a part alone it refuses (Llama 3.2's tools need a user message)
-            return [""] * (len(turns) - 1) + [full, ""]
-        pieces: list[str] = []
-        done = ""
-        for cut in [*cuts, full]:
-            if not cut.startswith(done):
-                return [""] * (len(turns) - 1) + [full, ""]
-            pieces.append(cut[len(done) :])
-            done = cut
-        return pieces
+        n = len(turns)
+        pieces = [""] * (n + 1)
+        holders = list(range(n))
+        done, group = "", []
+        for i in range(n):
+            group.append(i)
+            try:
+                cut = self.render(turns[: i + 1], add_generation_prompt=False, tools=tools)
+            except TemplateError:
+                continue
+            if cut.startswith(done) and full.startswith(cut):
+                pieces[i], done = cut[len(done) :], cut
+                for j in group:
+                    holders[j] = i
+                group = []
+        if group:  # no boundary after them: the last message holds them and the rest
+            pieces[n - 1] += full[len(done) :]
+            for j in group:
+                holders[j] = n - 1
+        else:
+            pieces[n] = full[len(done) :]
+        return pieces, holders
 
 
 class ChatTemplate(_Template):

@@ -192,6 +192,15 @@ class Preparer:
         """The constraint a reply with these tools follows (None: the model calls none)."""
         if tools.choice is Choice.NONE or not tools.tools:
             return None
+        for t in tools.callable:  # a schema the converter cannot follow, named by its tool
+            try:
+                grammar(self.tool_format, Tools((t,), tools.choice, t.name, tools.parallel))
+            except RecursionError:
+                raise InputError(f"tool {t.name!r}: its parameters nest too deeply") from None
+            except Exception as e:  # the converter's assertions, lookups and type errors
+                raise InputError(
+                    f"tool {t.name!r}: not a schema this server can follow: {e!r}"
+                ) from None
         return grammar(self.tool_format, tools)
 
     # -- internals --------------------------------------------------------------------------
@@ -251,14 +260,19 @@ class Preparer:
         shown = tools if tools is not None and tools.choice is not Choice.NONE else None
         template_tools_ = template_tools(shown) if shown and self.tool_format is not JSON else None
         prompt = json_system_prompt(shown) if shown and self.tool_format is JSON else ""
-        plan, pieces = self._render(turns, template_tools_, prompt)
-        # each message's piece; a rendered turn made of several messages belongs to the first
+        plan, pieces, holders = self._render(turns, template_tools_, prompt)
+        # each message's piece: a rendered turn made of several messages is the first one's,
+        # and a turn the template gave no boundary of its own is its holder's
         texts = [""] * len(turns)
         owned: list[list[ImageRef]] = [[] for _ in turns]
-        for (_, sources), piece in zip(plan, pieces, strict=False):
-            owner = sources[0] if sources else 0  # (the tools' system message: message 0's)
+        held_by = list(range(len(turns)))  # message -> the message whose piece holds it
+        for k, ((_, sources), piece) in enumerate(zip(plan, pieces, strict=False)):
+            holder = plan[holders[k]][1]
+            owner = holder[0] if holder else 0  # (the tools' system message: message 0's)
             texts[owner] += piece
-            owned[owner] += [im for k in sources for im in images[k]]
+            owned[owner] += [im for m in sources for im in images[m]]
+            for m in sources:
+                held_by[m] = owner
         segments = [_Segment(t, im, i) for i, (t, im) in enumerate(zip(texts, owned, strict=True))]
         if any(s.text.count(self.marker) != len(s.images) for s in segments):
             # the template moved text across messages: one segment, owned by the last message
@@ -269,8 +283,12 @@ class Preparer:
             ]
         segments.append(_Segment(pieces[-1], [], len(turns)))  # the generation prompt
         if first:
-            if any(src and min(src) < first <= max(src) for _, src in plan):
-                raise InputError(f"first_message {first} falls inside messages rendered as one")
+            if any(m < first <= h for m, h in enumerate(held_by)):
+                raise InputError(
+                    f"first_message {first}: this chat template renders message(s) before it "
+                    "together with it (it moves text across messages), so the turn cannot "
+                    "continue a session that holds them: send the conversation from 0"
+                )
             head = [t for t, src in plan if not src or max(src) < first]
             return self._continuation(turns, segments, first, head, template_tools_)
         # BOS once: from the vocabulary's add_special unless the template wrote it already
@@ -280,7 +298,7 @@ class Preparer:
 
     def _render(
         self, turns: list[Turn], tools: list[dict[str, Any]] | None, prompt: str
-    ) -> tuple[list[tuple[Turn, list[int]]], list[str]]:
+    ) -> tuple[list[tuple[Turn, list[int]]], list[str], list[int]]:
         """The turns as the template takes them, each with the messages it renders, and the
         pieces. A tool prompt (templates without tools) is a system message of its own, or the
         start of the first one; templates that refuse that, or consecutive messages of one role
@@ -289,8 +307,9 @@ class Preparer:
         plan = [(t, [i]) for i, t in enumerate(turns)]
         plans = [plan]
         if prompt and turns[0].role == "system":
-            plans = [[(replace(turns[0], content=f"{prompt}\n\n{turns[0].content}"), [0]),
-                      *plan[1:]]]  # fmt: skip
+            plans = [
+                [(replace(turns[0], content=f"{prompt}\n\n{turns[0].content}"), [0]), *plan[1:]]
+            ]
         elif prompt:
             first = replace(turns[0], content=f"{prompt}\n\n{turns[0].content}")
             plans = [[(Turn("system", prompt), []), *plan], [(first, [0]), *plan[1:]]]
@@ -298,7 +317,8 @@ class Preparer:
         error: TemplateError | None = None
         for candidate in plans:
             try:
-                return candidate, self.template.pieces([t for t, _ in candidate], tools)
+                pieces, holders = self.template.pieces([t for t, _ in candidate], tools)
+                return candidate, pieces, holders
             except TemplateError as e:
                 error = error or e
         assert error is not None
@@ -466,8 +486,11 @@ def _merge_runs(plan: list[tuple[Turn, list[int]]]) -> list[tuple[Turn, list[int
     for turn, sources in plan:
         if out and out[-1][0].role == turn.role and turn.role in ("user", "assistant"):
             last, last_sources = out[-1]
-            joined = replace(last, content=f"{last.content}\n\n{turn.content}",
-                             tool_calls=last.tool_calls + turn.tool_calls)  # fmt: skip
+            joined = replace(
+                last,
+                content=f"{last.content}\n\n{turn.content}",
+                tool_calls=last.tool_calls + turn.tool_calls,
+            )
             out[-1] = (joined, last_sources + sources)
         else:
             out.append((turn, sources))

@@ -106,8 +106,10 @@ def check_tools(tools: Tools) -> None:
         if t.name in seen:
             raise ValueError(f"tool {t.name!r} is given twice")
         seen.add(t.name)
-        if not isinstance(t.parameters, dict):
-            raise ValueError(f"tool {t.name!r}: parameters must be a JSON Schema object")
+        if not isinstance(t.parameters, dict) or t.parameters.get("type", "object") != "object":
+            raise ValueError(
+                f"tool {t.name!r}: parameters must be a JSON Schema of an object (the arguments)"
+            )
     if tools.choice is Choice.FUNCTION and tools.name not in seen:
         raise ValueError(f"tool_choice names {tools.name!r}, which is not among the tools")
     if tools.choice is not Choice.NONE and not tools.tools:
@@ -118,7 +120,7 @@ def template_format(source: str | None) -> ToolFormat:
     """The tool format a Jinja template's source writes (JSON when it has none we know)."""
     if not source or "tools" not in source:
         return ToolFormat.JSON
-    if "<tool_call>" in source:
+    if "<tool_call>" in source and "<function=" not in source:  # (Qwen3-Coder's are XML)
         return ToolFormat.HERMES
     if "[TOOL_CALLS]" in source:
         return ToolFormat.MISTRAL
@@ -242,11 +244,7 @@ def grammar(fmt: ToolFormat, tools: Tools) -> Grammar:
 
 
 def _arguments_schema(tool: Tool) -> dict[str, Any]:
-    """Arguments are always an object: a schema of another type becomes one's `value`."""
-    schema = tool.parameters or {"type": "object"}
-    if schema.get("type", "object") != "object":
-        return {"type": "object", "properties": {"value": schema}, "required": ["value"]}
-    return schema
+    return tool.parameters or {"type": "object"}
 
 
 def with_ids(calls: Sequence[ToolCall], fmt: ToolFormat) -> list[ToolCall]:

@@ -28,13 +28,48 @@ def json_schema_to_gbnf(schema: str) -> str:
 def json_schema_rules(schemas: list[Any], *, root: bool = False) -> tuple[str, list[str]]:
     """GBNF for several schemas, and the name of each one's rule: the pieces of a larger
     grammar (a tool call's arguments inside its format's markers). root: the one schema's
-    rule is `root`."""
+    rule is `root`. Each schema's definitions get names of their own (the converter names
+    a definition's rule by its last path part: two tools' `$defs/Unit` would be one)."""
     converter = _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-    names = [
-        converter.visit(converter.resolve_refs(schema, f"schema{i}"), "" if root else f"s{i}")
-        for i, schema in enumerate(schemas)
-    ]
+    names = []
+    for i, schema in enumerate(schemas):
+        own = _own_definitions(schema, f"s{i}") if not root else schema
+        names.append(
+            converter.visit(converter.resolve_refs(own, f"schema{i}"), "" if root else f"s{i}")
+        )
     return converter.format_grammar(), names
+
+
+def _own_definitions(schema: Any, prefix: str) -> Any:
+    """The schema with its $defs/definitions renamed `prefix-name`, and its refs to them."""
+    if not isinstance(schema, dict):
+        return schema
+    renamed = {}
+    for key in ("$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            renamed[key] = {name: f"{prefix}-{name}" for name in schema[key]}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            if k == "$ref" and isinstance(v, str):
+                for key, names in renamed.items():
+                    head = f"#/{key}/"
+                    if v.startswith(head) and v[len(head) :].split("/")[0] in names:
+                        name, _, rest = v[len(head) :].partition("/")
+                        v = f"{head}{names[name]}" + (f"/{rest}" if rest else "")
+                out[k] = v
+            elif k in renamed and node is schema:
+                out[k] = {renamed[k][n]: walk(d) for n, d in v.items()}
+            else:
+                out[k] = walk(v)
+        return out
+
+    return walk(schema)
 
 
 class _Converter(SchemaConverter):
@@ -52,18 +87,23 @@ class _Converter(SchemaConverter):
 
 def _bounds(schema: dict[str, Any]) -> tuple[int, int] | None:
     keys = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-    if not any(k in schema for k in keys):
-        return None
+    if not any(k in schema for k in keys) or "enum" in schema or "const" in schema:
+        return None  # (an enum or a constant says more: the converter writes it)
     top = 10 ** (_MAX_DIGITS - 1) - 1
     lo, hi = -top, top
-    if "minimum" in schema:
-        lo = max(lo, _ceil(schema["minimum"]))
-    if "exclusiveMinimum" in schema:
-        lo = max(lo, _floor(schema["exclusiveMinimum"]) + 1)
+    low_open, high_open = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
+    if "minimum" in schema:  # (draft 4: a true exclusiveMinimum makes the minimum open)
+        lo = max(
+            lo, _floor(schema["minimum"]) + 1 if low_open is True else _ceil(schema["minimum"])
+        )
     if "maximum" in schema:
-        hi = min(hi, _floor(schema["maximum"]))
-    if "exclusiveMaximum" in schema:
-        hi = min(hi, _ceil(schema["exclusiveMaximum"]) - 1)
+        hi = min(
+            hi, _ceil(schema["maximum"]) - 1 if high_open is True else _floor(schema["maximum"])
+        )
+    if low_open is not None and not isinstance(low_open, bool):
+        lo = max(lo, _floor(low_open) + 1)
+    if high_open is not None and not isinstance(high_open, bool):
+        hi = min(hi, _ceil(high_open) - 1)
     if lo > hi:
         raise ValueError(f"no integer lies within the bounds of {schema}")
     return lo, hi

@@ -52,7 +52,7 @@ def test_a_builtin_name_renders_as_llama_cpp_does(tiny: dict[str, TinyPair], unt
         own.close()
         named.close()
     gemma = BuiltinTemplate("gemma").pieces([Turn("user", "hi")])
-    assert gemma == ["<start_of_turn>user\nhi<end_of_turn>\n", "<start_of_turn>model\n"]
+    assert gemma == (["<start_of_turn>user\nhi<end_of_turn>\n", "<start_of_turn>model\n"], [0])
 
 
 def test_a_jinja_file_and_an_unknown_name(untemplated: Path, tmp_path: Path) -> None:

@@ -253,3 +253,16 @@ def test_integer_ranges_match_exactly_the_integers_within(lo: int, width: int) -
         assert bool(regex.fullmatch(str(n))) == (lo <= n <= hi), (lo, hi, n)
     for bad in ("-0", "007", "+1", ""):
         assert not regex.fullmatch(bad)
+
+
+def test_draft_4_exclusive_bounds() -> None:
+    from slotwise_core.json_grammar import _bounds
+
+    assert _bounds({"type": "integer", "maximum": 10, "exclusiveMaximum": True}) == (
+        -(10**15 - 1),
+        9,
+    )
+    assert _bounds({"type": "integer", "minimum": 0, "exclusiveMinimum": True})[0] == 1
+    assert _bounds({"type": "integer", "minimum": 0, "exclusiveMinimum": False})[0] == 0
+    assert _bounds({"type": "integer", "exclusiveMinimum": 2.5}) == (3, 10**15 - 1)
+    assert _bounds({"type": "integer", "enum": [1, 2], "maximum": 9}) is None

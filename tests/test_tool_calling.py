@@ -59,12 +59,14 @@ ADD = Tool(
     "Add two small numbers",
     {
         "type": "object",
-        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                       "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 99},
+            "b": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
         "required": ["a", "b"],
         "additionalProperties": False,
     },
-)  # fmt: skip
+)
 SCHEMAS = {t.name: t.parameters for t in (WEATHER, ADD)}
 
 
@@ -117,10 +119,13 @@ def test_a_required_call_is_valid_in_every_template_family(family, template, see
     assert "get_weather" in prepared.rendered_text  # shown to the model
     done = collect(
         client.generate(
-            prepared, constraint=prepared.tool_constraint, max_tokens=300, temperature=1.0,
+            prepared,
+            constraint=prepared.tool_constraint,
+            max_tokens=300,
+            temperature=1.0,
             seed=seed,
         )
-    )  # fmt: skip
+    )
     reply = parse_reply(prepared.tool_format, done.text)
     assert_valid(reply.calls, {"get_weather", "add"})
     # the same text, streamed piece by piece, gives the same calls and shows no markup
@@ -219,3 +224,74 @@ def test_results_of_parallel_calls_merge_for_a_template_that_insists_on_alternat
     assert '"snow"' in prepared.rendered_text and '"3"' in prepared.rendered_text
     owners = {c.message_index for c in prepared.prompt.chunks}
     assert owners == {0, 1, 2, 4}  # message 3 is rendered with message 2; 4: the reply's start
+
+
+def test_a_session_turn_never_resends_what_the_template_moved_before_it(family) -> None:
+    """Llama 3.2 puts the tools into the first user message (the system message alone does
+    not render): the two are one piece, and later turns still continue a session. Mistral
+    puts them before the last user message: a turn after it would resend the conversation,
+    so it is refused rather than appended twice."""
+    chat = [
+        Message.system("Be brief."),
+        Message.user("Weather?"),
+        Message.assistant("Which city?"),
+        Message.user("Oslo."),
+    ]
+    tools = ToolOptions((WEATHER,))
+    llama = family(str(TEMPLATES / "meta-llama-Llama-3.2-3B-Instruct.jinja"))
+    whole = llama.prepare(chat, tools=tools)
+    assert {c.message_index for c in whole.prompt.chunks} >= {1, 2, 3}  # 0 is held by 1
+    assert all(c.message_index != 0 for c in whole.prompt.chunks)
+    turn = llama.prepare(chat, tools=tools, first_message=2)
+    assert "Oslo" in turn.rendered_text and "Weather?" not in turn.rendered_text
+    mistral = family(str(TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja"))
+    with pytest.raises(SlotwiseError) as e:
+        mistral.prepare(chat, tools=tools, first_message=2)
+    assert "cannot continue a session" in e.value.details()
+
+
+def test_two_tools_with_definitions_of_one_name_keep_their_own(family) -> None:
+    """pydantic writes $defs per model: two tools' `Unit` must stay two rules."""
+
+    def with_unit(name: str, units: list[str]) -> Tool:
+        return Tool(
+            name,
+            "",
+            {
+                "type": "object",
+                "$defs": {"Unit": {"enum": units}},
+                "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+                "required": ["unit"],
+            },
+        )
+
+    client = family(str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"))
+    heat = with_unit("heat", ["celsius", "kelvin"])
+    length = with_unit("length", ["metre", "foot"])
+    for tool, units in ((heat, {"celsius", "kelvin"}), (length, {"metre", "foot"})):
+        options = ToolOptions((heat, length), ToolChoice.FUNCTION, name=tool.name)
+        prepared = client.prepare([Message.user("go")], tools=options)
+        for seed in range(3):
+            done = collect(
+                client.generate(
+                    prepared,
+                    constraint=prepared.tool_constraint,
+                    max_tokens=200,
+                    seed=seed,
+                    temperature=1.0,
+                )
+            )
+            calls = parse_reply(prepared.tool_format, done.text).calls
+            assert calls and all(json.loads(c.arguments)["unit"] in units for c in calls)
+
+
+def test_a_schema_the_converter_cannot_follow_is_a_bad_request(family) -> None:
+    client = family(str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"))
+    broken = Tool("broken", "", {"type": "object", "properties": {"x": {"$ref": "#/$defs/Nope"}}})
+    with pytest.raises(SlotwiseError) as e:
+        client.prepare([Message.user("go")], tools=ToolOptions((broken,), ToolChoice.REQUIRED))
+    assert e.value.code().name == "INVALID_ARGUMENT" and "'broken'" in e.value.details()
+    scalar = Tool("scalar", "", {"type": "string"})
+    with pytest.raises(SlotwiseError) as e:
+        client.prepare([Message.user("go")], tools=ToolOptions((scalar,)))
+    assert "JSON Schema of an object" in e.value.details()

@@ -167,11 +167,13 @@ async def _checked(url: str, policy: MediaPolicy) -> _Target:
     if parts.username or parts.password:
         raise _Refused("credentials in the URL")
     host = parts.hostname.lower().rstrip(".")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
         infos = await asyncio.get_running_loop().getaddrinfo(
             host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
         )
+    except ValueError as e:  # a port out of range; a name IDNA cannot encode
+        raise _Refused(f"not a usable URL: {e}") from None
     except socket.gaierror as e:
         raise _Refused(f"{host} does not resolve: {e}") from None
     addresses = [_unmapped(ipaddress.ip_address(info[4][0])) for info in infos]
@@ -193,10 +195,23 @@ async def _checked(url: str, policy: MediaPolicy) -> _Target:
     return _Target(f"{parts.scheme}://{netloc}{rest}", host, host_header)
 
 
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+
+
 def _unmapped(a: Address) -> Address:
-    """An IPv4-mapped IPv6 address is the IPv4 address it maps (::ffff:127.0.0.1 is loopback)."""
-    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
+    """An IPv6 address that carries an IPv4 one is that IPv4 address: IPv4-mapped
+    (::ffff:127.0.0.1 is loopback), 6to4, Teredo's client, NAT64 (64:ff9b::a9fe:a9fe reaches
+    169.254.169.254 through a NAT64 gateway)."""
+    if not isinstance(a, ipaddress.IPv6Address):
+        return a
+    if a.ipv4_mapped is not None:
         return a.ipv4_mapped
+    if a.sixtofour is not None:
+        return a.sixtofour
+    if a.teredo is not None:
+        return a.teredo[1]
+    if any(a in n for n in _NAT64):
+        return ipaddress.IPv4Address(int(a) & 0xFFFFFFFF)
     return a
 
 
