@@ -246,7 +246,11 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate: serve TLS")
     h.add_argument("--tls-key", type=Path, metavar="PEM", help="server private key")
     h.add_argument("--tls-client-ca", type=Path, metavar="PEM", help="require client certificates")
-    h.add_argument("--token-file", type=Path, help="require `authorization: Bearer <token>`")
+    h.add_argument(
+        "--token-file", type=Path, metavar="KEYS",
+        help="the keys file for prep, infer and the HTTP API (`TENANT KEY` lines, or one "
+        "key); SIGHUP re-reads it",
+    )  # fmt: skip
     h.add_argument("--prep-metrics-port", type=int, help="Prometheus metrics of the prep service")
     h.add_argument("--infer-metrics-port", type=int, help="Prometheus metrics of the infer service")
     s.add_argument(
@@ -259,7 +263,11 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--infer", required=True, metavar="HOST:PORT", help="the InferService")
     w.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
     w.add_argument("--port", type=int, default=8080, help="HTTP port (default %(default)s)")
-    w.add_argument("--token-file", type=Path, help="bearer token for the gRPC services")
+    w.add_argument(
+        "--token-file", type=Path,
+        help="bearer token for the gRPC services (without --api-key-file: with it, each "
+        "caller's own key goes on to them)",
+    )  # fmt: skip
     _http_args(w)
 
     sub.add_parser("bench", help="throughput and latency ratios (see: slotwise bench -h)")
@@ -289,7 +297,11 @@ def _http_args(p: argparse.ArgumentParser) -> None:
         metavar="ORIGIN",
         help="let browser apps on these origins call the API (* for any); default none",
     )
-    g.add_argument("--api-key-file", type=Path, help="require `Authorization: Bearer <key>`")
+    g.add_argument(
+        "--api-key-file", type=Path,
+        help="the keys file (`TENANT KEY` lines, or one key): require `Authorization: Bearer "
+        "KEY` or `x-api-key`; SIGHUP re-reads it",
+    )  # fmt: skip
     g.add_argument(
         "--allow-image-urls", action="store_true", help="fetch http(s) image_url (else data:)"
     )
@@ -304,7 +316,10 @@ def _http_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-image-mb", type=positive_int, default=20, help="per image_url")
 
 
-def gateway_config(args: argparse.Namespace, prep: str, infer: str, token: str | None):
+def gateway_config(
+    args: argparse.Namespace, prep: str, infer: str, token: str | None, keys: Any = None
+):
+    """keys: the callers' keys (slotwise_core.keys.Keys) when the caller read them already."""
     from clients.gateway import GatewayConfig
     from clients.gateway.media import MediaPolicy, check_allow_patterns
 
@@ -318,7 +333,7 @@ def gateway_config(args: argparse.Namespace, prep: str, infer: str, token: str |
         prep_address=prep,
         infer_address=infer,
         model_name=args.model_name,
-        api_key=read_token(args.api_key_file),
+        api_keys=read_keys(args.api_key_file) if args.api_key_file else keys,
         media=MediaPolicy(
             allow_http=args.allow_image_urls,
             max_bytes=args.max_image_mb << 20,
@@ -351,6 +366,16 @@ def make_client(args: argparse.Namespace) -> SlotwiseClient:
         token=token,
         timeout=args.timeout,
     )
+
+
+def read_keys(path: Path) -> Any:
+    """A keys file (slotwise_core.keys: `TENANT KEY` lines, or one key)."""
+    from slotwise_core.keys import Keys, KeysError
+
+    try:
+        return Keys(path)
+    except KeysError as e:
+        raise UsageError(str(e)) from None
 
 
 def read_token(path: Path | None) -> str | None:
@@ -698,7 +723,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"no such file: {path}")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
-    token = read_token(args.token_file)
+    keys = read_keys(args.token_file) if args.token_file else None
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -726,7 +751,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
-        token=token,
+        keys=keys,
         prep_metrics_port=args.prep_metrics_port,
         infer_metrics_port=args.infer_metrics_port,
         chat_template=args.chat_template,
@@ -743,8 +768,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    def gateway(s: Services):
-        return gateway_config(args, s.prep_address, s.infer_address, token)
+    def gateway(s: Services):  # one keys file for all three: callers' keys go on
+        return gateway_config(args, s.prep_address, s.infer_address, None, keys)
 
     http = (gateway, args.http_port) if args.http_port is not None else None
     try:

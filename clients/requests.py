@@ -254,6 +254,8 @@ def generate_request(
     logprobs: bool = False,
     top_logprobs: int = 0,
     turn_note: bytes = b"",
+    cache_salt: str = "",
+    expect_turns: int | None = None,
     **options: Any,
 ) -> infer_pb2.GenerateRequest:
     """The GenerateRequest for these options.
@@ -264,7 +266,9 @@ def generate_request(
     session turn (session_id) the session's. max_tokens 0: the server's default.
     constraint: a grammar or JSON Schema the text keeps to; logit_bias: token id -> bias;
     logprobs / top_logprobs: each Delta carries its tokens' log-probabilities (and the top
-    alternatives); turn_note: kept with a session turn's record.
+    alternatives); turn_note: kept with a session turn's record; cache_salt: KV is reused
+    only between requests of the same salt (and tenant); expect_turns: a session turn runs
+    only if the session has completed that many turns (else FAILED_PRECONDITION).
     """
     if isinstance(stop, str):
         stop = (stop,)
@@ -279,9 +283,12 @@ def generate_request(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         turn_note=turn_note,
+        cache_salt=cache_salt,
     )
     if constraint is not None:
         request.constraint.CopyFrom(constraint.to_pb())
+    if expect_turns is not None:
+        request.expect_turns = expect_turns
     ctx = context_pb(**context)
     if ctx is not None:
         request.context.CopyFrom(ctx)

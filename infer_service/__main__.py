@@ -14,6 +14,7 @@ from infer_service.embedder import Embedder
 from infer_service.engine import Engine
 from infer_service.metrics import engine_metrics
 from infer_service.runtime import Runtime, RuntimeConfig
+from infer_service.scheduler import TenantLimits
 from infer_service.service import GenerateLimits, InferServicer
 from infer_service.session_store import SessionStore
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
@@ -72,6 +73,8 @@ async def start(
     security: Security = Security(),
     metrics_port: int | None = None,
     embeddings_ctx: int = 0,
+    tenant_limits: TenantLimits = TenantLimits(),
+    fair: bool = True,
 ) -> RunningInfer:
     """Listen first (health NOT_SERVING), load the model, then report SERVING."""
     metrics = ServiceMetrics("infer")
@@ -107,6 +110,8 @@ async def start(
         cache_bytes=cache_bytes,
         store=store,
         state_cache_bytes=state_cache_bytes,
+        tenant_limits=tenant_limits,
+        fair=fair,
     )
     metrics.collect_from(engine_metrics(engine, metrics))
     loop = asyncio.get_running_loop()
@@ -163,6 +168,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50052)
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
+    p.add_argument(
+        "--tenant-max-active", type=int, default=0,
+        help="a tenant's generations in slots at once (more wait); 0: no limit of its own",
+    )  # fmt: skip
+    p.add_argument(
+        "--tenant-max-queued", type=int, default=0,
+        help="a tenant's requests waiting (more are refused, RESOURCE_EXHAUSTED); 0: no limit",
+    )  # fmt: skip
+    p.add_argument(
+        "--queue", choices=["fair", "fifo"], default="fair",
+        help="fair: round robin across tenants (default); fifo: one queue for all",
+    )  # fmt: skip
     p.add_argument("--media-cache-mb", type=int, default=1024, help="projector output cache")
     p.add_argument("--sessions-dir", type=Path, help="persist sessions here (survive restarts)")
     p.add_argument(
@@ -220,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             security=security_from_args(args),
             metrics_port=args.metrics_port,
             embeddings_ctx=args.embeddings_ctx if args.embeddings else 0,
+            tenant_limits=TenantLimits(args.tenant_max_active, args.tenant_max_queued),
+            fair=args.queue == "fair",
         )
         rt = infer.engine.rt
         log.info(

@@ -33,7 +33,7 @@ from infer_service.events import (
 )
 from infer_service.executor import Executor
 from infer_service.runtime import Runtime
-from infer_service.scheduler import Scheduler
+from infer_service.scheduler import Scheduler, TenantLimits
 from infer_service.session_manager import SessionManager
 from infer_service.session_store import SessionStore
 from infer_service.sessions import TurnRecord
@@ -89,6 +89,8 @@ class Engine:
         cache_bytes: int = 1 << 30,
         store: SessionStore | None = None,
         state_cache_bytes: int = 256 << 20,
+        tenant_limits: TenantLimits = TenantLimits(),
+        fair: bool = True,
     ):
         self.rt = runtime
         self.slots = [Slot(seq) for seq in range(runtime.num_slots)]
@@ -109,8 +111,9 @@ class Engine:
             self.executor, self.slots, store, self.stats, call=self.call, notify=self._notify
         )
         self.scheduler = Scheduler(
-            self.slots, self.sessions, self.executor.states, self._wake, max_queue=max_queue
-        )
+            self.slots, self.sessions, self.executor.states, self._wake, max_queue=max_queue,
+            tenant_limits=tenant_limits, fair=fair,
+        )  # fmt: skip
         self.executor.finish = self._finish
         self.executor.media_of = self.sessions.media_of
         self.executor.on_shift = self.sessions.on_shift
@@ -151,7 +154,11 @@ class Engine:
             active=self.num_active,
             cache_hits=self.cache.hits,
             cache_misses=self.cache.misses,
-            stats=replace(self.stats, shifts_by_policy=dict(self.stats.shifts_by_policy)),
+            stats=replace(
+                self.stats,
+                shifts_by_policy=dict(self.stats.shifts_by_policy),
+                by_tenant={t: replace(v) for t, v in self.stats.by_tenant.items()},
+            ),
         )
 
     def submit(self, job: Job) -> None:
@@ -274,6 +281,9 @@ class Engine:
                 self._reject(job, Problem(ErrorKind.INTERNAL, f"internal error: {e}"))
 
     def _start(self, slot: Slot, job: Job) -> None:
+        tenant = self.stats.tenant(job.tenant)
+        tenant.num_requests += 1
+        tenant.queue_wait_seconds += time.monotonic() - job.submitted
         if slot.owner is not None and slot.owner != job.session_id:
             self.sessions.swap_out(slot)
         if job.session_id is not None:
@@ -315,6 +325,7 @@ class Engine:
             problem = Problem(ErrorKind.INTERNAL, error or "internal error")
         usage = slot.usage
         job = self.executor.end(slot, reason)
+        self.stats.tenant(job.tenant).num_generated_tokens += usage.num_generated_tokens
         completed = reason.completed
         record = None
         if completed and job.session_id is not None:

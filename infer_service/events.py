@@ -68,6 +68,7 @@ class Reason(enum.Enum):
     SESSION_UNREADABLE = "SESSION_UNREADABLE"
     SESSION_FOREIGN = "SESSION_FOREIGN"
     SESSION_STALE = "SESSION_STALE"  # another replica wrote the session since
+    SESSION_MOVED_ON = "SESSION_MOVED_ON"  # it has more turns than the caller expected
     NOT_PERSISTED = "NOT_PERSISTED"
     STORAGE_FULL = "STORAGE_FULL"
     STORAGE_FAILED = "STORAGE_FAILED"

@@ -135,19 +135,26 @@ class Executor:
         ledger = slot.ledger
         if ledger is None or ledger.num_cells < WORTH_KEEPING or not self.states.max_bytes:
             return
-        self.states.put(ledger.clone(), self.rt.state_get(slot.seq))
+        if slot.reuse_key is not None:
+            self.states.put(ledger.clone(), self.rt.state_get(slot.seq), slot.reuse_key)
 
     def enter(self, slot: Slot, job: Job) -> Ledger:
         """The ledger a stateless request continues: what the slot holds, or a cached
         sequence put back into it (what the slot held goes to the cache: after the take, so
-        that its put cannot evict the entry being taken)."""
+        that its put cannot evict the entry being taken). A sequence of another tenant (or
+        salt) is never continued: the slot starts empty."""
         if job.resume is not None:
             ledger, state = self.states.take(job.resume)
             self.stash(slot)
             self.rt.seq_clear(slot.seq)
             slot.ledger = ledger if self.rt.state_set(slot.seq, bytes(state)) else None
+        elif slot.ledger is not None and slot.reuse_key != job.reuse_key:
+            self.stash(slot)
+            self.rt.seq_clear(slot.seq)
+            slot.ledger = None
         if slot.ledger is None:
             slot.ledger = self.new_ledger(job.context)
+        slot.reuse_key = job.reuse_key
         return slot.ledger
 
     # -- starting and ending a request --------------------------------------------------------
@@ -163,6 +170,23 @@ class Executor:
             sampler = SlotSampler(self.rt, job.sampler_spec)
         except ConstraintError as e:
             raise SessionError(ErrorKind.INVALID_ARGUMENT, str(e), Reason.BAD_REQUEST) from e
+        try:
+            self._begin(slot, job, ledger, start, sampler, reprefill=reprefill)
+        except BaseException:
+            if slot.sampler is not sampler:  # (not the slot's yet: nobody else frees it)
+                sampler.close()
+            raise
+
+    def _begin(
+        self,
+        slot: Slot,
+        job: Job,
+        ledger: Ledger,
+        start: int,
+        sampler: SlotSampler,
+        *,
+        reprefill: bool,
+    ) -> None:
         ctx = job.context
         ledger.reconfigure(
             policy=ctx.policy, keep=ctx.keep, discard_fraction=ctx.discard_fraction, unit=ctx.unit
@@ -208,7 +232,6 @@ class Executor:
         elif not reprefill:
             self.rt.seq_rm(slot.seq, cut, -1)
         if error is not None:
-            sampler.close()
             raise error
         assert not isinstance(admission, CannotFit)
         kept, dropped = admission.kept, admission.dropped

@@ -66,5 +66,16 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
         yield CounterMetricFamily(
             "slotwise_infer_media_cache_hits", "projector outputs reused", value=snap.cache_hits
         )
+        by_tenant = sorted(st.by_tenant.items())
+        for name, help_, value in (
+            ("requests", "requests started in a slot, by tenant", "num_requests"),
+            ("generated_tokens", "tokens sampled, by tenant", "num_generated_tokens"),
+            ("queue_wait_seconds", "seconds waited in the queue, by tenant",
+             "queue_wait_seconds"),
+        ):  # fmt: skip
+            family = CounterMetricFamily(f"slotwise_infer_tenant_{name}", help_, labels=["tenant"])
+            for tenant, t in by_tenant:
+                family.add_metric([tenant], getattr(t, value))
+            yield family
 
     return collect

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from infer_service.events import ErrorKind, Problem, Reason
 from infer_service.ledger import Item, Ledger
@@ -17,7 +18,19 @@ from infer_service.slots import Job, QueueFullError, Slot
 from infer_service.state_cache import StateCache, reuse_of
 
 
+@dataclass(frozen=True)
+class TenantLimits:
+    """What one tenant may hold of the engine (0: no limit of its own)."""
+
+    max_active: int = 0  # generations in slots at once (more wait in the queue)
+    max_queued: int = 0  # requests waiting (more are refused: RESOURCE_EXHAUSTED)
+
+
 class Scheduler:
+    """The wait queue is one queue per tenant, served round robin: a tenant that queued a
+    hundred requests delays another's one by about one slot's turn, not by a hundred (the
+    per-tenant queue keeps its own order). `fair=False` serves one FIFO across tenants."""
+
     def __init__(
         self,
         slots: list[Slot],
@@ -26,67 +39,123 @@ class Scheduler:
         lock: threading.Condition,
         *,
         max_queue: int,
+        tenant_limits: TenantLimits = TenantLimits(),
+        fair: bool = True,
     ):
         self.slots = slots
         self.sessions = sessions
         self.states = states
         self.max_queue = max_queue
+        self.tenant_limits = tenant_limits
+        self.fair = fair
         self._lock = lock
-        self._waiting: deque[Job] = deque()  # touched only under _lock
+        # touched only under _lock: each tenant's waiting jobs, and the tenants in the order
+        # they are served next (one that just started a job goes to the back)
+        self._queues: dict[str, deque[Job]] = {}
+        self._rotation: deque[str] = deque()
+        self._num_waiting = 0
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return self._num_waiting
+
+    def num_waiting_of(self, tenant: str) -> int:
+        return len(self._queues.get(tenant, ()))
 
     def put(self, job: Job) -> None:
-        """Queue a job (the caller holds the lock), or refuse it when the queue is full."""
-        if len(self._waiting) >= self.max_queue:
-            raise QueueFullError(
-                Problem(
-                    ErrorKind.RESOURCE_EXHAUSTED,
-                    f"all {len(self.slots)} slots are busy and {len(self._waiting)} requests "
-                    f"wait (queue limit {self.max_queue}); retry later",
-                    Reason.QUEUE_FULL,
-                    (("queue_limit", str(self.max_queue)), ("slots", str(len(self.slots)))),
-                    retry_after=1.0,
-                )
+        """Queue a job (the caller holds the lock), or refuse it when the queue, or its
+        tenant's share of it, is full."""
+        if self._num_waiting >= self.max_queue:
+            raise _full(
+                f"all {len(self.slots)} slots are busy and {self._num_waiting} requests wait "
+                f"(queue limit {self.max_queue}); retry later",
+                queue_limit=self.max_queue,
+                slots=len(self.slots),
             )
-        self._waiting.append(job)
+        limit = self.tenant_limits.max_queued
+        if limit and self.num_waiting_of(job.tenant) >= limit:
+            raise _full(
+                f"{limit} requests of this tenant wait already (its queue limit); retry later",
+                tenant_queue_limit=limit,
+            )
+        queue = self._queues.setdefault(job.tenant, deque())
+        if not queue:
+            self._rotation.append(job.tenant)
+        queue.append(job)
+        self._num_waiting += 1
+
+    def _remove(self, job: Job) -> None:  # under _lock
+        queue = self._queues[job.tenant]
+        queue.remove(job)
+        self._num_waiting -= 1
+        if not queue:
+            del self._queues[job.tenant]
+            self._rotation.remove(job.tenant)
+
+    def _order(self) -> list[Job]:  # under _lock
+        """The waiting jobs in the order they should start."""
+        if not self.fair:
+            return sorted((j for q in self._queues.values() for j in q), key=_submitted)
+        queues = [self._queues[t] for t in self._rotation]
+        depth = max((len(q) for q in queues), default=0)
+        return [q[i] for i in range(depth) for q in queues if i < len(q)]
 
     def take_expired(self, now: float) -> list[Job]:
         """The waiting jobs cancelled or past their deadline, out of the queue."""
         with self._lock:
-            gone = [job for job in self._waiting if job.expired(now)]
+            gone = [job for q in self._queues.values() for job in q if job.expired(now)]
             for job in gone:
-                self._waiting.remove(job)
+                self._remove(job)
         return gone
 
     def take_all(self) -> list[Job]:
         with self._lock:
-            waiting, self._waiting = list(self._waiting), deque()
+            waiting = self._order()
+            self._queues.clear()
+            self._rotation.clear()
+            self._num_waiting = 0
         return waiting
 
     def has_startable(self) -> bool:
         """(Under the lock) a free slot and a job that may take it now."""
         free = self.num_free_slots
-        return free > 0 and any(not self.sessions.waits_for_read(j, free) for j in self._waiting)
+        if free == 0 or not self._num_waiting:
+            return False
+        return any(
+            self._may_run(j.tenant) and not self.sessions.waits_for_read(j, free)
+            for q in self._queues.values()
+            for j in q
+        )
+
+    def _may_run(self, tenant: str) -> bool:
+        limit = self.tenant_limits.max_active
+        return not limit or sum(1 for s in self.slots if s.job and s.job.tenant == tenant) < limit
 
     @property
     def num_free_slots(self) -> int:
         return sum(1 for s in self.slots if s.job is None)
 
     def startable(self) -> Iterator[tuple[Slot, Job]]:
-        """The jobs to start now, in queue order, each out of the queue with its slot (chosen
-        after the previous one started)."""
-        with self._lock:
-            waiting = list(self._waiting)
-        for job in waiting:
-            slot = self.choose_slot(job)
-            if slot is None or not self.sessions.ready(job, self.num_free_slots):
-                continue
+        """The jobs to start now, each out of the queue with its slot (chosen after the
+        previous one started): round robin across tenants, each tenant's in its order."""
+        while True:
             with self._lock:
-                self._waiting.remove(job)
-            yield slot, job
+                waiting = self._order()
+            for job in waiting:
+                if not self._may_run(job.tenant):
+                    continue
+                slot = self.choose_slot(job)
+                if slot is None or not self.sessions.ready(job, self.num_free_slots):
+                    continue
+                with self._lock:
+                    self._remove(job)
+                    if job.tenant in self._rotation:  # served: the others come first now
+                        self._rotation.remove(job.tenant)
+                        self._rotation.append(job.tenant)
+                yield slot, job
+                break  # the order changed: look again
+            else:
+                return
 
     def choose_slot(self, job: Job) -> Slot | None:
         free = [s for s in self.slots if s.job is None]
@@ -99,10 +168,13 @@ class Scheduler:
         unowned = [s for s in free if s.owner is None]
         if unowned and job.session_id is None:  # (Executor.start matches the chosen one again)
             job.resume = None
-            reuse = {s.seq: reused_cells(s.ledger, job.items) for s in unowned}
+            reuse = {
+                s.seq: reused_cells(s.ledger, job.items) if s.reuse_key == job.reuse_key else 0
+                for s in unowned
+            }
             # the most reuse; on a tie, the slot whose content is worth least
             best = max(unowned, key=lambda s: (reuse[s.seq], -s.num_cells))
-            cached = self.states.best(job.items)
+            cached = self.states.best(job.items, job.reuse_key)
             if cached is not None and cached[1].num_cells > reuse[best.seq]:
                 job.resume = cached[0]  # a conversation that lost its slot: put it back
                 return min(unowned, key=lambda s: (reuse[s.seq], s.num_cells))
@@ -116,3 +188,19 @@ class Scheduler:
 def reused_cells(ledger: Ledger | None, items: Sequence[Item]) -> int:
     reuse = reuse_of(ledger, items)
     return reuse.num_cells if reuse is not None else 0
+
+
+def _submitted(job: Job) -> float:
+    return job.submitted
+
+
+def _full(message: str, **metadata: object) -> QueueFullError:
+    return QueueFullError(
+        Problem(
+            ErrorKind.RESOURCE_EXHAUSTED,
+            message,
+            Reason.QUEUE_FULL,
+            tuple((k, str(v)) for k, v in metadata.items()),
+            retry_after=1.0,
+        )
+    )

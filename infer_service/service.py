@@ -44,9 +44,11 @@ from infer_service.session_store import SessionIdError, check_session_id
 from infer_service.sessions import MAX_RECORDS, Session
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.descriptors import DescriptorError, PreparedPrompt, TextChunk
-from slotwise_core.serving import abort
+from slotwise_core.keys import DEFAULT_TENANT
+from slotwise_core.serving import abort, current_tenant
 
 log = logging.getLogger("slotwise.infer")
+access = logging.getLogger("slotwise.access")
 
 POLICIES = {
     infer_pb2.SHIFT_POLICY_UNSPECIFIED: Policy.AUTO,
@@ -239,10 +241,31 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         )
 
     async def Generate(self, request, context):
+        """One generation; its access-log line once it is over (tenant, session, status,
+        cells, tokens: never the key, never the prompt)."""
+        tenant = current_tenant()
+        seen: list[Finished] = []
+        stream = self._generate(request, context, tenant, seen)
+        try:
+            async for response in stream:
+                yield response
+        finally:
+            await stream.aclose()
+            code = context.code()
+            status = code.name if code is not None else ("OK" if seen else "CANCELLED")
+            usage = seen[0].usage if seen else None
+            access.info(
+                "tenant=%s session=%s status=%s cells=%d reused=%d tokens=%d",
+                tenant, request.session_id or "-", status,
+                usage.num_prompt_cells if usage else 0, usage.num_reused_cells if usage else 0,
+                usage.num_generated_tokens if usage else 0,
+            )  # fmt: skip
+
+    async def _generate(self, request, context, tenant: str, seen: list[Finished]):
         session_id = request.session_id or None
         try:
             if session_id is not None:
-                check_session_id(session_id)
+                session_id = scoped(tenant, check_session_id(session_id))
             prompt = PreparedPrompt.from_pb(request.prompt)
         except SessionIdError as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), reason="BAD_REQUEST",
@@ -258,6 +281,15 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
                 session = await self._begin_turn(session_id)
             except ProblemError as e:
                 await abort_problem(context, e.problem)
+                return
+            # (the turn is ours now: no other can change num_turns under it)
+            if request.HasField("expect_turns") and session.num_turns != request.expect_turns:
+                self._end_turn_later(session_id)
+                await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                            f"the session has {session.num_turns} turns, not the "
+                            f"{request.expect_turns} this turn expects",
+                            reason=Reason.SESSION_MOVED_ON.value,
+                            metadata=(("num_turns", str(session.num_turns)),))  # fmt: skip
                 return
         made = None
         try:
@@ -285,6 +317,8 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
                     await abort_problem(context, event.problem)
                     return
                 finished = isinstance(event, Finished)
+                if isinstance(event, Finished):
+                    seen.append(event)
                 yield event.to_pb()
                 if isinstance(event, Finished) and event.problem is not None:
                     await abort_problem(context, event.problem)  # non-OK after its Finished
@@ -338,6 +372,12 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             await _bad_request(context, RequestError(str(e), e.field))
             return None
         args["note"] = request.turn_note
+        args["tenant"] = current_tenant()
+        if len(request.cache_salt) > 256:
+            await _bad_request(context, RequestError("cache_salt: at most 256 characters",
+                                                     "cache_salt"))  # fmt: skip
+            return None
+        args["cache_salt"] = request.cache_salt
         limits = MediaLimits(rt.ubatch_size, bool(rt.mtmd and rt.mtmd.non_causal))
         try:
             media, decoded = await asyncio.to_thread(
@@ -400,9 +440,9 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         """Run fn on the engine thread; a future it returns (disk work) is awaited here, off
         the engine thread. Every failure ends the call with its own status, never UNKNOWN."""
         try:
-            check_session_id(session_id)
-            await _outlived(self.engine.sessions.sync(session_id))
-            result = await asyncio.wrap_future(self.engine.call(lambda: fn(session_id, *args)))
+            key = scoped(current_tenant(), check_session_id(session_id))
+            await _outlived(self.engine.sessions.sync(key))
+            result = await asyncio.wrap_future(self.engine.call(lambda: fn(key, *args)))
             # disk work goes on when its caller leaves (shielded): only waiting for it stops
             if isinstance(result, tuple):  # (session, its write)
                 session, write = result
@@ -445,20 +485,25 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         return infer_pb2.GetSessionResponse(session=info)
 
     async def ListSessions(self, request, context):
+        """The caller's sessions only (another tenant's are not there for it)."""
+        tenant = current_tenant()
+
+        def mine() -> tuple[list[infer_pb2.SessionInfo], dict[str, Any]]:
+            sessions = self.engine.sessions
+            own = [s for key, s in sessions.by_id.items() if owner_of(key) == tenant]
+            broken = {k: e for k, e in sessions.broken.items() if owner_of(k) == tenant}
+            return [session_info(s) for s in own], broken
+
         try:
-            sessions, broken = await asyncio.wrap_future(
-                self.engine.call(
-                    lambda: (
-                        [session_info(s) for s in self.engine.sessions.by_id.values()],
-                        dict(self.engine.sessions.broken),
-                    )
-                )
-            )
+            sessions, broken = await asyncio.wrap_future(self.engine.call(mine))
         except ProblemError as e:
             await abort_problem(context, e.problem)
         return infer_pb2.ListSessionsResponse(
             sessions=sessions
-            + [infer_pb2.SessionInfo(session_id=i, error=str(e)) for i, e in sorted(broken.items())]
+            + [
+                infer_pb2.SessionInfo(session_id=public_id(key), error=str(e))
+                for key, e in sorted(broken.items())
+            ]
         )
 
     async def DeleteSession(self, request, context):
@@ -598,6 +643,21 @@ def _check_token_ids(prompt: PreparedPrompt, num_vocab: int) -> None:
             )
 
 
+def scoped(tenant: str, session_id: str) -> str:
+    """A session's key: its id in its tenant's namespace. Another tenant's session of the same
+    id is another session, so no call of one tenant can reach, or learn of, another's."""
+    return session_id if tenant == DEFAULT_TENANT else f"{tenant}@{session_id}"
+
+
+def owner_of(key: str) -> str:
+    tenant, sep, _ = key.partition("@")
+    return tenant if sep else DEFAULT_TENANT
+
+
+def public_id(key: str) -> str:
+    return key.partition("@")[2] or key
+
+
 def session_info(s: Session, *, num_records: int = 0) -> infer_pb2.SessionInfo:
     c = s.context
     records = list(s.records)[-num_records:] if num_records else []
@@ -613,7 +673,7 @@ def session_info(s: Session, *, num_records: int = 0) -> infer_pb2.SessionInfo:
             )
             for r in records
         ],
-        session_id=s.session_id,
+        session_id=public_id(s.session_id),
         num_turns=s.num_turns,
         num_cells=s.ledger.num_cells,
         next_position=s.ledger.next_pos,

@@ -459,7 +459,7 @@ class SessionManager:
             self.executor.stash(slot)
             slot.ledger = None
         self.executor.clear(slot)
-        session.slot, slot.owner = slot.seq, session.session_id
+        session.slot, slot.owner, slot.reuse_key = slot.seq, session.session_id, None
         self.stats.num_session_restores += 1
         if not session.ledger.segments:
             return True

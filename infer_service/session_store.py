@@ -48,6 +48,8 @@ FORMAT_VERSION = 1
 _MAGIC_V1 = b"SLOTWISE-SESSION"  # magic, u64 header length (generation 0)
 _MAGIC = b"SLOTWISE-SESS-G2"  # magic, u64 header length, u64 generation, 16 bytes lineage
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# a session's key: its id, after `TENANT@` for every tenant but the default one
+_KEY = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_-]{0,63}@)?[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _PREFIX = len(_MAGIC) + 32
 _MAX_HEADER_BYTES = 256 << 20
 _LOCK_STRIPES = 256  # lock files for sessions: bounded, never deleted (a deleted lock file
@@ -95,6 +97,13 @@ def check_session_id(session_id: str) -> str:
     return session_id
 
 
+def check_session_key(key: str) -> str:
+    """A session's key (its id, in its tenant's namespace): what names its file."""
+    if not _KEY.fullmatch(key) or ".." in key:
+        raise SessionIdError(f"invalid session key {key[:140]!r}")
+    return key
+
+
 def ledger_digest(ledger_json: Sequence[dict[str, Any]]) -> str:
     """What a KV state is checked against before it is loaded for a ledger."""
     body = json.dumps(ledger_json, sort_keys=True, separators=(",", ":")).encode()
@@ -121,7 +130,7 @@ class SessionStore:
                     tmp.unlink()  # a write that a crash interrupted
 
     def path(self, session_id: str) -> Path:
-        return self.root / f"{check_session_id(session_id)}.session"
+        return self.root / f"{check_session_key(session_id)}.session"
 
     def ids(self) -> list[str]:
         return sorted(p.name.removesuffix(".session") for p in self.root.glob("*.session"))
@@ -217,7 +226,7 @@ class SessionStore:
             yield None if unreadable else referred
 
     def _session_lock(self, session_id: str) -> Path:
-        stripe = zlib.crc32(check_session_id(session_id).encode()) % _LOCK_STRIPES
+        stripe = zlib.crc32(check_session_key(session_id).encode()) % _LOCK_STRIPES
         return self.root / ".locks" / f"{stripe}.lock"
 
     @property

@@ -26,8 +26,10 @@ from infer_service.media import MediaHandle, media_key
 from infer_service.runtime import SamplingConfig
 from infer_service.sampling import Constraint, SamplerSpec, SlotSampler
 from infer_service.sessions import Pixels
+from infer_service.state_cache import ReuseKey
 from infer_service.text_stream import TextStream
 from slotwise_core.descriptors import MediaChunk, PreparedPrompt
+from slotwise_core.keys import DEFAULT_TENANT
 
 if TYPE_CHECKING:
     import numpy as np
@@ -69,9 +71,17 @@ class Job:
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs: int | None = None  # None: no log-probabilities
     note: bytes = b""  # a session turn's, kept with its record
+    tenant: str = DEFAULT_TENANT
+    cache_salt: str = ""  # narrows reuse further: only requests with the same salt share KV
+    submitted: float = field(default_factory=time.monotonic)  # (queue wait)
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    @property
+    def reuse_key(self) -> ReuseKey:
+        """KV computed for one tenant (and salt) is never handed to another."""
+        return (self.tenant, self.cache_salt)
 
     @property
     def sampler_spec(self) -> SamplerSpec:
@@ -123,6 +133,7 @@ class Slot:
     job: Job | None = None
     ledger: Ledger | None = None  # what the sequence holds, also between requests
     owner: str | None = None  # session id whose sequence this is
+    reuse_key: ReuseKey | None = None  # whose stateless sequence it holds (None: nobody's)
     pending: deque[Item] = field(default_factory=deque)
     sampler: SlotSampler | None = None
     reply: list[str] = field(default_factory=list)  # a session turn's text, for its record
@@ -142,6 +153,13 @@ class Slot:
 
 
 @dataclass
+class TenantStats:
+    num_requests: int = 0  # started in a slot
+    num_generated_tokens: int = 0
+    queue_wait_seconds: float = 0.0  # summed over its started requests
+
+
+@dataclass
 class EngineStats:
     num_decodes: int = 0
     num_failed_decodes: int = 0  # llama_decode != 0 for a batch the ledgers admitted
@@ -153,6 +171,13 @@ class EngineStats:
     num_session_reprefills: int = 0
     num_evicted_cells: int = 0
     shifts_by_policy: dict[str, int] = field(default_factory=dict)
+    by_tenant: dict[str, TenantStats] = field(default_factory=dict)  # (tenants: the keys file's)
+
+    def tenant(self, name: str) -> TenantStats:
+        stats = self.by_tenant.get(name)
+        if stats is None:
+            stats = self.by_tenant[name] = TenantStats()
+        return stats
 
 
 def too_long(plan: CannotFit) -> Problem:

@@ -39,10 +39,14 @@ def reuse_of(ledger: Ledger | None, items: Sequence[Item]) -> Reuse | None:
     return Reuse(si, so, rest, cells, continued)
 
 
+ReuseKey = tuple[str, str]  # (tenant, cache salt): KV is reused only under the same key
+
+
 @dataclass
 class _Entry:
     ledger: Ledger
     state: bytes | bytearray | memoryview
+    reuse_key: ReuseKey
 
     @property
     def num_bytes(self) -> int:
@@ -62,8 +66,10 @@ class StateCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, ledger: Ledger, state: bytes | bytearray | memoryview) -> None:
-        entry = _Entry(ledger, state)
+    def put(
+        self, ledger: Ledger, state: bytes | bytearray | memoryview, reuse_key: ReuseKey
+    ) -> None:
+        entry = _Entry(ledger, state, reuse_key)
         if entry.num_bytes > self.max_bytes:
             return
         self._entries[next(self._keys)] = entry
@@ -73,10 +79,13 @@ class StateCache:
             _, old = self._entries.popitem(last=False)
             self.num_bytes -= old.num_bytes
 
-    def best(self, items: Sequence[Item]) -> tuple[int, Reuse] | None:
-        """The entry that holds the most of items (continuing it, or by exact prefix)."""
+    def best(self, items: Sequence[Item], reuse_key: ReuseKey) -> tuple[int, Reuse] | None:
+        """The entry of this reuse key that holds the most of items (continuing it, or by
+        exact prefix)."""
         found: tuple[int, Reuse] | None = None
         for key, entry in self._entries.items():
+            if entry.reuse_key != reuse_key:
+                continue
             reuse = reuse_of(entry.ledger, items)
             if (
                 reuse is not None

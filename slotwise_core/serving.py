@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
+import contextvars
 import inspect
 import logging
 import signal
@@ -24,6 +24,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
+from slotwise_core.keys import DEFAULT_TENANT, Keys, reload_on_sighup
 from slotwise_core.metrics import ServiceMetrics
 
 log = logging.getLogger("slotwise")
@@ -81,6 +82,7 @@ class Server:
     _late: _LateHandlers
     metrics: ServiceMetrics | None = None
     in_flight: InFlight = field(default_factory=InFlight)
+    keys: Keys | None = None  # who may call (SIGHUP: run_until_signal re-reads them)
 
     def bind(self, add_to_server: Callable[[Any, Any], None], servicer: Any) -> None:
         """Attach a servicer to the running server (until then its methods say UNAVAILABLE)."""
@@ -117,7 +119,8 @@ async def create_server(
 
     Register servicers with `server.server` before calling `start()`; see `start_server`.
     """
-    edge = EdgeInterceptor(token=security.token if security else None, metrics=metrics)
+    keys = security.callers() if security else None
+    edge = EdgeInterceptor(keys=keys, metrics=metrics)
     server = grpc.aio.server(
         interceptors=[edge],
         options=[
@@ -143,7 +146,7 @@ async def create_server(
         raise OSError(f"cannot listen on {address}")
     for name in ("", *services):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return Server(server, port, health, tuple(services), late, metrics, edge.in_flight)
+    return Server(server, port, health, tuple(services), late, metrics, edge.in_flight, keys)
 
 
 async def run_until_signal(
@@ -155,6 +158,8 @@ async def run_until_signal(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if server.keys is not None:
+        reload_on_sighup(server.keys)
     waits = [asyncio.ensure_future(stop.wait())]
     if failed is not None:
         waits.append(asyncio.ensure_future(failed.wait()))
@@ -231,19 +236,28 @@ def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 _OPEN_SERVICES = ("grpc.health.v1.Health", reflection.SERVICE_NAME)
 
 
+_TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("tenant", default=DEFAULT_TENANT)
+
+
+def current_tenant() -> str:
+    """The tenant of the call being handled (its key's, from the keys file)."""
+    return _TENANT.get()
+
+
 class EdgeInterceptor(grpc.aio.ServerInterceptor):
     """What every call of ours passes through: auth, request decoding, metrics.
 
-    - With a token, calls must carry `authorization: Bearer <token>` (health and reflection
-      stay open for probes): else UNAUTHENTICATED.
+    - With keys, calls must carry `authorization: Bearer <key>` (health and reflection stay
+      open for probes): else UNAUTHENTICATED. The key's tenant is the call's
+      (`current_tenant()`, in the handler's task).
     - A request whose bytes do not parse (e.g. invalid UTF-8 in a string field) gets
       INVALID_ARGUMENT; grpc itself would answer UNKNOWN ("Unexpected DecodeError").
     - Latency and status codes are counted per method.
     Request-streaming methods are passed through unchanged.
     """
 
-    def __init__(self, *, token: str | None = None, metrics: ServiceMetrics | None = None):
-        self._expected = f"Bearer {token}".encode() if token else None
+    def __init__(self, *, keys: Keys | None = None, metrics: ServiceMetrics | None = None):
+        self._keys = keys
         self._metrics = metrics
         self.in_flight = InFlight()
 
@@ -253,11 +267,11 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         is_open = method.strip("/").partition("/")[0] in _OPEN_SERVICES
-        if (
-            self._expected is not None
-            and not is_open
-            and not self._authorized(handler_call_details)
-        ):
+        tenant = DEFAULT_TENANT
+        if self._keys is not None and not is_open:
+            found = self._keys.tenant_of(_bearer(handler_call_details))
+            tenant = found or ""
+        if not tenant:
             return _refuse(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "missing or wrong bearer token",
@@ -272,6 +286,7 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
             behavior = handler.unary_unary
 
             async def unary_unary(request, context):
+                _TENANT.set(tenant)  # (each call is a task of its own)
                 async with _observed(context, method, metrics, in_flight):
                     if isinstance(request, _Undecodable):
                         await abort(context, grpc.StatusCode.INVALID_ARGUMENT, _message(request))
@@ -286,6 +301,7 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
         stream = handler.unary_stream
 
         async def unary_stream(request, context):
+            _TENANT.set(tenant)
             async with _observed(context, method, metrics, in_flight):
                 if isinstance(request, _Undecodable):
                     await abort(context, grpc.StatusCode.INVALID_ARGUMENT, _message(request))
@@ -309,12 +325,13 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
             response_serializer=handler.response_serializer,
         )
 
-    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                got = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(got, self._expected or b"")
-        return False
+
+def _bearer(details: grpc.HandlerCallDetails) -> str | None:
+    for key, value in details.invocation_metadata or ():
+        if key == "authorization":
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
+            return text.removeprefix("Bearer ").strip() if text.startswith("Bearer ") else None
+    return None
 
 
 @contextlib.asynccontextmanager
@@ -378,12 +395,19 @@ def _refuse(
 
 @dataclass(frozen=True)
 class Security:
-    """TLS (server cert/key, optional client CA for mutual TLS) and a bearer token."""
+    """TLS (server cert/key, optional client CA for mutual TLS) and who may call: the keys
+    file (or one token, tenant default)."""
 
     cert: Path | None = None
     key: Path | None = None
     client_ca: Path | None = None
     token: str | None = None
+    keys: Keys | None = None
+
+    def callers(self) -> Keys | None:
+        if self.keys is not None:
+            return self.keys
+        return Keys(text=self.token) if self.token else None
 
     def credentials(self) -> grpc.ServerCredentials | None:
         if self.cert is None and self.key is None:
@@ -403,8 +427,10 @@ def add_security_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
     p.add_argument("--tls-client-ca", type=Path, help="require client certificates from this CA")
     p.add_argument(
-        "--token-file", type=Path, help="require `authorization: Bearer <token>` (token in file)"
-    )
+        "--token-file", type=Path, metavar="KEYS",
+        help="require `authorization: Bearer KEY`: the keys file (`TENANT KEY` lines, or one "
+        "key; `sha256:HEX` for a key kept as its hash); SIGHUP re-reads it",
+    )  # fmt: skip
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument(
         "--max-concurrent-rpcs",
@@ -415,8 +441,8 @@ def add_security_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def security_from_args(args: argparse.Namespace) -> Security:
-    token = args.token_file.read_text().strip() if args.token_file else None
-    return Security(args.tls_cert, args.tls_key, args.tls_client_ca, token)
+    keys = Keys(args.token_file) if args.token_file else None
+    return Security(args.tls_cert, args.tls_key, args.tls_client_ca, keys=keys)
 
 
 def configure_logging(level: str) -> None:

@@ -46,7 +46,7 @@ class ServeConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
-    token: str | None = None
+    keys: Any = None  # slotwise_core.keys.Keys: who may call (one file for all three)
     prep_metrics_port: int | None = None  # Prometheus metrics, one port per service
     infer_metrics_port: int | None = None
     chat_template: str | None = None  # NAME|FILE: for models without one (see prep --help)
@@ -96,7 +96,7 @@ async def start_services(config: ServeConfig) -> Services:
     from slotwise_core.serving import Security
 
     host = _listen_host(config.host)
-    security = Security(config.tls_cert, config.tls_key, config.tls_client_ca, config.token)
+    security = Security(config.tls_cert, config.tls_key, config.tls_client_ca, keys=config.keys)
     security.credentials()  # a missing or half-given certificate fails here, before any load
     runtime = RuntimeConfig(
         model=config.model,
@@ -158,6 +158,10 @@ async def serve_until_signal(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if config.keys is not None:
+        from slotwise_core.keys import reload_on_sighup
+
+        reload_on_sighup(config.keys)
     services = await start_services(config)
     try:
         if http is not None:

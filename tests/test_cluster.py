@@ -285,3 +285,40 @@ def test_the_cluster_run_short() -> None:
     print(figures)
     assert figures["errors"] == [] and figures["turns_lost"] == 0
     assert figures["kills"] >= 1 and figures["turns_completed"] > 0 and figures["failovers"] > 0
+
+
+def test_sessions_keep_their_owner_across_a_failover(tiny: dict[str, TinyPair], tmp_path: Path):
+    """With a keys file on every replica, a session is its tenant's wherever it is served:
+    after its replica is killed, the next one continues it for its owner, and another tenant
+    finds nothing there (NOT_FOUND, as for an id that does not exist)."""
+    keys = tmp_path / "keys"
+    keys.write_text("acme key-of-acme\nglobex key-of-globex\n")
+    c = Cluster(tiny["mrope"], tmp_path / "cluster", keys=keys, token="key-of-acme")
+    try:
+        c.start()
+        acme = SlotwiseClient(c.prep_address, c.infer_address, token="key-of-acme",
+                              retry=NO_RETRY)  # fmt: skip
+        globex = SlotwiseClient(c.prep_address, c.infer_address, token="key-of-globex",
+                                retry=NO_RETRY)  # fmt: skip
+        with acme, globex:
+            acme.create_session("owned")
+            chat = Conversation(acme, "owned")
+            chat.turn(0)
+            home = c.routed_to("owned")
+            assert "owned" in c.sessions_on(home)
+            home.stop()  # kill -9
+            wait_until(lambda: c.routed_to("owned") is not home, what="nginx failing over")
+            assert chat.turn(1).finished is not None  # continued from disk, for its owner
+            assert acme.get_session("owned").num_turns == 2
+            for call in (globex.get_session, globex.delete_session):
+                with pytest.raises(SlotwiseError) as hidden:
+                    call("owned")
+                assert hidden.value.code() == grpc.StatusCode.NOT_FOUND
+            now = c.routed_to("owned")
+            assert c.sessions_on(now) == {"owned": 2}  # acme's, where it is served now
+            assert c.sessions_on(now, token="key-of-globex") == {}
+    except BaseException:
+        print(c.logs())
+        raise
+    finally:
+        c.close()

@@ -228,7 +228,10 @@ def test_security_arguments(pki: Path, tmp_path: Path) -> None:
          "--token-file", str(token_file), "--metrics-port", "9999"]
     )  # fmt: skip
     s = security_from_args(args)
-    assert s == Security(pki / "server.pem", pki / "server.key", pki / "ca.pem", TOKEN)
+    assert (s.cert, s.key, s.client_ca) == (pki / "server.pem", pki / "server.key", pki / "ca.pem")
+    # a token file of one key is a keys file: that key, tenant default
+    assert s.keys is not None and s.keys.tenant_of(TOKEN) == "default"
+    assert s.keys.tenant_of(TOKEN + "x") is None
     assert args.metrics_port == 9999
     assert security_from_args(prep_main.parser().parse_args(["--model", "m"])) == Security()
 

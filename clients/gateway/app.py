@@ -11,9 +11,9 @@ unless --strict-model-name. The API key goes as `Authorization: Bearer` or as `x
 from __future__ import annotations
 
 import contextlib
-import hmac
+import contextvars
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from clients.gateway.media import MediaPolicy
 from clients.gateway.responses_api import Responses, ResponsesRequest
 from clients.gateway.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from clients.gateway.turns import conversation_key
+from slotwise_core.keys import Keys, reload_on_sighup
 
 __all__ = ["GatewayConfig", "conversation_key", "create_app"]
 
@@ -43,21 +44,31 @@ class GatewayConfig:
     prep_address: str
     infer_address: str
     model_name: str = "slotwise"
-    api_key: str | None = None
+    api_key: str | None = None  # one key (tenant default); or:
+    api_keys: Keys | None = None  # the keys file (the services' own): callers' keys go on
     media: MediaPolicy = field(default_factory=MediaPolicy)
-    token: str | None = None  # bearer token for the gRPC services
+    token: str | None = None  # bearer token for the gRPC services, without api keys
     strict_model_name: bool = False  # 404 for another model name (else any name is this one)
     cors_origins: tuple[str, ...] = ()
 
+    def callers(self) -> Keys | None:
+        if self.api_keys is not None:
+            return self.api_keys
+        return Keys(text=self.api_key) if self.api_key else None
+
 
 def create_app(config: GatewayConfig) -> FastAPI:
-    state: dict[str, AsyncSlotwiseClient] = {}
+    keys = config.callers()
+    clients: dict[str | None, AsyncSlotwiseClient] = {}  # by the caller's key (few: the file's)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if keys is not None and keys.path is not None:
+            reload_on_sighup(keys)
         yield
-        if "client" in state:
-            await state.pop("client").close()
+        for c in clients.values():
+            await c.close()
+        clients.clear()
 
     app = FastAPI(
         title="slotwise", summary="OpenAI and Anthropic APIs over slotwise", lifespan=lifespan
@@ -83,11 +94,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
     )
 
     def client() -> AsyncSlotwiseClient:
-        if "client" not in state:  # made on the server's loop, on first use
-            state["client"] = AsyncSlotwiseClient(
-                config.prep_address, config.infer_address, token=config.token, timeout=None
+        """A client that calls the services with the caller's key (so that they know its
+        tenant), or with the gateway's own token when it has no keys; made on first use."""
+        key = _CALLER_KEY.get() if keys is not None else None
+        if key not in clients:
+            token = key if keys is not None else config.token
+            clients[key] = AsyncSlotwiseClient(
+                config.prep_address, config.infer_address, token=token, timeout=None
             )
-        return state["client"]
+        return clients[key]
 
     def anthropic(path: str) -> bool:
         return path.removeprefix("/v1").startswith("/messages")
@@ -98,16 +113,18 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.middleware("http")
     async def edge(request: Request, call_next: Any) -> Response:
         path = request.url.path
-        guarded = config.api_key and request.method != "OPTIONS" and path not in _OPEN_PATHS
-        if guarded and not _authorized(request, config.api_key or ""):
-            requests.labels("unauthorized", "401").inc()
-            refused = ApiError(
-                401,
-                "incorrect or missing API key",
-                code="invalid_api_key",
-                type="authentication_error",
-            )
-            return error(path, refused)
+        if keys is not None and request.method != "OPTIONS" and path not in _OPEN_PATHS:
+            key = _presented_key(request)
+            if keys.tenant_of(key) is None:
+                requests.labels("unauthorized", "401").inc()
+                refused = ApiError(
+                    401,
+                    "incorrect or missing API key",
+                    code="invalid_api_key",
+                    type="authentication_error",
+                )
+                return error(path, refused)
+            _CALLER_KEY.set(key)
         t0 = time.perf_counter()
         response = await call_next(request)
         route = request.scope.get("route")  # the template, never the raw path: bounded labels
@@ -206,13 +223,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
     return app
 
 
-def _authorized(request: Request, key: str) -> bool:
-    """`Authorization: Bearer KEY` or `x-api-key: KEY`, compared in constant time."""
-    given: Sequence[str] = [
-        request.headers.get("authorization", "").removeprefix("Bearer ").strip(),
-        request.headers.get("x-api-key", ""),
-    ]
-    return any(g and hmac.compare_digest(g.encode(), key.encode()) for g in given)
+_CALLER_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar("caller", default=None)
+
+
+def _presented_key(request: Request) -> str | None:
+    """`Authorization: Bearer KEY` or `x-api-key: KEY` (Keys compares in constant time)."""
+    bearer = request.headers.get("authorization", "")
+    if bearer.startswith("Bearer "):
+        return bearer.removeprefix("Bearer ").strip()
+    return request.headers.get("x-api-key") or None
 
 
 def _model_card(name: str) -> dict[str, object]:

@@ -107,6 +107,8 @@ class Cluster:
     num_infer: int = 3
     parallel: int = 2
     ctx_size: int = 1024
+    keys: Path | None = None  # a keys file for every replica (token: the key its calls use)
+    token: str | None = None
     prep: list[Proc] = field(default_factory=list)
     infer: list[Proc] = field(default_factory=list)
     nginx: Proc | None = None
@@ -128,10 +130,12 @@ class Cluster:
         self.work.mkdir(parents=True, exist_ok=True)
         self.sessions_dir.mkdir(exist_ok=True)
         m, p = str(self.pair.model), str(self.pair.mmproj)
+        secured = ["--token-file", str(self.keys)] if self.keys else []
         for i in range(self.num_prep):
             port = free_port()
             argv = [sys.executable, "-m", "prep_service", "--model", m, "--mmproj", p,
-                    "--host", "127.0.0.1", "--port", str(port), "--threads", "1"]  # fmt: skip
+                    "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
+                    *secured]  # fmt: skip
             self.prep.append(Proc(f"prep{i}", argv, port, self.work / f"prep{i}.log"))
         for i in range(self.num_infer):
             port = free_port()
@@ -139,7 +143,7 @@ class Cluster:
                     "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
                     "--ctx-size", str(self.ctx_size * self.parallel),
                     "--parallel", str(self.parallel), "--sessions-dir", str(self.sessions_dir),
-                    "--drain-seconds", "30"]  # fmt: skip
+                    "--drain-seconds", "30", *secured]  # fmt: skip
             self.infer.append(Proc(f"infer{i}", argv, port, self.work / f"infer{i}.log"))
         for proc in (*self.prep, *self.infer):
             proc.start()
@@ -186,7 +190,7 @@ class Cluster:
         with grpc.insecure_channel(self.infer_address) as ch:
             _, call = infer_pb2_grpc.InferServiceStub(ch).GetServerInfo.with_call(
                 infer_pb2.GetServerInfoRequest(),
-                metadata=[("x-slotwise-session", session_id)],
+                metadata=[("x-slotwise-session", session_id), *self._auth],
                 timeout=10,
             )
         upstream = dict(call.initial_metadata())["x-slotwise-upstream"]
@@ -195,14 +199,20 @@ class Cluster:
     def replica_of(self, address: str) -> Proc:
         return next(p for p in self.infer if p.address == address)
 
-    def sessions_on(self, proc: Proc) -> dict[str, int]:
+    def sessions_on(self, proc: Proc, token: str | None = None) -> dict[str, int]:
         """The sessions one replica holds in memory (session id -> turns), asked directly: a
-        replica lists only sessions it created, served or loaded at its start."""
+        replica lists only sessions it created, served or loaded at its start (with keys:
+        only the caller's, token's or else the cluster's own)."""
+        auth = [("authorization", f"Bearer {token}")] if token else self._auth
         with grpc.insecure_channel(proc.address) as ch:
             r = infer_pb2_grpc.InferServiceStub(ch).ListSessions(
-                infer_pb2.ListSessionsRequest(), timeout=10
+                infer_pb2.ListSessionsRequest(), metadata=auth, timeout=10
             )
         return {s.session_id: s.num_turns for s in r.sessions}
+
+    @property
+    def _auth(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}")] if self.token else []
 
     def restart(self, proc: Proc) -> None:
         proc.stop()

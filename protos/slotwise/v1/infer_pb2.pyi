@@ -143,7 +143,7 @@ class ContextOptions(_message.Message):
     def __init__(self, policy: _Optional[_Union[ShiftPolicy, str]] = ..., keep: _Optional[int] = ..., discard_fraction: _Optional[float] = ..., unit: _Optional[_Union[EvictionUnit, str]] = ..., truncate_prompt: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "sampling", "max_tokens", "stop", "context", "session_id", "stream_tokens", "constraint", "logit_bias", "logprobs", "top_logprobs", "turn_note")
+    __slots__ = ("prompt", "sampling", "max_tokens", "stop", "context", "session_id", "stream_tokens", "constraint", "logit_bias", "logprobs", "top_logprobs", "turn_note", "cache_salt", "expect_turns")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,8 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TURN_NOTE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_TURNS_FIELD_NUMBER: _ClassVar[int]
     prompt: _prompt_pb2.PreparedPrompt
     sampling: SamplingParams
     max_tokens: int
@@ -175,7 +177,9 @@ class GenerateRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     turn_note: bytes
-    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., session_id: _Optional[str] = ..., stream_tokens: _Optional[int] = ..., constraint: _Optional[_Union[_prompt_pb2.Constraint, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., turn_note: _Optional[bytes] = ...) -> None: ...
+    cache_salt: str
+    expect_turns: int
+    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., session_id: _Optional[str] = ..., stream_tokens: _Optional[int] = ..., constraint: _Optional[_Union[_prompt_pb2.Constraint, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., turn_note: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., expect_turns: _Optional[int] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("slot", "num_prompt_cells", "num_prompt_positions", "num_capacity_cells", "num_truncated_cells", "truncated_media_ids", "num_truncated_chunks", "num_reused_cells")
