@@ -30,6 +30,7 @@ from slotwise_core.tiny_models import TinyPair
 from support.http_stack import Stack, Stacks
 from support.loop import LoopThread
 from support.media import image_bytes
+from support.wait import wait_until
 
 TEMPLATES = Path(__file__).parent / "templates"
 QWEN = str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja")  # Hermes-style <tool_call>
@@ -273,6 +274,7 @@ def test_responses_whole_streamed_with_tools_formats_and_stored(hermes: Stack) -
         model="gpt-4o-mini",
         instructions="Be brief.",
         max_output_tokens=8,
+        temperature=0,  # (the same reply every run: the tiny model's greedy one)
         input=[
             {
                 "role": "user",
@@ -302,6 +304,22 @@ def test_responses_whole_streamed_with_tools_formats_and_stored(hermes: Stack) -
             model="x", input="again", previous_response_id=r2.id, instructions="Be long."
         )
     assert changed.value.param == "instructions"
+    # instructions sent again are the chain's: kept once, by its first response, and shown
+    r3 = client.responses.create(
+        model="x",
+        input="Again?",
+        previous_response_id=r2.id,
+        instructions="Be brief.",
+        max_output_tokens=4,
+        temperature=0,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
+    assert client.responses.retrieve(r3.id).instructions == "Be brief."
+    assert client.responses.retrieve(r2.id).instructions is None  # as OpenAI: not carried
+    (lp,) = [c.logprobs for c in r3.output[0].content]  # type: ignore[union-attr]
+    assert lp is not None and len(lp) == r3.usage.output_tokens  # type: ignore[union-attr]
+    assert all(len(t.top_logprobs) == 2 for t in lp)
 
     tool = {
         "type": "function",
@@ -319,6 +337,8 @@ def test_responses_whole_streamed_with_tools_formats_and_stored(hermes: Stack) -
         return [o.call_id for o in r.output if o.type == "function_call"]
 
     assert call_ids(client.responses.retrieve(calling.id)) == call_ids(calling)
+    for shown in (r, r3, calling, client.responses.retrieve(r3.id)):  # the SDK's types, strictly
+        openai.types.responses.Response.model_validate(shown.model_dump(mode="json"))
     answered = client.responses.create(
         model="x",
         previous_response_id=calling.id,
@@ -345,12 +365,67 @@ def test_responses_whole_streamed_with_tools_formats_and_stored(hermes: Stack) -
         )
     ]
     assert kinds[:2] == ["response.created", "response.in_progress"]
-    assert "response.output_text.delta" in kinds and kinds[-1] == "response.incomplete"
+    assert kinds.index("response.output_item.added") < kinds.index("response.output_text.delta")
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
 
     deleted = client.responses.delete(r2.id)
     assert deleted is None or getattr(deleted, "deleted", True)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)  # the whole chain is its session: gone
+
+
+def test_a_new_chain_whose_first_response_fails_leaves_no_session(hermes: Stack) -> None:
+    from clients.client import SlotwiseClient
+
+    addresses = (f"127.0.0.1:{hermes.prep_port}", f"127.0.0.1:{hermes.infer.port}")
+    with SlotwiseClient(*addresses) as grpc_client:
+        before = {s.session_id for s in grpc_client.list_sessions()}
+        with pytest.raises(openai.BadRequestError) as refused:
+            hermes.client().responses.create(model="x", input="word " * 9000, truncation="disabled")
+        assert refused.value.code == "context_length_exceeded"
+        wait_until(
+            lambda: {s.session_id for s in grpc_client.list_sessions()} == before,
+            what="the failed chain's session to be deleted",
+        )
+
+
+def test_a_streamed_empty_reply_is_a_message_without_text() -> None:
+    """What the SDK's event types accept, for a reply with neither text nor calls."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from clients.gateway.responses_api import Responses
+    from clients.gateway.turns import TurnEnd
+
+    async def events() -> Any:
+        yield TurnEnd("", (), "", None, None)
+
+    rid = f"resp_{'0' * 32}_1"
+    api = Responses(None, None, "m")  # type: ignore[arg-type]
+
+    async def stream() -> list[str]:
+        shell = api._shell(None, rid, 0)
+        return [chunk async for chunk in api._stream(events(), shell, rid, 0, False)]
+
+    chunks = asyncio.run(stream())
+    adapter: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+    parsed = [adapter.validate_json(c.partition("data: ")[2]) for c in chunks]
+    assert [e.type for e in parsed] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert parsed[-1].response.output[0].content[0].text == ""
 
 
 # -- anthropic ---------------------------------------------------------------------------------
@@ -420,11 +495,11 @@ def test_anthropic_messages_tools_streaming_count_and_errors(hermes: Stack) -> N
         model="x",
         max_tokens=ROOM,
         tools=tools,
-        tool_choice={"type": "tool", "name": "get_weather"},
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
         messages=[{"role": "user", "content": "Weather?"}],
     ) as s:
         final = s.get_final_message()
-    (streamed,) = [b for b in final.content if b.type == "tool_use"]
+    (streamed,) = [b for b in final.content if b.type == "tool_use"]  # one: parallel is off
     jsonschema.validate(streamed.input, WEATHER_SCHEMA)
 
     with pytest.raises(anthropic.BadRequestError) as bad:

@@ -664,6 +664,16 @@ def test_session_errors_have_clear_statuses_and_the_service_goes_on(
     assert stream.started.num_reused_cells == 0
     assert session_info(stub, "busy").num_turns == 1
 
+    # a turn that expects the session where the caller last saw it: refused once it moved on
+    # (and the refusal leaves the session free)
+    moved = status_of(
+        lambda: generate(stub, prompt=prompt, session_id="busy", max_tokens=2, expect_turns=0)
+    )
+    assert moved.code() == grpc.StatusCode.FAILED_PRECONDITION and "1 turns" in moved.details()
+    again = generate(stub, prompt=prompt, session_id="busy", max_tokens=2, expect_turns=1)
+    assert again.finished.reason in OK_REASONS
+    assert session_info(stub, "busy").num_turns == 2
+
     # DeleteSession removes the file, and the pixels no other session refers to
     assert (tmp_path / "busy.session").is_file()
     assert len(list((tmp_path / "media").iterdir())) == 1

@@ -162,8 +162,11 @@ async def _messages(
 async def _image(source: dict[str, Any], media: MediaPolicy, where: str) -> bytes:
     kind = source.get("type")
     if kind == "base64":
+        data = str(source.get("data", ""))
+        if len(data) > media.max_bytes * 4 // 3 + 4:
+            raise bad_request(f"{where}: the image is over {media.max_bytes} bytes", where)
         try:
-            return base64.b64decode(str(source.get("data", "")), validate=True)
+            return base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise bad_request(f"{where}: the image is not valid base64", where) from None
     if kind == "url":
@@ -181,7 +184,8 @@ def _tools(body: MessagesRequest | CountRequest) -> ToolOptions | None:
             raise refuse(f"tools.{i}", f"{t.type!r} (a server tool) is not served here")
     defs = [Tool(t.name, t.description, t.input_schema) for t in body.tools]
     choice = body.tool_choice or {"type": "auto"}
-    parallel = not choice.get("disable_parallel_tool_use", False)
+    # (disabling is Anthropic's only say: else as the format allows)
+    parallel = False if choice.get("disable_parallel_tool_use") else None
     kind = choice.get("type")
     if kind in ("auto", "none"):
         return ToolOptions(defs, ToolChoice(kind), parallel=parallel)
@@ -224,6 +228,7 @@ class Messages:
             constraint=Constraint(json_schema=fmt["schema"]) if fmt is not None else None,
             constraint_param="output_config.format",
             session_id=o.session_id,
+            cache_salt=o.cache_salt,
         )
         turn, _ = await start_turn(self.client, req)
         mid = f"msg_{uuid.uuid4().hex}"

@@ -210,6 +210,7 @@ async def chat_completion(
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
         session_id=body.slotwise.session_id,
+        cache_salt=body.salt,
     )
     turns = await start_all(client, choices(req, body.n))
     reply = _Chat(model, chat=True, include_usage=_include_usage(body))
@@ -233,6 +234,7 @@ async def completion(client: AsyncSlotwiseClient, body: CompletionRequest, model
         logit_bias=logit_bias_of(body),
         logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0,
+        cache_salt=body.salt,
     )
     if body.slotwise.session_id:
         raise refuse("slotwise.session_id", "goes with chat completions")
@@ -249,7 +251,14 @@ def _include_usage(body: SamplingRequest) -> bool:
 
 
 async def _wholes(turns: list[Turn]) -> list[TurnEnd]:
-    return list(await asyncio.gather(*(t.whole() for t in turns)))
+    """Every choice whole; one that fails ends the others (their generations stop)."""
+    ends = await asyncio.gather(*(t.whole() for t in turns), return_exceptions=True)
+    failure = next((e for e in ends if isinstance(e, BaseException)), None)
+    if failure is not None:
+        for t in turns:
+            await t.close()
+        raise failure
+    return [e for e in ends if isinstance(e, TurnEnd)]
 
 
 def _json(body: dict[str, Any], ends: list[TurnEnd]) -> JSONResponse:
@@ -334,6 +343,8 @@ class _Chat:
                     await queue.put((i, event))
             except ApiError as e:
                 await queue.put((i, e))
+            except Exception as e:  # never leave the stream waiting for a choice that died
+                await queue.put((i, ApiError(500, f"internal error: {e!r}", type="server_error")))
 
         tasks = [asyncio.ensure_future(run(i, t)) for i, t in enumerate(turns)]
         ends: list[TurnEnd] = []
@@ -401,14 +412,17 @@ def _token(piece: bytes) -> str:
     return piece.decode("utf-8", errors="replace")
 
 
-def _chat_logprobs(infos: list[TokenLogprobs]) -> dict[str, Any]:
+def token_logprobs(infos: Sequence[TokenLogprobs]) -> list[dict[str, Any]]:
+    """Chat Completions' (and the Responses API's) shape of a token's log-probabilities."""
+
     def one(c: Any) -> dict[str, Any]:
         return {"token": _token(c.piece), "logprob": c.logprob, "bytes": list(c.piece)}
 
-    return {
-        "content": [{**one(lp.chosen), "top_logprobs": [one(t) for t in lp.top]} for lp in infos],
-        "refusal": None,
-    }
+    return [{**one(lp.chosen), "top_logprobs": [one(t) for t in lp.top]} for lp in infos]
+
+
+def _chat_logprobs(infos: list[TokenLogprobs]) -> dict[str, Any]:
+    return {"content": token_logprobs(infos), "refusal": None}
 
 
 def _completion_logprobs(infos: list[TokenLogprobs]) -> dict[str, Any]:

@@ -15,12 +15,13 @@ slotwise continues it where it stands (branching from an older response is refus
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,6 +33,7 @@ from clients.client import (
     Message,
     Prepared,
     SlotwiseError,
+    TokenLogprobs,
     Tool,
     ToolCall,
     ToolChoice,
@@ -41,12 +43,14 @@ from clients.client import (
 )
 from clients.gateway.errors import ApiError, bad_request, from_slotwise
 from clients.gateway.media import MediaPolicy, image_bytes
+from clients.gateway.openai_api import token_logprobs
 from clients.gateway.schema import MAX_TOKENS, SlotwiseOptions
 from clients.gateway.turns import Keep, Text, TurnEnd, TurnRequest, refuse, start_turn
 from clients.tool_calls import parse_reply
 
 _ID = re.compile(r"resp_([0-9a-f]{32})_([0-9]+)")
 _MAX_NOTE = 60 << 10  # GenerateRequest.turn_note holds 64 KiB
+_CHAIN_FIXED = ("instructions", "tools")  # refused if a continuation changes them
 
 
 class _Open(BaseModel):
@@ -209,6 +213,7 @@ def _digest(value: object) -> str:
 class Responses:
     def __init__(self, client: AsyncSlotwiseClient, media: MediaPolicy, model: str):
         self.client, self.media, self.model = client, media, model
+        self._cleanups: set[asyncio.Task[None]] = set()
 
     async def create(self, body: ResponsesRequest) -> Response:
         name = body.unsupported()
@@ -216,7 +221,7 @@ class Responses:
             raise refuse(name)
         new = await _messages(body.input, self.media)
         settings = {"instructions": _digest(body.instructions), "tools": _digest(body.tools)}
-        chain, turn, before, first = uuid.uuid4().hex, 1, 0, None
+        chain, turn, before, first, expect = uuid.uuid4().hex, 1, 0, None, 0
         messages = [Message.system(body.instructions), *new] if body.instructions else new
         if body.previous_response_id is not None:
             if not body.store:
@@ -224,16 +229,17 @@ class Responses:
                     "previous_response_id goes with store (the chain is a stored session)",
                     "store",
                 )
-            chain, turn, last, before = await self._latest(body.previous_response_id)
-            turn += 1
+            chain, expect, last, before = await self._latest(body.previous_response_id)
+            turn = expect + 1
             held = _note_of(last).get("settings", {})
-            for key in ("instructions", "tools"):
+            for key in _CHAIN_FIXED:
                 if getattr(body, key) is not None and held.get(key) != settings[key]:
                     raise bad_request(
                         f"{key} differ from the chain's first response, which its KV cache "
                         "holds: start a new chain to change them",
                         key,
                     )
+            settings = {key: held.get(key) for key in _CHAIN_FIXED}  # the chain's, carried on
             # the session holds the rest: a stand-in for what came before, its last reply
             # (as the model wrote it, so that it is reused), then only the new input
             messages = [Message.user("(earlier turns)"), Message.assistant(last.text), *new]
@@ -243,15 +249,19 @@ class Responses:
 
         def note(prepared: Prepared) -> bytes:
             fmt = prepared.tool_format if prepared.tool_constraint else ToolFormat.UNSPECIFIED
+            # what cannot change along a chain is kept once, by its first response
+            lean = [k for k in _CHAIN_FIXED if turn > 1 and shell[k]]
+            shown = {k: v for k, v in shell.items() if k not in lean}
             kept = {
-                "shell": shell,
+                "shell": shown,
+                "from_first": lean,
                 "context_cells": before,
                 "settings": settings,
                 "tool_format": fmt.value,
             }
             data = json.dumps(kept).encode()
             if len(data) > _MAX_NOTE:  # (a large tool list: GET shows none)
-                data = json.dumps({**kept, "shell": {**shell, "tools": []}}).encode()
+                data = json.dumps({**kept, "shell": {**shown, "tools": []}}).encode()
             return data
 
         o = body.slotwise
@@ -274,68 +284,95 @@ class Responses:
             session_id=f"resp-{chain}" if body.store else None,
             first_message=first,
             create_session=body.store and body.previous_response_id is None,
+            expect_turns=expect if body.store else None,
+            cache_salt=o.cache_salt,
             note=note if body.store else None,
         )
-        started, _ = await start_turn(self.client, req)
+        new_chain = req.create_session
+        try:
+            started, _ = await start_turn(self.client, req)
+        except ApiError as e:
+            if new_chain:
+                self._forget(chain)
+            if e.code == "session_moved_on":  # another continuation came first
+                e.message = f"{body.previous_response_id} is no longer the latest of its chain"
+                e.param = "previous_response_id"
+            raise
         if body.stream:
-            events = self._stream(started.events(), shell, rid, before)
+            events = self._stream(started.events(), shell, rid, before, new_chain)
             return StreamingResponse(events, media_type="text/event-stream")
-        end = await started.whole()
+        try:
+            end = await started.whole()
+        except BaseException:
+            if new_chain:
+                self._forget(chain)
+            raise
         usage = _usage(end, before)
         out = self._finished(
-            shell, rid, end.content, _ids(end.calls, rid), usage, end.finish_reason
+            shell, rid, end.content, _ids(end.calls, rid), usage, end.finish_reason, end.logprobs
         )
         headers = {"x-slotwise-warning": end.warning} if end.warning else None
         return JSONResponse(out, headers=headers)
 
+    def _forget(self, chain: str) -> None:
+        """A new chain whose first response failed leaves no session behind (in the
+        background: the failed turn may still be ending, and the client may be gone)."""
+
+        async def delete() -> None:
+            for attempt in range(6):
+                try:
+                    await self.client.delete_session(f"resp-{chain}")
+                    return
+                except SlotwiseError as e:
+                    if e.reason != "SESSION_BUSY":
+                        return  # gone already, or not ours to clean up now
+                await asyncio.sleep(0.05 * 2**attempt)
+
+        task = asyncio.get_running_loop().create_task(delete())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
     async def _latest(self, response_id: str) -> tuple[str, int, TurnRecord, int]:
-        """The chain and turn a response id names, that turn's record, which must be the
-        session's latest, and the cells the session holds."""
-        m = _ID.fullmatch(response_id)
-        if m is None:
-            raise ApiError(
-                404,
-                f"no stored response {response_id!r}",
-                code="not_found",
-                param="previous_response_id",
-            )
-        chain, turn = m.group(1), int(m.group(2))
-        record = await self._record(chain, turn, "previous_response_id")
-        try:
-            info = await self.client.get_session(f"resp-{chain}")
-        except SlotwiseError as e:
-            raise from_slotwise(e) from None
-        if info.num_turns != turn:
+        """The chain and turn a response id names, which must be its session's latest, that
+        turn's record, and the cells the session holds."""
+        param = "previous_response_id"
+        chain, turn = _named(response_id, param)
+        info = await self._chain(chain, turn, 1, param)
+        if info.num_turns > turn:
             raise bad_request(
                 f"{response_id} is not the latest response of its chain (resp_{chain}_"
                 f"{info.num_turns} is): slotwise continues a stored chain where it stands",
-                "previous_response_id",
+                param,
             )
-        return chain, turn, record, info.num_cells
+        if not info.records or info.records[-1].turn != turn:
+            raise _not_found(f"resp_{chain}_{turn}", param)
+        return chain, turn, info.records[-1], info.num_cells
 
-    async def _record(self, chain: str, turn: int, param: str | None = None) -> TurnRecord:
+    async def _chain(self, chain: str, turn: int, num_records: int, param: str | None = None):
         try:
-            info = await self.client.get_session(f"resp-{chain}", num_records=256)
+            return await self.client.get_session(f"resp-{chain}", num_records=num_records)
         except SlotwiseError as e:
             if e.reason == "SESSION_NOT_FOUND":
-                raise ApiError(
-                    404, f"no stored response resp_{chain}_{turn}", code="not_found", param=param
-                ) from None
+                raise _not_found(f"resp_{chain}_{turn}", param) from None
             raise from_slotwise(e) from None
-        record = next((r for r in info.records if r.turn == turn), None)
-        if record is None:
-            raise ApiError(
-                404, f"no stored response resp_{chain}_{turn}", code="not_found", param=param
-            )
-        return record
+
+    async def _records(self, response_id: str) -> dict[int, TurnRecord]:
+        """The records of the chain a response belongs to, by turn (it must be one of them)."""
+        chain, turn = _named(response_id)
+        info = await self._chain(chain, turn, 256)
+        records = {r.turn: r for r in info.records}
+        if turn not in records:
+            raise _not_found(response_id)
+        return records
 
     async def get(self, response_id: str) -> dict[str, Any]:
-        m = _ID.fullmatch(response_id)
-        if m is None:
-            raise ApiError(404, f"no stored response {response_id!r}", code="not_found")
-        record = await self._record(m.group(1), int(m.group(2)))
+        records = await self._records(response_id)
+        record = records[_named(response_id)[1]]
         note = _note_of(record)
         shell = note.get("shell") or self._shell(None, response_id, int(record.created))
+        first = _note_of(records[1]).get("shell", {}) if 1 in records else {}
+        for key in note.get("from_first", ()):
+            shell[key] = first.get(key)
         fmt = ToolFormat(note.get("tool_format") or "unspecified")
         reply = parse_reply(fmt, record.text) if fmt is not ToolFormat.UNSPECIFIED else None
         content = reply.content if reply else record.text
@@ -348,12 +385,10 @@ class Responses:
         return self._finished(shell, response_id, content, calls, usage, finish)
 
     async def delete(self, response_id: str) -> dict[str, Any]:
-        m = _ID.fullmatch(response_id)
-        if m is None:
-            raise ApiError(404, f"no stored response {response_id!r}", code="not_found")
-        await self._record(m.group(1), int(m.group(2)))
+        """Deletes the whole chain: its responses are turns of one session."""
+        await self._records(response_id)
         try:
-            await self.client.delete_session(f"resp-{m.group(1)}")
+            await self.client.delete_session(f"resp-{_named(response_id)[0]}")
         except SlotwiseError as e:
             raise from_slotwise(e) from None
         return {"id": response_id, "object": "response", "deleted": True}
@@ -386,7 +421,7 @@ class Responses:
             "top_p": body.top_p if body else None,
             "store": body.store if body else True,
             "metadata": (body.metadata or {}) if body else {},
-            "truncation": (body.truncation or "disabled") if body else "disabled",
+            "truncation": (body.truncation or "auto") if body else "auto",
             "error": None,
             "incomplete_details": None,
             "usage": None,
@@ -400,112 +435,105 @@ class Responses:
         calls: Sequence[ToolCall],
         usage: dict[str, Any],
         finish: str,
+        logprobs: Sequence[TokenLogprobs] = (),
     ) -> dict[str, Any]:
         out = {**shell, "status": "completed", "usage": usage}
-        out["output"] = _output(rid, content, calls, "completed")
+        out["output"] = _output(rid, content, calls, "completed", logprobs)
         if finish == "length":
             out["status"] = "incomplete"
             out["incomplete_details"] = {"reason": "max_output_tokens"}
         return out
 
     async def _stream(
-        self, events: AsyncIterator[Text | TurnEnd], shell: dict[str, Any], rid: str, before: int
+        self,
+        events: AsyncIterator[Text | TurnEnd],
+        shell: dict[str, Any],
+        rid: str,
+        before: int,
+        new_chain: bool,
     ) -> AsyncIterator[str]:
         n = 0
 
         def event(kind: str, **fields: Any) -> str:
             nonlocal n
             n += 1
-            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': n - 1, **fields})}\n\n"  # noqa: E501
+            data = json.dumps({"type": kind, "sequence_number": n - 1, **fields})
+            return f"event: {kind}\ndata: {data}\n\n"
 
-        public = shell
-        yield event("response.created", response=public)
-        yield event("response.in_progress", response=public)
         msg_id = f"msg_{_hex(rid, 'message')}"
-        text: list[str] = []
+        at = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+        opened = False
+
+        def open_message() -> Iterator[str]:
+            nonlocal opened
+            opened = True
+            item = {"type": "message", "id": msg_id, "status": "in_progress",
+                    "role": "assistant", "content": []}  # fmt: skip
+            yield event("response.output_item.added", output_index=0, item=item)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            yield event("response.content_part.added", **at, part=part)
+
+        completed = False
+        yield event("response.created", response=shell)
+        yield event("response.in_progress", response=shell)
         try:
             async for e in events:
                 if isinstance(e, Text):
-                    if not e.text:
-                        continue
-                    if not text:
-                        item = {
-                            "type": "message",
-                            "id": msg_id,
-                            "status": "in_progress",
-                            "role": "assistant",
-                            "content": [],
-                        }
-                        yield event("response.output_item.added", output_index=0, item=item)
-                        yield event(
-                            "response.content_part.added",
-                            item_id=msg_id,
-                            output_index=0,
-                            content_index=0,
-                            part={"type": "output_text", "text": "", "annotations": []},
-                        )
-                    text.append(e.text)
-                    yield event(
-                        "response.output_text.delta",
-                        item_id=msg_id,
-                        output_index=0,
-                        content_index=0,
-                        delta=e.text,
-                        logprobs=[],
-                    )
+                    if e.text:
+                        if not opened:
+                            for line in open_message():
+                                yield line
+                        yield event("response.output_text.delta", **at, delta=e.text,
+                                    logprobs=token_logprobs(e.logprobs))  # fmt: skip
                     continue
-                end = e
-                calls = _ids(end.calls, rid)
-                full = self._finished(
-                    shell, rid, end.content, calls, _usage(end, before), end.finish_reason
-                )
-                if text:
-                    whole = "".join(text)
-                    part = {"type": "output_text", "text": whole, "annotations": []}
-                    yield event(
-                        "response.output_text.done",
-                        item_id=msg_id,
-                        output_index=0,
-                        content_index=0,
-                        text=whole,
-                        logprobs=[],
-                    )
-                    yield event(
-                        "response.content_part.done",
-                        item_id=msg_id,
-                        output_index=0,
-                        content_index=0,
-                        part=part,
-                    )
-                    yield event("response.output_item.done", output_index=0, item=full["output"][0])
-                first = 1 if text else 0
-                for k, item in enumerate(full["output"][first:], start=first):
+                full = self._finished(shell, rid, e.content, _ids(e.calls, rid),
+                                      _usage(e, before), e.finish_reason, e.logprobs)  # fmt: skip
+                for k, item in enumerate(full["output"]):
+                    if item["type"] == "message":
+                        if not opened:
+                            for line in open_message():
+                                yield line
+                        part = item["content"][0]
+                        yield event("response.output_text.done", **at, text=part["text"],
+                                    logprobs=part["logprobs"])  # fmt: skip
+                        yield event("response.content_part.done", **at, part=part)
+                        yield event("response.output_item.done", output_index=0, item=item)
+                        continue
                     pending = {**item, "arguments": "", "status": "in_progress"}
+                    call = {"item_id": item["id"], "output_index": k}
                     yield event("response.output_item.added", output_index=k, item=pending)
-                    yield event(
-                        "response.function_call_arguments.delta",
-                        item_id=item["id"],
-                        output_index=k,
-                        delta=item["arguments"],
-                    )
-                    yield event(
-                        "response.function_call_arguments.done",
-                        item_id=item["id"],
-                        output_index=k,
-                        arguments=item["arguments"],
-                    )
+                    yield event("response.function_call_arguments.delta", **call,
+                                delta=item["arguments"])  # fmt: skip
+                    yield event("response.function_call_arguments.done", **call,
+                                arguments=item["arguments"])  # fmt: skip
                     yield event("response.output_item.done", output_index=k, item=item)
                 incomplete = full["status"] == "incomplete"
+                completed = True
                 yield event(
                     f"response.{'incomplete' if incomplete else 'completed'}", response=full
                 )
         except ApiError as e:
             failed = {
-                **public,
+                **shell,
                 "status": "failed",
                 "error": {"code": e.code or "server_error", "message": e.message},
             }
             yield event("response.failed", response=failed)
+        finally:
+            if new_chain and not completed:
+                self._forget(rid.split("_")[1])
+
+
+def _named(response_id: str, param: str | None = None) -> tuple[str, int]:
+    """The chain and turn of a stored response's id."""
+    m = _ID.fullmatch(response_id)
+    if m is None:
+        raise _not_found(response_id, param)
+    return m.group(1), int(m.group(2))
+
+
+def _not_found(response_id: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"no stored response {response_id!r}", code="not_found", param=param)
 
 
 def _hex(rid: str, what: str) -> str:
@@ -517,16 +545,24 @@ def _ids(calls: Sequence[ToolCall], rid: str) -> list[ToolCall]:
     return [ToolCall(f"call_{_hex(rid, str(k))}", c.name, c.arguments) for k, c in enumerate(calls)]
 
 
-def _output(rid: str, content: str, calls: Sequence[ToolCall], status: str) -> list[Any]:
+def _output(
+    rid: str,
+    content: str,
+    calls: Sequence[ToolCall],
+    status: str,
+    logprobs: Sequence[TokenLogprobs] = (),
+) -> list[Any]:
     items: list[dict[str, Any]] = []
     if content or not calls:
+        text = {"type": "output_text", "text": content, "annotations": [],
+                "logprobs": token_logprobs(logprobs)}  # fmt: skip
         items.append(
             {
                 "type": "message",
                 "id": f"msg_{_hex(rid, 'message')}",
                 "status": status,
                 "role": "assistant",
-                "content": [{"type": "output_text", "text": content, "annotations": []}],
+                "content": [text],
             }
         )
     for c in calls:
@@ -554,7 +590,7 @@ def _usage_of(prompt: int, reused: int, generated: int, before: int) -> dict[str
     cached = before if before else reused
     return {
         "input_tokens": before + new,
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": generated,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": before + new + generated,

@@ -71,6 +71,7 @@ class SlotwiseOptions(BaseModel):
     unit: Literal["token", "message"] | None = None
     truncate: bool = True  # drop the oldest units of a prompt that cannot fit
     session_id: str | None = None
+    cache_salt: str = Field(default="", max_length=256)  # KV reused only with the same salt
 
 
 class FunctionDef(_Open):
@@ -126,7 +127,12 @@ class SamplingRequest(_Open):
     response_format: ResponseFormat | None = None
     grammar: str | None = None  # llama-server's: GBNF
     json_schema: dict[str, Any] | None = None  # llama-server's
+    cache_salt: str | None = Field(default=None, max_length=256)  # vLLM's
     slotwise: SlotwiseOptions = Field(default_factory=SlotwiseOptions)
+
+    @property
+    def salt(self) -> str:
+        return self.cache_salt or self.slotwise.cache_salt
 
     def unsupported(self) -> str | None:
         """The first parameter given that slotwise cannot honour."""

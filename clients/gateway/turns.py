@@ -61,6 +61,8 @@ class TurnRequest:
     session_id: str | None = None  # a server-side session's turn
     first_message: int | None = None  # a session turn's first new message (None: found)
     create_session: bool = False  # the session is new: create it first
+    expect_turns: int | None = None  # a session turn: only if it has this many turns
+    cache_salt: str = ""  # KV reused only between requests of the same salt (and tenant)
     note: Callable[[Prepared], bytes] | None = None  # a session turn's note, once prepared
 
 
@@ -153,7 +155,9 @@ class Turn:
             shown = end.content
             end.calls = reply.calls
             end.content = shown + reply.content
-            if reply.content:
+            if end.calls and not end.content.strip():
+                end.content = ""  # (the blank line before the calls is no answer)
+            elif reply.content:
                 yield Text(reply.content)
         else:
             end.content = end.raw_text
@@ -217,10 +221,12 @@ async def start_turn(client: AsyncSlotwiseClient, req: TurnRequest) -> tuple[Tur
                 raise bad_request(
                     "a response format (or grammar) and tool calls cannot constrain one reply "
                     "together here: give one of them",
-                    "response_format",
+                    req.constraint_param,
                 )
             constraint = prepared.tool_constraint
         options = _options(req, prepared, first, messages)
+        if req.expect_turns is not None:
+            options["expect_turns"] = req.expect_turns
         if req.session_id and (req.create_session or first == 0):
             await _create_session(client, req.session_id, options, required=req.create_session)
         if req.session_id and first > 0:
@@ -235,9 +241,14 @@ async def start_turn(client: AsyncSlotwiseClient, req: TurnRequest) -> tuple[Tur
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs,
             turn_note=req.note(prepared) if req.note is not None else b"",
+            cache_salt=req.cache_salt,
             **options,
         )
-        first_event = await anext(events)  # admitted, or refused with its own status
+        try:
+            first_event = await anext(events)  # admitted, or refused with its own status
+        except BaseException:
+            await events.aclose()  # type: ignore[attr-defined]
+            raise
     except SlotwiseError as e:
         refused = from_slotwise(e)
         if refused.param and refused.param.startswith("constraint"):  # in the API's words
