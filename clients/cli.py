@@ -319,7 +319,7 @@ def _http_args(p: argparse.ArgumentParser) -> None:
 def gateway_config(
     args: argparse.Namespace, prep: str, infer: str, token: str | None, keys: Any = None
 ):
-    """keys: the callers' keys (slotwise_core.keys.Keys) when the caller read them already."""
+    """keys: the callers' keys (slotwise_core.keys.Keys), which the services hold too."""
     from clients.gateway import GatewayConfig
     from clients.gateway.media import MediaPolicy, check_allow_patterns
 
@@ -333,7 +333,7 @@ def gateway_config(
         prep_address=prep,
         infer_address=infer,
         model_name=args.model_name,
-        api_keys=read_keys(args.api_key_file) if args.api_key_file else keys,
+        api_keys=keys,
         media=MediaPolicy(
             allow_http=args.allow_image_urls,
             max_bytes=args.max_image_mb << 20,
@@ -376,6 +376,18 @@ def read_keys(path: Path) -> Any:
         return Keys(path)
     except KeysError as e:
         raise UsageError(str(e)) from None
+
+
+def _one_keys_file(token_file: Path | None, api_key_file: Path | None) -> Any:
+    """serve's keys file, for prep, infer and the HTTP API alike (either flag names it): the
+    HTTP API passes each caller's key on, so the services must hold the same keys."""
+    if token_file and api_key_file and token_file.resolve() != api_key_file.resolve():
+        raise UsageError(
+            "--token-file and --api-key-file name two files: slotwise serve reads one keys "
+            "file for prep, infer and the HTTP API (--token-file)"
+        )
+    path = token_file or api_key_file
+    return read_keys(path) if path else None
 
 
 def read_token(path: Path | None) -> str | None:
@@ -723,7 +735,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"no such file: {path}")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
-    keys = read_keys(args.token_file) if args.token_file else None
+    keys = _one_keys_file(args.token_file, args.api_key_file)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -785,7 +797,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_gateway(args: argparse.Namespace) -> int:
     from clients.gateway.serve import run_gateway
 
-    config = gateway_config(args, args.prep, args.infer, read_token(args.token_file))
+    if args.api_key_file and args.token_file:
+        # (each caller's key goes on to the services: a token of the gateway's own would
+        # never be sent, and the services would refuse keys they do not hold)
+        raise UsageError(
+            "--api-key-file passes each caller's key on to the services, which read the same "
+            "keys file: --token-file is for a gateway without --api-key-file"
+        )
+    keys = read_keys(args.api_key_file) if args.api_key_file else None
+    config = gateway_config(args, args.prep, args.infer, read_token(args.token_file), keys)
     run_gateway(config, args.host, args.port)
     return EXIT_OK
 

@@ -64,8 +64,11 @@ class Scheduler:
 
     def put(self, job: Job) -> None:
         """Queue a job (the caller holds the lock), or refuse it when the queue, or its
-        tenant's share of it, is full."""
-        if self._num_waiting >= self.max_queue:
+        tenant's share of it, is full. A full queue (fair) still takes a tenant's job while
+        that tenant holds less than its share of it (max_queue over the tenants waiting), so
+        that one tenant's flood cannot shut the others out (so at most max_queue plus a share
+        per tenant wait)."""
+        if self._num_waiting >= self.max_queue and not self._below_share(job.tenant):
             raise _full(
                 f"all {len(self.slots)} slots are busy and {self._num_waiting} requests wait "
                 f"(queue limit {self.max_queue}); retry later",
@@ -83,6 +86,12 @@ class Scheduler:
             self._rotation.append(job.tenant)
         queue.append(job)
         self._num_waiting += 1
+
+    def _below_share(self, tenant: str) -> bool:  # under _lock
+        if not self.fair:
+            return False
+        tenants = len(self._queues) + (tenant not in self._queues)
+        return self.num_waiting_of(tenant) < max(1, self.max_queue // tenants)
 
     def _remove(self, job: Job) -> None:  # under _lock
         queue = self._queues[job.tenant]

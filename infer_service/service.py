@@ -256,7 +256,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             usage = seen[0].usage if seen else None
             access.info(
                 "tenant=%s session=%s status=%s cells=%d reused=%d tokens=%d",
-                tenant, request.session_id or "-", status,
+                tenant, _loggable(request.session_id), status,
                 usage.num_prompt_cells if usage else 0, usage.num_reused_cells if usage else 0,
                 usage.num_generated_tokens if usage else 0,
             )  # fmt: skip
@@ -276,6 +276,11 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
                         field="prompt")  # fmt: skip
             return
         session = None
+        if session_id is None and request.HasField("expect_turns"):
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        "expect_turns goes with a session_id", reason="BAD_REQUEST",
+                        field="expect_turns")  # fmt: skip
+            return
         if session_id is not None:
             try:
                 session = await self._begin_turn(session_id)
@@ -722,3 +727,14 @@ def _sampling(pb: infer_pb2.SamplingParams, d: SamplingConfig) -> SamplingConfig
                 f"sampling.{name} must be within [{lo}, {hi}], got {value}", f"sampling.{name}"
             )
     return s
+
+
+def _loggable(session_id: str) -> str:
+    """A session id for the access log: as given when it is a valid one, else quoted (a
+    newline in it must not start a line of its own)."""
+    if not session_id:
+        return "-"
+    try:
+        return check_session_id(session_id)
+    except SessionIdError:
+        return repr(session_id[:80])

@@ -2,9 +2,9 @@
 
 One key per line, `TENANT KEY`; a line with only `KEY` is tenant `default` (a token file of
 one line stays what it was). A key may be written as `sha256:HEX`, its SHA-256 in hex, so the
-file need not hold it in clear. `#` starts a comment. Every service and the HTTP edge read the
-same file; SIGHUP re-reads it (a key added or revoked without a restart; calls in flight
-finish).
+file need not hold it in clear. A line starting with `#` is a comment. Every service and the
+HTTP edge read the same file; SIGHUP re-reads it (a key added or revoked without a restart;
+calls in flight finish).
 
 A presented key is hashed once and compared with every stored digest in constant time, with
 no early exit: how long the check takes says nothing of which key, or how much of one, matched.
@@ -43,8 +43,8 @@ def parse(text: str, source: str = "keys file") -> tuple[Key, ...]:
     keys: list[Key] = []
     seen: set[bytes] = set()
     for n, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
+        line = raw.strip()
+        if not line or line.startswith("#"):  # (a whole line: a key may hold a '#')
             continue
         fields = line.split()
         if len(fields) > 2:
@@ -117,7 +117,10 @@ _WATCHED: list[Keys] = []
 
 def reload_on_sighup(keys: Keys) -> None:
     """SIGHUP re-reads these keys (and every other Keys of this process that asked): one
-    handler for the process, whichever part (a service, the HTTP edge) installed it last."""
+    handler for the process, whichever part (a service, the HTTP edge) installed it last.
+    Keys given as text (no file) have nothing to re-read."""
+    if keys.path is None:
+        return
     if all(k is not keys for k in _WATCHED):
         _WATCHED.append(keys)
 

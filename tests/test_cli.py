@@ -21,6 +21,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from clients.client import NO_RETRY, Message, SlotwiseClient, SlotwiseError, Tls
+from support.procs import serve_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 CTX = 256
@@ -74,9 +75,7 @@ def wait_serving(address: str, tls: Tls | None = None, timeout: float = 30) -> N
 
 def start_serve(model: Path, mmproj: Path, *extra: str, tls: Tls | None = None) -> Served:
     process = subprocess.Popen(
-        [sys.executable, "-m", "clients.cli", "serve", "--model", str(model), "--mmproj",
-         str(mmproj), "--prep-port", "0", "--infer-port", "0", "--ctx-size", str(CTX),
-         "--threads", "1", "--prep-threads", "1", *extra],
+        serve_argv(model, mmproj, "--ctx-size", str(CTX), *extra),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -371,3 +370,17 @@ def test_demo_on_a_given_model_pair(tiny: dict[str, Any]) -> None:
     assert sum(int(row["shifts"]) for row in rows) > 0
     r = slotwise("demo", "--model", str(pair.model))
     assert r.returncode == 2 and "go together" in r.stderr
+
+
+def test_one_keys_file_for_the_services_and_the_http_api(tmp_path: Path) -> None:
+    """The HTTP API passes each caller's key on: the services must read the same keys file."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text("acme key-a\n")
+    b.write_text("acme key-b\n")
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")  # (refused before any model is read)
+    r = slotwise("serve", "--model", str(model), "--token-file", str(a), "--api-key-file", str(b))
+    assert r.returncode == 2 and "two files" in r.stderr, r.stderr
+    r = slotwise("gateway", "--prep", "127.0.0.1:1", "--infer", "127.0.0.1:2",
+                 "--token-file", str(a), "--api-key-file", str(a))  # fmt: skip
+    assert r.returncode == 2 and "each caller's key on" in r.stderr, r.stderr

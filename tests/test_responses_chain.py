@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import httpx
@@ -17,36 +16,14 @@ from responses_chain import responses_chain
 from clients.client import SlotwiseClient
 from slotwise_core.tiny_models import TinyPair
 from support.cluster import Proc
-from support.procs import free_port
+from support.procs import free_port, serve_argv
 from support.wait import wait_until
 
 
 def serve(pair: TinyPair, sessions: Path, log: Path) -> tuple[Proc, str, str]:
     http, infer = free_port(), free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "clients.cli",
-        "serve",
-        "--model",
-        str(pair.model),
-        "--mmproj",
-        str(pair.mmproj),
-        "--prep-port",
-        "0",
-        "--infer-port",
-        str(infer),
-        "--ctx-size",
-        "1024",
-        "--threads",
-        "1",
-        "--prep-threads",
-        "1",
-        "--sessions-dir",
-        str(sessions),
-        "--http-port",
-        str(http),
-    ]
+    argv = serve_argv(pair.model, pair.mmproj, "--infer-port", str(infer), "--ctx-size", "1024",
+                      "--sessions-dir", str(sessions), "--http-port", str(http))  # fmt: skip
     proc = Proc("serve", argv, infer, log)
     proc.start()
     url = f"http://127.0.0.1:{http}"

@@ -670,6 +670,8 @@ def test_session_errors_have_clear_statuses_and_the_service_goes_on(
         lambda: generate(stub, prompt=prompt, session_id="busy", max_tokens=2, expect_turns=0)
     )
     assert moved.code() == grpc.StatusCode.FAILED_PRECONDITION and "1 turns" in moved.details()
+    stateless = status_of(lambda: generate(stub, prompt=prompt, max_tokens=2, expect_turns=0))
+    assert stateless.code() == grpc.StatusCode.INVALID_ARGUMENT
     again = generate(stub, prompt=prompt, session_id="busy", max_tokens=2, expect_turns=1)
     assert again.finished.reason in OK_REASONS
     assert session_info(stub, "busy").num_turns == 2

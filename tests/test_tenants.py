@@ -7,7 +7,6 @@ import hashlib
 import logging
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,14 +28,15 @@ from clients.client import (
 from slotwise_core.keys import Keys, KeysError, parse
 from slotwise_core.tiny_models import TinyPair
 from support.loop import LoopThread
-from support.procs import free_port
+from support.procs import free_port, serve_argv
 from support.wait import wait_until
 
 ACME, GLOBEX, PLAIN = "key-of-acme", "key-of-globex", "key-of-nobody-in-particular"
 KEYS = (
     "# tenants of the test\n"
     f"acme {ACME}\n"
-    f"globex sha256:{hashlib.sha256(GLOBEX.encode()).hexdigest()}  # kept as its hash\n"
+    "# globex's key is kept as its hash\n"
+    f"globex sha256:{hashlib.sha256(GLOBEX.encode()).hexdigest()}\n"
     f"{PLAIN}\n"
 )
 
@@ -47,6 +47,7 @@ def test_the_keys_file() -> None:
     assert [keys.tenant_of(k) for k in (ACME, GLOBEX, PLAIN)] == ["acme", "globex", "default"]
     assert keys.tenant_of("key-of-acm") is None and keys.tenant_of("") is None
     assert keys.tenant_of(hashlib.sha256(GLOBEX.encode()).hexdigest()) is None  # not the key
+    assert Keys(text="tok#en\n").tenant_of("tok#en") == "default"  # a token of old, whole
     for bad in ("a b c", "bad!tenant key", "acme k\nglobex k", "# only a comment"):
         with pytest.raises(KeysError):
             parse(bad)
@@ -267,6 +268,29 @@ def test_per_tenant_limits_answer_429_with_retry_after(tenancy) -> None:
         th.join(60)
 
 
+def test_a_full_queue_still_takes_another_tenant_s_share(tenancy) -> None:
+    """acme fills the whole queue (4): its next request is refused, globex's is taken."""
+    t = tenancy(parallel=1, max_queue=4)
+    engine = t.running.engine
+    hold = threading.Event()
+    engine.call(lambda: hold.wait(60))
+    try:
+        flood = [threading.Thread(target=_ask, args=(t, ACME)) for _ in range(4)]
+        for th in flood:
+            th.start()
+        wait_until(lambda: engine.num_waiting == 4, what="acme's 4 requests queued")
+        with t.client(ACME) as c, pytest.raises(SlotwiseError) as e:
+            collect(c.generate(c.prepare("more"), max_tokens=2))
+        assert e.value.reason == "QUEUE_FULL" and e.value.metadata["queue_limit"] == "4"
+        other = threading.Thread(target=_ask, args=(t, GLOBEX))
+        other.start()
+        wait_until(lambda: engine.num_waiting == 5, what="globex's request queued all the same")
+    finally:
+        hold.set()
+    for th in [*flood, other]:
+        th.join(60)
+
+
 def _ask(t: Tenancy, key: str) -> None:
     with t.client(key) as c:
         collect(c.generate(c.prepare("hello"), max_tokens=2))
@@ -296,33 +320,10 @@ def test_sighup_revokes_a_key_while_a_call_of_it_finishes(tiny, tmp_path: Path) 
     keys.write_text(KEYS)
     http = free_port()
     pair = tiny["mrope"]
+    argv = serve_argv(pair.model, pair.mmproj, "--ctx-size", "2048", "--parallel", "2",
+                      "--token-file", str(keys), "--http-port", str(http))  # fmt: skip
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "clients.cli",
-            "serve",
-            "--model",
-            str(pair.model),
-            "--mmproj",
-            str(pair.mmproj),
-            "--prep-port",
-            "0",
-            "--infer-port",
-            "0",
-            "--threads",
-            "1",
-            "--prep-threads",
-            "1",
-            "--ctx-size",
-            "2048",
-            "--parallel",
-            "2",
-            "--token-file",
-            str(keys),
-            "--http-port",
-            str(http),
-        ],
+        argv,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import re
 import time
 import uuid
@@ -51,6 +52,8 @@ from clients.tool_calls import parse_reply
 _ID = re.compile(r"resp_([0-9a-f]{32})_([0-9]+)")
 _MAX_NOTE = 60 << 10  # GenerateRequest.turn_note holds 64 KiB
 _CHAIN_FIXED = ("instructions", "tools")  # refused if a continuation changes them
+_CLEANUPS: set[asyncio.Task[None]] = set()
+log = logging.getLogger("slotwise.gateway.responses")
 
 
 class _Open(BaseModel):
@@ -213,7 +216,6 @@ def _digest(value: object) -> str:
 class Responses:
     def __init__(self, client: AsyncSlotwiseClient, media: MediaPolicy, model: str):
         self.client, self.media, self.model = client, media, model
-        self._cleanups: set[asyncio.Task[None]] = set()
 
     async def create(self, body: ResponsesRequest) -> Response:
         name = body.unsupported()
@@ -291,10 +293,10 @@ class Responses:
         new_chain = req.create_session
         try:
             started, _ = await start_turn(self.client, req)
-        except ApiError as e:
+        except BaseException as e:  # (refused, or the client went while it queued)
             if new_chain:
                 self._forget(chain)
-            if e.code == "session_moved_on":  # another continuation came first
+            if isinstance(e, ApiError) and e.code == "session_moved_on":  # another came first
                 e.message = f"{body.previous_response_id} is no longer the latest of its chain"
                 e.param = "previous_response_id"
             raise
@@ -326,11 +328,15 @@ class Responses:
                 except SlotwiseError as e:
                     if e.reason != "SESSION_BUSY":
                         return  # gone already, or not ours to clean up now
+                except Exception as e:  # (the gateway shutting down: its channels closed)
+                    log.info("resp-%s not deleted: %s", chain, e)
+                    return
                 await asyncio.sleep(0.05 * 2**attempt)
+            log.warning("resp-%s not deleted: its failed turn is still running", chain)
 
         task = asyncio.get_running_loop().create_task(delete())
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
+        _CLEANUPS.add(task)  # (held here: a Responses lives only as long as its request)
+        task.add_done_callback(_CLEANUPS.discard)
 
     async def _latest(self, response_id: str) -> tuple[str, int, TurnRecord, int]:
         """The chain and turn a response id names, which must be its session's latest, that

@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import socket
+import sys
 from pathlib import Path
+
+
+def serve_argv(model: Path, mmproj: Path | None, *extra: str) -> list[str]:
+    """`slotwise serve` on a tiny pair: one thread each, ports picked by the OS unless extra
+    names them (a later flag wins)."""
+    argv = [sys.executable, "-m", "clients.cli", "serve", "--model", str(model)]
+    if mmproj is not None:
+        argv += ["--mmproj", str(mmproj)]
+    return [*argv, "--prep-port", "0", "--infer-port", "0", "--threads", "1",
+            "--prep-threads", "1", *extra]  # fmt: skip
 
 
 def free_port() -> int:
