@@ -361,7 +361,7 @@ def test_responses_whole_streamed_with_tools_formats_and_stored(hermes: Stack) -
     kinds = [
         e.type
         for e in client.responses.create(
-            model="x", input="Stream it", max_output_tokens=6, stream=True
+            model="x", input="Stream it", max_output_tokens=6, stream=True, temperature=0
         )
     ]
     assert kinds[:2] == ["response.created", "response.in_progress"]
