@@ -227,6 +227,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=positive_int, help="inference threads (default: cores / 2)")
     s.add_argument("--prep-threads", type=positive_int, default=2, help="tokenizing threads")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
+    s.add_argument(
+        "--tenant-max-active", type=int, default=0, help="a tenant's generations at once (0: any)"
+    )
+    s.add_argument(
+        "--tenant-max-queued", type=int, default=0, help="a tenant's requests waiting (0: any)"
+    )
+    s.add_argument("--queue", choices=["fair", "fifo"], default="fair",
+                   help="fair: round robin across tenants (default); fifo: one line")  # fmt: skip
     s.add_argument("--media-cache-mb", type=int, default=1024, help="projector output cache")
     s.add_argument(
         "--state-cache-mb", type=int, default=256, help="KV states of conversations off a slot"
@@ -755,6 +763,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threads=args.threads or ServeConfig.threads,
         prep_threads=args.prep_threads,
         max_queue=args.max_queue,
+        tenant_max_active=args.tenant_max_active,
+        tenant_max_queued=args.tenant_max_queued,
+        fair=args.queue == "fair",
         media_cache_mb=args.media_cache_mb,
         state_cache_mb=args.state_cache_mb,
         default_max_tokens=args.default_max_tokens,

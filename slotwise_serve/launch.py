@@ -37,6 +37,9 @@ class ServeConfig:
     threads: int = max(1, (os.cpu_count() or 2) // 2)
     prep_threads: int = 2
     max_queue: int = 64
+    tenant_max_active: int = 0  # 0: no limit of a tenant's own
+    tenant_max_queued: int = 0
+    fair: bool = True  # the queue round robin across tenants (else FIFO)
     media_cache_mb: int = 1024
     state_cache_mb: int = 256
     default_max_tokens: int = 1024
@@ -91,6 +94,7 @@ async def start_services(config: ServeConfig) -> Services:
     """Start both services (their models load concurrently); on failure nothing stays open."""
     from infer_service.__main__ import start as start_infer
     from infer_service.runtime import RuntimeConfig
+    from infer_service.scheduler import TenantLimits
     from infer_service.service import GenerateLimits
     from prep_service.__main__ import start as start_prep
     from slotwise_core.serving import Security
@@ -133,6 +137,8 @@ async def start_services(config: ServeConfig) -> Services:
             embeddings_ctx=config.embeddings_ctx,
             security=security,
             metrics_port=config.infer_metrics_port,
+            tenant_limits=TenantLimits(config.tenant_max_active, config.tenant_max_queued),
+            fair=config.fair,
         )
     )
     results = await asyncio.gather(prep_task, infer_task, return_exceptions=True)

@@ -325,7 +325,8 @@ def test_sighup_revokes_a_key_while_a_call_of_it_finishes(tiny, tmp_path: Path) 
     http = free_port()
     pair = tiny["mrope"]
     argv = serve_argv(pair.model, pair.mmproj, "--ctx-size", "2048", "--parallel", "2",
-                      "--token-file", str(keys), "--http-port", str(http))  # fmt: skip
+                      "--token-file", str(keys), "--http-port", str(http),
+                      "--queue", "fair", "--tenant-max-active", "2")  # fmt: skip
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.DEVNULL,
