@@ -27,7 +27,7 @@ def turn_input(t: int) -> list[dict[str, Any]]:
 
 
 def responses_chain(
-    client: openai.OpenAI, turns: range, previous: str | None = None
+    client: openai.OpenAI, turns: range, previous: str | None = None, temperature: float = 0.7
 ) -> list[dict[str, Any]]:
     """Run the chain's turns (from `previous`, or a new chain); one row per turn."""
     rows = []
@@ -38,7 +38,7 @@ def responses_chain(
             input=turn_input(t),  # type: ignore[arg-type]
             previous_response_id=previous,
             max_output_tokens=24,
-            temperature=0.7,
+            temperature=temperature,
         )
         assert r.usage is not None and r.status in ("completed", "incomplete"), r
         cached = r.usage.input_tokens_details.cached_tokens

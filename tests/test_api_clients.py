@@ -108,7 +108,9 @@ def test_logprobs_and_top_logprobs(hermes: Stack) -> None:
         tops = [t.logprob for t in lp.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True)
         assert lp.logprob == pytest.approx(tops[0]) and lp.token == lp.top_logprobs[0].token
-    c = client.completions.create(model="x", prompt="Once", max_tokens=5, logprobs=2)
+    c = client.completions.create(
+        model="x", prompt="Once", max_tokens=5, logprobs=2, temperature=0
+    )  # (greedy: a sampled reply may end before 5 tokens)
     lps = c.choices[0].logprobs
     assert lps is not None and len(lps.tokens) == len(lps.token_logprobs) == 5
     assert all(len(t) <= 2 for t in lps.top_logprobs) and lps.text_offset[0] == 0
@@ -389,7 +391,7 @@ def test_a_new_chain_whose_first_response_fails_leaves_no_session(hermes: Stack)
             hermes.client().responses.create(model="x", input="word " * 9000, truncation="disabled")
         assert refused.value.code == "context_length_exceeded"
         wait_until(
-            lambda: {s.session_id for s in grpc_client.list_sessions()} == before,
+            lambda: {s.session_id for s in grpc_client.list_sessions()} <= before,
             what="the failed chain's session to be deleted",
         )
 
