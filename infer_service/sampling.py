@@ -229,16 +229,18 @@ class SlotSampler:
         """A lazy grammar: once a trigger is found in the text, the grammar takes over from
         the match, fed with that text's tokens (each one checked before it is accepted).
 
-        Only the text's tail is searched again each token (a match ends in what is new):
-        the cost per token stays bounded however long the free text grows.
+        Only the text's tail is searched again, and kept, each token (a match ends in what
+        is new): the cost per token stays bounded however long the free text grows.
         """
         if self.rt.is_eog(token):
             return
         new = self._decoder.decode(self.rt.piece(token))
         if not new:
             return
-        self._text += new
-        text = self._text
+        text = self._text + new
+        if len(text) > 4 * _TRIGGER_REACH:  # keep what a match may still begin in (a ^ can
+            text = text[-2 * _TRIGGER_REACH :]  # match only where the search starts past 0)
+        self._text = text
         tail = max(0, len(text) - len(new) - _TRIGGER_REACH)
         starts = [_start(m) for p in self._triggers if (m := p.search(text, tail))]
         if not starts:

@@ -266,3 +266,27 @@ def test_draft_4_exclusive_bounds() -> None:
     assert _bounds({"type": "integer", "minimum": 0, "exclusiveMinimum": False})[0] == 0
     assert _bounds({"type": "integer", "exclusiveMinimum": 2.5}) == (3, 10**15 - 1)
     assert _bounds({"type": "integer", "enum": [1, 2], "maximum": 9}) is None
+
+
+def test_a_lazy_grammar_keeps_only_the_text_a_trigger_may_begin_in(tiny) -> None:
+    """Free text of any length costs a bounded tail per token; a trigger after 3000
+    characters of it is still found, and one anchored at the beginning never is."""
+    from infer_service.runtime import Runtime, RuntimeConfig
+    from infer_service.sampling import _TRIGGER_REACH, Constraint, SamplerSpec, SlotSampler
+
+    rt = Runtime(RuntimeConfig(tiny["rope"].model, None, ctx_size=256, threads=1))
+    try:
+        x, b = ord("x"), ord("b")  # the tiny models' first 256 token ids are the bytes
+        for patterns, found in (((r"(b)",), True), ((r"^\s*(b)",), False)):
+            spec = SamplerSpec(constraint=Constraint('root ::= "bc"', patterns))
+            sampler = SlotSampler(rt, spec)
+            try:
+                for _ in range(3000):
+                    sampler._watch_for_trigger(x)
+                    assert len(sampler._text) <= 4 * _TRIGGER_REACH
+                sampler._watch_for_trigger(b)
+                assert sampler.awaiting_trigger is not found, patterns
+            finally:
+                sampler.close()
+    finally:
+        rt.close()
