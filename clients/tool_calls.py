@@ -96,42 +96,44 @@ class ReplyStream:
 
     def __init__(self, fmt: ToolFormat):
         self.fmt = fmt
-        self._text = ""
-        self._shown = 0  # characters of _text already released as content
+        self._parts: list[str] = []  # the whole text, joined once at the end
+        self._held = ""  # after what was shown: what may still begin a call
+        self._num_shown = 0  # characters shown as content (always the text's beginning)
         self._calls_begin = False
+        self._is_text = False  # (Llama 3) the reply began as text: no call follows
 
     def push(self, text: str) -> str:
-        self._text += text
+        self._parts.append(text)
         if self._calls_begin or self.fmt is ToolFormat.JSON:
             return ""
-        if self.fmt is ToolFormat.LLAMA3:
-            head = self._text.lstrip()
-            if not head:
-                return ""
+        held = self._held + text
+        if self.fmt is ToolFormat.LLAMA3 and not self._is_text:
+            head = held.lstrip()
             if head.startswith("{"):
                 self._calls_begin = True
-                return ""
-            return self._release(len(self._text))
+            self._is_text = bool(head) and not self._calls_begin
+            return self._show(held, len(held) if self._is_text else 0)
         marker = _MARKERS.get(self.fmt)
-        if marker is None:
-            return self._release(len(self._text))
-        at = self._text.find(marker, self._shown)
+        if marker is None or self._is_text:
+            return self._show(held, len(held))
+        at = held.find(marker)
         if at >= 0:
             self._calls_begin = True
-            return self._release(at)
-        return self._release(len(self._text) - _partial(self._text, marker))
+            return self._show(held, at)
+        return self._show(held, len(held) - _partial(held, marker))
 
-    def _release(self, end: int) -> str:
-        out, self._shown = self._text[self._shown : end], max(self._shown, end)
-        return out
+    def _show(self, held: str, n: int) -> str:
+        self._held, self._num_shown = held[n:], self._num_shown + n
+        return held[:n]
 
     def finish(self) -> Reply:
-        whole = parse_reply(self.fmt, self._text)
-        shown = self._text[: self._shown]
+        text = "".join(self._parts)
+        whole = parse_reply(self.fmt, text)
+        shown = text[: self._num_shown]
         if not whole.calls:  # all of it is content: what was not shown yet
             if self.fmt is ToolFormat.JSON:
                 return Reply(whole.content)
-            return Reply(self._text[self._shown :])
+            return Reply(text[self._num_shown :])
         rest = whole.content[len(shown) :] if whole.content.startswith(shown) else ""
         return Reply(rest, whole.calls)
 

@@ -9,6 +9,7 @@ template's own, or, for templates without tools, as the generic JSON form.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 
 import jsonschema
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from clients.client import (
     Message,
@@ -295,3 +298,35 @@ def test_a_schema_the_converter_cannot_follow_is_a_bad_request(family) -> None:
     with pytest.raises(SlotwiseError) as e:
         client.prepare([Message.user("go")], tools=ToolOptions((scalar,)))
     assert "JSON Schema of an object" in e.value.details()
+
+
+REPLIES = [
+    (
+        ToolFormat.HERMES,
+        'Let me look. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+    ),
+    (ToolFormat.HERMES, "No call here, only a < and a <tool"),
+    (
+        ToolFormat.MISTRAL,
+        'Sure[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}, "id": "abcdefghi"}]',
+    ),
+    (ToolFormat.LLAMA3, '  {"name": "f", "parameters": {"a": 1}}'),
+    (ToolFormat.LLAMA3, "Plain text, then {braces} later"),
+    (ToolFormat.JSON, '{"tool_calls": [{"name": "f", "arguments": {"a": 1}}]}'),
+    (ToolFormat.JSON, '{"response": "hi"}'),
+]
+
+
+@given(st.sampled_from(REPLIES), st.lists(st.integers(0, 80), max_size=12))
+def test_a_streamed_reply_shows_what_the_whole_one_says_wherever_it_is_cut(reply, cuts) -> None:
+    fmt, text = reply
+    whole = parse_reply(fmt, text)
+    bounds = [0, *sorted(c for c in cuts if c < len(text)), len(text)]
+    stream = ReplyStream(fmt)
+    shown = "".join(stream.push(text[a:b]) for a, b in itertools.pairwise(bounds))
+    end = stream.finish()
+    assert [(c.name, c.arguments) for c in end.calls] == [
+        (c.name, c.arguments) for c in whole.calls
+    ]
+    assert (shown + end.content).strip() == whole.content.strip()
+    assert not any(m in shown for m in ("<tool_call>", "[TOOL_CALLS]", '"name"'))
