@@ -133,7 +133,8 @@ class Turn:
         self._first, self._events = first, events
         self._reply = ReplyStream(fmt) if fmt is not ToolFormat.UNSPECIFIED else None
         self.end = TurnEnd("", (), "", None, None)
-        self._pieces: list[str] = []
+        self._pieces: list[str] = []  # what the model wrote
+        self._shown: list[str] = []  # what of it was shown as content (joined at the end)
 
     async def events(self) -> AsyncIterator[Text | TurnEnd]:
         try:
@@ -152,7 +153,7 @@ class Turn:
         end.raw_text = "".join(self._pieces)
         if self._reply is not None:
             reply = self._reply.finish()
-            shown = end.content
+            shown = "".join(self._shown)
             end.calls = reply.calls
             end.content = shown + reply.content
             if end.calls and not end.content.strip():
@@ -181,7 +182,7 @@ class Turn:
             end.logprobs.extend(event.logprobs)
             shown = self._reply.push(event.text) if self._reply is not None else event.text
             if self._reply is not None:
-                end.content += shown
+                self._shown.append(shown)
             if shown or event.logprobs:
                 return Text(shown, event.logprobs)
         elif isinstance(event, Shift):
