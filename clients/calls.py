@@ -293,6 +293,16 @@ class Calls:
         request = infer_pb2.RestoreSessionRequest(session_id=session_id)
         return self._session("RestoreSession", request, timeout)
 
+    def rename_session(
+        self, session_id: str, title: str, timeout: float | None
+    ) -> Call[SessionInfo]:
+        request = infer_pb2.RenameSessionRequest(session_id=session_id, title=title)
+        return self._session("RenameSession", request, timeout)
+
+    def watch_slots(self, min_interval_ms: int, once: bool) -> Call[None]:
+        request = infer_pb2.WatchSlotsRequest(min_interval_ms=min_interval_ms, once=once)
+        return self._call("infer", INFER_SERVICE, "WatchSlots", request, _nothing, None)
+
     def _session(self, method: str, request: Any, timeout: float | None) -> Call[SessionInfo]:
         call = self._call("infer", INFER_SERVICE, method, request, _session, timeout)
         return replace(call, affinity=request.session_id)

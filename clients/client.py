@@ -96,7 +96,7 @@ from clients.types import (
     ToolCall,
     TurnRecord,
 )
-from slotwise.v1 import prompt_pb2
+from slotwise.v1 import infer_pb2, prompt_pb2
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -343,6 +343,24 @@ class SlotwiseClient(_Client):
     def restore_session(self, session_id: str, *, timeout: float | None = None) -> SessionInfo:
         return self._unary(self._calls.restore_session(session_id, timeout))
 
+    def rename_session(
+        self, session_id: str, title: str, *, timeout: float | None = None
+    ) -> SessionInfo:
+        return self._unary(self._calls.rename_session(session_id, title, timeout))
+
+    def watch_slots(
+        self, *, min_interval_ms: int = 0, once: bool = False
+    ) -> Generator[infer_pb2.WatchSlotsResponse, None, None]:
+        """Views of every slot's KV cells (the contract's WatchSlotsResponse): one now, then
+        one whenever something changed. Stopping the iteration cancels the call."""
+        responses = self._start(self._calls.watch_slots(min_interval_ms, once))
+        try:
+            yield from responses
+        except grpc.RpcError as e:
+            raise SlotwiseError.from_rpc_error(e) from None
+        finally:
+            responses.cancel()
+
     # -- grpc.health.v1 -----------------------------------------------------------------------
 
     def health(
@@ -489,6 +507,24 @@ class AsyncSlotwiseClient(_Client):
         self, session_id: str, *, timeout: float | None = None
     ) -> SessionInfo:
         return await self._unary(self._calls.restore_session(session_id, timeout))
+
+    async def rename_session(
+        self, session_id: str, title: str, *, timeout: float | None = None
+    ) -> SessionInfo:
+        return await self._unary(self._calls.rename_session(session_id, title, timeout))
+
+    async def watch_slots(
+        self, *, min_interval_ms: int = 0, once: bool = False
+    ) -> AsyncIterator[infer_pb2.WatchSlotsResponse]:
+        """See SlotwiseClient.watch_slots."""
+        responses = self._start(self._calls.watch_slots(min_interval_ms, once))
+        try:
+            async for view in responses:
+                yield view
+        except grpc.RpcError as e:
+            raise SlotwiseError.from_rpc_error(e) from None
+        finally:
+            responses.cancel()
 
     # -- grpc.health.v1 -----------------------------------------------------------------------
 

@@ -295,12 +295,14 @@ def generate_request(
     return request
 
 
-def create_session_request(session_id: str = "", **options: Any) -> infer_pb2.CreateSessionRequest:
-    """A CreateSessionRequest: the session's default sampling and context options (as for
-    generate_request) for its turns."""
+def create_session_request(
+    session_id: str = "", *, title: str = "", **options: Any
+) -> infer_pb2.CreateSessionRequest:
+    """A CreateSessionRequest: its title, and the session's default sampling and context
+    options (as for generate_request) for its turns."""
     sampling, context = _split_options(options)
     request = infer_pb2.CreateSessionRequest(
-        session_id=session_id, sampling=sampling_pb(**sampling)
+        session_id=session_id, sampling=sampling_pb(**sampling), title=title
     )
     ctx = context_pb(**context)
     if ctx is not None:

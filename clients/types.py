@@ -410,6 +410,7 @@ class SessionInfo:
     truncate_prompt: bool
     sampling: dict[str, float | int]  # the session's sampling parameters, as the server reports
     records: tuple[TurnRecord, ...] = ()  # get_session(num_records=N): the last N turns
+    title: str = ""
 
     @classmethod
     def from_pb(cls, pb: infer_pb2.SessionInfo) -> SessionInfo:
@@ -429,4 +430,5 @@ class SessionInfo:
             truncate_prompt=c.truncate_prompt,
             sampling={f.name: v for f, v in pb.sampling.ListFields()},
             records=tuple(map(TurnRecord.from_pb, pb.records)),
+            title=pb.title,
         )

@@ -129,7 +129,7 @@ async def start(
     engine.start()
     server.bind(
         infer_pb2_grpc.add_InferServiceServicer_to_server,
-        InferServicer(engine, limits=limits, embedder=embedder),
+        InferServicer(engine, limits=limits, embedder=embedder, draining=server.draining),
     )
     if metrics_port is not None:
         metrics.serve(metrics_port)

@@ -32,11 +32,12 @@ from infer_service.events import (
     storage_problem,
 )
 from infer_service.executor import Executor
+from infer_service.kv_view import SlotPicture, SlotState, runs
 from infer_service.runtime import Runtime
 from infer_service.scheduler import Scheduler, TenantLimits
 from infer_service.session_manager import SessionManager
 from infer_service.session_store import SessionStore
-from infer_service.sessions import TurnRecord
+from infer_service.sessions import TurnRecord, owner_of
 from infer_service.slots import (
     EngineStats,
     EngineStoppedError,
@@ -160,6 +161,35 @@ class Engine:
                 by_tenant={t: replace(v) for t, v in self.stats.by_tenant.items()},
             ),
         )
+
+    def pictures(self) -> list[SlotPicture]:
+        """Every slot's cells as runs, and its sequence's latest shifts (on the engine thread,
+        like `snapshot`); whose each slot is, for the caller to show only its own."""
+        out = []
+        for slot in self.slots:
+            job, ledger = slot.job, slot.ledger
+            if job is not None:
+                tenant, session = job.tenant, job.session_id
+                state = SlotState.PREFILLING if slot.prefilling else SlotState.DECODING
+            else:
+                session = slot.owner
+                tenant = owner_of(session) if session else (slot.reuse_key or ("",))[0]
+                state = SlotState.IDLE if ledger and ledger.num_cells else SlotState.FREE
+            out.append(
+                SlotPicture(
+                    slot=slot.seq,
+                    tenant=tenant,
+                    session_id=session or "",
+                    state=state,
+                    num_cells=slot.num_cells,
+                    next_position=ledger.next_pos if ledger else 0,
+                    runs=runs(ledger.segments if ledger else (), self.executor.read),
+                    shifts=tuple(
+                        m for m in slot.shifts if (m.tenant, m.session_id) == (tenant, session)
+                    ),
+                )
+            )
+        return out
 
     def submit(self, job: Job) -> None:
         with self._wake:

@@ -42,6 +42,7 @@ from infer_service.events import (
     TokenDelta,
     Usage,
 )
+from infer_service.kv_view import ShiftMark, at_cell, runs
 from infer_service.ledger import (
     CannotFit,
     ContextConfig,
@@ -104,6 +105,7 @@ class Executor:
         self.on_shift: Callable[[Slot], None] = lambda slot: None
         self.on_cannot_fit: Callable[[Slot, CannotFit, int], None] = lambda *_: None
         self.on_first_token: Callable[[float], None] = lambda seconds: None  # TTFT
+        self._num_shift_marks = 0
 
     def close(self) -> None:
         self._encoder.shutdown(wait=True, cancel_futures=True)
@@ -572,6 +574,7 @@ class Executor:
             self.rt.seq_rm(slot.seq, plan.p0, plan.p1)
         elif isinstance(plan, Reprefill):
             self.rt.seq_clear(slot.seq)
+        evicted_at = at_cell(ledger.segments, plan.evicted)
         ledger.apply(plan)
         if isinstance(plan, Reprefill):
             slot.pending.extendleft(reversed(plan.kept))
@@ -588,17 +591,33 @@ class Executor:
             next_pos_after = sum(i.num_positions for i in plan.kept)
         else:
             used_after, next_pos_after = ledger.num_cells, ledger.next_pos
-        slot.job.emit(
-            ContextShift(
-                policy=policy_of(plan),
-                num_cells_evicted=plan.num_cells_evicted,
-                num_positions_evicted=plan.num_positions_evicted,
-                media_ids_evicted=tuple(plan.media_ids_evicted),
-                num_cells_used_after=used_after,
-                next_position_after=next_pos_after,
+        shift = ContextShift(
+            policy=policy_of(plan),
+            num_cells_evicted=plan.num_cells_evicted,
+            num_positions_evicted=plan.num_positions_evicted,
+            media_ids_evicted=tuple(plan.media_ids_evicted),
+            num_cells_used_after=used_after,
+            next_position_after=next_pos_after,
+        )
+        self._num_shift_marks += 1
+        job = slot.job
+        slot.shifts.appendleft(
+            ShiftMark(
+                id=self._num_shift_marks,
+                shift=shift,
+                at_cell=evicted_at,
+                evicted=runs(plan.evicted, self.read),
+                time=time.time(),
+                tenant=job.tenant,
+                session_id=job.session_id,
             )
         )
+        slot.job.emit(shift)
         return not isinstance(plan, Reprefill)
+
+    def read(self, token_ids: Sequence[int]) -> str:
+        """Tokens as words (a preview of cells for people: undecodable bytes replaced)."""
+        return b"".join(self.rt.piece(t) for t in token_ids).decode("utf-8", errors="replace")
 
     def _progress(self, slot: Slot, num_cells: int) -> None:
         if not slot.prefilling or slot.job is None:

@@ -30,6 +30,7 @@ from infer_service.events import (
     TokenDelta,
     storage_problem,
 )
+from infer_service.kv_view import CellKind, CellRun, SlotPicture, SlotState
 from infer_service.ledger import ContextConfig, EvictionUnit, Policy
 from infer_service.media import MediaLimits, StaleDescriptorError, verify_prompt
 from infer_service.runtime import Runtime, SamplingConfig
@@ -41,10 +42,9 @@ from infer_service.sampling import (
     json_schema_grammar,
 )
 from infer_service.session_store import SessionIdError, check_session_id
-from infer_service.sessions import MAX_RECORDS, Session
+from infer_service.sessions import MAX_RECORDS, Session, owner_of, public_id, scoped
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.descriptors import DescriptorError, PreparedPrompt, TextChunk
-from slotwise_core.keys import DEFAULT_TENANT
 from slotwise_core.serving import abort, current_tenant
 
 log = logging.getLogger("slotwise.infer")
@@ -183,10 +183,12 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         *,
         limits: GenerateLimits = GenerateLimits(),
         embedder: Embedder | None = None,
+        draining: asyncio.Event | None = None,
     ):
         self.engine = engine
         self.limits = limits
         self.embedder = embedder
+        self.draining = draining or asyncio.Event()
         self._relays: dict[asyncio.AbstractEventLoop, EventRelay] = {}
 
     async def Embed(self, request, context):
@@ -474,9 +476,14 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         except RequestError as e:
             await _bad_request(context, e)
             return
+        try:
+            title = check_title(request.title)
+        except RequestError as e:
+            await _bad_request(context, e)
+            return
         session = await self._session_rpc(
             context, self.engine.sessions.create, session_id, args["context"], args["sampling"],
-            doing="the session was not saved",
+            title, doing="the session was not saved",
         )  # fmt: skip
         return infer_pb2.CreateSessionResponse(session=await self._info(context, session))
 
@@ -528,6 +535,46 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             context, self.engine.sessions.restore, request.session_id, doing="restore failed"
         )
         return infer_pb2.RestoreSessionResponse(session=await self._info(context, session))
+
+    async def RenameSession(self, request, context):
+        try:
+            title = check_title(request.title)
+        except RequestError as e:
+            await _bad_request(context, e)
+            return
+        session = await self._session_rpc(
+            context, self.engine.sessions.rename, request.session_id, title,
+            doing="the title was not saved",
+        )  # fmt: skip
+        return infer_pb2.RenameSessionResponse(session=await self._info(context, session))
+
+    async def WatchSlots(self, request, context):
+        """Views made on the engine thread between steps, at most one per interval, sent only
+        when they changed; the caller's own slots in full, the others' as a state and a count.
+        Ends when the server drains (a page then reconnects, to this replica or another)."""
+        interval = max(request.min_interval_ms or DEFAULT_WATCH_MS, MIN_WATCH_MS) / 1000
+        tenant, rt = current_tenant(), self.engine.rt
+        last = None
+        while not self.draining.is_set():
+            try:
+                pictures = await asyncio.wrap_future(self.engine.call(self.engine.pictures))
+            except ProblemError as e:
+                await abort_problem(context, e.problem)
+                return
+            view = infer_pb2.WatchSlotsResponse(
+                num_cells_per_slot=rt.num_cells_per_slot,
+                uses_mrope=rt.uses_mrope,
+                slots=[slot_view(p, tenant) for p in pictures],
+            )
+            if view != last:
+                yield view
+                last = view
+            if request.once:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.draining.wait(), interval)
+        await abort(context, grpc.StatusCode.UNAVAILABLE, "the server is draining; watch again",
+                    reason="SHUTTING_DOWN")  # fmt: skip
 
     async def _info(self, context, session: Session) -> infer_pb2.SessionInfo:
         """The session as the engine thread sees it (a snapshot, not a read under its feet)."""
@@ -648,21 +695,6 @@ def _check_token_ids(prompt: PreparedPrompt, num_vocab: int) -> None:
             )
 
 
-def scoped(tenant: str, session_id: str) -> str:
-    """A session's key: its id in its tenant's namespace. Another tenant's session of the same
-    id is another session, so no call of one tenant can reach, or learn of, another's."""
-    return session_id if tenant == DEFAULT_TENANT else f"{tenant}@{session_id}"
-
-
-def owner_of(key: str) -> str:
-    tenant, sep, _ = key.partition("@")
-    return tenant if sep else DEFAULT_TENANT
-
-
-def public_id(key: str) -> str:
-    return key.partition("@")[2] or key
-
-
 def session_info(s: Session, *, num_records: int = 0) -> infer_pb2.SessionInfo:
     c = s.context
     records = list(s.records)[-num_records:] if num_records else []
@@ -679,6 +711,7 @@ def session_info(s: Session, *, num_records: int = 0) -> infer_pb2.SessionInfo:
             for r in records
         ],
         session_id=public_id(s.session_id),
+        title=s.title,
         num_turns=s.num_turns,
         num_cells=s.ledger.num_cells,
         next_position=s.ledger.next_pos,
@@ -693,6 +726,69 @@ def session_info(s: Session, *, num_records: int = 0) -> infer_pb2.SessionInfo:
         sampling=infer_pb2.SamplingParams(**asdict(s.sampling)),
         num_shifts=s.num_shifts,
         num_media=sum(1 for seg in s.ledger.segments if seg.is_media),
+    )
+
+
+MAX_TITLE_CHARS = 200
+DEFAULT_WATCH_MS, MIN_WATCH_MS = 250, 50
+_CELL_KINDS = {
+    CellKind.TEXT: infer_pb2.CELL_KIND_TEXT,
+    CellKind.MEDIA: infer_pb2.CELL_KIND_MEDIA,
+    CellKind.GENERATED: infer_pb2.CELL_KIND_GENERATED,
+}
+_SLOT_STATES = {
+    SlotState.FREE: infer_pb2.SLOT_STATE_FREE,
+    SlotState.IDLE: infer_pb2.SLOT_STATE_IDLE,
+    SlotState.PREFILLING: infer_pb2.SLOT_STATE_PREFILLING,
+    SlotState.DECODING: infer_pb2.SLOT_STATE_DECODING,
+}
+
+
+def check_title(title: str) -> str:
+    if len(title) > MAX_TITLE_CHARS or any(ord(c) < 32 or ord(c) == 127 for c in title):
+        raise RequestError(
+            f"a title has at most {MAX_TITLE_CHARS} characters and no control characters",
+            "title",
+        )
+    return title
+
+
+def _run_pb(r: CellRun) -> infer_pb2.CellRun:
+    return infer_pb2.CellRun(
+        kind=_CELL_KINDS[r.kind],
+        pinned=r.pinned,
+        message_index=r.message_index,
+        media_id=r.media_id,
+        num_cells=r.num_cells,
+        num_positions=r.num_positions,
+        pos_start=r.pos_start,
+        preview=r.preview,
+    )
+
+
+def slot_view(p: SlotPicture, tenant: str) -> infer_pb2.SlotView:
+    """A slot as `tenant` may see it: whole when the sequence is its own (or nobody's)."""
+    state = _SLOT_STATES[p.state]
+    if p.tenant not in ("", tenant):
+        return infer_pb2.SlotView(slot=p.slot, state=state, num_cells=p.num_cells)
+    return infer_pb2.SlotView(
+        slot=p.slot,
+        visible=True,
+        session_id=public_id(p.session_id) if p.session_id else "",
+        state=state,
+        num_cells=p.num_cells,
+        next_position=p.next_position,
+        runs=map(_run_pb, p.runs),
+        shifts=[
+            infer_pb2.ShiftMark(
+                id=m.id,
+                shift=m.shift.to_pb().shift,
+                at_cell=m.at_cell,
+                evicted=map(_run_pb, m.evicted),
+                time=m.time,
+            )
+            for m in p.shifts
+        ],
     )
 
 

@@ -81,7 +81,7 @@ class SessionManager:
     # -- the RPCs' side (engine thread) -------------------------------------------------------
 
     def create(
-        self, session_id: str, context: ContextConfig, sampling: SamplingConfig
+        self, session_id: str, context: ContextConfig, sampling: SamplingConfig, title: str = ""
     ) -> tuple[Session, Future[None] | None]:
         """The new session, and its first write (await it off the engine thread)."""
         if session_id in self._deleting:  # its deletion must land before a new file does
@@ -96,9 +96,17 @@ class SessionManager:
                 Reason.SESSION_EXISTS,
                 f"session {session_id!r} already exists",
             )
-        session = Session(session_id, context, sampling, self.executor.new_ledger(context))
+        session = Session(
+            session_id, context, sampling, self.executor.new_ledger(context), title=title
+        )
         self.by_id[session_id] = session
         return session, self._save(session, b"")
+
+    def rename(self, session_id: str, title: str) -> tuple[Session, Future[None] | None]:
+        """A new title, written with the session's header (its KV bytes stay as they are)."""
+        session = self.idle(session_id)
+        session.title = title
+        return session, self._save(session, None)
 
     def delete(self, session_id: str) -> Future[bool] | None:
         """Forget the session; returns the disk deletion (ordered after its pending writes),

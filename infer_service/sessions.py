@@ -12,6 +12,7 @@ from infer_service.ledger import ContextConfig, EvictionUnit, Ledger, Policy
 from infer_service.media import MediaHandle
 from infer_service.runtime import SamplingConfig
 from slotwise_core.descriptors import Fingerprint
+from slotwise_core.keys import DEFAULT_TENANT
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Session:
     dirty: bool = False  # the newest save asked for is not on disk yet (or failed)
     num_saves: int = 0
     records: deque[TurnRecord] = field(default_factory=lambda: deque(maxlen=MAX_RECORDS))
+    title: str = ""
 
     def release(self) -> None:
         for h in self.media.values():
@@ -121,6 +123,7 @@ class Session:
             "num_turns": self.num_turns,
             "num_shifts": self.num_shifts,
             "records": [r.to_json() for r in self.records],
+            "title": self.title,
         }
 
     @classmethod
@@ -147,4 +150,20 @@ class Session:
             records=deque(
                 map(TurnRecord.from_json, header.get("records", ())), maxlen=MAX_RECORDS
             ),  # (files before turn records have none)
+            title=str(header.get("title", "")),  # (nor titles)
         )
+
+
+def scoped(tenant: str, session_id: str) -> str:
+    """A session's key: its id in its tenant's namespace. Another tenant's session of the same
+    id is another session, so no call of one tenant can reach, or learn of, another's."""
+    return session_id if tenant == DEFAULT_TENANT else f"{tenant}@{session_id}"
+
+
+def owner_of(key: str) -> str:
+    tenant, sep, _ = key.partition("@")
+    return tenant if sep else DEFAULT_TENANT
+
+
+def public_id(key: str) -> str:
+    return key.partition("@")[2] or key

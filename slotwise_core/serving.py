@@ -83,6 +83,8 @@ class Server:
     metrics: ServiceMetrics | None = None
     in_flight: InFlight = field(default_factory=InFlight)
     keys: Keys | None = None  # who may call (SIGHUP: run_until_signal re-reads them)
+    # set when the drain begins: calls that never end by themselves (watches) end then
+    draining: asyncio.Event = field(default_factory=asyncio.Event)
 
     def bind(self, add_to_server: Callable[[Any, Any], None], servicer: Any) -> None:
         """Attach a servicer to the running server (until then its methods say UNAVAILABLE)."""
@@ -97,6 +99,7 @@ class Server:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace: float = 5.0) -> None:
+        self.draining.set()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         if self.metrics is not None:

@@ -26,6 +26,7 @@ from slotwise.v1 import infer_pb2, infer_pb2_grpc, prompt_pb2
 from slotwise_core import native
 from slotwise_core.images import decode_image, media_id
 from slotwise_core.tiny_models import TinyPair
+from support.hold import PrefillHold
 from support.media import image_bytes
 from support.rpc import (
     Stream,
@@ -812,30 +813,6 @@ def test_full_queue_is_resource_exhausted(prep_servers, infer_server) -> None:
 
 
 # -- 9. deadlines -------------------------------------------------------------------------------
-
-
-class PrefillHold:
-    """Holds the engine thread inside the `at`-th text llama_decode from now until released: a
-    prefill that is provably under way, however fast or slow the machine."""
-
-    def __init__(self, rt, at: int):
-        self.rt, self.at, self.num_decodes = rt, at, 0
-        self.held, self.released = threading.Event(), threading.Event()
-
-    def _decode(self) -> int:
-        self.num_decodes += 1
-        if self.num_decodes == self.at:
-            self.held.set()
-            self.released.wait(PATIENCE)
-        return type(self.rt).decode(self.rt)
-
-    def __enter__(self) -> PrefillHold:
-        self.rt.decode = self._decode
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.released.set()
-        del self.rt.decode  # back to the class's method
 
 
 @pytest.mark.parametrize("ending", ["deadline", "cancel"])

@@ -165,6 +165,21 @@ def test_sessions_belong_to_their_tenant(tenancy) -> None:
         assert r.status_code == status, r.text
 
 
+def test_the_kv_picture_shows_another_tenant_s_slot_as_cells_only(tenancy) -> None:
+    t = tenancy()
+    with t.client(ACME) as acme, t.client(GLOBEX) as globex:
+        acme.create_session("diary", title="acme's diary")
+        slot = turn(acme, "diary", "a secret plan").started.slot
+        (mine,) = list(acme.watch_slots(once=True))
+        (theirs,) = list(globex.watch_slots(once=True))
+        assert globex.list_sessions() == []
+    own, seen = mine.slots[slot], theirs.slots[slot]
+    assert own.visible and own.session_id == "diary" and own.runs
+    assert not seen.visible and seen.num_cells == own.num_cells > 0
+    assert seen.session_id == "" and not seen.runs and not seen.shifts
+    assert "secret" not in str(theirs) and "secret" in str(mine)
+
+
 def test_reuse_stays_within_a_tenant_and_its_salt(tenancy) -> None:
     t = tenancy(parallel=1)  # one slot: every request meets what the last one left
     prompt = "The same long question, asked by two tenants, word for word. " * 3

@@ -38,6 +38,21 @@ class Persistence(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PERSISTENCE_MEMORY: _ClassVar[Persistence]
     PERSISTENCE_SAVED: _ClassVar[Persistence]
     PERSISTENCE_NOT_SAVED: _ClassVar[Persistence]
+
+class SlotState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SLOT_STATE_UNSPECIFIED: _ClassVar[SlotState]
+    SLOT_STATE_FREE: _ClassVar[SlotState]
+    SLOT_STATE_IDLE: _ClassVar[SlotState]
+    SLOT_STATE_PREFILLING: _ClassVar[SlotState]
+    SLOT_STATE_DECODING: _ClassVar[SlotState]
+
+class CellKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CELL_KIND_UNSPECIFIED: _ClassVar[CellKind]
+    CELL_KIND_TEXT: _ClassVar[CellKind]
+    CELL_KIND_MEDIA: _ClassVar[CellKind]
+    CELL_KIND_GENERATED: _ClassVar[CellKind]
 SHIFT_POLICY_UNSPECIFIED: ShiftPolicy
 SHIFT_POLICY_AUTO: ShiftPolicy
 SHIFT_POLICY_SHIFT: ShiftPolicy
@@ -57,6 +72,15 @@ PERSISTENCE_UNSPECIFIED: Persistence
 PERSISTENCE_MEMORY: Persistence
 PERSISTENCE_SAVED: Persistence
 PERSISTENCE_NOT_SAVED: Persistence
+SLOT_STATE_UNSPECIFIED: SlotState
+SLOT_STATE_FREE: SlotState
+SLOT_STATE_IDLE: SlotState
+SLOT_STATE_PREFILLING: SlotState
+SLOT_STATE_DECODING: SlotState
+CELL_KIND_UNSPECIFIED: CellKind
+CELL_KIND_TEXT: CellKind
+CELL_KIND_MEDIA: CellKind
+CELL_KIND_GENERATED: CellKind
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
@@ -302,7 +326,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, started: _Optional[_Union[Started, _Mapping]] = ..., prefill: _Optional[_Union[PrefillProgress, _Mapping]] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., shift: _Optional[_Union[ContextShift, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "num_turns", "num_cells", "next_position", "resident", "context", "sampling", "num_shifts", "num_media", "error", "records")
+    __slots__ = ("session_id", "num_turns", "num_cells", "next_position", "resident", "context", "sampling", "num_shifts", "num_media", "error", "records", "title")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
     NUM_CELLS_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +338,7 @@ class SessionInfo(_message.Message):
     NUM_MEDIA_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_turns: int
     num_cells: int
@@ -325,7 +350,8 @@ class SessionInfo(_message.Message):
     num_media: int
     error: str
     records: _containers.RepeatedCompositeFieldContainer[TurnRecord]
-    def __init__(self, session_id: _Optional[str] = ..., num_turns: _Optional[int] = ..., num_cells: _Optional[int] = ..., next_position: _Optional[int] = ..., resident: _Optional[bool] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_shifts: _Optional[int] = ..., num_media: _Optional[int] = ..., error: _Optional[str] = ..., records: _Optional[_Iterable[_Union[TurnRecord, _Mapping]]] = ...) -> None: ...
+    title: str
+    def __init__(self, session_id: _Optional[str] = ..., num_turns: _Optional[int] = ..., num_cells: _Optional[int] = ..., next_position: _Optional[int] = ..., resident: _Optional[bool] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_shifts: _Optional[int] = ..., num_media: _Optional[int] = ..., error: _Optional[str] = ..., records: _Optional[_Iterable[_Union[TurnRecord, _Mapping]]] = ..., title: _Optional[str] = ...) -> None: ...
 
 class TurnRecord(_message.Message):
     __slots__ = ("turn", "text", "reason", "usage", "note", "created")
@@ -344,14 +370,16 @@ class TurnRecord(_message.Message):
     def __init__(self, turn: _Optional[int] = ..., text: _Optional[str] = ..., reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., note: _Optional[bytes] = ..., created: _Optional[float] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("session_id", "context", "sampling")
+    __slots__ = ("session_id", "context", "sampling", "title")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     context: ContextOptions
     sampling: SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    title: str
+    def __init__(self, session_id: _Optional[str] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., title: _Optional[str] = ...) -> None: ...
 
 class CreateSessionResponse(_message.Message):
     __slots__ = ("session",)
@@ -416,6 +444,92 @@ class RestoreSessionResponse(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     session: SessionInfo
     def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
+
+class RenameSessionRequest(_message.Message):
+    __slots__ = ("session_id", "title")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    title: str
+    def __init__(self, session_id: _Optional[str] = ..., title: _Optional[str] = ...) -> None: ...
+
+class RenameSessionResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: SessionInfo
+    def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
+
+class WatchSlotsRequest(_message.Message):
+    __slots__ = ("min_interval_ms", "once")
+    MIN_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    ONCE_FIELD_NUMBER: _ClassVar[int]
+    min_interval_ms: int
+    once: bool
+    def __init__(self, min_interval_ms: _Optional[int] = ..., once: _Optional[bool] = ...) -> None: ...
+
+class WatchSlotsResponse(_message.Message):
+    __slots__ = ("num_cells_per_slot", "uses_mrope", "slots")
+    NUM_CELLS_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    USES_MROPE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    num_cells_per_slot: int
+    uses_mrope: bool
+    slots: _containers.RepeatedCompositeFieldContainer[SlotView]
+    def __init__(self, num_cells_per_slot: _Optional[int] = ..., uses_mrope: _Optional[bool] = ..., slots: _Optional[_Iterable[_Union[SlotView, _Mapping]]] = ...) -> None: ...
+
+class SlotView(_message.Message):
+    __slots__ = ("slot", "visible", "session_id", "state", "num_cells", "next_position", "runs", "shifts")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    VISIBLE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CELLS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    SHIFTS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    visible: bool
+    session_id: str
+    state: SlotState
+    num_cells: int
+    next_position: int
+    runs: _containers.RepeatedCompositeFieldContainer[CellRun]
+    shifts: _containers.RepeatedCompositeFieldContainer[ShiftMark]
+    def __init__(self, slot: _Optional[int] = ..., visible: _Optional[bool] = ..., session_id: _Optional[str] = ..., state: _Optional[_Union[SlotState, str]] = ..., num_cells: _Optional[int] = ..., next_position: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[CellRun, _Mapping]]] = ..., shifts: _Optional[_Iterable[_Union[ShiftMark, _Mapping]]] = ...) -> None: ...
+
+class CellRun(_message.Message):
+    __slots__ = ("kind", "pinned", "message_index", "media_id", "num_cells", "num_positions", "pos_start", "preview")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CELLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    POS_START_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    kind: CellKind
+    pinned: bool
+    message_index: int
+    media_id: str
+    num_cells: int
+    num_positions: int
+    pos_start: int
+    preview: str
+    def __init__(self, kind: _Optional[_Union[CellKind, str]] = ..., pinned: _Optional[bool] = ..., message_index: _Optional[int] = ..., media_id: _Optional[str] = ..., num_cells: _Optional[int] = ..., num_positions: _Optional[int] = ..., pos_start: _Optional[int] = ..., preview: _Optional[str] = ...) -> None: ...
+
+class ShiftMark(_message.Message):
+    __slots__ = ("id", "shift", "at_cell", "evicted", "time")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SHIFT_FIELD_NUMBER: _ClassVar[int]
+    AT_CELL_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    shift: ContextShift
+    at_cell: int
+    evicted: _containers.RepeatedCompositeFieldContainer[CellRun]
+    time: float
+    def __init__(self, id: _Optional[int] = ..., shift: _Optional[_Union[ContextShift, _Mapping]] = ..., at_cell: _Optional[int] = ..., evicted: _Optional[_Iterable[_Union[CellRun, _Mapping]]] = ..., time: _Optional[float] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("texts", "normalize")

@@ -74,6 +74,16 @@ class InferServiceStub:
                 request_serializer=slotwise_dot_v1_dot_infer__pb2.RestoreSessionRequest.SerializeToString,
                 response_deserializer=slotwise_dot_v1_dot_infer__pb2.RestoreSessionResponse.FromString,
                 _registered_method=True)
+        self.RenameSession = channel.unary_unary(
+                '/slotwise.v1.InferService/RenameSession',
+                request_serializer=slotwise_dot_v1_dot_infer__pb2.RenameSessionRequest.SerializeToString,
+                response_deserializer=slotwise_dot_v1_dot_infer__pb2.RenameSessionResponse.FromString,
+                _registered_method=True)
+        self.WatchSlots = channel.unary_stream(
+                '/slotwise.v1.InferService/WatchSlots',
+                request_serializer=slotwise_dot_v1_dot_infer__pb2.WatchSlotsRequest.SerializeToString,
+                response_deserializer=slotwise_dot_v1_dot_infer__pb2.WatchSlotsResponse.FromString,
+                _registered_method=True)
         self.Embed = channel.unary_unary(
                 '/slotwise.v1.InferService/Embed',
                 request_serializer=slotwise_dot_v1_dot_infer__pb2.EmbedRequest.SerializeToString,
@@ -138,6 +148,23 @@ class InferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenameSession(self, request, context):
+        """Give a session a title (what a page lists it by); kept in its file.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchSlots(self, request, context):
+        """A live picture of every slot's KV cells, for a page or a monitor: a view at once, then
+        one whenever something changed, at most one per min_interval_ms. Views are read between
+        engine steps, never on a decode's path. Another tenant's slots show only their state and
+        cell count.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Embed(self, request, context):
         """Mean-pooled embeddings of texts, on a context of their own (with --embeddings).
         """
@@ -187,6 +214,16 @@ def add_InferServiceServicer_to_server(servicer, server):
                     servicer.RestoreSession,
                     request_deserializer=slotwise_dot_v1_dot_infer__pb2.RestoreSessionRequest.FromString,
                     response_serializer=slotwise_dot_v1_dot_infer__pb2.RestoreSessionResponse.SerializeToString,
+            ),
+            'RenameSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenameSession,
+                    request_deserializer=slotwise_dot_v1_dot_infer__pb2.RenameSessionRequest.FromString,
+                    response_serializer=slotwise_dot_v1_dot_infer__pb2.RenameSessionResponse.SerializeToString,
+            ),
+            'WatchSlots': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchSlots,
+                    request_deserializer=slotwise_dot_v1_dot_infer__pb2.WatchSlotsRequest.FromString,
+                    response_serializer=slotwise_dot_v1_dot_infer__pb2.WatchSlotsResponse.SerializeToString,
             ),
             'Embed': grpc.unary_unary_rpc_method_handler(
                     servicer.Embed,
@@ -410,6 +447,60 @@ class InferService:
             '/slotwise.v1.InferService/RestoreSession',
             slotwise_dot_v1_dot_infer__pb2.RestoreSessionRequest.SerializeToString,
             slotwise_dot_v1_dot_infer__pb2.RestoreSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenameSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slotwise.v1.InferService/RenameSession',
+            slotwise_dot_v1_dot_infer__pb2.RenameSessionRequest.SerializeToString,
+            slotwise_dot_v1_dot_infer__pb2.RenameSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchSlots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/slotwise.v1.InferService/WatchSlots',
+            slotwise_dot_v1_dot_infer__pb2.WatchSlotsRequest.SerializeToString,
+            slotwise_dot_v1_dot_infer__pb2.WatchSlotsResponse.FromString,
             options,
             channel_credentials,
             insecure,
