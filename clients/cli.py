@@ -322,6 +322,9 @@ def _http_args(p: argparse.ArgumentParser) -> None:
         "public (an internal image store); repeatable. Default: public addresses only",
     )
     g.add_argument("--max-image-mb", type=positive_int, default=20, help="per image_url")
+    g.add_argument(
+        "--no-ui", action="store_true", help="no web page at / (the API behind it stays)"
+    )
 
 
 def gateway_config(
@@ -350,6 +353,7 @@ def gateway_config(
         token=token,
         strict_model_name=args.strict_model_name,
         cors_origins=tuple(args.cors_origins),
+        ui=not args.no_ui,
     )
 
 

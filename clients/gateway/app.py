@@ -1,5 +1,6 @@
 """The HTTP edge over AsyncSlotwiseClient: OpenAI's Chat Completions, Completions, Responses
-and Embeddings, Anthropic's Messages, and models, health, readiness and metrics.
+and Embeddings, Anthropic's Messages, and models, health, readiness and metrics; the web page
+at / and its API (ui_api.py).
 
 The routes are one-liners: each API's module (openai_api, responses_api, anthropic_api)
 translates its shapes onto one generation (turns.py). Every route answers with and without
@@ -32,6 +33,7 @@ from clients.gateway.media import MediaPolicy
 from clients.gateway.responses_api import Responses, ResponsesRequest
 from clients.gateway.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from clients.gateway.turns import conversation_key
+from clients.gateway.ui_api import add_ui, is_open_path
 from slotwise_core.keys import Keys, reload_on_sighup
 
 __all__ = ["GatewayConfig", "conversation_key", "create_app"]
@@ -50,6 +52,7 @@ class GatewayConfig:
     token: str | None = None  # bearer token for the gRPC services, without api keys
     strict_model_name: bool = False  # 404 for another model name (else any name is this one)
     cors_origins: tuple[str, ...] = ()
+    ui: bool = True  # the web page at / (its API under /slotwise/ is there either way)
 
     def callers(self) -> Keys | None:
         if self.api_keys is not None:
@@ -113,7 +116,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.middleware("http")
     async def edge(request: Request, call_next: Any) -> Response:
         path = request.url.path
-        if keys is not None and request.method != "OPTIONS" and path not in _OPEN_PATHS:
+        open_path = path in _OPEN_PATHS or (config.ui and is_open_path(path))
+        if keys is not None and request.method != "OPTIONS" and not open_path:
             key = _presented_key(request)
             if keys.tenant_of(key) is None:
                 requests.labels("unauthorized", "401").inc()
@@ -220,6 +224,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def count_tokens(body: CountRequest) -> dict[str, int]:
         return await Messages(client(), config.media, model_name(body.model)).count_tokens(body)
 
+    add_ui(app, client, page=config.ui)
     return app
 
 

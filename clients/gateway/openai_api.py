@@ -15,7 +15,7 @@ import json
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -25,6 +25,7 @@ from clients.client import (
     AsyncSlotwiseClient,
     Constraint,
     Message,
+    Prepared,
     SlotwiseError,
     TokenLogprobs,
     Tool,
@@ -164,6 +165,12 @@ def check_body(body: SamplingRequest) -> None:
         raise refuse(name)
     if body.n > 1 and body.slotwise.session_id:
         raise refuse("n", "above 1 does not go with a session (one conversation, one reply)")
+    if body.slotwise.note and not body.slotwise.session_id:
+        raise refuse("slotwise.note", "is kept with a session's turn: give slotwise.session_id")
+
+
+def _note(note: str) -> Callable[[Prepared], bytes] | None:
+    return (lambda _: note.encode()) if note else None
 
 
 def choices(req: TurnRequest, n: int) -> list[TurnRequest]:
@@ -211,6 +218,7 @@ async def chat_completion(
         top_logprobs=body.top_logprobs or 0,
         session_id=body.slotwise.session_id,
         cache_salt=body.salt,
+        note=_note(body.slotwise.note),
     )
     turns = await start_all(client, choices(req, body.n))
     reply = _Chat(model, chat=True, include_usage=_include_usage(body))

@@ -72,6 +72,8 @@ class SlotwiseOptions(BaseModel):
     truncate: bool = True  # drop the oldest units of a prompt that cannot fit
     session_id: str | None = None
     cache_salt: str = Field(default="", max_length=256)  # KV reused only with the same salt
+    # a session turn's note, kept with the turn (GET /slotwise/sessions/{id} shows it again)
+    note: str = Field(default="", max_length=65536)
 
 
 class FunctionDef(_Open):

@@ -1,0 +1,231 @@
+"""The web page (at /) and the small API behind it: the model's facts, the caller's sessions,
+and the live picture of every slot's KV cells (WatchSlots, as server-sent events).
+
+The page and its assets are open (they hold nothing of anyone's); every call behind them takes
+the caller's key like the rest of the API, so a tenant sees only its own sessions and slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Query
+from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ConfigDict, Field
+
+from clients.client import AsyncSlotwiseClient, SessionInfo, SlotwiseError
+from clients.gateway.errors import from_slotwise
+from slotwise.v1 import infer_pb2
+
+__all__ = ["UI_DIR", "add_ui", "is_open_path", "view_json"]
+
+UI_DIR = Path(__file__).with_name("ui")
+PING_SECONDS = 15.0  # a comment line keeps proxies from closing a quiet stream
+_KINDS = {
+    infer_pb2.CELL_KIND_TEXT: "text",
+    infer_pb2.CELL_KIND_MEDIA: "media",
+    infer_pb2.CELL_KIND_GENERATED: "generated",
+}
+_STATES = {
+    infer_pb2.SLOT_STATE_FREE: "free",
+    infer_pb2.SLOT_STATE_IDLE: "idle",
+    infer_pb2.SLOT_STATE_PREFILLING: "prefilling",
+    infer_pb2.SLOT_STATE_DECODING: "decoding",
+}
+_POLICIES = {
+    infer_pb2.SHIFT_POLICY_SHIFT: "shift",
+    infer_pb2.SHIFT_POLICY_GAP: "gap",
+    infer_pb2.SHIFT_POLICY_REPREFILL: "reprefill",
+    infer_pb2.SHIFT_POLICY_STOP: "stop",
+}
+
+
+def is_open_path(path: str) -> bool:
+    return path == "/" or path.startswith("/ui/")
+
+
+class Title(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    title: str = Field(default="", max_length=200)
+
+
+def add_ui(app: FastAPI, client: Callable[[], AsyncSlotwiseClient], *, page: bool) -> None:
+    """The API behind the page always; the page itself unless --no-ui."""
+    if page:
+        app.mount("/ui", StaticFiles(directory=UI_DIR), name="ui")
+
+        @app.get("/", include_in_schema=False)
+        async def index() -> FileResponse:
+            return FileResponse(UI_DIR / "index.html", headers={"cache-control": "no-cache"})
+
+    @app.get("/slotwise/info")
+    async def info() -> dict[str, Any]:
+        s = await _call(client().server_info())
+        return {
+            "num_slots": s.num_slots,
+            "num_cells_per_slot": s.num_cells_per_slot,
+            "uses_mrope": s.uses_mrope,
+            "can_shift": s.can_shift,
+        }
+
+    @app.get("/slotwise/sessions")
+    async def sessions() -> dict[str, Any]:
+        listed = await _call(client().list_sessions())
+        return {"sessions": [session_json(s) for s in reversed(listed) if s.session_id]}
+
+    @app.post("/slotwise/sessions")
+    async def create(body: Title) -> dict[str, Any]:
+        return session_json(await _call(client().create_session(title=body.title)))
+
+    @app.get("/slotwise/sessions/{session_id}")
+    async def get(session_id: str) -> dict[str, Any]:
+        s = await _call(client().get_session(session_id, num_records=256))
+        turns = [
+            {
+                "turn": r.turn,
+                "note": r.note.decode("utf-8", errors="replace"),
+                "text": r.text,
+                "finish": r.reason.value,
+                "usage": {
+                    "prompt_cells": r.num_prompt_cells,
+                    "reused_cells": r.num_reused_cells,
+                    "generated_tokens": r.num_generated_tokens,
+                },
+                "created": r.created,
+            }
+            for r in s.records
+        ]
+        return {**session_json(s), "turns": turns}
+
+    @app.patch("/slotwise/sessions/{session_id}")
+    async def rename(session_id: str, body: Title) -> dict[str, Any]:
+        return session_json(await _call(client().rename_session(session_id, body.title)))
+
+    @app.delete("/slotwise/sessions/{session_id}")
+    async def delete(session_id: str) -> dict[str, Any]:
+        await _call(client().delete_session(session_id))
+        return {"id": session_id, "deleted": True}
+
+    @app.get("/slotwise/kv")
+    async def kv(interval_ms: int = Query(250, ge=100, le=10_000)) -> StreamingResponse:
+        views = client().watch_slots(min_interval_ms=interval_ms)
+        first = await _first(views)  # a refusal (a bad key, a server down) is an HTTP status
+        return StreamingResponse(_events(first, views), media_type="text/event-stream")
+
+
+async def _call(awaitable: Any) -> Any:
+    try:
+        return await awaitable
+    except SlotwiseError as e:
+        raise from_slotwise(e) from None
+
+
+async def _first(views: AsyncIterator[infer_pb2.WatchSlotsResponse]) -> Any:
+    try:
+        return await anext(views)
+    except SlotwiseError as e:
+        await views.aclose()  # type: ignore[attr-defined]
+        raise from_slotwise(e) from None
+
+
+async def _events(
+    first: infer_pb2.WatchSlotsResponse, views: AsyncIterator[infer_pb2.WatchSlotsResponse]
+) -> AsyncIterator[str]:
+    """Each view as an event; a ping while none comes. The next view is awaited in a task of
+    its own (a timeout must not cancel the watch under it); a client that leaves ends it."""
+    yield _sse(view_json(first))
+    pending: asyncio.Task[Any] | None = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(anext(views))
+            done, _ = await asyncio.wait({pending}, timeout=PING_SECONDS)
+            if not done:
+                yield ": ping\n\n"
+                continue
+            task, pending = pending, None
+            try:
+                view = task.result()
+            except StopAsyncIteration:
+                return
+            except SlotwiseError as e:  # the headers are out: the error goes as data
+                yield _sse(from_slotwise(e).body())
+                return
+            yield _sse(view_json(view))
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await views.aclose()  # type: ignore[attr-defined]
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def session_json(s: SessionInfo) -> dict[str, Any]:
+    return {
+        "id": s.session_id,
+        "title": s.title,
+        "num_turns": s.num_turns,
+        "num_cells": s.num_cells,
+        "next_position": s.next_position,
+        "resident": s.resident,
+        "num_shifts": s.num_shifts,
+        "num_media": s.num_media,
+    }
+
+
+def _run(r: infer_pb2.CellRun, *, full: bool = True) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "kind": _KINDS.get(r.kind, "text"),
+        "message_index": r.message_index,
+        "media_id": r.media_id,
+        "num_cells": r.num_cells,
+        "num_positions": r.num_positions,
+    }
+    if full:
+        out.update(pinned=r.pinned, pos_start=r.pos_start, preview=r.preview)
+    return out
+
+
+def view_json(view: infer_pb2.WatchSlotsResponse) -> dict[str, Any]:
+    """The page's shape of a WatchSlotsResponse (names, not enum numbers)."""
+    return {
+        "num_cells_per_slot": view.num_cells_per_slot,
+        "uses_mrope": view.uses_mrope,
+        "slots": [
+            {
+                "slot": s.slot,
+                "visible": s.visible,
+                "session_id": s.session_id,
+                "state": _STATES.get(s.state, "free"),
+                "num_cells": s.num_cells,
+                "next_position": s.next_position,
+                "segments": [_run(r) for r in s.runs],
+                "shifts": [
+                    {
+                        "id": m.id,
+                        "policy": _POLICIES.get(m.shift.policy, "shift"),
+                        "at_cell": m.at_cell,
+                        "num_cells_evicted": m.shift.num_cells_evicted,
+                        "num_positions_evicted": m.shift.num_positions_evicted,
+                        "media_ids_evicted": list(m.shift.media_ids_evicted),
+                        "num_cells_used_after": m.shift.num_cells_used_after,
+                        "next_position_after": m.shift.next_position_after,
+                        "time": m.time,
+                        "evicted": [_run(r, full=False) for r in m.evicted],
+                    }
+                    for m in s.shifts
+                ],
+            }
+            for s in view.slots
+        ],
+    }

@@ -1,0 +1,394 @@
+"""The web page at / and the API behind it: a real Chromium (Debian's, driven by Playwright)
+against the real prep, infer and HTTP servers on the tiny vision pair, and `slotwise serve`
+serving the page (or not, with --no-ui). Screenshots of key steps go under the test's tmp
+folder; their paths are printed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from clients.client import Constraint, SlotwiseClient
+from support.hold import PrefillHold
+from support.http_stack import Stack, Stacks, stacks_fixture
+from support.media import image_bytes
+from support.procs import free_port, serve_argv
+from support.wait import PATIENCE, wait_until
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+WAIT_MS = int(PATIENCE * 1000)
+
+
+@pytest.fixture
+def stacks(loop_thread, tiny, prep_servers) -> Iterator[Stacks]:
+    yield from stacks_fixture(loop_thread, tiny, prep_servers)
+
+
+# -- the API behind the page ------------------------------------------------------------------
+
+
+def test_the_sessions_api_keeps_titles_and_each_turn_s_note(stacks) -> None:
+    s = stacks.start("mrope", ctx_size=512, parallel=2)
+    api = httpx.Client(base_url=s.url, timeout=PATIENCE)
+    created = api.post("/slotwise/sessions", json={"title": "Harbour"}).json()
+    sid = created["id"]
+    assert created["title"] == "Harbour" and created["num_turns"] == 0
+    note = json.dumps({"user": "hello there", "thumbs": []})
+    chat = api.post(
+        "/v1/chat/completions",
+        json={
+            "model": "slotwise",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello there"}],
+            "slotwise": {"session_id": sid, "note": note},
+        },
+    )
+    assert chat.status_code == 200, chat.text
+    got = api.get(f"/slotwise/sessions/{sid}").json()
+    (turn,) = got["turns"]
+    assert turn["note"] == note and turn["text"] == chat.json()["choices"][0]["message"]["content"]
+    assert turn["usage"]["prompt_cells"] == chat.json()["usage"]["prompt_tokens"]
+    assert (
+        api.patch(f"/slotwise/sessions/{sid}", json={"title": "Harbour, day 2"}).json()["title"]
+        == "Harbour, day 2"
+    )
+    assert [x["title"] for x in api.get("/slotwise/sessions").json()["sessions"]] == [
+        "Harbour, day 2"
+    ]
+    bad = api.patch(f"/slotwise/sessions/{sid}", json={"title": "two\nlines"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "title"
+    no_session = api.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "slotwise": {"note": "x"}},
+    )
+    assert no_session.status_code == 400
+    assert api.delete(f"/slotwise/sessions/{sid}").json() == {"id": sid, "deleted": True}
+    assert api.get(f"/slotwise/sessions/{sid}").status_code == 404
+    assert api.get("/slotwise/info").json()["num_cells_per_slot"] == 256
+
+
+def test_the_kv_stream_sends_views_as_events(stacks) -> None:
+    s = stacks.start("mrope", ctx_size=512, parallel=2)
+    with httpx.Client(base_url=s.url, timeout=PATIENCE) as api:
+        chat = api.post(
+            "/v1/chat/completions",
+            json={"max_tokens": 3, "messages": [{"role": "user", "content": "Once upon"}]},
+        ).json()
+        with api.stream("GET", "/slotwise/kv", params={"interval_ms": 100}) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            line = next(x for x in r.iter_lines() if x.startswith("data: "))
+        view = json.loads(line.removeprefix("data: "))
+        assert api.get("/slotwise/kv", params={"interval_ms": 5}).status_code == 400
+    assert [x["state"] for x in view["slots"]].count("idle") == 1
+    (used,) = [x for x in view["slots"] if x["state"] == "idle"]
+    prompt = sum(g["num_cells"] for g in used["segments"] if g["kind"] != "generated")
+    assert prompt == chat["usage"]["prompt_tokens"] and used["session_id"] == ""
+
+
+def test_slotwise_serve_serves_the_page_and_no_ui_turns_it_off(tiny, tmp_path: Path) -> None:
+    pair = tiny["mrope"]
+    for flags, status in (((), 200), (("--no-ui",), 404)):
+        http = free_port()
+        argv = serve_argv(pair.model, pair.mmproj, "--ctx-size", "512", "--http-port", str(http))
+        log = (tmp_path / f"serve{len(flags)}.log").open("w")
+        proc = subprocess.Popen([*argv, *flags], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{http}"
+            wait_until(lambda url=url: _ready(url), what="slotwise serve answering")
+            page = httpx.get(f"{url}/")
+            assert page.status_code == status
+            if status == 200:
+                assert 'id="kv"' in page.text and "text/html" in page.headers["content-type"]
+                assert httpx.get(f"{url}/ui/app.js").status_code == 200
+            assert httpx.get(f"{url}/slotwise/info").status_code == 200  # the API stays
+        finally:
+            proc.terminate()
+            proc.wait(PATIENCE)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# -- the page in a browser --------------------------------------------------------------------
+
+
+@pytest.fixture
+def browser_page(tmp_path: Path) -> Iterator[Any]:
+    if CHROMIUM is None:
+        pytest.skip("no chromium here (Debian's package; .ci/run installs it)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("dialog", lambda d: d.accept())
+        page.set_default_timeout(WAIT_MS)
+        yield page
+        browser.close()
+        assert not errors, errors  # no script error on the way
+
+
+class Shots:
+    def __init__(self, page: Any, folder: Path):
+        self.page, self.folder, self.n = page, folder, 0
+
+    def __call__(self, name: str) -> Path:
+        self.n += 1
+        path = self.folder / f"{self.n:02d}-{name}.png"
+        self.page.screenshot(path=str(path), full_page=True)
+        print(f"screenshot: {path}")
+        return path
+
+
+def used_cells(page: Any, slot: int) -> int:
+    return int(page.locator(f'.slot[data-slot="{slot}"] .cells').get_attribute("data-used"))
+
+
+def segments(page: Any, slot: int) -> list[tuple[str, str, int]]:
+    return page.eval_on_selector_all(
+        f'.slot[data-slot="{slot}"] .bar .seg',
+        "els => els.map(e => [e.dataset.kind, e.dataset.type || '', +e.dataset.cells])",
+    )
+
+
+def send(page: Any, text: str, image: Path | None = None) -> None:
+    n = page.locator(".message.assistant .usage").count()
+    page.fill("#input", text)
+    if image is not None:
+        page.set_input_files("#file", str(image))
+        page.wait_for_selector("#attachments img")
+    page.click("#send")
+    page.wait_for_function(
+        f"document.querySelectorAll('.message.assistant .usage').length > {n}", timeout=WAIT_MS
+    )
+
+
+def last_usage(page: Any) -> dict[str, int]:
+    usage = page.locator(".message.assistant .usage").last
+    return {
+        k: int(usage.get_attribute(f"data-{k}") or 0)
+        for k in ("prompt-cells", "generated", "shifts", "evicted-cells")
+    }
+
+
+def test_a_person_chats_with_images_and_watches_the_cells(
+    stacks, browser_page, tmp_path: Path
+) -> None:
+    s: Stack = stacks.start("mrope", ctx_size=512, parallel=2, sessions_dir=tmp_path / "sessions")
+    page, shot = browser_page, Shots(browser_page, tmp_path)
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(image_bytes(64, 48, seed=7))
+    api = httpx.Client(base_url=s.url, timeout=PATIENCE)
+
+    page.goto(s.url)
+    page.wait_for_selector('.slot[data-slot="1"]')  # the KV picture shows both slots
+    page.fill("#max-tokens", "8")
+    page.select_option("#policy", "shift")
+    shot("loaded")
+
+    # a message with an image: the reply streams in, the slot's bar holds the prompt's cells
+    send(page, "What is in this picture?", photo)
+    assert page.locator(".message.user img.thumb").count() == 1
+    assert page.locator(".message.assistant .content").last.inner_text().strip()
+    (session,) = api.get("/slotwise/sessions").json()["sessions"]
+    slot = _slot_of(page, session["id"])
+    usage = last_usage(page)
+    page.wait_for_function(
+        f"+document.querySelector('.slot[data-slot=\"{slot}\"] .cells').dataset.used"
+        f" === {session['num_cells']}"
+    )
+    segs = segments(page, slot)
+    prompt = sum(c for kind, typ, c in segs if kind != "free" and typ != "generated")
+    assert prompt == usage["prompt-cells"] > 0
+    assert any(typ == "media" for _, typ, _ in segs)
+    assert sum(c for kind, _, c in segs if kind != "free") == used_cells(page, slot)
+    assert sum(c for _, _, c in segs) == 256  # free cells complete the slot
+    title = page.locator(f'li.session[data-id="{session["id"]}"] .open').inner_text()
+    assert "What is in this picture" in title  # named after its first message
+    shot("first-reply")
+
+    # on past the context: the shift is marked with the cells the API reported evicted
+    evicted = 0
+    for turn in range(30):
+        send(page, f"Tell me more about the harbour, part {turn}.")
+        evicted += last_usage(page)["evicted-cells"]
+        if evicted:
+            break
+    assert evicted > 0, "no shift in 30 turns of a 256-cell slot"
+    marks = f'.slot[data-slot="{slot}"] .shifts li'
+    page.wait_for_function(f"document.querySelectorAll('{marks}').length > 0")
+    shown = page.eval_on_selector_all(marks, "els => els.map(e => +e.dataset.evictedCells)")
+    assert sum(shown) == evicted and len(shown) < 8
+    assert page.locator(f'.slot[data-slot="{slot}"] .shift-mark').count() == len(shown)
+    shot("shifted")
+
+    # stop a generation that is provably under way: the engine is held inside a decode
+    page.fill("#max-tokens", "200")
+    turns_before = api.get(f"/slotwise/sessions/{session['id']}").json()["num_turns"]
+    rt = s.infer.engine.rt
+    with PrefillHold(rt, at=4) as hold:
+        page.fill("#input", "And then?")
+        page.click("#send")
+        assert hold.held.wait(PATIENCE)
+        page.wait_for_selector("#stop:not([disabled])")
+        page.click("#stop")
+        page.wait_for_selector("#stop[disabled]")
+    page.wait_for_function(
+        "document.querySelector('.message.assistant:last-child').textContent.includes('stopped')"
+    )
+    wait_until(
+        lambda: (
+            api.get(f"/slotwise/sessions/{session['id']}").json()["num_turns"] == turns_before
+            and not s.infer.engine.slots[slot].job
+        ),
+        what="the stopped turn ended, not completed",
+    )
+    shot("stopped")
+
+    # a second session, then back to the first: its messages and image come back from the API
+    page.click("#new-session")
+    page.wait_for_function("document.querySelectorAll('#messages .message').length === 0")
+    send(page, "A new conversation.")
+    wait_until(lambda: len(api.get("/slotwise/sessions").json()["sessions"]) == 2)
+    page.locator(f'li.session[data-id="{session["id"]}"] .open').click()
+    page.wait_for_selector(f'li.session.current[data-id="{session["id"]}"]')
+    page.wait_for_selector(".message.user img.thumb")
+    first_user = page.locator(".message.user .content").first.inner_text()
+    assert "What is in this picture?" in first_user
+    shot("switched-back")
+
+    # rename and delete from the sidebar
+    item = page.locator(f'li.session[data-id="{session["id"]}"]')
+    item.locator(".rename").click()
+    page.fill(".rename-input", "The harbour")
+    page.keyboard.press("Enter")
+    wait_until(
+        lambda: api.get(f"/slotwise/sessions/{session['id']}").json()["title"] == "The harbour"
+    )
+    item.locator(".delete").click()
+    page.wait_for_selector(f'li.session[data-id="{session["id"]}"]', state="detached")
+    assert [x["id"] for x in api.get("/slotwise/sessions").json()["sessions"]] != [session["id"]]
+    assert api.get(f"/slotwise/sessions/{session['id']}").status_code == 404
+    shot("deleted")
+
+
+def _slot_of(page: Any, session_id: str) -> int:
+    """The slot whose picture shows the session (once the next view has come)."""
+    found = page.wait_for_function(
+        """id => {
+            const slot = [...document.querySelectorAll('.slot')]
+                .find(e => e.querySelector('.slot-head').textContent.includes(id));
+            return slot ? +slot.dataset.slot + 1 : 0;
+        }""",
+        arg=session_id,
+    )
+    return int(found.json_value()) - 1
+
+
+def test_errors_are_shown_in_words_and_a_key_is_asked_for(
+    stacks, browser_page, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("acme key-of-acme\n")
+    from slotwise_core.keys import Keys
+
+    s = stacks.start("mrope", ctx_size=256, max_queue=1, gateway={"api_keys": Keys(keys)})
+    page, shot = browser_page, Shots(browser_page, tmp_path)
+    page.goto(s.url)
+    page.wait_for_selector("#key-dialog[open]")
+    shot("key-asked")
+    page.fill("#key-input", "key-of-acme")
+    page.click("#key-save")
+    page.wait_for_selector('.slot[data-slot="0"]')
+    page.fill("#max-tokens", "4")
+
+    # a pinned system prompt longer than the whole context can never fit
+    page.fill("#system", "You are a patient guide to the harbour town. " * 40)
+    page.fill("#input", "Hello")
+    page.click("#send")
+    page.wait_for_function("document.querySelector('#error').textContent.includes('too long')")
+    shot("too-long")
+
+    # the one slot busy and the queue's one place taken: the page's turn is refused, in words
+    full = stacks.start("mrope", ctx_size=256, max_queue=1)
+    endless = Constraint(grammar='root ::= "a" root')  # allows no end: runs until cancelled
+    stop = threading.Event()
+    with SlotwiseClient(f"127.0.0.1:{full.prep_port}", f"127.0.0.1:{full.infer.port}") as c:
+        engine = full.infer.engine
+        for _ in range(2):
+            generation = c.generate("Say a", constraint=endless, max_tokens=1 << 20)
+            threading.Thread(target=_until, args=(generation, stop), daemon=True).start()
+        wait_until(lambda: engine.num_active == 1 and engine.num_waiting == 1)
+        page.goto(full.url)
+        page.wait_for_selector('.slot[data-slot="0"] .cells')
+        page.fill("#input", "Hello again")
+        page.click("#send")
+        page.wait_for_function(
+            "document.querySelector('#error').textContent.includes('queue is full')"
+        )
+        assert page.input_value("#input") == "Hello again"  # given back, to send again
+        shot("queue-full")
+        stop.set()
+        wait_until(lambda: engine.num_active == engine.num_waiting == 0)
+
+
+def _until(events: Any, stop: threading.Event) -> None:
+    """Read a generation until told to stop, then cancel it (on this thread: its reader's)."""
+    with contextlib.suppress(Exception):
+        for _ in events:
+            if stop.is_set():
+                break
+    events.close()
+
+
+def test_markdown_narrow_screens_dark_mode_and_the_keyboard(
+    stacks, browser_page, tmp_path: Path
+) -> None:
+    s = stacks.start("mrope", ctx_size=512, parallel=2)
+    page, shot = browser_page, Shots(browser_page, tmp_path)
+    page.set_viewport_size({"width": 360, "height": 780})
+    page.emulate_media(color_scheme="dark")
+    page.goto(s.url)
+    page.wait_for_selector('.slot[data-slot="0"] .cells')
+    html = page.evaluate(
+        """async () => (await import('/ui/markdown.js')).renderMarkdown(
+            "# Title\\n**bold** and `x<y`\\n\\n```py\\nprint('<b>')\\n```\\n- one\\n- two\\n" +
+            "<script>alert(1)</script> [ok](https://example.org) [no](javascript:alert(1))")"""
+    )
+    assert "<h1>Title</h1>" in html and "<strong>bold</strong>" in html
+    assert "<code>x&lt;y</code>" in html
+    assert '<pre><code class="language-py">print(&#39;&lt;b&gt;&#39;)</code></pre>' in html
+    assert "<ul><li>one</li><li>two</li></ul>" in html
+    assert "<script>" not in html and "&lt;script&gt;" in html
+    assert 'href="https://example.org"' in html and "javascript:" not in html.split("[no]")[0]
+    assert 'href="javascript' not in html
+    # nothing wider than a 360 px phone; a dark background when the system asks for it
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 360, f"the page is {width} px wide at 360 px"
+    background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    assert sum(int(c) for c in background[4:-1].split(",")[:3]) < 3 * 96, background
+    # the keyboard alone: Tab reaches the composer, Enter sends, the reply comes
+    page.focus("#input")
+    page.keyboard.type("Hello from the keyboard")
+    page.keyboard.press("Enter")
+    page.wait_for_selector(".message.assistant .usage")
+    assert page.locator(".message.user .content").first.inner_text() == "Hello from the keyboard"
+    page.keyboard.press("Tab")
+    focused = page.evaluate("document.activeElement && document.activeElement.tagName")
+    assert focused in ("BUTTON", "LABEL", "INPUT", "TEXTAREA", "A", "SELECT")
+    shot("narrow-dark")
