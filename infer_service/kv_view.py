@@ -118,11 +118,10 @@ def _preview(text: str) -> str:
 
 
 def at_cell(segments: Sequence[Segment], evicted: Sequence[Segment]) -> int:
-    """The cells before the first evicted segment (what stayed in front of the eviction)."""
-    first = evicted[0] if evicted else None
-    cells = 0
-    for seg in segments:
-        if seg is first:
-            return cells
-        cells += seg.num_cells
-    return cells
+    """The cells in front of the first evicted segment (what stayed before the eviction).
+    Positions rise along a sequence, so "in front" is "starts at a lower position" (which also
+    holds when the plan evicts only the head of a segment split in two)."""
+    if not evicted:
+        return 0
+    p0 = evicted[0].pos_start
+    return sum(s.num_cells for s in segments if s.pos_start < p0)

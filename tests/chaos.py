@@ -280,7 +280,8 @@ async def disk_filler(root: Path, until: float, stats: Stats, rng: random.Random
     while time.monotonic() < until:
         await asyncio.sleep(rng.uniform(1.0, 3.0))
         st = os.statvfs(root)
-        with open(filler, "wb") as f, contextlib.suppress(OSError):
+        # (on a full tmpfs even creating the file may fail: that is full enough)
+        with contextlib.suppress(OSError), open(filler, "wb") as f:
             f.write(b"\0" * (st.f_bavail * st.f_frsize))  # up to ENOSPC
         stats.disk_full_episodes += 1
         await asyncio.sleep(rng.uniform(1.0, 3.0))
