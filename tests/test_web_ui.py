@@ -199,6 +199,7 @@ def test_a_person_chats_with_images_and_watches_the_cells(
     page.wait_for_selector('.slot[data-slot="1"]')  # the KV picture shows both slots
     page.fill("#max-tokens", "8")
     page.select_option("#policy", "shift")
+    page.fill("#system", "You describe pictures.")
     shot("loaded")
 
     # a message with an image: the reply streams in, the slot's bar holds the prompt's cells
@@ -235,6 +236,13 @@ def test_a_person_chats_with_images_and_watches_the_cells(
     shown = page.eval_on_selector_all(marks, "els => els.map(e => +e.dataset.evictedCells)")
     assert sum(shown) == evicted and len(shown) < 8
     assert page.locator(f'.slot[data-slot="{slot}"] .shift-mark').count() == len(shown)
+    # the system message stayed pinned (keep defaults to it), in front of every eviction
+    kind, _, pinned = segments(page, slot)[0]
+    assert kind == "pinned" and pinned > 0
+    at = page.eval_on_selector_all(
+        f'.slot[data-slot="{slot}"] .shift-mark', "els => els.map(e => e.dataset.atCell)"
+    )
+    assert at == [str(pinned)] * len(shown), at
     shot("shifted")
 
     # stop a generation that is provably under way: the engine is held inside a decode

@@ -301,16 +301,19 @@ async function deleteSession(session) {
   await loadSessions();
 }
 
-async function newSession() {
-  try {
-    const session = await apiJson("/slotwise/sessions", { method: "POST", body: { title: "" } });
-    setCurrent({ id: session.id, title: session.title || "", messages: [] });
-    showError(null);
-    await loadSessions();
-    $("input").focus();
-  } catch (err) {
-    showError(err);
-  }
+// A new session exists on the server from its first turn on: that turn creates it with the
+// turn's own context options, so `keep` can pin the system message's exact cells (a session
+// created empty beforehand would keep its default pins instead).
+function newSession() {
+  if (state.streaming) state.streaming.abort();
+  setCurrent({ id: freshId(), title: "", messages: [] });
+  showError(null);
+  $("input").focus();
+}
+
+function freshId() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
 }
 
 // A turn's note is the page's JSON ({user, thumbs, system}); other clients' turns have "".
@@ -461,15 +464,7 @@ async function send() {
   showError(null);
   const opts = settings();
 
-  if (!state.current) {
-    try {
-      const session = await apiJson("/slotwise/sessions", { method: "POST", body: { title: "" } });
-      setCurrent({ id: session.id, title: session.title || "", messages: [] });
-    } catch (err) {
-      showError(err);
-      return;
-    }
-  }
+  if (!state.current) newSession();
   const current = state.current;
   const messages = current.messages;
   const firstTurn = !messages.some((m) => m.role === "assistant");
@@ -847,7 +842,8 @@ function drawSlot(slot, capacity) {
     title: `free · ${plural(free, "cell")}`, style: { flexGrow: String(free) } }));
   for (const shift of slot.shifts || []) {
     bar.append(el("div", { class: "shift-mark", "data-shift-id": shift.id,
-      "data-evicted-cells": shift.num_cells_evicted, title: shiftText(shift),
+      "data-evicted-cells": shift.num_cells_evicted, "data-at-cell": shift.at_cell,
+      title: shiftText(shift),
       style: { left: `${Math.min(100, (100 * shift.at_cell) / capacity)}%` } }));
   }
   const children = [head, bar, posBar];
