@@ -299,9 +299,12 @@ class Calls:
         request = infer_pb2.RenameSessionRequest(session_id=session_id, title=title)
         return self._session("RenameSession", request, timeout)
 
-    def watch_slots(self, min_interval_ms: int, once: bool) -> Call[None]:
+    def watch_slots(self, min_interval_ms: int, once: bool, timeout: float | None) -> Call[None]:
+        """A watch's deadline is `timeout` only (none by default): it runs until stopped."""
+        self.need("infer")
         request = infer_pb2.WatchSlotsRequest(min_interval_ms=min_interval_ms, once=once)
-        return self._call("infer", INFER_SERVICE, "WatchSlots", request, _nothing, None)
+        t = None if timeout is None or timeout <= 0 else timeout
+        return Call("infer", INFER_SERVICE, "WatchSlots", request, _nothing, t)
 
     def _session(self, method: str, request: Any, timeout: float | None) -> Call[SessionInfo]:
         call = self._call("infer", INFER_SERVICE, method, request, _session, timeout)

@@ -349,11 +349,11 @@ class SlotwiseClient(_Client):
         return self._unary(self._calls.rename_session(session_id, title, timeout))
 
     def watch_slots(
-        self, *, min_interval_ms: int = 0, once: bool = False
+        self, *, min_interval_ms: int = 0, once: bool = False, timeout: float | None = None
     ) -> Generator[infer_pb2.WatchSlotsResponse, None, None]:
         """Views of every slot's KV cells (the contract's WatchSlotsResponse): one now, then
         one whenever something changed. Stopping the iteration cancels the call."""
-        responses = self._start(self._calls.watch_slots(min_interval_ms, once))
+        responses = self._start(self._calls.watch_slots(min_interval_ms, once, timeout))
         try:
             yield from responses
         except grpc.RpcError as e:
@@ -514,10 +514,10 @@ class AsyncSlotwiseClient(_Client):
         return await self._unary(self._calls.rename_session(session_id, title, timeout))
 
     async def watch_slots(
-        self, *, min_interval_ms: int = 0, once: bool = False
+        self, *, min_interval_ms: int = 0, once: bool = False, timeout: float | None = None
     ) -> AsyncIterator[infer_pb2.WatchSlotsResponse]:
         """See SlotwiseClient.watch_slots."""
-        responses = self._start(self._calls.watch_slots(min_interval_ms, once))
+        responses = self._start(self._calls.watch_slots(min_interval_ms, once, timeout))
         try:
             async for view in responses:
                 yield view

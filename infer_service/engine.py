@@ -32,7 +32,7 @@ from infer_service.events import (
     storage_problem,
 )
 from infer_service.executor import Executor
-from infer_service.kv_view import SlotPicture, SlotState, runs
+from infer_service.kv_view import SlotPicture, SlotState
 from infer_service.runtime import Runtime
 from infer_service.scheduler import Scheduler, TenantLimits
 from infer_service.session_manager import SessionManager
@@ -183,9 +183,12 @@ class Engine:
                     state=state,
                     num_cells=slot.num_cells,
                     next_position=ledger.next_pos if ledger else 0,
-                    runs=runs(ledger.segments if ledger else (), self.executor.read),
+                    runs=slot.runs.of(ledger, self.executor.read),
                     shifts=tuple(
-                        m for m in slot.shifts if (m.tenant, m.session_id) == (tenant, session)
+                        m
+                        for m in slot.shifts
+                        if ledger is not None
+                        and (m.sequence, m.tenant, m.session_id) == (ledger.serial, tenant, session)
                     ),
                 )
             )

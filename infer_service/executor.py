@@ -105,7 +105,6 @@ class Executor:
         self.on_shift: Callable[[Slot], None] = lambda slot: None
         self.on_cannot_fit: Callable[[Slot, CannotFit, int], None] = lambda *_: None
         self.on_first_token: Callable[[float], None] = lambda seconds: None  # TTFT
-        self._num_shift_marks = 0
 
     def close(self) -> None:
         self._encoder.shutdown(wait=True, cancel_futures=True)
@@ -599,17 +598,18 @@ class Executor:
             num_cells_used_after=used_after,
             next_position_after=next_pos_after,
         )
-        self._num_shift_marks += 1
+        slot.num_shift_marks += 1
         job = slot.job
         slot.shifts.appendleft(
             ShiftMark(
-                id=self._num_shift_marks,
+                id=slot.num_shift_marks,
                 shift=shift,
                 at_cell=evicted_at,
                 evicted=runs(plan.evicted, self.read),
                 time=time.time(),
                 tenant=job.tenant,
                 session_id=job.session_id,
+                sequence=ledger.serial,
             )
         )
         slot.job.emit(shift)

@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from infer_service.ledger import Segment
+from infer_service.ledger import Ledger, Segment
 
-__all__ = ["CellKind", "CellRun", "ShiftMark", "SlotPicture", "SlotState", "at_cell", "runs"]
+__all__ = [
+    "CellKind",
+    "CellRun",
+    "SequenceRuns",
+    "ShiftMark",
+    "SlotPicture",
+    "SlotState",
+    "at_cell",
+    "runs",
+]
 
 PREVIEW_TOKENS = 48  # a text run's preview reads its first tokens (at most PREVIEW_CHARS)
 PREVIEW_CHARS = 48
@@ -53,6 +62,7 @@ class ShiftMark:
     time: float
     tenant: str  # whose sequence shifted: only its owner is shown the mark
     session_id: str | None
+    sequence: int  # the ledger's serial: a mark is shown with its own sequence only
 
 
 @dataclass(frozen=True)
@@ -73,43 +83,85 @@ def _kind(seg: Segment) -> CellKind:
     return CellKind.GENERATED if seg.item.generated else CellKind.TEXT
 
 
-def runs(segments: Sequence[Segment], read: Callable[[Sequence[int]], str]) -> tuple[CellRun, ...]:
-    """Consecutive segments of one kind, message, medium and pinning, as one run each (a reply
-    is one run, not a segment per token); `read` turns a text run's first tokens into words."""
-    out: list[CellRun] = []
-    tokens: list[list[int]] = []
-    for seg in segments:
-        kind, media_id = _kind(seg), seg.media_id or ""
-        last = out[-1] if out else None
-        if (
-            last is not None
-            and (last.kind, last.pinned, last.message_index, last.media_id)
-            == (kind, seg.pinned, seg.message_index, media_id)
-            and seg.pos_start == last.pos_start + last.num_positions  # not across a gap
-        ):
-            out[-1] = replace(
-                last,
-                num_cells=last.num_cells + seg.num_cells,
-                num_positions=seg.pos_end - last.pos_start,
-            )
-            tokens[-1].extend(seg.token_ids[: PREVIEW_TOKENS - len(tokens[-1])])
-            continue
-        out.append(
-            CellRun(
-                kind=kind,
-                pinned=seg.pinned,
-                message_index=seg.message_index,
-                media_id=media_id,
-                num_cells=seg.num_cells,
-                num_positions=seg.num_positions,
-                pos_start=seg.pos_start,
-            )
+class _Run:
+    """A run being gathered (mutable: a reply grows its run a token at a time)."""
+
+    __slots__ = ("cells", "key", "pos_end", "pos_start", "preview", "read_up_to", "tokens")
+
+    def __init__(self, key: tuple[CellKind, bool, int, str], seg: Segment):
+        self.key, self.cells, self.pos_start, self.pos_end = key, 0, seg.pos_start, seg.pos_start
+        self.tokens: list[int] = []
+        self.preview, self.read_up_to = "", 0
+
+    def take(self, seg: Segment) -> None:
+        self.cells += seg.num_cells
+        self.pos_end = seg.pos_end
+        if len(self.tokens) < PREVIEW_TOKENS:
+            self.tokens.extend(seg.token_ids[: PREVIEW_TOKENS - len(self.tokens)])
+
+    def shown(self, read: Callable[[Sequence[int]], str]) -> CellRun:
+        if self.read_up_to != len(self.tokens):  # read once per run, until it has its words
+            self.preview, self.read_up_to = _preview(read(self.tokens)), len(self.tokens)
+        kind, pinned, message_index, media_id = self.key
+        return CellRun(
+            kind=kind,
+            pinned=pinned,
+            message_index=message_index,
+            media_id=media_id,
+            num_cells=self.cells,
+            num_positions=self.pos_end - self.pos_start,
+            pos_start=self.pos_start,
+            preview=self.preview,
         )
-        tokens.append(list(seg.token_ids[:PREVIEW_TOKENS]))
-    return tuple(
-        replace(run, preview=_preview(read(ids))) if ids else run
-        for run, ids in zip(out, tokens, strict=True)
-    )
+
+
+def _gather(out: list[_Run], segments: Sequence[Segment]) -> None:
+    """Consecutive segments of one kind, message, medium and pinning join one run (not across
+    a gap in positions)."""
+    for seg in segments:
+        key = (_kind(seg), seg.pinned, seg.message_index, seg.media_id or "")
+        last = out[-1] if out else None
+        if last is None or last.key != key or last.pos_end != seg.pos_start:
+            last = _Run(key, seg)
+            out.append(last)
+        last.take(seg)
+
+
+def runs(segments: Sequence[Segment], read: Callable[[Sequence[int]], str]) -> tuple[CellRun, ...]:
+    """Segments as runs (a reply is one run, not a segment per token); `read` turns a text
+    run's first tokens into words."""
+    out: list[_Run] = []
+    _gather(out, segments)
+    return tuple(r.shown(read) for r in out)
+
+
+class SequenceRuns:
+    """One slot's runs, kept up to date from what its ledger appended since the last look (a
+    step adds a token: its run grows); any other change (a shift, another sequence) rebuilds
+    them. So a look costs what changed, not the length of the sequence."""
+
+    def __init__(self) -> None:
+        self._ledger: object = None
+        self._num_segments = 0
+        self._last: Segment | None = None
+        self._runs: list[_Run] = []
+
+    def of(
+        self, ledger: Ledger | None, read: Callable[[Sequence[int]], str]
+    ) -> tuple[CellRun, ...]:
+        segments = ledger.segments if ledger is not None else ()
+        n = self._num_segments
+        appended_only = (
+            ledger is self._ledger
+            and len(segments) >= n
+            and (n == 0 or segments[n - 1] is self._last)
+        )
+        if not appended_only:
+            self._ledger, self._runs, n = ledger, [], 0
+        _gather(self._runs, segments[n:])
+        self._num_segments = len(segments)
+        self._last = segments[-1] if segments else None
+        return tuple(r.shown(read) for r in self._runs)
 
 
 def _preview(text: str) -> str:

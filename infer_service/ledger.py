@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -38,6 +39,7 @@ from typing import Any
 
 # how much evicted history a sequence remembers for `continuation`, in atoms per cell of capacity
 MAX_HISTORY_FACTOR = 8
+_SERIALS = itertools.count(1)
 
 __all__ = [
     "Admission",
@@ -406,6 +408,7 @@ class Ledger:
         self._evicted: list[Item] = []
         self._num_evicted_atoms = 0
         self._history_complete = True
+        self.serial = next(_SERIALS)  # which sequence this is (a copy is another)
         self._recount()
 
     def _recount(self) -> None:
@@ -624,6 +627,7 @@ class Ledger:
         other = copy.copy(self)
         other._segments = list(self._segments)
         other._evicted = list(self._evicted)
+        other.serial = next(_SERIALS)
         return other
 
     # -- reuse across requests (prefix cache, sessions) ----------------------------------------

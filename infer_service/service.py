@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -189,6 +189,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         self.limits = limits
         self.embedder = embedder
         self.draining = draining or asyncio.Event()
+        self._watches: Counter[str] = Counter()  # WatchSlots calls open, by tenant
         self._relays: dict[asyncio.AbstractEventLoop, EventRelay] = {}
 
     async def Embed(self, request, context):
@@ -554,6 +555,21 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         Ends when the server drains (a page then reconnects, to this replica or another)."""
         interval = max(request.min_interval_ms or DEFAULT_WATCH_MS, MIN_WATCH_MS) / 1000
         tenant, rt = current_tenant(), self.engine.rt
+        watching = self._watches
+        if sum(watching.values()) >= MAX_WATCHES or watching[tenant] >= MAX_WATCHES_PER_TENANT:
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"at most {MAX_WATCHES} watches ({MAX_WATCHES_PER_TENANT} per tenant) "
+                        "at once; close one or watch less often", reason="TOO_MANY_WATCHES",
+                        retry_after=5.0)  # fmt: skip
+            return
+        watching[tenant] += 1
+        try:
+            async for view in self._views(request, context, tenant, rt, interval):
+                yield view
+        finally:
+            watching[tenant] -= 1
+
+    async def _views(self, request, context, tenant: str, rt: Any, interval: float):
         last = None
         while not self.draining.is_set():
             try:
@@ -730,7 +746,8 @@ def session_info(s: Session, *, num_records: int = 0) -> infer_pb2.SessionInfo:
 
 
 MAX_TITLE_CHARS = 200
-DEFAULT_WATCH_MS, MIN_WATCH_MS = 250, 50
+DEFAULT_WATCH_MS, MIN_WATCH_MS = 250, 100
+MAX_WATCHES, MAX_WATCHES_PER_TENANT = 16, 4  # each costs a look between engine steps
 _CELL_KINDS = {
     CellKind.TEXT: infer_pb2.CELL_KIND_TEXT,
     CellKind.MEDIA: infer_pb2.CELL_KIND_MEDIA,
@@ -767,10 +784,12 @@ def _run_pb(r: CellRun) -> infer_pb2.CellRun:
 
 
 def slot_view(p: SlotPicture, tenant: str) -> infer_pb2.SlotView:
-    """A slot as `tenant` may see it: whole when the sequence is its own (or nobody's)."""
+    """A slot as `tenant` may see it: whole when the sequence is its own (or it holds
+    nothing); another tenant's as its state only (not even its size: a cell count a few times
+    a second would tell how long others' prompts and replies are)."""
     state = _SLOT_STATES[p.state]
-    if p.tenant not in ("", tenant):
-        return infer_pb2.SlotView(slot=p.slot, state=state, num_cells=p.num_cells)
+    if p.tenant != tenant and p.num_cells:
+        return infer_pb2.SlotView(slot=p.slot, state=state)
     return infer_pb2.SlotView(
         slot=p.slot,
         visible=True,

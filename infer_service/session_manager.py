@@ -103,10 +103,21 @@ class SessionManager:
         return session, self._save(session, b"")
 
     def rename(self, session_id: str, title: str) -> tuple[Session, Future[None] | None]:
-        """A new title, written with the session's header (its KV bytes stay as they are)."""
+        """A new title, saved as `save` does (with the KV state of a resident session: a save
+        also marks the session clean). A failed write puts the old title back."""
         session = self.idle(session_id)
-        session.title = title
-        return session, self._save(session, None)
+        old, session.title = session.title, title
+        slot = self.slots[session.slot] if session.slot is not None else None
+        write = self._save(session, self.executor.state_of(slot) if slot else None)
+
+        def undo(done: Future[None]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                with contextlib.suppress(EngineStoppedError):
+                    self._call(lambda: _untitle(session, title, old))
+
+        if write is not None:
+            write.add_done_callback(undo)
+        return session, write
 
     def delete(self, session_id: str) -> Future[bool] | None:
         """Forget the session; returns the disk deletion (ordered after its pending writes),
@@ -734,3 +745,8 @@ class _Writes:
     def take(self, session_id: str) -> _Write | None:
         with self._lock:
             return self._queued.pop(session_id, None)
+
+
+def _untitle(session: Session, title: str, old: str) -> None:
+    if session.title == title:  # (not renamed again since)
+        session.title = old

@@ -21,7 +21,7 @@ from infer_service.events import (
     Usage,
     problem,
 )
-from infer_service.kv_view import MAX_SHIFT_MARKS, ShiftMark
+from infer_service.kv_view import MAX_SHIFT_MARKS, SequenceRuns, ShiftMark
 from infer_service.ledger import CannotFit, ContextConfig, Item, Ledger
 from infer_service.media import MediaHandle, media_key
 from infer_service.runtime import SamplingConfig
@@ -148,6 +148,8 @@ class Slot:
     reply_index: int = 0  # message index of generated tokens
     # the latest shifts in this slot (each names whose sequence it was), newest first
     shifts: deque[ShiftMark] = field(default_factory=lambda: deque(maxlen=MAX_SHIFT_MARKS))
+    num_shift_marks: int = 0  # (a mark's id: per slot, so that it tells nothing of others)
+    runs: SequenceRuns = field(default_factory=SequenceRuns)  # what a look at it last saw
     t_start: float = field(default_factory=time.perf_counter)
 
     @property

@@ -174,8 +174,9 @@ def test_the_kv_picture_shows_another_tenant_s_slot_as_cells_only(tenancy) -> No
         (theirs,) = list(globex.watch_slots(once=True))
         assert globex.list_sessions() == []
     own, seen = mine.slots[slot], theirs.slots[slot]
-    assert own.visible and own.session_id == "diary" and own.runs
-    assert not seen.visible and seen.num_cells == own.num_cells > 0
+    assert own.visible and own.session_id == "diary" and own.runs and own.num_cells > 0
+    # another tenant's slot: its state only (not even its size, which would tell lengths)
+    assert not seen.visible and seen.state == own.state and seen.num_cells == 0
     assert seen.session_id == "" and not seen.runs and not seen.shifts
     assert "secret" not in str(theirs) and "secret" in str(mine)
 

@@ -196,3 +196,29 @@ def test_titles_are_kept_renamed_checked_and_saved(prep_servers, infer_server, t
         with pytest.raises(SlotwiseError) as err:
             c.rename_session("nobody", "x")
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_watches_are_bounded_per_tenant(prep_servers, infer_server) -> None:
+    from infer_service.service import MAX_WATCHES_PER_TENANT
+
+    server = infer_server("rope", ctx_size=256)
+    with client_of(prep_servers("rope"), server.port) as c:
+        open_ = [c.watch_slots() for _ in range(MAX_WATCHES_PER_TENANT)]
+        for w in open_:
+            next(w)  # each is under way
+        with pytest.raises(SlotwiseError) as err:
+            next(c.watch_slots())
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.reason == "TOO_MANY_WATCHES" and err.value.retry_delay
+        open_.pop().close()  # one ends: another may begin
+        wait_until(lambda: server.engine and _watch_once(c), what="a watch taken again")
+        for w in open_:
+            w.close()
+
+
+def _watch_once(c: SlotwiseClient) -> bool:
+    try:
+        view_now(c)
+    except SlotwiseError:
+        return False
+    return True

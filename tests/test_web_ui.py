@@ -83,12 +83,17 @@ def test_the_kv_stream_sends_views_as_events(stacks) -> None:
             "/v1/chat/completions",
             json={"max_tokens": 3, "messages": [{"role": "user", "content": "Once upon"}]},
         ).json()
+        assert api.get("/slotwise/kv", params={"interval_ms": 5}).status_code == 400
         with api.stream("GET", "/slotwise/kv", params={"interval_ms": 100}) as r:
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
-            line = next(x for x in r.iter_lines() if x.startswith("data: "))
-        view = json.loads(line.removeprefix("data: "))
-        assert api.get("/slotwise/kv", params={"interval_ms": 5}).status_code == 400
+            lines = r.iter_lines()
+            line = next(x for x in lines if x.startswith("data: "))
+            view = json.loads(line.removeprefix("data: "))
+            # the server stops with the stream open: it ends the stream, and does not wait on it
+            stacks.loop_thread.run(s.gateway.stop(), timeout=PATIENCE)
+            rest = list(lines)  # (the stream has ended)
+            assert all(not x.startswith('data: {"error') for x in rest)
     assert [x["state"] for x in view["slots"]].count("idle") == 1
     (used,) = [x for x in view["slots"] if x["state"] == "idle"]
     prompt = sum(g["num_cells"] for g in used["segments"] if g["kind"] != "generated")
@@ -376,8 +381,12 @@ def test_markdown_narrow_screens_dark_mode_and_the_keyboard(
     html = page.evaluate(
         """async () => (await import('/ui/markdown.js')).renderMarkdown(
             "# Title\\n**bold** and `x<y`\\n\\n```py\\nprint('<b>')\\n```\\n- one\\n- two\\n" +
-            "<script>alert(1)</script> [ok](https://example.org) [no](javascript:alert(1))")"""
+            "<script>alert(1)</script> [ok](https://example.org) [no](javascript:alert(1))" +
+            "\\n\\n[a_b](https://h.org/x_y_z) foo_ bar *and* \\u00000\\u0000")"""
     )
+    # a link is whole: no emphasis inside its URL or attributes; a NUL is no placeholder
+    assert '<a href="https://h.org/x_y_z" target="_blank" rel="noopener noreferrer">a_b</a>' in html
+    assert "<em>and</em>" in html and "undefined" not in html
     assert "<h1>Title</h1>" in html and "<strong>bold</strong>" in html
     assert "<code>x&lt;y</code>" in html
     assert '<pre><code class="language-py">print(&#39;&lt;b&gt;&#39;)</code></pre>' in html

@@ -11,6 +11,7 @@ unless --strict-model-name. The API key goes as `Authorization: Bearer` or as `x
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import time
@@ -63,6 +64,7 @@ class GatewayConfig:
 def create_app(config: GatewayConfig) -> FastAPI:
     keys = config.callers()
     clients: dict[str | None, AsyncSlotwiseClient] = {}  # by the caller's key (few: the file's)
+    closing = asyncio.Event()  # set when the server stops: long streams end (ui_api)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -76,6 +78,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(
         title="slotwise", summary="OpenAI and Anthropic APIs over slotwise", lifespan=lifespan
     )
+    app.state.closing = closing
     if config.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -224,7 +227,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def count_tokens(body: CountRequest) -> dict[str, int]:
         return await Messages(client(), config.media, model_name(body.model)).count_tokens(body)
 
-    add_ui(app, client, page=config.ui)
+    add_ui(app, client, page=config.ui, model_name=config.model_name, closing=closing)
     return app
 
 

@@ -7,13 +7,25 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 
 from clients.gateway.app import GatewayConfig, create_app
 
 
-class _Embedded(uvicorn.Server):
+class _Server(uvicorn.Server):
+    """uvicorn that ends the app's long streams (the KV views) as its shutdown begins: it
+    waits for open responses, and a page left open would hold it up."""
+
+    app_closing: asyncio.Event
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        self.app_closing.set()
+        await super().shutdown(sockets)
+
+
+class _Embedded(_Server):
     """uvicorn in a process that handles its own signals (it stops when told)."""
 
     @contextlib.contextmanager
@@ -35,10 +47,16 @@ class RunningGateway:
         await self.task
 
 
+def _uvicorn(config: GatewayConfig, host: str, port: int, log_level: str, cls: type) -> Any:
+    app = create_app(config)
+    server = cls(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server.app_closing = app.state.closing
+    return server
+
+
 async def start_gateway(config: GatewayConfig, host: str, port: int) -> RunningGateway:
     """Serve on host:port (0: any free port) on this event loop until `stop`."""
-    uv = uvicorn.Config(create_app(config), host=host, port=port, log_level="warning")
-    server = _Embedded(uv)
+    server = _uvicorn(config, host, port, "warning", _Embedded)
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         if task.done():  # the port is taken, ...
@@ -50,4 +68,4 @@ async def start_gateway(config: GatewayConfig, host: str, port: int) -> RunningG
 
 def run_gateway(config: GatewayConfig, host: str, port: int) -> None:
     """Serve until SIGTERM/SIGINT (uvicorn's own graceful shutdown)."""
-    uvicorn.run(create_app(config), host=host, port=port, log_level="info")
+    _uvicorn(config, host, port, "info", _Server).run()

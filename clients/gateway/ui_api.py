@@ -56,8 +56,17 @@ class Title(BaseModel):
     title: str = Field(default="", max_length=200)
 
 
-def add_ui(app: FastAPI, client: Callable[[], AsyncSlotwiseClient], *, page: bool) -> None:
-    """The API behind the page always; the page itself unless --no-ui."""
+def add_ui(
+    app: FastAPI,
+    client: Callable[[], AsyncSlotwiseClient],
+    *,
+    page: bool,
+    model_name: str,
+    closing: asyncio.Event,
+) -> None:
+    """The API behind the page always; the page itself unless --no-ui. `closing` ends the KV
+    streams (the server's shutdown waits for open responses: a page left open must not hold
+    it up)."""
     if page:
         app.mount("/ui", StaticFiles(directory=UI_DIR), name="ui")
 
@@ -69,6 +78,7 @@ def add_ui(app: FastAPI, client: Callable[[], AsyncSlotwiseClient], *, page: boo
     async def info() -> dict[str, Any]:
         s = await _call(client().server_info())
         return {
+            "model": model_name,
             "num_slots": s.num_slots,
             "num_cells_per_slot": s.num_cells_per_slot,
             "uses_mrope": s.uses_mrope,
@@ -117,7 +127,7 @@ def add_ui(app: FastAPI, client: Callable[[], AsyncSlotwiseClient], *, page: boo
     async def kv(interval_ms: int = Query(250, ge=100, le=10_000)) -> StreamingResponse:
         views = client().watch_slots(min_interval_ms=interval_ms)
         first = await _first(views)  # a refusal (a bad key, a server down) is an HTTP status
-        return StreamingResponse(_events(first, views), media_type="text/event-stream")
+        return StreamingResponse(_events(first, views, closing), media_type="text/event-stream")
 
 
 async def _call(awaitable: Any) -> Any:
@@ -136,16 +146,24 @@ async def _first(views: AsyncIterator[infer_pb2.WatchSlotsResponse]) -> Any:
 
 
 async def _events(
-    first: infer_pb2.WatchSlotsResponse, views: AsyncIterator[infer_pb2.WatchSlotsResponse]
+    first: infer_pb2.WatchSlotsResponse,
+    views: AsyncIterator[infer_pb2.WatchSlotsResponse],
+    closing: asyncio.Event,
 ) -> AsyncIterator[str]:
-    """Each view as an event; a ping while none comes. The next view is awaited in a task of
-    its own (a timeout must not cancel the watch under it); a client that leaves ends it."""
+    """Each view as an event; a ping while none comes; the end when the server closes. The
+    next view is awaited in a task of its own (a timeout must not cancel the watch under it);
+    a client that leaves ends it."""
     yield _sse(view_json(first))
     pending: asyncio.Task[Any] | None = None
+    closed = asyncio.ensure_future(closing.wait())
     try:
         while True:
             pending = pending or asyncio.ensure_future(anext(views))
-            done, _ = await asyncio.wait({pending}, timeout=PING_SECONDS)
+            done, _ = await asyncio.wait(
+                {pending, closed}, timeout=PING_SECONDS, return_when=asyncio.FIRST_COMPLETED
+            )
+            if closed in done:
+                return
             if not done:
                 yield ": ping\n\n"
                 continue
@@ -159,11 +177,13 @@ async def _events(
                 return
             yield _sse(view_json(view))
     finally:
+        closed.cancel()
         if pending is not None:
-            pending.cancel()
+            pending.cancel()  # (the watch's own finally cancels its call)
             with contextlib.suppress(BaseException):
                 await pending
-        await views.aclose()  # type: ignore[attr-defined]
+        if pending is None or pending.done():  # else it still runs the generator
+            await views.aclose()  # type: ignore[attr-defined]
 
 
 def _sse(data: dict[str, Any]) -> str:

@@ -449,8 +449,11 @@ function makeNote(userMessage, system) {
   return text;
 }
 
-function wireContent(message) {
-  const parts = (message.images || []).map((url) => ({ type: "image_url", image_url: { url } }));
+// Images of messages the session already holds go as their thumbnails: the server prepares
+// only what follows the last reply, so resending full-size pictures would be bytes for nothing.
+function wireContent(message, held) {
+  const images = held ? message.thumbs || message.images : message.images;
+  const parts = (images || []).map((url) => ({ type: "image_url", image_url: { url } }));
   if (!parts.length) return message.text;
   parts.push({ type: "text", text: message.text });
   return parts;
@@ -498,12 +501,16 @@ async function send() {
 
   const controller = new AbortController();
   setStreaming(controller);
+  const lastReply = messages.slice(0, -1).map((m) => m.role).lastIndexOf("assistant");
   const body = {
     model: (state.info && state.info.model) || "slotwise",
     stream: true,
     stream_options: { include_usage: true },
     max_tokens: opts.maxTokens,
-    messages: messages.slice(0, -1).map((m) => ({ role: m.role, content: wireContent(m) })),
+    messages: messages.slice(0, -1).map((m, i) => ({
+      role: m.role,
+      content: wireContent(m, i < lastReply),
+    })),
     slotwise: {
       session_id: current.id,
       policy: opts.policy,
@@ -904,12 +911,19 @@ function startKvStream() {
         headers: { Accept: "text/event-stream" },
       });
       await readSse(response, (data) => {
+        let view;
         try {
-          renderKv(JSON.parse(data));
-          kv.retryMs = 1000; // a working stream resets the backoff
+          view = JSON.parse(data);
         } catch {
-          /* a malformed event: wait for the next one */
+          return; // a malformed event: wait for the next one
         }
+        if (view && view.error) {
+          // the watch failed after it began (e.g. the server drains): say so, keep the backoff
+          $("kv-info").textContent = `KV stream: ${view.error.message || "ended"}; reconnecting…`;
+          return;
+        }
+        renderKv(view);
+        kv.retryMs = 1000; // a working stream resets the backoff
       });
     } catch (err) {
       if (controller.signal.aborted) return;

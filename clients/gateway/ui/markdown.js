@@ -11,22 +11,23 @@ export function escapeHtml(text) {
 // Inline markup on one already-escaped line. Code spans are cut out first (into placeholders)
 // so that `*` or `[` inside code is never read as emphasis or a link.
 function inline(line) {
-  const codes = [];
-  let s = line.replace(/`([^`]+)`/g, (_, code) => {
-    codes.push(`<code>${code}</code>`);
-    return `\u0000${codes.length - 1}\u0000`;
-  });
+  // Code spans and links are cut out first (into placeholders) so that `*`, `_` or `[` inside
+  // them is never read as emphasis: not in the code, not in a URL, not in the attributes.
+  const held = [];
+  const hold = (html) => `\u0000${held.push(html) - 1}\u0000`;
+  let s = line.replace(/`([^`]+)`/g, (_, code) => hold(`<code>${code}</code>`));
   // Only http(s) links: a "javascript:" URL would be a script. The URL is already escaped, and
   // the character class excludes spaces and quotes' escapes cannot close the attribute.
-  s = s.replace(
-    /\[([^\]]+)\]\((https?:\/\/[^\s)]+)\)/g,
-    '<a href="$2" target="_blank" rel="noopener noreferrer">$1</a>'
+  s = s.replace(/\[([^\]]+)\]\((https?:\/\/[^\s)]+)\)/g, (_, text, url) =>
+    hold(`<a href="${url}" target="_blank" rel="noopener noreferrer">${text}</a>`)
   );
   s = s.replace(/\*\*([^*]+)\*\*/g, "<strong>$1</strong>");
   s = s.replace(/__([^_]+)__/g, "<strong>$1</strong>");
   s = s.replace(/(^|[^*])\*([^*\s][^*]*)\*/g, "$1<em>$2</em>");
   s = s.replace(/(^|[^\w_])_([^_\s][^_]*)_(?!\w)/g, "$1<em>$2</em>");
-  return s.replace(/\u0000(\d+)\u0000/g, (_, i) => codes[Number(i)]);
+  // (twice: a link's text may hold a code span)
+  const restore = (t) => t.replace(/\u0000(\d+)\u0000/g, (_, i) => held[Number(i)]);
+  return restore(restore(s));
 }
 
 const FENCE = /^\s*```\s*([\w+#.-]*)\s*$/;
@@ -35,7 +36,9 @@ const BULLET = /^\s*[-*+]\s+(.*)$/;
 const NUMBERED = /^\s*\d+[.)]\s+(.*)$/;
 
 export function renderMarkdown(text) {
-  const lines = escapeHtml(text || "").replace(/\r\n?/g, "\n").split("\n");
+  // NUL is the placeholders' mark: a model's own NUL must not be read as one
+  const clean = String(text || "").replace(/\u0000/g, "");
+  const lines = escapeHtml(clean).replace(/\r\n?/g, "\n").split("\n");
   const out = [];
   let para = []; // lines of the paragraph being collected
   let list = null; // { tag: "ul" | "ol", items: [] }
