@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # CUDA image of the slotwise inference service (port 50052). Runs where the NVIDIA Container
 # Toolkit provides the driver: `docker run --gpus all` or compose's GPU reservation.
 #
@@ -15,8 +14,11 @@
 
 ARG CUDA_VERSION=12.8.1
 ARG UBUNTU_VERSION=24.04
+# the base images (stand-ins where the registry is not reachable); the defaults are NVIDIA's
+ARG BUILD_IMAGE=nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION}
+ARG RUNTIME_IMAGE=nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}
 
-FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS build
+FROM ${BUILD_IMAGE} AS build
 RUN apt-get update \
  && apt-get install -y --no-install-recommends build-essential cmake python3 python3-dev python3-venv \
  && rm -rf /var/lib/apt/lists/*
@@ -42,7 +44,7 @@ COPY slotwise_serve/ slotwise_serve/
 COPY benchmarks/ benchmarks/
 RUN pip install --no-deps . && pip check
 
-FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS runtime
+FROM ${RUNTIME_IMAGE} AS runtime
 # python3: the interpreter the virtualenv links to; libgomp1: llama.cpp's CPU backend (OpenMP)
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 libgomp1 \

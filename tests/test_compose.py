@@ -374,6 +374,7 @@ def test_cpu_override_removes_the_gpu() -> None:
         "context": ".",
         "dockerfile": "docker/prep.Dockerfile",
         "target": "infer-cpu",
+        "args": {"PYTHON_IMAGE": "python:3.11-slim-bookworm"},  # the prep image's base
     }
     assert infer["image"] != gpu["services"]["infer"]["image"]  # two tags, not one overwritten
     assert infer["image"].endswith("-cpu") and gpu["services"]["infer"]["image"].endswith("-cuda")
@@ -734,11 +735,25 @@ def test_llama_cpp_python_is_built_from_source_in_the_build_stage(path: Path) ->
     assert "grpcio-reflection>=1.85.1" in out.stdout.split("\n")
 
 
+@pytest.mark.parametrize("path", DOCKERFILES, ids=[p.name for p in DOCKERFILES])
+def test_a_build_needs_no_registry_but_its_base_images(path: Path) -> None:
+    """`# syntax=docker/dockerfile:1` makes BuildKit fetch that frontend image from Docker Hub
+    at every build (found by tests/compose_up.sh where Docker Hub is not reachable): the
+    built-in frontend reads these files; and every base is a build argument."""
+    text = path.read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE | re.IGNORECASE)
+    global_args, stages = read_dockerfile(path)
+    for stage in stages.values():
+        assert stage.base in stages or stage.base.strip("${}") in global_args, stage.base
+
+
 def test_cuda_image_builds_with_cuda_and_runs_on_the_runtime_base() -> None:
-    _, stages = read_dockerfile(ROOT / "docker" / "infer.Dockerfile")
+    global_args, stages = read_dockerfile(ROOT / "docker" / "infer.Dockerfile")
     build, runtime = stages["build"], list(stages.values())[-1]
-    assert build.base.startswith("nvidia/cuda:${CUDA_VERSION}-devel-ubuntu")
-    assert runtime.base.startswith("nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu")
+    # the bases are build arguments whose defaults are NVIDIA's devel and runtime images
+    assert (build.base, runtime.base) == ("${BUILD_IMAGE}", "${RUNTIME_IMAGE}")
+    assert global_args["BUILD_IMAGE"].startswith("nvidia/cuda:${CUDA_VERSION}-devel-ubuntu")
+    assert global_args["RUNTIME_IMAGE"].startswith("nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu")
     cmake_args = next(a for a in build.all("ARG") if a.startswith("LLAMA_CMAKE_ARGS="))
     assert "-DGGML_CUDA=on" in cmake_args
     assert "-DGGML_NATIVE=OFF" in cmake_args  # no GPU at build time: "native" cannot work
