@@ -748,17 +748,9 @@ def session_info(s: Session, *, num_records: int = 0) -> infer_pb2.SessionInfo:
 MAX_TITLE_CHARS = 200
 DEFAULT_WATCH_MS, MIN_WATCH_MS = 250, 100
 MAX_WATCHES, MAX_WATCHES_PER_TENANT = 16, 4  # each costs a look between engine steps
-_CELL_KINDS = {
-    CellKind.TEXT: infer_pb2.CELL_KIND_TEXT,
-    CellKind.MEDIA: infer_pb2.CELL_KIND_MEDIA,
-    CellKind.GENERATED: infer_pb2.CELL_KIND_GENERATED,
-}
-_SLOT_STATES = {
-    SlotState.FREE: infer_pb2.SLOT_STATE_FREE,
-    SlotState.IDLE: infer_pb2.SLOT_STATE_IDLE,
-    SlotState.PREFILLING: infer_pb2.SLOT_STATE_PREFILLING,
-    SlotState.DECODING: infer_pb2.SLOT_STATE_DECODING,
-}
+# the contract's names are the domain's, prefixed (a new member without one fails at import)
+_CELL_KINDS = {k: infer_pb2.CellKind.Value(f"CELL_KIND_{k.name}") for k in CellKind}
+_SLOT_STATES = {s: infer_pb2.SlotState.Value(f"SLOT_STATE_{s.name}") for s in SlotState}
 
 
 def check_title(title: str) -> str:

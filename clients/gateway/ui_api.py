@@ -27,23 +27,11 @@ __all__ = ["UI_DIR", "add_ui", "is_open_path", "view_json"]
 
 UI_DIR = Path(__file__).with_name("ui")
 PING_SECONDS = 15.0  # a comment line keeps proxies from closing a quiet stream
-_KINDS = {
-    infer_pb2.CELL_KIND_TEXT: "text",
-    infer_pb2.CELL_KIND_MEDIA: "media",
-    infer_pb2.CELL_KIND_GENERATED: "generated",
-}
-_STATES = {
-    infer_pb2.SLOT_STATE_FREE: "free",
-    infer_pb2.SLOT_STATE_IDLE: "idle",
-    infer_pb2.SLOT_STATE_PREFILLING: "prefilling",
-    infer_pb2.SLOT_STATE_DECODING: "decoding",
-}
-_POLICIES = {
-    infer_pb2.SHIFT_POLICY_SHIFT: "shift",
-    infer_pb2.SHIFT_POLICY_GAP: "gap",
-    infer_pb2.SHIFT_POLICY_REPREFILL: "reprefill",
-    infer_pb2.SHIFT_POLICY_STOP: "stop",
-}
+
+
+def _name(enum: Any, value: int, prefix: str) -> str:
+    """An enum value's contract name in the page's words: CELL_KIND_MEDIA -> "media"."""
+    return str(enum.Name(value)).removeprefix(prefix).lower()
 
 
 def is_open_path(path: str) -> bool:
@@ -205,7 +193,7 @@ def session_json(s: SessionInfo) -> dict[str, Any]:
 
 def _run(r: infer_pb2.CellRun, *, full: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "kind": _KINDS.get(r.kind, "text"),
+        "kind": _name(infer_pb2.CellKind, r.kind, "CELL_KIND_"),
         "message_index": r.message_index,
         "media_id": r.media_id,
         "num_cells": r.num_cells,
@@ -226,14 +214,14 @@ def view_json(view: infer_pb2.WatchSlotsResponse) -> dict[str, Any]:
                 "slot": s.slot,
                 "visible": s.visible,
                 "session_id": s.session_id,
-                "state": _STATES.get(s.state, "free"),
+                "state": _name(infer_pb2.SlotState, s.state, "SLOT_STATE_"),
                 "num_cells": s.num_cells,
                 "next_position": s.next_position,
                 "segments": [_run(r) for r in s.runs],
                 "shifts": [
                     {
                         "id": m.id,
-                        "policy": _POLICIES.get(m.shift.policy, "shift"),
+                        "policy": _name(infer_pb2.ShiftPolicy, m.shift.policy, "SHIFT_POLICY_"),
                         "at_cell": m.at_cell,
                         "num_cells_evicted": m.shift.num_cells_evicted,
                         "num_positions_evicted": m.shift.num_positions_evicted,
