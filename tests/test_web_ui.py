@@ -100,6 +100,31 @@ def test_the_kv_stream_sends_views_as_events(stacks) -> None:
     assert prompt == chat["usage"]["prompt_tokens"] and used["session_id"] == ""
 
 
+def test_keep_system_pins_the_system_prompt_where_the_template_folds_it_in(stacks) -> None:
+    """Gemma's template has no system turn: it writes the system prompt into the first user
+    message, so message 0 has no cells of its own; `keep: "system"` pins what holds it."""
+    s = stacks.start("rope", ctx_size=512, parallel=2, chat_template="gemma")
+    with httpx.Client(base_url=s.url, timeout=PATIENCE) as api:
+        chat = api.post(
+            "/v1/chat/completions",
+            json={
+                "max_tokens": 2,
+                "messages": [
+                    {"role": "system", "content": "You are a harbour guide."},
+                    {"role": "user", "content": "Hello"},
+                ],
+                "slotwise": {"session_id": "folded"},
+            },
+        )
+        assert chat.status_code == 200, chat.text
+        with api.stream("GET", "/slotwise/kv") as r:
+            line = next(x for x in r.iter_lines() if x.startswith("data: "))
+    (slot,) = [x for x in json.loads(line[6:])["slots"] if x["session_id"] == "folded"]
+    first, *rest = slot["segments"]
+    assert first["pinned"] and first["message_index"] == 1 and "harbour" in first["preview"]
+    assert not any(g["pinned"] for g in rest)
+
+
 def test_slotwise_serve_serves_the_page_and_no_ui_turns_it_off(tiny, tmp_path: Path) -> None:
     pair = tiny["mrope"]
     for flags, status in (((), 200), (("--no-ui",), 404)):

@@ -267,7 +267,7 @@ def _options(
     keep = req.keep.cells
     if keep is None:
         system = first == 0 and messages is not None and messages[0].role == "system"
-        keep = prepared.num_cells_of(0) if system else 0
+        keep = _system_cells(prepared) if system else 0
     return {
         "max_tokens": req.max_tokens or 0,
         "stop": tuple(req.stop),
@@ -275,6 +275,15 @@ def _options(
         **{k: v for k, v in req.sampling.items() if v is not None},
         **{k: v for k, v in req.context.items() if v is not None},
     }
+
+
+def _system_cells(prepared: Prepared) -> int:
+    """The cells that hold the system message: its own, or, where the chat template renders it
+    inside the first user message (Gemma's has no system turn), that message's whole."""
+    own = prepared.num_cells_of(0)
+    if own or not prepared.prompt.chunks:
+        return own
+    return prepared.num_cells_of(min(c.message_index for c in prepared.prompt.chunks))
 
 
 async def _session_first_message(
