@@ -33,6 +33,7 @@ COPY pyproject.toml ./
 ARG LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF"
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['serve'], sep=chr(10))" > requirements.txt \
  && if ls /wheels/llama_cpp_python-*.whl >/dev/null 2>&1; then \
+      echo "llama-cpp-python from the given wheel: $(ls /wheels/llama_cpp_python-*.whl)"; \
       pip install /wheels/llama_cpp_python-*.whl -r requirements.txt; \
     else \
       CMAKE_ARGS="${LLAMA_CMAKE_ARGS}" pip install --no-binary llama-cpp-python -r requirements.txt; \

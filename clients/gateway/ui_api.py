@@ -30,8 +30,12 @@ PING_SECONDS = 15.0  # a comment line keeps proxies from closing a quiet stream
 
 
 def _name(enum: Any, value: int, prefix: str) -> str:
-    """An enum value's contract name in the page's words: CELL_KIND_MEDIA -> "media"."""
-    return str(enum.Name(value)).removeprefix(prefix).lower()
+    """An enum value's contract name in the page's words: CELL_KIND_MEDIA -> "media" (a value
+    newer than these stubs: "unspecified", never an error)."""
+    try:
+        return str(enum.Name(value)).removeprefix(prefix).lower()
+    except ValueError:
+        return "unspecified"
 
 
 def is_open_path(path: str) -> bool:

@@ -40,8 +40,10 @@ def turns(prep: str, infer: str, session_id: str, n: int) -> None:
                 c.generate(prepared, session_id=session_id, max_tokens=8, expect_turns=before)
             )
             assert done.reason in (FinishReason.STOP, FinishReason.LENGTH), done.finished
+            cells = info.num_cells
             info = c.get_session(session_id)
             assert info.num_turns == before + 1, (info.num_turns, before)
+            assert info.num_cells > cells, (info.num_cells, cells)  # (a 2048-cell context)
             print(f"turn {info.num_turns}: {info.num_cells} cells", file=sys.stderr)
     print(info.num_turns)
 

@@ -12,4 +12,6 @@ RUN apt-get update \
  && ln -sf /dev/stderr /var/log/nginx/error.log \
  && ln -s /bin/busybox /usr/local/bin/nslookup
 COPY nginx-entrypoint.sh /docker-entrypoint.sh
+ENTRYPOINT ["/docker-entrypoint.sh"]
+STOPSIGNAL SIGQUIT
 CMD ["nginx", "-g", "daemon off;"]
