@@ -48,7 +48,7 @@ cleanup() {
   if [ -n "$COMPOSE_READY" ]; then
     [ "$rc" = 0 ] || compose logs --no-color --tail 60 >&2
     log "tearing down"
-    timeout 300 compose --profile client down --volumes --remove-orphans >/dev/null 2>&1
+    timeout 300 "${COMPOSE[@]}" --profile client down --volumes --remove-orphans >/dev/null 2>&1
   fi
   docker rmi "slotwise/prep:$TAG" "slotwise/infer:$TAG-cpu" >/dev/null 2>&1
   [ -n "$WHEEL" ] && rm -f "$ROOT/docker/wheels/$WHEEL"
@@ -117,10 +117,9 @@ if ! new_enough; then
 fi
 log "Docker Compose $(docker compose version --short)"
 : >"$WORK/empty.env"  # a .env in the checkout must not change the test stack
-compose() {
-  docker compose -p "$PROJECT" --env-file "$WORK/empty.env" \
-    -f compose.yaml -f compose.cpu.yaml -f "$WORK/standin.yaml" "$@"
-}
+COMPOSE=(docker compose -p "$PROJECT" --env-file "$WORK/empty.env"
+         -f compose.yaml -f compose.cpu.yaml -f "$WORK/standin.yaml")
+compose() { "${COMPOSE[@]}" "$@"; }
 
 # -- stand-in base images ------------------------------------------------------------------------
 t=$(date +%s)
@@ -184,7 +183,7 @@ turns() { "$PY" tests/compose/check.py turns "$PREP" "$INFER" harbour "$1"; }
 # -- build and start -----------------------------------------------------------------------------
 COMPOSE_READY=1
 t=$(date +%s)
-timeout "$NET_TIMEOUT" compose build
+timeout "$NET_TIMEOUT" "${COMPOSE[@]}" build
 build_s=$(since "$t")
 log "images built (${build_s} s)"
 t=$(date +%s)
