@@ -474,10 +474,6 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             args = self._parse(
                 infer_pb2.GenerateRequest(context=request.context, sampling=request.sampling), None
             )
-        except RequestError as e:
-            await _bad_request(context, e)
-            return
-        try:
             title = check_title(request.title)
         except RequestError as e:
             await _bad_request(context, e)
