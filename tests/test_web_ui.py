@@ -338,6 +338,42 @@ def _slot_of(page: Any, session_id: str) -> int:
     return int(found.json_value()) - 1
 
 
+def test_the_bar_grows_while_a_prompt_prefills(stacks, browser_page, tmp_path: Path) -> None:
+    """The engine is held inside the prompt's third batch until the page's next look is
+    queued: that look, made right after the batch, shows exactly three batches of cells, the
+    slot prefilling; the page shows it (a MutationObserver keeps every value it drew)."""
+    s = stacks.start("rope", ctx_size=4096, batch_size=16, ubatch_size=16)
+    page = browser_page
+    page.goto(s.url)
+    page.wait_for_selector('.slot[data-slot="0"] .cells')
+    page.evaluate(
+        """() => {
+            window.seen = [];
+            const note = () => {
+                const head = document.querySelector('.slot[data-slot="0"]');
+                const cells = head && head.querySelector('.cells');
+                if (cells) window.seen.push([+cells.dataset.used, head.textContent]);
+            };
+            const all = {subtree: true, childList: true, attributes: true};
+            new MutationObserver(note).observe(document.getElementById('slots'), all);
+        }"""
+    )
+    page.fill("#max-tokens", "2")
+    engine = s.infer.engine
+    with PrefillHold(engine.rt, at=3) as hold:
+        page.fill("#input", "The quick brown fox jumps over the lazy dog. " * 20)
+        page.click("#send")
+        assert hold.held.wait(PATIENCE)
+        wait_until(lambda: engine._calls, what="the page's next look queued")
+    page.wait_for_selector(".message.assistant .usage")
+    seen = page.evaluate("window.seen")
+    during = [used for used, head in seen if "prefilling" in head]
+    assert 3 * 16 in during, seen
+    total = int(page.locator(".message.assistant .usage").get_attribute("data-prompt-cells"))
+    assert all(0 < used < total for used in during)
+    Shots(page, tmp_path)("prefilled")
+
+
 def test_errors_are_shown_in_words_and_a_key_is_asked_for(
     stacks, browser_page, tmp_path: Path
 ) -> None:
