@@ -22,7 +22,7 @@ from support.media import image_bytes
 from support.procs import free_port
 from support.rpc import channel, message, prepare, rpc_error, run, server_info
 from support.rpc import request as make_request
-from support.wait import idle_stats
+from support.wait import idle_stats, wait_until
 
 GAP = infer_pb2.SHIFT_POLICY_GAP
 
@@ -161,13 +161,19 @@ def test_refused_and_undecodable_calls_are_counted(services) -> None:
             lambda: stub.GetSession(infer_pb2.GetSessionRequest(session_id="nobody"), timeout=10)
         )
         assert err.code() == grpc.StatusCode.NOT_FOUND
-    after = scrape(services["infer_metrics"])
 
-    def delta(code: str) -> float:
-        key = ("slotwise_infer_requests_total", (("code", code), ("method", "GetSession")))
-        return after.get(key, 0) - before.get(key, 0)
+    def deltas() -> tuple[float, float]:
+        after = scrape(services["infer_metrics"])
 
-    assert (delta("INVALID_ARGUMENT"), delta("NOT_FOUND")) == (1, 1)
+        def delta(code: str) -> float:
+            key = ("slotwise_infer_requests_total", (("code", code), ("method", "GetSession")))
+            return after.get(key, 0) - before.get(key, 0)
+
+        return delta("INVALID_ARGUMENT"), delta("NOT_FOUND")
+
+    # a call is counted as its handler ends, which may be just after its client heard the status
+    wait_until(lambda: deltas() == (1, 1), what="both refusals counted")
+    assert deltas() == (1, 1)  # and no more
 
 
 def test_unauthenticated_calls_are_counted(
@@ -193,11 +199,16 @@ def test_unauthenticated_calls_are_counted(
                 timeout=10,
                 metadata=(("authorization", "Bearer t0ken"),),
             )
-        m = scrape(metrics_port)
+
+        def calls() -> tuple[float, float]:
+            m = scrape(metrics_port)
+
+            def count(code: str) -> float:
+                return value(m, "slotwise_prep_requests_total", method="GetModelInfo", code=code)
+
+            return count("UNAUTHENTICATED"), count("OK")
+
+        # (a call is counted as its handler ends, maybe just after its client heard the status)
+        wait_until(lambda: calls() == (2, 1), what="the refused and the good call counted")
     finally:
         loop_thread.run(prep.stop(0))
-
-    def calls(code: str) -> float:
-        return value(m, "slotwise_prep_requests_total", method="GetModelInfo", code=code)
-
-    assert (calls("UNAUTHENTICATED"), calls("OK")) == (2, 1)
