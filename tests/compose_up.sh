@@ -10,7 +10,8 @@
 #
 # What it needs and makes, where nothing is there:
 # - a Docker engine: Debian's docker.io (installed with apt if missing),
-#   `dockerd --storage-driver vfs --iptables=false` started for the run and stopped after;
+#   `dockerd --storage-driver vfs --iptables=false` started for the run, with its data in the
+#   run's temporary folder, and stopped after (nothing of it stays);
 # - Docker Compose >= 2.24 (compose.cpu.yaml's !override): the plugin of Debian trixie's
 #   docker-compose package (Debian bookworm ships compose 1.29), fetched with apt from
 #   Debian's archive and used from a private DOCKER_CONFIG;
@@ -20,7 +21,8 @@
 # - llama-cpp-python's wheel from pip's cache on this host (built by the install, for this
 #   CPU) in docker/wheels/, so that a build takes minutes, not a compile of llama.cpp.
 # System-wide it may install docker.io and debootstrap; the rest goes when it ends. Times and
-# image sizes are printed at the end. KEEP_BASES=1 keeps the stand-in bases it made.
+# image sizes are printed at the end. KEEP_BASES=1 keeps the stand-in bases it made (on an
+# engine that was already running).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -52,14 +54,15 @@ cleanup() {
   fi
   docker rmi "slotwise/prep:$TAG" "slotwise/infer:$TAG-cpu" >/dev/null 2>&1
   [ -n "$WHEEL" ] && rm -f "$ROOT/docker/wheels/$WHEEL"
-  if [ -n "$MADE_BASES" ] && [ -z "${KEEP_BASES:-}" ]; then
+  if [ -n "$MADE_BASES" ] && [ -z "${KEEP_BASES:-}" ] && [ -z "$DOCKERD_PID" ]; then
     docker rmi -f $MADE_BASES >/dev/null 2>&1
   fi
-  if [ -n "$DOCKERD_PID" ]; then  # our own engine: its build cache goes, then the engine
-    docker builder prune -af >/dev/null 2>&1
+  if [ -n "$DOCKERD_PID" ]; then  # our own engine: it goes, and its data with $WORK
     kill "$DOCKERD_PID" 2>/dev/null
     timeout 60 tail --pid="$DOCKERD_PID" -f /dev/null || kill -9 "$DOCKERD_PID" 2>/dev/null
   fi
+  # (what a killed engine may leave mounted under its data, e.g. a container's shm)
+  awk -v w="$WORK/" 'index($2, w) == 1 { print $2 }' /proc/mounts | sort -r | xargs -r umount -l
   rm -rf --one-file-system "$WORK"
   exit "$rc"
 }
@@ -78,7 +81,10 @@ if ! docker info >/dev/null 2>&1; then
     [ -n "${made_policy:-}" ] && rm -f "$policy"
   fi
   if ! docker info >/dev/null 2>&1; then
-    dockerd --storage-driver vfs --iptables=false >"$WORK/dockerd.log" 2>&1 &
+    # an engine of the run's own, all of its state in $WORK: nothing of it outlives the run
+    export DOCKER_HOST="unix://$WORK/docker.sock"
+    dockerd --storage-driver vfs --iptables=false --data-root "$WORK/docker-data" \
+      -H "$DOCKER_HOST" >"$WORK/dockerd.log" 2>&1 &
     DOCKERD_PID=$!
     for _ in $(seq 60); do
       docker info >/dev/null 2>&1 && break
@@ -152,7 +158,7 @@ model=${pair#*model=}; model=${model%% mmproj=*}
 mkdir -p "$WORK/models"
 cp "$model" "$WORK/models/model.gguf"
 cp "${pair##*mmproj=}" "$WORK/models/mmproj.gguf"
-chmod -R a+rX "$WORK"  # the services run as uid 10001
+chmod a+rx "$WORK" && chmod -R a+rX "$WORK/models"  # the services run as uid 10001
 found=$(find "${PIP_CACHE_DIR:-$HOME/.cache/pip}" -name 'llama_cpp_python-0.3.36-*.whl' 2>/dev/null | head -1 || true)
 if [ -n "$found" ] && [ ! -e "docker/wheels/$(basename "$found")" ]; then
   WHEEL=$(basename "$found")
