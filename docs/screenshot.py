@@ -77,7 +77,11 @@ def main() -> None:
                     _send(page, text, photo if i == 0 and mmproj is not None else None)
                     if page.locator(".shifts li").count():
                         break
-                time.sleep(1.0)  # the next KV view (every 250 ms) shows the finished turn
+                # the KV picture shows the finished turn once its slot is idle again
+                page.wait_for_function(
+                    "[...document.querySelectorAll('.slot-head')]"
+                    ".some(h => h.textContent.includes('idle'))"
+                )
                 page.screenshot(path=str(args.out))
                 browser.close()
         finally:

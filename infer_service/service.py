@@ -573,6 +573,10 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             except ProblemError as e:
                 await abort_problem(context, e.problem)
                 return
+            except Exception as e:  # a bug in the look: this watch ends, reported, not UNKNOWN
+                log.exception("a look at the slots failed")
+                await abort(context, grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
+                return
             view = infer_pb2.WatchSlotsResponse(
                 num_cells_per_slot=rt.num_cells_per_slot,
                 uses_mrope=rt.uses_mrope,

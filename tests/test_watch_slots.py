@@ -211,7 +211,7 @@ def test_watches_are_bounded_per_tenant(prep_servers, infer_server) -> None:
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert err.value.reason == "TOO_MANY_WATCHES" and err.value.retry_delay
         open_.pop().close()  # one ends: another may begin
-        wait_until(lambda: server.engine and _watch_once(c), what="a watch taken again")
+        wait_until(lambda: _watch_once(c), what="a watch taken again")
         for w in open_:
             w.close()
 
@@ -222,3 +222,18 @@ def _watch_once(c: SlotwiseClient) -> bool:
     except SlotwiseError:
         return False
     return True
+
+
+def test_a_look_that_fails_ends_the_watch_as_internal(prep_servers, infer_server) -> None:
+    server = infer_server("rope", ctx_size=256)
+
+    def broken() -> None:
+        raise RuntimeError("a bug in the look")
+
+    server.engine.pictures = broken
+    with client_of(prep_servers("rope"), server.port) as c:
+        with pytest.raises(SlotwiseError) as err:
+            view_now(c)
+        assert err.value.code() == grpc.StatusCode.INTERNAL and "a bug" in err.value.message
+        del server.engine.pictures  # the engine serves on
+        assert len(view_now(c).slots) == 1
