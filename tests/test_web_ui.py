@@ -404,10 +404,12 @@ def test_errors_are_shown_in_words_and_a_key_is_asked_for(
     stop = threading.Event()
     with SlotwiseClient(f"127.0.0.1:{full.prep_port}", f"127.0.0.1:{full.infer.port}") as c:
         engine = full.infer.engine
-        for _ in range(2):
+        # one after the other: a second sent while the first still waits for the slot would
+        # find the queue's one place taken, and be refused
+        for expected in ((1, 0), (1, 1)):
             generation = c.generate("Say a", constraint=endless, max_tokens=1 << 20)
             threading.Thread(target=_until, args=(generation, stop), daemon=True).start()
-        wait_until(lambda: engine.num_active == 1 and engine.num_waiting == 1)
+            wait_until(lambda e=expected: (engine.num_active, engine.num_waiting) == e)
         page.goto(full.url)
         page.wait_for_selector('.slot[data-slot="0"] .cells')
         page.fill("#input", "Hello again")
