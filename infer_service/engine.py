@@ -11,6 +11,7 @@ shares a prefix (chunk identity: token ids, media ids) decodes only the rest.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -66,6 +67,7 @@ __all__ = [
 log = logging.getLogger("slotwise.engine")
 T = TypeVar("T")
 
+_CHECKPOINT_WAIT = 30.0  # seconds a stopping engine waits for its sessions' checkpoints
 _ENCODE_POLL = 0.05  # seconds: how often a slot waiting for its image checks its deadline
 
 
@@ -126,6 +128,9 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
+        if self.alive and self._thread.is_alive():  # the next start loads sessions whole
+            with contextlib.suppress(Exception):
+                self.call(self.sessions.checkpoint_resident).result(_CHECKPOINT_WAIT)
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -258,11 +263,15 @@ class Engine:
                 future.set_exception(EngineStoppedError(why))
 
     def _run(self) -> None:
+        idle: float | None = None  # seconds until a session's idle checkpoint is due
         while True:
             with self._wake:
                 while not (self._stopping or self._calls or self._has_work()):
                     if self.executor.encoding:  # a slot waiting for its image may be cancelled
                         self._wake.wait(_ENCODE_POLL)
+                        break
+                    if idle is not None:
+                        self._wake.wait(idle)
                         break
                     self._wake.wait()
                 if self._stopping:
@@ -282,6 +291,7 @@ class Engine:
                 self._admit_waiting()
                 self._end_expired()
                 self.executor.step(self.slots)
+                idle = self.sessions.checkpoint_idle(time.monotonic())
             except Exception as e:  # a bug: fail the active jobs, keep serving
                 log.exception("engine step failed")
                 for slot in self.slots:
@@ -322,11 +332,11 @@ class Engine:
         if job.session_id is not None:
             ledger, start, reprefill = self.sessions.enter(slot, job)
         else:
-            ledger, start, reprefill = self.executor.enter(slot, job), 0, False
+            ledger, start, reprefill = self.executor.enter(slot, job), 0, None
         try:
             self.executor.start(slot, job, ledger, start, reprefill=reprefill)
         except ProblemError:
-            if reprefill:  # its sequence is empty: nothing of it may be written
+            if reprefill is not None:  # its sequence lacks what its ledger says: never saved
                 self.sessions.swap_out(slot, save=False)  # its next turn re-prefills it
             raise
 

@@ -161,12 +161,19 @@ class Executor:
     # -- starting and ending a request --------------------------------------------------------
 
     def start(
-        self, slot: Slot, job: Job, ledger: Ledger, start: int = 0, *, reprefill: bool = False
+        self,
+        slot: Slot,
+        job: Job,
+        ledger: Ledger,
+        start: int = 0,
+        *,
+        reprefill: int | None = None,
     ) -> None:
         """Reuse what the sequence shares with the job's prompt, admit the rest and make the
         job the slot's. `start`: the segments before it are the session's and stay.
-        `reprefill`: the sequence is empty (its saved state did not load); everything the
-        ledger keeps is decoded again. A refused prompt raises ProblemError."""
+        `reprefill`: the sequence holds only the ledger's segments before this one (a
+        checkpoint older than the ledger; 0: its saved state did not load); those the ledger
+        keeps after it are decoded again. A refused prompt raises ProblemError."""
         try:  # first: a refusal here changes nothing
             sampler = SlotSampler(self.rt, job.sampler_spec)
         except ConstraintError as e:
@@ -186,7 +193,7 @@ class Executor:
         start: int,
         sampler: SlotSampler,
         *,
-        reprefill: bool,
+        reprefill: int | None,
     ) -> None:
         ctx = job.context
         ledger.reconfigure(
@@ -225,12 +232,15 @@ class Executor:
         else:
             error = None
         restore: list[Item] = []
-        if reprefill and error is None:
-            # what the session keeps (the reused reply included) is decoded again from 0
-            restore = [seg.item for seg in ledger.segments]
-            ledger.clear()
+        if reprefill is not None and error is None:
+            # what the session keeps after what the sequence holds (the reused reply included)
+            # is decoded again; cells of the checkpoint the ledger no longer has go
+            kept_segments = min(reprefill, len(ledger.segments))
+            restore = [seg.item for seg in ledger.segments[kept_segments:]]
+            self.rt.seq_rm(slot.seq, ledger.truncate(kept_segments), -1)
             self.stats.num_session_reprefills += 1
-        elif not reprefill:
+            self.stats.num_session_reprefill_cells += sum(i.num_cells for i in restore)
+        elif reprefill is None:
             self.rt.seq_rm(slot.seq, cut, -1)
         if error is not None:
             raise error

@@ -66,6 +66,15 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
         yield CounterMetricFamily(
             "slotwise_infer_media_cache_hits", "projector outputs reused", value=snap.cache_hits
         )
+        yield CounterMetricFamily(
+            "slotwise_infer_session_bytes_written", "bytes of session checkpoints and journals",
+            value=engine.sessions.bytes_written,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "slotwise_infer_session_reprefill_cells",
+            "cells decoded again on a swap-in: what the session's checkpoint lacked",
+            value=st.num_session_reprefill_cells,
+        )
         by_tenant = sorted(st.by_tenant.items())
         for name, help_, value in (
             ("requests", "requests started in a slot, by tenant", "num_requests"),

@@ -2,14 +2,22 @@
 
 Everything here runs on the engine thread, except what it hands to its io thread: session
 writes, the reads before a swap-in, deletions and the collection of pixels no session needs.
-The io thread does them in order. A session owns its slot between turns, is saved after every
-completed turn, is swapped out (least recently used) when the slots are needed, and swapped
-back in from disk on its next turn.
+The io thread does them in order. A session owns its slot between turns, and is swapped out
+(least recently used) when the slots are needed, and swapped back in from disk on its next
+turn.
+
+Every completed turn appends what it changed to the session's journal (bytes in proportion to
+the turn). The KV state is a checkpoint, copied out of llama.cpp only when one is due: when the
+session leaves its slot, when the engine stops, when it has been idle for a while, and when the
+cells decoded since the last one reach the session's own size (or MAX_JOURNAL_TURNS entries).
+A session whose checkpoint is older than its journal loads the checkpoint and decodes only the
+segments after what the two share.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -18,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+from infer_service import header_delta
 from infer_service.events import ErrorKind, Problem, ProblemError, Reason, problem, storage_problem
 from infer_service.executor import Executor
 from infer_service.ledger import ContextConfig, Ledger
@@ -36,6 +45,10 @@ from slotwise_core.descriptors import Fingerprint
 from slotwise_core.native import Bitmap
 
 log = logging.getLogger("slotwise.engine")
+
+MAX_JOURNAL_TURNS = 128  # entries a journal holds before a checkpoint folds them in
+MIN_CHECKPOINT_CELLS = 1024  # a checkpoint is due once this many cells (at least) were decoded
+IDLE_CHECKPOINT_SECONDS = 30.0  # a resident session this long without a turn is checkpointed
 
 Call = Callable[[Callable[[], Any]], Future[Any]]  # run on the engine thread (Engine.call)
 
@@ -70,7 +83,10 @@ class SessionManager:
         # io thread only (filled before it starts): the generation of each session file this
         # replica holds (its writes must find that one on disk), pixels waiting to be collected
         self._generations: dict[str, Generation] = {}
+        self._written: dict[str, dict[str, Any]] = {}  # the header on disk: what a delta is from
         self._io_orphans: set[str] = set()
+        self.bytes_written = 0  # session files and journals (io thread)
+        self.idle_checkpoint_seconds = IDLE_CHECKPOINT_SECONDS
         if store is not None:
             for session_id in store.ids():
                 self._register(session_id, self._read_header(session_id, hold=True))
@@ -103,12 +119,10 @@ class SessionManager:
         return session, self._save(session, b"")
 
     def rename(self, session_id: str, title: str) -> tuple[Session, Future[None] | None]:
-        """A new title, saved as `save` does (with the KV state of a resident session: a save
-        also marks the session clean). A failed write puts the old title back."""
+        """A new title, appended to the journal. A failed write puts the old title back."""
         session = self.idle(session_id)
         old, session.title = session.title, title
-        slot = self.slots[session.slot] if session.slot is not None else None
-        write = self._save(session, self.executor.state_of(slot) if slot else None)
+        write = self._save(session, None)
 
         def undo(done: Future[None]) -> None:
             if done.cancelled() or done.exception() is not None:
@@ -153,7 +167,7 @@ class SessionManager:
 
         def delete() -> bool:
             found = store.delete(session_id)
-            self._generations.pop(session_id, None)
+            self._hold(session_id, None, None)
             collect()
             if not (found or was_broken or session is not None):
                 raise self._not_found(session_id)
@@ -170,9 +184,11 @@ class SessionManager:
         return deleted
 
     def save(self, session_id: str) -> tuple[Session, Future[None] | None]:
+        """A checkpoint of a resident session (of one that is not: what its journal lacks)."""
         session = self.idle(session_id)
-        slot = self.slots[session.slot] if session.slot is not None else None
-        return session, self._save(session, self.executor.state_of(slot) if slot else None)
+        if session.slot is not None:
+            return session, self._checkpoint(session, self.slots[session.slot])
+        return session, self._save(session, None)
 
     def restore(self, session_id: str) -> Future[Session]:
         """Forget the in-memory state and read the session back from disk. The read runs on
@@ -295,7 +311,8 @@ class SessionManager:
                 if isinstance(header, dict) and session_id in self.by_id:
                     generation = _generation_of(header)
             # after this replica's writes queued so far: those of the old copy are refused
-            self._io.submit(self._hold, session_id, generation)
+            held = header if isinstance(header, dict) and generation is not None else None
+            self._io.submit(self._hold, session_id, generation, held)
         finally:
             resolve(done, None)
 
@@ -316,11 +333,15 @@ class SessionManager:
         else:
             self._resync(session_id, error, done)
 
-    def _hold(self, session_id: str, generation: Generation | None) -> None:  # io thread
-        if generation is None:
+    def _hold(
+        self, session_id: str, generation: Generation | None, header: dict[str, Any] | None
+    ) -> None:  # io thread
+        if generation is None or header is None:
             self._generations.pop(session_id, None)
+            self._written.pop(session_id, None)
         else:
             self._generations[session_id] = generation
+            self._written[session_id] = header
 
     def _forget(self, session: Session) -> None:
         """Drop a copy that is stale (another replica wrote the session): never saved again
@@ -364,8 +385,8 @@ class SessionManager:
             if self._reads_in_flight() >= num_free_slots:
                 return False  # a state read per free slot at most: each holds a KV state
             prefetch = self._io.submit(self._read_for_swap_in, session.session_id,
-                                       ledger_digest(session.ledger.to_json()),
-                                       dict(session.pixels), dict(session.rgb))  # fmt: skip
+                                       session.ledger.to_json(), dict(session.pixels),
+                                       set(session.rgb))  # fmt: skip
             self._prefetch[session.session_id] = prefetch
             prefetch.add_done_callback(lambda _: self._notify())
         return prefetch.done()
@@ -387,14 +408,15 @@ class SessionManager:
     def _reads_in_flight(self) -> int:
         return sum(1 for f in self._prefetch.values() if not f.done())
 
-    def enter(self, slot: Slot, job: Job) -> tuple[Ledger, int, bool]:
+    def enter(self, slot: Slot, job: Job) -> tuple[Ledger, int, int | None]:
         """The session's turn takes slot: its ledger, the segment where the turn's prompt
-        starts, and whether the sequence must be re-prefilled (its state did not load)."""
+        starts, and the segment from which the sequence must be decoded again (None: the
+        sequence holds the whole ledger; 0: its state did not load)."""
         assert job.session_id is not None
         session = self.get(job.session_id)
         # what an unfinished turn rolls back to: its last completed turn
         session.snapshot = (session.ledger.to_json(), session.num_shifts)
-        reprefill = session.slot is None and not self._swap_in(session, slot)
+        reprefill = self._swap_in(session, slot) if session.slot is None else None
         session.media.update(job.media)
         session.pixels.update(job.pixels)
         session.rgb.update(job.rgb)
@@ -418,11 +440,21 @@ class SessionManager:
             session.num_turns += 1
             if record is not None:
                 session.records.append(replace(record, turn=session.num_turns))
+                u = record.usage
+                session.num_tail_cells += (
+                    u["num_prompt_cells"] - u["num_reused_cells"] + u["num_generated_tokens"]
+                )
             self._orphans |= session.prune()
             if self.store is None:  # (no copy of the KV state for nothing)
                 return None
             assert session.slot is not None
-            return self._save(session, self.executor.state_of(self.slots[session.slot]))
+            session.num_journal_turns += 1
+            due = session.num_journal_turns >= MAX_JOURNAL_TURNS or session.num_tail_cells >= max(
+                MIN_CHECKPOINT_CELLS, session.ledger.num_cells
+            )
+            if due:
+                return self._checkpoint(session, self.slots[session.slot])
+            return self._save(session, None)
         if snapshot is not None:
             if session.slot is not None:
                 self.swap_out(self.slots[session.slot], save=False)
@@ -459,21 +491,22 @@ class SessionManager:
     # -- slots --------------------------------------------------------------------------------
 
     def swap_out(self, slot: Slot, *, save: bool = True) -> None:
-        """The slot's session leaves it, and its media handles are freed. It was saved when its
-        last turn completed; if that save failed, this is the chance to write it again."""
+        """The slot's session leaves it, and its media handles are freed. Its journal has every
+        completed turn; the KV state it leaves is checkpointed unless the last checkpoint holds
+        it (a failed write is written again here too)."""
         assert slot.owner is not None
         session = self.by_id[slot.owner]
-        if save and session.dirty and self.store is not None:
-            self._save(session, self.executor.state_of(slot))
+        if save and (session.dirty or session.num_journal_turns) and self.store is not None:
+            self._checkpoint(session, slot)
         session.slot = None
         session.release()
         self.executor.clear(slot)
         slot.owner, slot.ledger = None, None
 
-    def _swap_in(self, session: Session, slot: Slot) -> bool:
-        """Put a session's KV state into slot; False when it must be re-prefilled from its
-        ledger instead (no saved state, another context layout or ledger, or a state that does
-        not load)."""
+    def _swap_in(self, session: Session, slot: Slot) -> int | None:
+        """Put a session's KV state into slot; returns the segment from which its ledger must
+        be decoded again (None: the state holds all of it; 0: no saved state, another context
+        layout, or a state that does not load)."""
         if slot.ledger is not None and slot.owner is None:
             self.executor.stash(slot)
             slot.ledger = None
@@ -481,59 +514,102 @@ class SessionManager:
         session.slot, slot.owner, slot.reuse_key = slot.seq, session.session_id, None
         self.stats.num_session_restores += 1
         if not session.ledger.segments:
-            return True
+            return None
         prefetch = self._prefetch.pop(session.session_id, None)
         if prefetch is None or prefetch.exception() is not None:
-            return False
+            return 0
         got = prefetch.result()
-        if got.kv_state and self.executor.load_state(slot, got.kv_state):
-            return True
-        for key, px in session.pixels.items():  # a re-prefill encodes them: handles now
-            rgb = got.rgb.get(px.media_id) or session.rgb.get(px.media_id)
-            if rgb is not None and key not in session.media:
+        start = got.start if got.kv_state and self.executor.load_state(slot, got.kv_state) else 0
+        if start == len(session.ledger.segments) and got.exact:
+            return None
+        for seg in session.ledger.segments[start:]:  # a re-prefill encodes them: handles now
+            key = seg.media_id
+            px = session.pixels.get(key) if key is not None else None
+            rgb = (got.rgb.get(px.media_id) or session.rgb.get(px.media_id)) if px else None
+            if key is not None and px is not None and rgb is not None and key not in session.media:
                 session.media[key] = self._media_handle(key, px, rgb)
-        return False
+        return start
 
     def _read_for_swap_in(
-        self, session_id: str, digest: str, pixels: dict[str, Pixels], rgb: dict[str, bytes]
+        self,
+        session_id: str,
+        ledger: list[dict[str, Any]],
+        pixels: dict[str, Pixels],
+        in_memory: set[str],
     ) -> _Prefetched:
-        """On the io thread: the KV state if it belongs to the session's ledger (digest) and
-        this context's layout; otherwise the pixels its re-prefill needs."""
+        """On the io thread: the checkpoint's KV state if it was made in this context's layout,
+        with how many of the ledger's segments it holds, and the pixels of those it lacks."""
         assert self.store is not None
+        kv_state, start = b"", 0
         try:
             saved = self.store.load(session_id)
         except (KeyError, CorruptSessionError, OSError) as e:
             log.warning("session %r: saved state unusable (%s); re-prefilling", session_id, e)
         else:
             header = saved.header
-            if header.get("layout") == self.rt.layout and header.get("kv_digest") == digest:
-                return _Prefetched(saved.kv_state, {})
-            if saved.kv_state:
-                log.info(
-                    "session %r: KV state on disk is not its ledger's: re-prefilling", session_id
-                )
+            if (
+                saved.kv_state
+                and header.get("layout") == self.rt.layout
+                and header.get("kv_digest") == ledger_digest(saved.kv_ledger)
+            ):
+                kv_state, start = saved.kv_state, _shared_segments(saved.kv_ledger, ledger)
+            elif saved.kv_state:
+                log.info("session %r: KV state on disk is not usable: re-prefilling", session_id)
         loaded: dict[str, bytes] = {}
-        for px in pixels.values():
-            if px.media_id not in rgb and px.media_id not in loaded:
+        for seg in ledger[start:]:
+            px = pixels.get(seg["media"]) if seg["media"] is not None else None
+            if px and px.media_id not in in_memory and px.media_id not in loaded:
                 with contextlib.suppress(CorruptSessionError, OSError):  # the turn says so later
                     loaded[px.media_id] = self.store.load_media(px.media_id, px.width, px.height)
-        return _Prefetched(b"", loaded)
+        exact = start == len(saved.kv_ledger) if kv_state else False
+        return _Prefetched(kv_state if start else b"", loaded, start, exact)
 
     # -- writes -------------------------------------------------------------------------------
+
+    def _checkpoint(self, session: Session, slot: Slot) -> Future[None] | None:
+        """Save the session with the KV state its slot holds now."""
+        session.num_journal_turns = session.num_tail_cells = 0
+        return self._save(session, self.executor.state_of(slot))
+
+    def checkpoint_idle(self, now: float) -> float | None:
+        """(Engine thread) a checkpoint of every resident session idle long enough whose journal
+        has turns its checkpoint lacks; returns the seconds until the next one is due."""
+        due = None
+        for slot in self.slots:
+            session = self.by_id.get(slot.owner) if slot.owner is not None else None
+            if session is None or session.busy or not session.num_journal_turns:
+                continue
+            wait = session.last_used + self.idle_checkpoint_seconds - now
+            if wait <= 0:
+                self._checkpoint(session, slot)
+            else:
+                due = wait if due is None else min(due, wait)
+        return due
+
+    def checkpoint_resident(self) -> None:
+        """(Engine thread, as the engine stops) a checkpoint of every session in a slot whose
+        journal has turns its last checkpoint lacks: the next start loads them whole."""
+        for slot in self.slots:
+            session = self.by_id.get(slot.owner) if slot.owner is not None else None
+            if session is not None and not session.busy and session.num_journal_turns:
+                self._checkpoint(session, slot)
 
     def _save(
         self, session: Session, kv_state: bytes | bytearray | memoryview | None
     ) -> Future[None] | None:
-        """Write the session's whole current state (KV state None: keep the KV bytes on disk).
+        """Write the session's current state: a checkpoint with kv_state, or (None) what
+        changed since the header on disk, appended to its journal.
 
-        The write runs on the io thread and depends on no earlier write: after a failure the
-        next save writes everything again. A save queued behind a running one is replaced by a
-        newer one of the same session (pending saves stay bounded).
+        The write runs on the io thread; after a failure the next one writes what the header on
+        disk lacks again. A write queued behind a running one is merged with a newer one of
+        the same session (pending writes stay bounded: one checkpoint and one header each).
         """
         if self.store is None:
             return None
         header = session.header(self.rt.fingerprint, self.rt.layout, "")
-        kv_digest = ledger_digest(header["ledger"]) if kv_state is not None else ""
+        checkpoint = None
+        if kv_state is not None:
+            checkpoint = (header, kv_state, ledger_digest(header["ledger"]))
         media = {px.media_id for px in session.pixels.values() if px.media_id in session.rgb}
         future: Future[None] = Future()
         sid = session.session_id
@@ -541,7 +617,7 @@ class SessionManager:
         session.num_saves += 1
         number = session.num_saves
         pixels = [(m, session.rgb[m]) for m in media]
-        write = _Write(session, header, kv_state, kv_digest, pixels, [future])
+        write = _Write(session, header, checkpoint, pixels, [future])
         if self._writes.queue(sid, write):
             self._io.submit(self._write, sid)
 
@@ -560,21 +636,38 @@ class SessionManager:
         write = self._writes.take(session_id)
         if write is None:
             return
+        store = self.store
         try:
-            header = write.header
-            state, header["kv_digest"] = write.kv_state, write.kv_digest
-            if state is None:  # the KV bytes on disk stay, with their ledger's digest and layout
+            pixels = write.pixels
+            if write.checkpoint is not None:
+                header, kv_state, digest = write.checkpoint
+                header["kv_digest"] = digest
+                self._generations[session_id] = store.save(
+                    session_id, header, kv_state, expect=self._generations.get(session_id),
+                    pixels=pixels,
+                )  # fmt: skip
+                self._written[session_id] = header
+                self.bytes_written += len(kv_state) + len(json.dumps(header))
+                pixels = []
+            base = self._written.get(session_id)
+            if base is not write.header and (
+                base is None or (delta := header_delta.diff(base, write.header))
+            ):
                 try:
-                    saved = self.store.load(session_id)
-                    state = saved.kv_state
-                    header["kv_digest"] = saved.header.get("kv_digest", "")
-                    header["layout"] = saved.header.get("layout")
-                except (KeyError, CorruptSessionError):
-                    state, header["kv_digest"] = b"", ""
-            expect = self._generations.get(session_id)
-            self._generations[session_id] = self.store.save(
-                session_id, header, state, expect=expect, pixels=write.pixels
-            )
+                    if base is None:
+                        raise CorruptSessionError("no header held")
+                    self._generations[session_id], n = store.append(
+                        session_id, delta, expect=self._generations[session_id], pixels=pixels
+                    )
+                except CorruptSessionError:  # a checkpoint without KV bytes replaces it
+                    header = {**write.header, "kv_digest": ""}
+                    self._generations[session_id] = store.save(
+                        session_id, header, b"", expect=self._generations.get(session_id),
+                        pixels=pixels,
+                    )  # fmt: skip
+                    n = len(json.dumps(header))
+                self._written[session_id] = write.header
+                self.bytes_written += n
         except StaleSessionError as e:
             log.warning("session %r not saved: %s", session_id, e)
             failure = ProblemError(problem(
@@ -651,7 +744,7 @@ class SessionManager:
                 if key in held and not self.store.has_media(px["media_id"]):
                     raise CorruptSessionError(f"pixels of media {px['media_id'][:12]} are missing")
             if hold:
-                self._generations[session_id] = _generation_of(header)
+                self._hold(session_id, _generation_of(header), header)
         except Exception as e:  # whatever is wrong with the file, the session is reported
             return e
         return header
@@ -700,21 +793,35 @@ def _error(kind: ErrorKind, reason: Reason, message: str) -> SessionError:
     return SessionError(kind, message, reason)
 
 
+def _shared_segments(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
+    """How many first segments two ledgers (as JSON) have alike."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass
 class _Prefetched:
-    """What a swap-in needs, read on the io thread: a usable KV state, or pixels to
-    re-prefill with."""
+    """What a swap-in needs, read on the io thread: a checkpoint's KV state and how many of the
+    ledger's segments it holds, and the pixels of those it lacks."""
 
     kv_state: bytes
     rgb: dict[str, bytes]
+    start: int = 0
+    exact: bool = False  # the state holds those segments and nothing else
+
+
+_Checkpoint = tuple[dict[str, Any], bytes | bytearray | memoryview, str]  # header, KV, digest
 
 
 @dataclass
 class _Write:
     session: Session  # the copy it is of (a stale one is dropped when its write is refused)
-    header: dict[str, Any]
-    kv_state: bytes | bytearray | memoryview | None
-    kv_digest: str
+    header: dict[str, Any]  # the newest
+    checkpoint: _Checkpoint | None  # to write first (its header may be older than the newest)
     pixels: list[tuple[str, bytes]]
     futures: list[Future[None]]
 
@@ -735,8 +842,8 @@ class _Writes:
                 self._queued[session_id] = write
                 return True
             assert old.session is write.session, "a dropped copy's write is taken out first"
-            if write.kv_state is None:  # keeps the KV bytes: those of the queued write
-                write.kv_state, write.kv_digest = old.kv_state, old.kv_digest
+            if write.checkpoint is None:  # the queued checkpoint is still written, then this
+                write.checkpoint = old.checkpoint
             write.pixels[:0] = old.pixels
             write.futures[:0] = old.futures
             self._queued[session_id] = write

@@ -1,16 +1,20 @@
-"""Sessions on disk: one file per session, replaced atomically after every completed turn.
+"""Sessions on disk: per session a checkpoint (header and KV state, replaced atomically) and
+a journal of what each completed turn changed since (appended and fsynced per turn).
 
 Layout of ROOT (which several replicas may share: a volume on NFSv4, EFS, CephFS, ...):
   <session_id>.session    magic, header length, generation, lineage, JSON header, KV state
+  <session_id>.turns      entries after that checkpoint: magic, length, crc32, generation, a
+                          JSON delta of the header (infer_service/header_delta.py)
   media/<media_id>.rgb    raw RGB pixels, content-addressed, written once
   .locks/<n>.lock         POSIX locks: per session (striped), and one for the pixels
   .tmp-*                  a write in progress (removed at startup once older than an hour)
 
-Each save of a session raises its generation by one, under the session's exclusive lock, and
-only if the generation on disk is the one the writer holds (`expect`): a replica whose copy is
-stale (another replica wrote the session since) is refused (StaleSessionError) and never
-writes over a newer file. A generation names its lineage too, random for every session file
-created: a session deleted and created again elsewhere never matches an old copy's number.
+Each write of a session (a checkpoint or a journal entry) raises its generation by one, under
+the session's exclusive lock, and only if the generation on disk is the one the writer holds
+(`expect`): a replica whose copy is stale (another replica wrote the session since) is
+refused (StaleSessionError) and never writes over a newer file. A generation names its
+lineage too, random for every session file created: a session deleted and created again
+elsewhere never matches an old copy's number.
 Session writes hold the pixels' lock shared, pixel collection exclusive: pixels are written
 before the file that refers to them, and never deleted between.
 
@@ -20,8 +24,13 @@ ledger's segments, a digest of them (the KV bytes belong to that ledger and no o
 session's options. The KV state is an optimisation: a session whose state does not load, or
 belongs to another ledger, is rebuilt by re-prefilling its ledger from token ids and pixels.
 
-Every write goes to a fresh temporary file (mkstemp), is fsynced, renamed over the target and
-the directory fsynced, so a crash or a full disk leaves the previous complete file, never half.
+Every checkpoint goes to a fresh temporary file (mkstemp), is fsynced, renamed over the target
+and the directory fsynced, so a crash or a full disk leaves the previous complete file, never
+half; the journal is removed after it. A journal entry is appended and fsynced: a torn last
+entry (a crash mid-append) fails its crc and is cut off by the next append. The session is the
+checkpoint's header with every entry after it applied, entries of an older checkpoint (left by
+a crash between the rename and the removal) skipped. A turn writes bytes in proportion to what
+it added; the KV bytes are written when the session manager decides a checkpoint is due.
 Pixels are hashed again when they are read: a damaged file is never encoded.
 """
 
@@ -42,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from infer_service import header_delta
 from slotwise_core.images import media_id as pixels_id
 
 FORMAT_VERSION = 1
@@ -51,6 +61,8 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # a session's key: its id, after `TENANT@` for every tenant but the default one
 _KEY = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_-]{0,63}@)?[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _PREFIX = len(_MAGIC) + 32
+_ENTRY = struct.Struct("<4sIIQ")  # magic, body length, crc32 of the body, generation number
+_ENTRY_MAGIC = b"SWT1"
 _MAX_HEADER_BYTES = 256 << 20
 _LOCK_STRIPES = 256  # lock files for sessions: bounded, never deleted (a deleted lock file
 # would let two writers lock two different files of one name)
@@ -112,8 +124,16 @@ def ledger_digest(ledger_json: Sequence[dict[str, Any]]) -> str:
 
 @dataclass
 class SavedSession:
-    header: dict[str, Any]
+    header: dict[str, Any]  # the session now: the checkpoint's with the journal applied
     kv_state: bytes
+    kv_ledger: list[dict[str, Any]]  # the ledger the KV state holds: the checkpoint's
+
+
+@dataclass
+class _Journal:
+    entries: list[tuple[int, dict[str, Any]]]  # (generation number, delta), in order
+    valid_bytes: int  # how much of the file they take (a torn tail comes after)
+    size: int
 
 
 class SessionStore:
@@ -122,7 +142,7 @@ class SessionStore:
         (root / "media").mkdir(parents=True, exist_ok=True)
         (root / ".locks").mkdir(exist_ok=True)
         # per session file (inode, mtime, size): the media ids it refers to (pixel collection)
-        self._referred: dict[str, tuple[tuple[int, int, int], frozenset[str]]] = {}
+        self._referred: dict[str, tuple[tuple[int, ...], frozenset[str]]] = {}
         old = time.time() - _STALE_TMP_SECONDS
         for tmp in [*root.glob(".tmp-*"), *(root / "media").glob(".tmp-*")]:
             with contextlib.suppress(FileNotFoundError):
@@ -160,32 +180,117 @@ class SessionStore:
             body = json.dumps({"version": FORMAT_VERSION, **header}).encode()
             prefix = _MAGIC + struct.pack("<QQ", len(body), generation.number)
             _write_atomically(path, prefix + bytes.fromhex(generation.lineage) + body, kv_state)
+            self._journal_path(session_id).unlink(missing_ok=True)  # folded into the checkpoint
         return generation
 
+    def append(
+        self,
+        session_id: str,
+        delta: dict[str, Any],
+        *,
+        expect: Generation,
+        pixels: Sequence[tuple[str, bytes]] = (),
+    ) -> tuple[Generation, int]:
+        """Append what a turn changed (its pixels first) as the generation after `expect`, the
+        one the caller holds; returns the new generation and the bytes appended. A damaged
+        checkpoint raises CorruptSessionError: it is replaced by a checkpoint, never appended
+        to."""
+        with self._lock(self._session_lock(session_id)), self._lock(self._pixels_lock, shared=True):
+            found, journal = self._generation(session_id) or (None, None)
+            if found != expect or journal is None:
+                raise StaleSessionError(session_id, expect, found)
+            for media_id, rgb in pixels:
+                self.save_media(media_id, rgb)
+            generation = found.next()
+            body = json.dumps({"lineage": generation.lineage, "delta": delta}).encode()
+            entry = _ENTRY.pack(_ENTRY_MAGIC, len(body), zlib.crc32(body), generation.number)
+            fd = os.open(self._journal_path(session_id), os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                if journal.size > journal.valid_bytes:  # a torn entry: cut it off first
+                    os.ftruncate(fd, journal.valid_bytes)
+                os.lseek(fd, journal.valid_bytes, os.SEEK_SET)
+                data = memoryview(entry + body)
+                while data:  # a short write goes on until the disk says why it cannot
+                    data = data[os.write(fd, data) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if journal.size == 0:
+                _fsync_dir(self.root)  # a journal just created survives a power cut
+        return generation, len(entry) + len(body)
+
     def generation(self, session_id: str) -> Generation | None:
-        """The generation on disk (None: no file), from the file's first bytes."""
+        """The generation on disk (None: no file): the checkpoint's, or its journal's last."""
+        found = self._generation(session_id)
+        return found[0] if found else None
+
+    def _generation(self, session_id: str) -> tuple[Generation, _Journal] | None:
         try:
             with open(self.path(session_id), "rb") as f:
-                return _read_prefix(session_id, f)[1]
+                checkpoint = _read_prefix(session_id, f)[1]
         except FileNotFoundError:
             return None
+        journal = self._journal(session_id, checkpoint)
+        if journal.entries:
+            return Generation(checkpoint.lineage, journal.entries[-1][0]), journal
+        return checkpoint, journal
+
+    def _journal_path(self, session_id: str) -> Path:
+        return self.root / f"{check_session_key(session_id)}.turns"
+
+    def _journal(self, session_id: str, checkpoint: Generation) -> _Journal:
+        """The entries that follow checkpoint: of its lineage, numbered on from it."""
+        try:
+            data = self._journal_path(session_id).read_bytes()
+        except FileNotFoundError:
+            return _Journal([], 0, 0)
+        entries: list[tuple[int, dict[str, Any]]] = []
+        offset, number = 0, checkpoint.number
+        while offset + _ENTRY.size <= len(data):
+            magic, length, crc, n = _ENTRY.unpack_from(data, offset)
+            body = data[offset + _ENTRY.size : offset + _ENTRY.size + length]
+            if magic != _ENTRY_MAGIC or len(body) < length or zlib.crc32(body) != crc:
+                break  # a torn entry: what follows it was never acknowledged
+            offset += _ENTRY.size + length
+            if n <= checkpoint.number:
+                continue  # an older checkpoint's (a crash before its journal was removed)
+            try:
+                entry = json.loads(body)
+            except ValueError:
+                break
+            if n != number + 1 or entry.get("lineage") != checkpoint.lineage:
+                break  # not this checkpoint's: a session created again over a crashed one
+            entries.append((n, entry["delta"]))
+            number = n
+        return _Journal(entries, offset, len(data))
 
     def load_header(self, session_id: str) -> dict[str, Any]:
-        """The header alone (startup reads no KV bytes), with its "generation" and "lineage"."""
-        try:
-            with open(self.path(session_id), "rb") as f:
-                header, _ = _read_header(session_id, f)
-        except FileNotFoundError:
-            raise KeyError(session_id) from None
-        return header
+        """The session's header (startup reads no KV bytes), with its "generation" and
+        "lineage"."""
+        return self._load(session_id, with_state=False).header
 
     def load(self, session_id: str) -> SavedSession:
+        return self._load(session_id, with_state=True)
+
+    def _load(self, session_id: str, *, with_state: bool) -> SavedSession:
         try:
             with open(self.path(session_id), "rb") as f:
                 header, _ = _read_header(session_id, f)
-                return SavedSession(header, f.read())
+                kv_state = f.read() if with_state else b""
         except FileNotFoundError:
             raise KeyError(session_id) from None
+        kv_ledger = header.get("ledger", [])
+        checkpoint = Generation(header["lineage"], header["generation"])
+        for number, delta in self._journal(session_id, checkpoint).entries:
+            try:
+                header = header_delta.apply(header, delta)
+            except (KeyError, TypeError, ValueError) as e:
+                raise CorruptSessionError(
+                    f"session {session_id!r}: journal entry {number} does not apply ({e})"
+                ) from None
+            header["generation"] = number
+            header["journal"] = header.get("journal", 0) + 1
+        return SavedSession(header, kv_state, kv_ledger)
 
     def delete(self, session_id: str) -> bool:
         with self._lock(self._session_lock(session_id)):
@@ -193,6 +298,8 @@ class SessionStore:
                 self.path(session_id).unlink()
             except FileNotFoundError:
                 return False
+            finally:  # (without its checkpoint a journal is nobody's)
+                self._journal_path(session_id).unlink(missing_ok=True)
         _fsync_dir(self.root)
         return True
 
@@ -204,12 +311,17 @@ class SessionStore:
         unknown, so nothing may be deleted."""
         with self._lock(self._pixels_lock):
             referred: set[str] = set()
-            seen: dict[str, tuple[tuple[int, int, int], frozenset[str]]] = {}
+            seen: dict[str, tuple[tuple[int, ...], frozenset[str]]] = {}
             unreadable = False
             for session_id in self.ids():
                 try:
                     st = self.path(session_id).stat()
-                    key = (st.st_ino, st.st_mtime_ns, st.st_size)
+                    try:
+                        jt = self._journal_path(session_id).stat()
+                        journal = (jt.st_ino, jt.st_mtime_ns, jt.st_size)
+                    except FileNotFoundError:
+                        journal = (0, 0, 0)
+                    key = (st.st_ino, st.st_mtime_ns, st.st_size, *journal)
                     hit = self._referred.get(session_id)
                     if hit is None or hit[0] != key:  # parsed again only when it changed
                         pixels = self.load_header(session_id).get("pixels", {})

@@ -76,6 +76,8 @@ class Session:
     num_saves: int = 0
     records: deque[TurnRecord] = field(default_factory=lambda: deque(maxlen=MAX_RECORDS))
     title: str = ""
+    num_journal_turns: int = 0  # completed turns written since the last checkpoint asked for
+    num_tail_cells: int = 0  # cells those turns decoded
 
     def release(self) -> None:
         for h in self.media.values():
@@ -151,6 +153,7 @@ class Session:
                 map(TurnRecord.from_json, header.get("records", ())), maxlen=MAX_RECORDS
             ),  # (files before turn records have none)
             title=str(header.get("title", "")),  # (nor titles)
+            num_journal_turns=int(header.get("journal", 0)),
         )
 
 

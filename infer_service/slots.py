@@ -174,6 +174,7 @@ class EngineStats:
     num_shifts: int = 0
     num_session_restores: int = 0
     num_session_reprefills: int = 0
+    num_session_reprefill_cells: int = 0  # decoded again: what a swap-in's state lacked
     num_evicted_cells: int = 0
     shifts_by_policy: dict[str, int] = field(default_factory=dict)
     by_tenant: dict[str, TenantStats] = field(default_factory=dict)  # (tenants: the keys file's)

@@ -774,14 +774,7 @@ class Oracle:
         return np.concatenate(pos), (np.concatenate(tok) if has_tok else None)
 
     def _segment_cells(self, seg: Segment) -> tuple[np.ndarray, np.ndarray]:
-        n = seg.num_cells
-        if seg.is_media and self.rt.uses_mrope:
-            pos = np.full(n, seg.pos_start, dtype=np.int32)
-        else:
-            pos = np.arange(seg.pos_start, seg.pos_start + n, dtype=np.int32)
-        if seg.is_media:
-            return pos, np.full(n, -1, dtype=np.int32)
-        return pos, np.asarray(seg.token_ids, dtype=np.int32)
+        return segment_cells(seg, self.rt.uses_mrope)
 
     def verify(self, run: _Run) -> None:
         ledger, mem, seq = run.ledger, self.rt.memory, run.slot.seq
@@ -819,6 +812,18 @@ class Oracle:
             raise OracleError(f"seq_pos_max {pmax} but the ledger's next_pos is {ledger.next_pos}")
         run.counts["checks"] += 1
         run.counts["checks_mid_media"] += piece is not None
+
+
+def segment_cells(seg: Segment, mrope: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The position of each cell a segment holds, and the token stored in it (-1: media)."""
+    n = seg.num_cells
+    if seg.is_media and mrope:
+        pos = np.full(n, seg.pos_start, dtype=np.int32)
+    else:
+        pos = np.arange(seg.pos_start, seg.pos_start + n, dtype=np.int32)
+    if seg.is_media:
+        return pos, np.full(n, -1, dtype=np.int32)
+    return pos, np.asarray(seg.token_ids, dtype=np.int32)
 
 
 def _plain_text(item: Item) -> bool:

@@ -119,6 +119,7 @@ def test_metrics_after_a_shifting_multimodal_generation_and_failures(services) -
     assert value(m, "slotwise_infer_generated_tokens_total") == tokens_sampled
     assert value(m, "slotwise_infer_decodes_total") == stats.num_decodes
     assert value(m, "slotwise_infer_media_cache_hits_total") == stats.num_media_cache_hits
+    assert value(m, "slotwise_infer_session_bytes_written_total") == 0  # (no --sessions-dir)
     assert value(m, "slotwise_infer_time_to_first_token_seconds_count") == 3
     assert value(m, "slotwise_infer_time_to_first_token_seconds_sum") > 0
 

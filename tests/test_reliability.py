@@ -313,14 +313,16 @@ def test_a_full_disk_then_freed_then_restart_loses_no_completed_turn(
     create(stub, "other", SEEDED)
     chat = Chat(prep, stub, "long")
     filler = tmpfs / "filler"
-    fill(filler, leave=600_000)
+    fill(filler, leave=150_000)
 
     saved = not_saved = 0
     for k in range(40):
         stream, error = image_turn(chat, k)
         assert stream is not None and stream.finished.reason in OK_REASONS, error
         if stream.finished.persistence == infer_pb2.PERSISTENCE_SAVED:
-            assert error is None and not_saved == 0
+            # (after a turn that was not: what this one wrote holds that turn too, as the
+            # restart below shows)
+            assert error is None
             saved += 1
             continue
         # the turn completed, the session goes on in memory, and the client is told

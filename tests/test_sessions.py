@@ -445,6 +445,8 @@ def test_sessions_survive_sigkill_mid_turn_and_a_clean_restart(
             done = chat.turn(f"turn {t} ", image(20 + t), " ok", turn_note=f"note {t}".encode())
             assert done.finished.reason in OK_REASONS
             replies.append((done.text, done.finished.usage.num_generated_tokens))
+            if t == 1:  # a checkpoint of two turns; the third is in the journal only
+                server.stub.SaveSession(infer_pb2.SaveSessionRequest(session_id="kept"), timeout=10)
         after3 = session_info(server.stub, "kept")
         assert after3.num_turns == 3
         wait_saved(sessions_dir / "kept.session", 3)  # by itself: no SaveSession call
@@ -494,8 +496,9 @@ def test_sessions_survive_sigkill_mid_turn_and_a_clean_restart(
         after4 = session_info(server.stub, "kept")
         assert after4.num_turns == 4
 
-        # a clean stop (SIGTERM) keeps everything too
+        # a clean stop (SIGTERM) keeps everything too, in a checkpoint
         assert server.stop(signal.SIGTERM) == 0
+        assert not (sessions_dir / "kept.turns").exists()
         server = InferProcess(pair, sessions_dir, tmp_path / "infer.log")
         chat.infer = server.stub
         listed = server.stub.ListSessions(infer_pb2.ListSessionsRequest(), timeout=10).sessions
@@ -737,13 +740,16 @@ def test_restore_session_brings_back_the_last_saved_state(
     saved = stub.SaveSession(infer_pb2.SaveSessionRequest(session_id="r"), timeout=10).session
     assert saved.num_turns == 2
     snapshot = (tmp_path / "r.session").read_bytes()
+    assert not (tmp_path / "r.turns").exists()  # a checkpoint folds the journal in
     messages = list(chat.messages)
     third = chat.turn("turn 2 ", image(62), " ok")
     assert session_info(stub, "r").num_turns == 3
     wait_saved(tmp_path / "r.session", 3)
+    assert (tmp_path / "r.turns").stat().st_size < len(snapshot) // 4  # the turn, not the KV
 
-    # RestoreSession reads the file: put the snapshot back and the 3rd turn is undone
+    # RestoreSession reads the files: put the snapshot back and the 3rd turn is undone
     (tmp_path / "r.session").write_bytes(snapshot)
+    (tmp_path / "r.turns").unlink()
     restored = stub.RestoreSession(infer_pb2.RestoreSessionRequest(session_id="r"), timeout=10)
     s = restored.session
     assert (s.num_turns, s.num_cells, s.next_position, s.resident) == (

@@ -1,0 +1,186 @@
+"""A session turn writes what it added (a journal entry), the KV state is a checkpoint made
+when one is due, and a session whose checkpoint is older than its journal comes back with
+every completed turn: its checkpoint loaded, only the segments after what the two share
+decoded again, and the cells llama.cpp then holds exactly the ledger's."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from oracle import KvProbe, segment_cells
+
+from clients.client import Message, SlotwiseClient, collect
+from infer_service.__main__ import start
+from infer_service.runtime import RuntimeConfig
+from infer_service.session_store import Generation, SessionStore, StaleSessionError
+from slotwise_core.tiny_models import TinyPair
+from support.loop import LoopThread
+from support.media import image_bytes
+from support.wait import wait_until
+
+# -- the store ------------------------------------------------------------------------------------
+
+
+def test_the_journal_follows_its_checkpoint_and_survives_a_torn_append(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path)
+    g1 = store.save("s", {"a": 1, "records": []}, b"kv")
+    g2, n = store.append("s", {"a": {"value": 2}}, expect=g1)
+    g3, _ = store.append("s", {"records": {"records": {"drop": 0, "add": ["r"]}}}, expect=g2)
+    assert n < 200 and store.generation("s") == g3 == Generation(g1.lineage, 3)
+    saved = store.load("s")
+    assert (saved.header["a"], saved.header["records"], saved.header["journal"]) == (2, ["r"], 2)
+    assert saved.kv_state == b"kv" and saved.kv_ledger == []
+    with pytest.raises(StaleSessionError):  # a replica holding an older generation
+        store.append("s", {"a": {"value": 9}}, expect=g2)
+
+    # a crash mid-append: the torn entry is not the session's, and the next append cuts it off
+    journal = tmp_path / "s.turns"
+    whole = journal.read_bytes()
+    with open(journal, "ab") as f:
+        f.write(whole[: len(whole) // 3])
+    assert store.generation("s") == g3 and store.load_header("s")["a"] == 2
+    g4, _ = store.append("s", {"a": {"value": 4}}, expect=g3)
+    assert store.load_header("s")["a"] == 4 and store.generation("s") == g4
+
+    # a checkpoint folds the journal in; entries an older checkpoint left (a crash between the
+    # rename and the removal) are skipped
+    stale = journal.read_bytes()
+    g5 = store.save("s", {"a": 5, "records": ["r"]}, b"kv5", expect=g4)
+    assert not journal.exists() and g5.number == 5
+    journal.write_bytes(stale)
+    assert store.generation("s") == g5 and store.load_header("s")["a"] == 5
+    g6, _ = store.append("s", {"a": {"value": 6}}, expect=g5)
+    assert store.load_header("s")["a"] == 6 and g6.number == 6
+    assert store.delete("s") and not journal.exists() and store.generation("s") is None
+
+
+# -- a server -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def serve(loop_thread: LoopThread, tiny: dict[str, TinyPair]) -> Iterator[Callable[..., Any]]:
+    running: list[Any] = []
+
+    def serve_(sessions: Path, **config: Any) -> Any:
+        pair = tiny["mrope"]
+        config = {"ctx_size": 2048, "parallel": 2, "threads": 1, **config}
+        server = loop_thread.run(start(RuntimeConfig(pair.model, pair.mmproj, **config),
+                                       sessions_dir=sessions))  # fmt: skip
+        running.append(server)
+        return server
+
+    yield serve_
+    for server in running:
+        loop_thread.run(server.stop(0))
+
+
+def turn(client: SlotwiseClient, k: int, **options: Any) -> Any:
+    prepared = client.prepare([Message.user(image_bytes(40, 32, seed=k), f"turn {k}, please?")])
+    done = collect(client.generate(prepared, session_id="chat", max_tokens=6, temperature=0,
+                                   **options))  # fmt: skip
+    assert done.finished is not None and not done.finished.error, done.finished
+    return done
+
+
+def clients(prep_port: int, *servers: Any) -> list[SlotwiseClient]:
+    return [SlotwiseClient(f"127.0.0.1:{prep_port}", f"127.0.0.1:{s.port}") for s in servers]
+
+
+def test_a_turn_writes_what_it_added_and_a_session_between_checkpoints_comes_back_exact(
+    serve: Callable[..., Any], prep_servers: Callable[[str], int], tmp_path: Path
+) -> None:
+    live, crashed = tmp_path / "live", tmp_path / "crashed"
+    a = serve(live)
+    (ca,) = clients(prep_servers("mrope"), a)
+    ca.create_session("chat")
+    for k in range(2):
+        turn(ca, k)
+    ca.save_session("chat")  # a checkpoint: the KV state of two turns
+    checkpoint = (live / "chat.session").stat().st_size
+    sizes = []
+    for k in range(2, 6):  # turns the journal alone holds
+        before = a.engine.sessions.bytes_written
+        turn(ca, k)
+        sizes.append(a.engine.sessions.bytes_written - before)
+    assert (live / "chat.session").stat().st_size == checkpoint
+    # each turn costs its own bytes (its image's pixels aside), not the conversation's
+    assert max(sizes) < checkpoint // 4 and max(sizes) < 2 * min(sizes), sizes
+
+    # what a kill -9 now leaves: the files as they are (every write is fsynced)
+    shutil.copytree(live, crashed)
+    b = serve(crashed)
+    (cb,) = clients(prep_servers("mrope"), b)
+    was, now = ca.get_session("chat", num_records=4), cb.get_session("chat", num_records=4)
+    assert (now.num_turns, now.num_cells, now.next_position) == (
+        6, was.num_cells, was.next_position
+    )  # fmt: skip
+    assert [r.text for r in now.records] == [r.text for r in was.records]
+
+    # the next turn: the checkpoint loads, the 4 journaled turns are decoded again, nothing
+    # else; the same reply as on the replica that never stopped
+    ra, rb = turn(ca, 6), turn(cb, 6)
+    assert rb.token_ids == ra.token_ids
+    stats = b.engine.stats
+    assert stats.num_session_reprefills == 1
+    assert 0 < stats.num_session_reprefill_cells < now.num_cells - 20
+
+    # the cells llama.cpp holds are the ledger's, position and token
+    def cells() -> tuple[Any, Any, Any]:
+        (slot,) = [s for s in b.engine.slots if s.owner == "chat"]
+        free = next(s.seq for s in b.engine.slots if s.seq != slot.seq)
+        probe = KvProbe(b.engine.rt, free)
+        # calibrated on the free sequence (the layout is the same); its header names the seq
+        probe.seq, probe.header = slot.seq, probe.header[:4] + slot.seq.to_bytes(4, "little")
+        want = [segment_cells(seg, b.engine.rt.uses_mrope) for seg in slot.ledger.segments]
+        return (
+            probe.cells(),
+            np.concatenate([w[0] for w in want]),
+            np.concatenate([w[1] for w in want]),
+        )
+
+    (got_pos, got_tok), want_pos, want_tok = b.engine.call(cells).result(30)
+    assert got_tok is not None
+    got, want = np.lexsort((got_tok, got_pos)), np.lexsort((want_tok, want_pos))
+    assert np.array_equal(got_pos[got], want_pos[want])
+    assert np.array_equal(got_tok[got], want_tok[want])
+    for c in (ca, cb):
+        c.close()
+
+
+def test_a_clean_stop_checkpoints_and_the_next_start_decodes_nothing_again(
+    serve: Callable[..., Any], prep_servers: Callable[[str], int], tmp_path: Path, loop_thread
+) -> None:
+    a = serve(tmp_path)
+    (ca,) = clients(prep_servers("mrope"), a)
+    ca.create_session("chat")
+    for k in range(3):
+        turn(ca, k)
+    assert (tmp_path / "chat.turns").exists()
+    ca.close()
+    loop_thread.run(a.stop(5))
+    assert not (tmp_path / "chat.turns").exists()  # folded into the checkpoint as it stopped
+    b = serve(tmp_path)
+    (cb,) = clients(prep_servers("mrope"), b)
+    assert cb.get_session("chat").num_turns == 3
+    turn(cb, 3)
+    assert b.engine.stats.num_session_reprefills == 0
+    cb.close()
+
+
+def test_a_session_idle_in_its_slot_is_checkpointed(
+    serve: Callable[..., Any], prep_servers: Callable[[str], int], tmp_path: Path
+) -> None:
+    a = serve(tmp_path)
+    a.engine.sessions.idle_checkpoint_seconds = 0.5
+    (ca,) = clients(prep_servers("mrope"), a)
+    ca.create_session("chat")
+    turn(ca, 0)
+    # nothing else happens: the engine wakes by itself when the checkpoint is due
+    wait_until(lambda: not (tmp_path / "chat.turns").exists(), what="the idle checkpoint")
+    assert SessionStore(tmp_path).load("chat").kv_state
+    ca.close()
