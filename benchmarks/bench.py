@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import datetime
 import http.client
+import itertools
 import json
 import os
 import platform
@@ -60,7 +61,7 @@ from benchmarks.stall import (
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc
 from slotwise_core.tiny_models import Vision
 
-SECTIONS = ("stream1", "stream4", "shift", "prep", "ttft", "stall")
+SECTIONS = ("stream1", "stream4", "shift", "prep", "ttft", "stall", "session")
 
 # Row names (the table's first column); the smoke test checks that each one is printed.
 ROW_STREAM1 = "1 stream tok/s: gRPC / raw loop"
@@ -83,6 +84,8 @@ ROW_STALL_RATE = "image stall: A's tok/s during B's prefill / without"
 ROW_STALL_SERVER = "image stall: B's TTFT slotwise / llama-server"
 ROW_STALL_SERVER_GAP = "image stall, llama-server: A's longest gap / B's TTFT"
 ROW_STALL_SERVER_RATE = "image stall, llama-server: A's tok/s during / without"
+ROW_SESSION_BYTES = "session turn: bytes written per cell added / a whole-state write's"
+ROW_SESSION_GAP = "session turn's end: other stream's longest gap / its median gap"
 
 SHIFT_TARGETS = {"SHIFT": 0.90, "GAP": 0.90, "REPREFILL": 0.60}
 SHIFT_POLICIES = {
@@ -567,6 +570,8 @@ def generate(
     keep: int = 0,
     discard_fraction: float | None = None,
     t_sent: float | None = None,
+    on_token: Callable[[], None] = lambda: None,
+    until: Callable[[], bool] = lambda: False,
 ) -> Stream:
     ctx = infer_pb2.ContextOptions(policy=policy, keep=keep)
     if discard_fraction is not None:
@@ -579,12 +584,17 @@ def generate(
         stream_tokens=STREAM_TOKENS[0],
     )
     s = Stream(t_sent=time.perf_counter() if t_sent is None else t_sent)
-    for r in infer.Generate(req, timeout=600):
+    call = infer.Generate(req, timeout=600)
+    for r in call:
         t = time.perf_counter()
         kind = r.WhichOneof("event")
         if kind == "delta":
             s.add(t, len(r.delta.token_ids))
             s.token_ids.extend(r.delta.token_ids)
+            on_token()
+            if until():
+                call.cancel()
+                break
         elif kind == "shift":
             s.shifts.append(POLICY_NAMES.get(r.shift.policy, str(r.shift.policy)))
         elif kind == "finished":
@@ -593,6 +603,58 @@ def generate(
             if r.finished.reason == infer_pb2.FINISH_REASON_ERROR:
                 raise BenchError(f"generation failed: {r.finished.error}")
     return s
+
+
+def session_turn(
+    infer: infer_pb2_grpc.InferServiceStub, prompt: Any, max_tokens: int
+) -> tuple[int, float, float]:
+    """One turn of session "bench": the cells it added (prompt and reply), when its last token
+    and when its end (written) arrived."""
+    req = infer_pb2.GenerateRequest(
+        prompt=prompt, session_id="bench", max_tokens=max_tokens,
+        sampling=infer_pb2.SamplingParams(temperature=0.0),
+    )  # fmt: skip
+    t_last = time.perf_counter()
+    for r in infer.Generate(req, timeout=600):
+        if r.WhichOneof("event") == "delta":
+            t_last = time.perf_counter()
+        if r.WhichOneof("event") == "finished":
+            f = r.finished
+            if f.reason == infer_pb2.FINISH_REASON_ERROR or f.persistence not in (
+                infer_pb2.PERSISTENCE_SAVED,
+            ):
+                raise BenchError(f"the session turn was not saved: {f.error or f.persistence}")
+            u = f.usage
+            cells = u.num_prompt_cells - u.num_reused_cells + u.num_generated_tokens
+            return cells, t_last, time.perf_counter()
+    raise BenchError("the session turn ended without a Finished event")
+
+
+def scrape_metric(port: int, name: str) -> float:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        body = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    for line in body.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise BenchError(f"metric {name} not found")
+
+
+def other_gaps(
+    s: Stream | None, windows: Sequence[tuple[float, float]]
+) -> tuple[float, float] | None:
+    """(the longest gap between the stream's tokens that overlaps a window, its median gap)."""
+    if s is None or len(s.arrivals) < 3:
+        return None
+    times = [t for t, _ in s.arrivals]
+    gaps = list(itertools.pairwise(times))
+    inside = [b - a for a, b in gaps if any(a < t1 and b > t0 for t0, t1 in windows)]
+    if not inside:
+        return None
+    return max(inside), median([b - a for a, b in gaps])
 
 
 def concurrently(fns: Sequence[Callable[[], Stream]]) -> list[Stream]:
@@ -630,6 +692,8 @@ class Options:
     stall_decode_threads: int = 1
     encode_threads: int | None = None  # None: --threads
     stall_alone: float = 2.0
+    session_cells: int = 5800
+    session_turns: int = 5
 
 
 class Bench:
@@ -675,9 +739,11 @@ class Bench:
         return svc
 
     @contextlib.contextmanager
-    def infer(self, *, ctx: int, parallel: int) -> Iterator[infer_pb2_grpc.InferServiceStub]:
+    def infer(
+        self, *, ctx: int, parallel: int, extra: Sequence[str] = ()
+    ) -> Iterator[infer_pb2_grpc.InferServiceStub]:
         args = ["--model", str(self.model), "--threads", str(self.o.threads)]
-        args += ["--ctx-size", str(ctx), "--parallel", str(parallel)]
+        args += ["--ctx-size", str(ctx), "--parallel", str(parallel), *extra]
         svc = self.service("infer_service", args)
         try:
             stub = infer_pb2_grpc.InferServiceStub(svc.channel)
@@ -745,6 +811,8 @@ class Bench:
                 self.bench_prep()
             if "stall" in only:
                 self.bench_stall()
+            if "session" in only:
+                self.bench_session()
         finally:
             if self._prep:
                 self._prep.stop()
@@ -1043,6 +1111,74 @@ class Bench:
         finally:
             prep.stop()
 
+    # -- 7: what a session turn writes, and what its end costs the other stream
+
+    def bench_session(self) -> None:
+        """A session of ~--session-cells cells takes --session-turns short turns while another
+        stream generates. Bytes written come from infer's metrics; a whole-state write (what
+        every turn wrote before the journal) is the session's checkpoint file, made at the end
+        by SaveSession."""
+        o = self.o
+        sessions, metrics_port = self.log_dir / "sessions", free_port()
+        words = TTFT_PROMPT.split()
+        while len(prompt_tokens(prepare_text(self.prep, " ".join(words)))) < o.session_cells:
+            words += TTFT_PROMPT.split()
+        n = len(prompt_tokens(prepare_text(self.prep, " ".join(words))))
+        prompt = prepare_text(self.prep, " ".join(words[: len(words) * o.session_cells // n]))
+        extra = ["--sessions-dir", str(sessions), "--metrics-port", str(metrics_port)]
+        ctx = 2 * (o.session_cells + 64 * (o.session_turns + 2) + o.tokens)
+        with self.infer(ctx=ctx, parallel=2, extra=extra) as infer:
+
+            def written() -> float:
+                return scrape_metric(metrics_port, "slotwise_infer_session_bytes_written_total")
+
+            infer.CreateSession(infer_pb2.CreateSessionRequest(session_id="bench"), timeout=30)
+            session_turn(infer, prompt, 4)  # the long first turn
+            short = prepare_text(self.prep, " And then, in a few words, what happened next?")
+            other_prompt = prepare_text(self.prep, PROMPTS[1])
+            other: dict[str, Stream] = {}
+            started = threading.Event()
+
+            def other_stream() -> None:
+                other["s"] = generate(infer, other_prompt, 1 << 16, on_token=started.set,
+                                      until=lambda: "done" in other)  # fmt: skip
+
+            reader = threading.Thread(target=other_stream, daemon=True)
+            reader.start()
+            if not started.wait(300):
+                raise BenchError("the other stream never started")
+            per_cell, cells, windows = [], [], []
+            for _ in range(o.session_turns):
+                before = written()
+                added, t_last, t_end = session_turn(infer, short, 16)
+                cells.append(added)
+                windows.append((t_last, t_end))  # the turn's end: its last token to its write
+                per_cell.append((written() - before) / max(added, 1))
+            other["done"] = Stream()
+            reader.join(300)
+            info = infer.SaveSession(
+                infer_pb2.SaveSessionRequest(session_id="bench"), timeout=120
+            ).session
+        whole = (sessions / "bench.session").stat().st_size
+        whole_per_cell, ours = whole / max(median(cells), 1), median(per_cell)
+        note = (
+            f"a {info.num_cells}-cell session, turns of {median(cells):.0f} cells; its "
+            f"checkpoint (KV state) is {whole / 1e6:.1f} MB, written on swap-out, on drain, or "
+            "once as many cells as it holds were added"
+        )
+        ratio = ours / whole_per_cell
+        self.rows.append(
+            Row(ROW_SESSION_BYTES, ours, "B/cell", whole_per_cell, ratio, "<= 0.02", note)
+        )
+        gaps = other_gaps(other.get("s"), windows)
+        if gaps is None:
+            raise BenchError("the other stream had no tokens around the session turns' ends")
+        longest, typical = gaps
+        note = "the gaps that overlap a session turn's end: its last token to its write"
+        self.rows.append(
+            Row(ROW_SESSION_GAP, longest, "s", typical, longest / typical, "<= 1.5", note)
+        )
+
     def _stall_rows(
         self, ours: SlotwiseStall, theirs: ServerStall | None, *, what: str, infer_flags: str
     ) -> None:
@@ -1186,6 +1322,8 @@ def parser() -> argparse.ArgumentParser:
         "--encode-threads", type=int, help="stall: infer's --encode-threads (default --threads)"
     )
     p.add_argument("--stall-alone", type=float, default=2.0, help="stall: seconds A is timed alone")
+    p.add_argument("--session-cells", type=int, default=5800, help="session: cells it holds")
+    p.add_argument("--session-turns", type=int, default=5, help="session: short turns timed")
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("-v", "--verbose", action="store_true", help="per-repeat figures on stderr")
     return p
@@ -1229,6 +1367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             stall_decode_threads=args.stall_decode_threads,
             encode_threads=args.encode_threads,
             stall_alone=args.stall_alone,
+            session_cells=args.session_cells,
+            session_turns=args.session_turns,
         )
         t0 = time.monotonic()
         load0 = os.getloadavg()[0]

@@ -29,6 +29,8 @@ EXPECTED = [
     bench.ROW_PREPARE8,
     bench.ROW_STALL_GAP,
     bench.ROW_STALL_RATE,
+    bench.ROW_SESSION_BYTES,
+    bench.ROW_SESSION_GAP,
 ]
 STALL_SERVER_ROWS = (
     bench.ROW_STALL_SERVER,
@@ -44,6 +46,7 @@ def test_bench_smoke_on_tiny_rope(
     argv = ["--model", str(tiny["rope"].model), "--threads", "1", "--repeats", "1"]
     argv += ["--tokens", "8", "--ctx", "2048", "--prep-requests", "2", "--json", str(out)]
     argv += ["--shift-ctx", "256", "--shift-tokens", "300"]
+    argv += ["--session-cells", "600", "--session-turns", "2"]
     # the stall on the default tiny projector: the rows come out, the goals mean nothing here
     argv += ["--vision-width", "32", "--vision-layers", "1", "--stall-alone", "0.5"]
     assert bench.main(argv) == 0
