@@ -1,5 +1,6 @@
-"""The dependency picture holds, one way: clients -> stubs; services -> core -> stubs; the
-ledger -> stdlib only. Read from the sources' import statements (lazy imports included)."""
+"""The dependency picture holds, one way: clients -> stubs; services -> core -> stubs (the
+contracts in pyproject.toml, checked by import-linter); the ledger -> stdlib only, and the client
+side without the serve extra (read from the sources' import statements)."""
 
 from __future__ import annotations
 
@@ -7,27 +8,12 @@ import ast
 import sys
 from pathlib import Path
 
-import pytest
+from importlinter.cli import lint_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# package -> the first-party packages it may import (besides itself)
-ALLOWED = {
-    "slotwise_core": {"slotwise"},
-    "prep_service": {"slotwise_core", "slotwise"},
-    "infer_service": {"slotwise_core", "slotwise"},
-    "clients": {"slotwise"},
-    "slotwise_serve": {"prep_service", "infer_service", "slotwise_core", "clients", "slotwise"},
-    "benchmarks": {"prep_service", "infer_service", "slotwise_core", "clients", "slotwise"},
-}
-FIRST_PARTY = {*ALLOWED, "slotwise"}
 # what only the serve extra installs: the client side never imports it
 SERVE_ONLY = {"llama_cpp", "numpy", "PIL", "gguf", "grpc_reflection"}
-# clients' commands that need the serve extra import it lazily, behind a check (clients.cli)
-LAZY_SERVE = {"clients/cli.py": {"slotwise_serve", "benchmarks"}}
-# the keys file has one definition for every service and the HTTP edge: the edge imports it
-# (it imports the stdlib only, so a client-only install runs it)
-SHARED = {"slotwise_core.keys"}
 
 
 def imports(path: Path) -> set[str]:
@@ -38,7 +24,7 @@ def imports(path: Path) -> set[str]:
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module)
-    return {n.split(".")[0] for n in names - SHARED}
+    return {n.split(".")[0] for n in names}
 
 
 def eager_imports(path: Path) -> set[str]:
@@ -58,26 +44,32 @@ def modules(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
 
 
-@pytest.mark.parametrize("package", sorted(ALLOWED))
-def test_packages_import_only_what_they_may(package: str) -> None:
-    wrong = {}
-    for path in modules(package):
-        rel = str(path.relative_to(ROOT))
-        allowed = ALLOWED[package] | {package} | LAZY_SERVE.get(rel, set())
-        bad = (imports(path) & FIRST_PARTY) - allowed
-        if bad:
-            wrong[rel] = sorted(bad)
-    assert not wrong, f"imports against the dependency picture: {wrong}"
+def test_packages_import_only_what_they_may(monkeypatch) -> None:
+    """The contracts in pyproject.toml's [tool.importlinter], checked by import-linter."""
+    monkeypatch.chdir(ROOT)
+    assert lint_imports(no_cache=True, no_logo=True) == 0
 
 
-def test_the_services_never_import_each_other() -> None:
-    for a, b in (("infer_service", "prep_service"), ("prep_service", "infer_service")):
-        for path in modules(a):
-            assert b not in imports(path), f"{path.relative_to(ROOT)} imports {b}"
+def test_import_linter_sees_a_wrong_import(tmp_path: Path, monkeypatch) -> None:
+    for package in ("infer_service", "prep_service"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "infer_service" / "late.py").write_text("def f():\n    import prep_service\n")
+    (tmp_path / ".importlinter").write_text(
+        "[importlinter]\nroot_packages =\n    infer_service\n    prep_service\n"
+        "[importlinter:contract:1]\nname = apart\ntype = independence\n"
+        "modules =\n    infer_service\n    prep_service\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert lint_imports(no_cache=True, no_logo=True) == 1
 
 
 def test_the_pure_logic_imports_the_stdlib_only() -> None:
-    for name in ("infer_service/ledger", "infer_service/text_stream", "slotwise_core/keys"):
+    for name in (
+        "infer_service/ledger", "infer_service/text_stream", "infer_service/header_delta",
+        "slotwise_core/keys",
+    ):  # fmt: skip
         path = ROOT / f"{name}.py"
         outside = imports(path) - set(sys.stdlib_module_names) - {"__future__"}
         assert not outside, f"{name} imports {outside}"
