@@ -291,12 +291,16 @@ class Engine:
                 self._admit_waiting()
                 self._end_expired()
                 self.executor.step(self.slots)
-                idle = self.sessions.checkpoint_idle(time.monotonic())
             except Exception as e:  # a bug: fail the active jobs, keep serving
                 log.exception("engine step failed")
                 for slot in self.slots:
                     if slot.job:
                         self._finish(slot, FinishReason.ERROR, error=f"internal error: {e}")
+            try:  # (a failure here is no request's: its session is checkpointed later)
+                idle = self.sessions.checkpoint_idle(time.monotonic())
+            except Exception:
+                log.exception("an idle session's checkpoint failed")
+                idle = None
         self._end_everything(
             Problem(ErrorKind.UNAVAILABLE, "server shutting down", Reason.SHUTTING_DOWN)
         )

@@ -238,8 +238,9 @@ class Executor:
             kept_segments = min(reprefill, len(ledger.segments))
             restore = [seg.item for seg in ledger.segments[kept_segments:]]
             self.rt.seq_rm(slot.seq, ledger.truncate(kept_segments), -1)
-            self.stats.num_session_reprefills += 1
-            self.stats.num_session_reprefill_cells += sum(i.num_cells for i in restore)
+            if restore:
+                self.stats.num_session_reprefills += 1
+                self.stats.num_session_reprefill_cells += sum(i.num_cells for i in restore)
         elif reprefill is None:
             self.rt.seq_rm(slot.seq, cut, -1)
         if error is not None:

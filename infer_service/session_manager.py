@@ -258,8 +258,9 @@ class SessionManager:
         """(Any thread) Before a session RPC: take in what another replica sharing the
         directory did to the session since this one last read or wrote it -- a newer
         generation replaces the copy in memory (and its slot), a deleted file removes it, a
-        session this replica never saw is adopted. Nothing is read but a few bytes when the
-        file is the generation this replica holds."""
+        session this replica never saw is adopted. Nothing is read but the checkpoint's first
+        bytes and the journal (MAX_JOURNAL_TURNS entries at most) when the session is the
+        generation this replica holds."""
         done: Future[None] = Future()
         store = self.store
         if store is None:
@@ -386,7 +387,7 @@ class SessionManager:
                 return False  # a state read per free slot at most: each holds a KV state
             prefetch = self._io.submit(self._read_for_swap_in, session.session_id,
                                        session.ledger.to_json(), dict(session.pixels),
-                                       set(session.rgb))  # fmt: skip
+                                       dict(session.rgb))  # fmt: skip
             self._prefetch[session.session_id] = prefetch
             prefetch.add_done_callback(lambda _: self._notify())
         return prefetch.done()
@@ -448,9 +449,8 @@ class SessionManager:
             if self.store is None:  # (no copy of the KV state for nothing)
                 return None
             assert session.slot is not None
-            session.num_journal_turns += 1
-            due = session.num_journal_turns >= MAX_JOURNAL_TURNS or session.num_tail_cells >= max(
-                MIN_CHECKPOINT_CELLS, session.ledger.num_cells
+            due = session.num_journal_turns + 1 >= MAX_JOURNAL_TURNS or (
+                session.num_tail_cells >= max(MIN_CHECKPOINT_CELLS, session.ledger.num_cells)
             )
             if due:
                 return self._checkpoint(session, self.slots[session.slot])
@@ -496,7 +496,7 @@ class SessionManager:
         it (a failed write is written again here too)."""
         assert slot.owner is not None
         session = self.by_id[slot.owner]
-        if save and (session.dirty or session.num_journal_turns) and self.store is not None:
+        if save and self.store is not None and self._wants_checkpoint(session):
             self._checkpoint(session, slot)
         session.slot = None
         session.release()
@@ -520,25 +520,25 @@ class SessionManager:
             return 0
         got = prefetch.result()
         start = got.start if got.kv_state and self.executor.load_state(slot, got.kv_state) else 0
+        for key, handle in got.media.items():  # made on the io thread, from the pixels
+            if key in session.pixels and key not in session.media:
+                session.media[key] = handle
+            else:
+                handle.close()
         if start == len(session.ledger.segments) and got.exact:
             return None
-        for seg in session.ledger.segments[start:]:  # a re-prefill encodes them: handles now
-            key = seg.media_id
-            px = session.pixels.get(key) if key is not None else None
-            rgb = (got.rgb.get(px.media_id) or session.rgb.get(px.media_id)) if px else None
-            if key is not None and px is not None and rgb is not None and key not in session.media:
-                session.media[key] = self._media_handle(key, px, rgb)
-        return start
+        return start  # (media the io side did not prepare come from disk when decoded)
 
     def _read_for_swap_in(
         self,
         session_id: str,
         ledger: list[dict[str, Any]],
         pixels: dict[str, Pixels],
-        in_memory: set[str],
+        in_memory: dict[str, bytes],
     ) -> _Prefetched:
         """On the io thread: the checkpoint's KV state if it was made in this context's layout,
-        with how many of the ledger's segments it holds, and the pixels of those it lacks."""
+        with how many of the ledger's segments it holds, and the media chunks of those it lacks
+        made from their pixels (libmtmd's tokenize is thread-safe on a shared context)."""
         assert self.store is not None
         kv_state, start = b"", 0
         try:
@@ -555,21 +555,38 @@ class SessionManager:
                 kv_state, start = saved.kv_state, _shared_segments(saved.kv_ledger, ledger)
             elif saved.kv_state:
                 log.info("session %r: KV state on disk is not usable: re-prefilling", session_id)
-        loaded: dict[str, bytes] = {}
+        media: dict[str, MediaHandle] = {}
         for seg in ledger[start:]:
-            px = pixels.get(seg["media"]) if seg["media"] is not None else None
-            if px and px.media_id not in in_memory and px.media_id not in loaded:
-                with contextlib.suppress(CorruptSessionError, OSError):  # the turn says so later
-                    loaded[px.media_id] = self.store.load_media(px.media_id, px.width, px.height)
+            key = seg["media"]
+            px = pixels.get(key) if key is not None else None
+            if px is None or key in media:
+                continue
+            rgb = in_memory.get(px.media_id)
+            # what fails here is tried again as the turn decodes it, and reported to that turn
+            with contextlib.suppress(Exception):
+                if rgb is None:
+                    rgb = self.store.load_media(px.media_id, px.width, px.height)
+                media[key] = self._media_handle(key, px, rgb)
         exact = start == len(saved.kv_ledger) if kv_state else False
-        return _Prefetched(kv_state if start else b"", loaded, start, exact)
+        return _Prefetched(kv_state if start else b"", media, start, exact)
 
     # -- writes -------------------------------------------------------------------------------
 
     def _checkpoint(self, session: Session, slot: Slot) -> Future[None] | None:
         """Save the session with the KV state its slot holds now."""
+        session.last_checkpoint = time.monotonic()  # (tried again later if this fails)
+        state = self.executor.state_of(slot)
         session.num_journal_turns = session.num_tail_cells = 0
-        return self._save(session, self.executor.state_of(slot))
+        return self._save(session, state)
+
+    @staticmethod
+    def _wants_checkpoint(session: Session | None) -> bool:
+        """Its KV state has turns its last checkpoint lacks, or its last write failed."""
+        return (
+            session is not None
+            and not session.busy
+            and (session.dirty or session.num_journal_turns > 0)
+        )
 
     def checkpoint_idle(self, now: float) -> float | None:
         """(Engine thread) a checkpoint of every resident session idle long enough whose journal
@@ -577,9 +594,11 @@ class SessionManager:
         due = None
         for slot in self.slots:
             session = self.by_id.get(slot.owner) if slot.owner is not None else None
-            if session is None or session.busy or not session.num_journal_turns:
+            if session is None or not self._wants_checkpoint(session):
                 continue
-            wait = session.last_used + self.idle_checkpoint_seconds - now
+            # (after a checkpoint that failed, the next waits as long again)
+            since = max(session.last_used, session.last_checkpoint)
+            wait = since + self.idle_checkpoint_seconds - now
             if wait <= 0:
                 self._checkpoint(session, slot)
             else:
@@ -591,7 +610,8 @@ class SessionManager:
         journal has turns its last checkpoint lacks: the next start loads them whole."""
         for slot in self.slots:
             session = self.by_id.get(slot.owner) if slot.owner is not None else None
-            if session is not None and not session.busy and session.num_journal_turns:
+            if self._wants_checkpoint(session):
+                assert session is not None
                 self._checkpoint(session, slot)
 
     def _save(
@@ -610,6 +630,8 @@ class SessionManager:
         checkpoint = None
         if kv_state is not None:
             checkpoint = (header, kv_state, ledger_digest(header["ledger"]))
+        else:
+            session.num_journal_turns += 1
         media = {px.media_id for px in session.pixels.values() if px.media_id in session.rgb}
         future: Future[None] = Future()
         sid = session.session_id
@@ -617,7 +639,7 @@ class SessionManager:
         session.num_saves += 1
         number = session.num_saves
         pixels = [(m, session.rgb[m]) for m in media]
-        write = _Write(session, header, checkpoint, pixels, [future])
+        write = _Write(session, header, checkpoint, pixels, [future], int(checkpoint is not None))
         if self._writes.queue(sid, write):
             self._io.submit(self._write, sid)
 
@@ -649,6 +671,9 @@ class SessionManager:
                 self._written[session_id] = header
                 self.bytes_written += len(kv_state) + len(json.dumps(header))
                 pixels = []
+                for f in write.futures[: write.covered]:  # on disk, whatever follows
+                    resolve(f, None)
+                del write.futures[: write.covered]
             base = self._written.get(session_id)
             if base is not write.header and (
                 base is None or (delta := header_delta.diff(base, write.header))
@@ -806,10 +831,10 @@ def _shared_segments(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
 @dataclass
 class _Prefetched:
     """What a swap-in needs, read on the io thread: a checkpoint's KV state and how many of the
-    ledger's segments it holds, and the pixels of those it lacks."""
+    ledger's segments it holds, and the media chunks of those it lacks."""
 
     kv_state: bytes
-    rgb: dict[str, bytes]
+    media: dict[str, MediaHandle]  # media key -> its chunk
     start: int = 0
     exact: bool = False  # the state holds those segments and nothing else
 
@@ -824,6 +849,7 @@ class _Write:
     checkpoint: _Checkpoint | None  # to write first (its header may be older than the newest)
     pixels: list[tuple[str, bytes]]
     futures: list[Future[None]]
+    covered: int = 0  # the first futures, whose state the checkpoint holds
 
 
 class _Writes:
@@ -843,7 +869,9 @@ class _Writes:
                 return True
             assert old.session is write.session, "a dropped copy's write is taken out first"
             if write.checkpoint is None:  # the queued checkpoint is still written, then this
-                write.checkpoint = old.checkpoint
+                write.checkpoint, write.covered = old.checkpoint, old.covered
+            else:  # the newer checkpoint holds every state queued before it
+                write.covered += len(old.futures)
             write.pixels[:0] = old.pixels
             write.futures[:0] = old.futures
             self._queued[session_id] = write

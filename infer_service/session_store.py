@@ -215,8 +215,8 @@ class SessionStore:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            if journal.size == 0:
-                _fsync_dir(self.root)  # a journal just created survives a power cut
+            if journal.valid_bytes == 0:
+                _fsync_dir(self.root)  # a journal just (re)started survives a power cut
         return generation, len(entry) + len(body)
 
     def generation(self, session_id: str) -> Generation | None:
@@ -246,22 +246,24 @@ class SessionStore:
             return _Journal([], 0, 0)
         entries: list[tuple[int, dict[str, Any]]] = []
         offset, number = 0, checkpoint.number
+        # what ends the walk stays out of valid_bytes: the next append cuts it off
         while offset + _ENTRY.size <= len(data):
             magic, length, crc, n = _ENTRY.unpack_from(data, offset)
-            body = data[offset + _ENTRY.size : offset + _ENTRY.size + length]
+            end = offset + _ENTRY.size + length
+            body = data[offset + _ENTRY.size : end]
             if magic != _ENTRY_MAGIC or len(body) < length or zlib.crc32(body) != crc:
                 break  # a torn entry: what follows it was never acknowledged
-            offset += _ENTRY.size + length
-            if n <= checkpoint.number:
-                continue  # an older checkpoint's (a crash before its journal was removed)
-            try:
-                entry = json.loads(body)
-            except ValueError:
-                break
-            if n != number + 1 or entry.get("lineage") != checkpoint.lineage:
-                break  # not this checkpoint's: a session created again over a crashed one
-            entries.append((n, entry["delta"]))
-            number = n
+            if n > checkpoint.number:  # (not one of an older checkpoint's, left by a crash)
+                try:
+                    entry = json.loads(body)
+                    delta = entry["delta"]
+                except (ValueError, KeyError, TypeError):
+                    break
+                if n != number + 1 or entry.get("lineage") != checkpoint.lineage:
+                    break  # not this checkpoint's: a session created again over a crashed one
+                entries.append((n, delta))
+                number = n
+            offset = end
         return _Journal(entries, offset, len(data))
 
     def load_header(self, session_id: str) -> dict[str, Any]:
@@ -297,9 +299,13 @@ class SessionStore:
             try:
                 self.path(session_id).unlink()
             except FileNotFoundError:
+                found = False
+            else:
+                found = True
+            # without its checkpoint a journal is nobody's (kept when the unlink failed)
+            self._journal_path(session_id).unlink(missing_ok=True)
+            if not found:
                 return False
-            finally:  # (without its checkpoint a journal is nobody's)
-                self._journal_path(session_id).unlink(missing_ok=True)
         _fsync_dir(self.root)
         return True
 

@@ -78,6 +78,7 @@ class Session:
     title: str = ""
     num_journal_turns: int = 0  # completed turns written since the last checkpoint asked for
     num_tail_cells: int = 0  # cells those turns decoded
+    last_checkpoint: float = 0.0  # time.monotonic() of the last checkpoint asked for
 
     def release(self) -> None:
         for h in self.media.values():

@@ -6,6 +6,7 @@ decoded again, and the cells llama.cpp then holds exactly the ledger's."""
 from __future__ import annotations
 
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from oracle import KvProbe, segment_cells
 
-from clients.client import Message, SlotwiseClient, collect
+from clients.client import Constraint, Message, SlotwiseClient, collect
 from infer_service.__main__ import start
 from infer_service.runtime import RuntimeConfig
 from infer_service.session_store import Generation, SessionStore, StaleSessionError
@@ -184,3 +185,72 @@ def test_a_session_idle_in_its_slot_is_checkpointed(
     wait_until(lambda: not (tmp_path / "chat.turns").exists(), what="the idle checkpoint")
     assert SessionStore(tmp_path).load("chat").kv_state
     ca.close()
+
+
+def test_a_swap_in_whose_pixels_are_on_a_slow_disk_does_not_stall_another_stream(
+    serve: Callable[..., Any], prep_servers: Callable[[str], int], tmp_path: Path
+) -> None:
+    live, copy = tmp_path / "live", tmp_path / "copy"
+    a = serve(live)
+    (ca,) = clients(prep_servers("mrope"), a)
+    ca.create_session("chat")
+    turn(ca, 0)  # its image is in the journal only: a swap-in reads its pixels
+    shutil.copytree(live, copy)
+    b = serve(copy)
+    (cb,) = clients(prep_servers("mrope"), b)
+    store = b.engine.sessions.store
+    reading, release = threading.Event(), threading.Event()
+    load_media = store.load_media
+
+    def slow_load_media(*args: Any) -> bytes:  # a disk that answers when the test says so
+        reading.set()
+        release.wait(60)
+        return load_media(*args)
+
+    store.load_media = slow_load_media
+    seen = [0]
+    stop = threading.Event()
+
+    def other() -> None:
+        endless = Constraint(grammar='root ::= "a" root')  # no end: runs until it is stopped
+        for event in cb.generate("Say a", constraint=endless, max_tokens=1 << 20):
+            seen[0] += len(getattr(event, "token_ids", ()))
+            if stop.is_set():
+                break
+
+    reader = threading.Thread(target=other, daemon=True)
+    reader.start()
+    wait_until(lambda: seen[0] > 0, what="the other stream's first token")
+    turned: list[Any] = []
+    session_turn = threading.Thread(target=lambda: turned.append(turn(cb, 1)), daemon=True)
+    session_turn.start()
+    assert reading.wait(60), "the swap-in never read the pixels"
+    before = seen[0]
+    wait_until(lambda: seen[0] >= before + 8, what="the other stream's tokens during the read")
+    assert not turned  # the turn waits for its read; the engine does not
+    release.set()
+    session_turn.join(60)
+    assert turned and turned[0].finished is not None
+    stop.set()
+    reader.join(60)
+    for c in (ca, cb):
+        c.close()
+
+
+def test_entries_of_another_lineage_are_cut_off_by_the_next_append(tmp_path: Path) -> None:
+    """A journal left by a session deleted mid-way (its checkpoint gone first), then a new
+    session of that id whose first checkpoint crashed before removing it: the new session's
+    appends go where it reads them."""
+    store = SessionStore(tmp_path)
+    old = store.save("s", {"t": "old", "records": []}, b"")
+    for k in range(3):
+        old, _ = store.append("s", {"t": {"value": f"old {k}"}}, expect=old)
+    orphan = (tmp_path / "s.turns").read_bytes()
+    (tmp_path / "s.session").unlink()
+    new = store.save("s", {"t": "new", "records": []}, b"")
+    (tmp_path / "s.turns").write_bytes(orphan)  # (what the crash left)
+    assert store.load_header("s")["t"] == "new" and store.generation("s") == new
+    g, _ = store.append("s", {"t": {"value": "new 1"}}, expect=new)
+    assert store.generation("s") == g and store.load_header("s")["t"] == "new 1"
+    g, _ = store.append("s", {"t": {"value": "new 2"}}, expect=g)
+    assert store.load_header("s")["t"] == "new 2" and g.number == 3
