@@ -85,7 +85,7 @@ ROW_STALL_SERVER = "image stall: B's TTFT slotwise / llama-server"
 ROW_STALL_SERVER_GAP = "image stall, llama-server: A's longest gap / B's TTFT"
 ROW_STALL_SERVER_RATE = "image stall, llama-server: A's tok/s during / without"
 ROW_SESSION_BYTES = "session turn: bytes written per cell added / a whole-state write's"
-ROW_SESSION_GAP = "session turn's end: other stream's longest gap / its median gap"
+ROW_SESSION_GAP = "session turn's end: other stream's longest gap / its median gap"  # median/turn
 
 SHIFT_TARGETS = {"SHIFT": 0.90, "GAP": 0.90, "REPREFILL": 0.60}
 SHIFT_POLICIES = {
@@ -646,15 +646,19 @@ def scrape_metric(port: int, name: str) -> float:
 def other_gaps(
     s: Stream | None, windows: Sequence[tuple[float, float]]
 ) -> tuple[float, float] | None:
-    """(the longest gap between the stream's tokens that overlaps a window, its median gap)."""
+    """(per window the longest gap between the stream's tokens that overlaps it, as a median
+    over the windows; the stream's median gap)."""
     if s is None or len(s.arrivals) < 3:
         return None
-    times = [t for t, _ in s.arrivals]
-    gaps = list(itertools.pairwise(times))
-    inside = [b - a for a, b in gaps if any(a < t1 and b > t0 for t0, t1 in windows)]
-    if not inside:
+    gaps = list(itertools.pairwise(t for t, _ in s.arrivals))
+    longest = []
+    for t0, t1 in windows:
+        inside = [b - a for a, b in gaps if a < t1 and b > t0]
+        if inside:
+            longest.append(max(inside))
+    if not longest:
         return None
-    return max(inside), median([b - a for a, b in gaps])
+    return median(longest), median([b - a for a, b in gaps])
 
 
 def concurrently(fns: Sequence[Callable[[], Stream]]) -> list[Stream]:
@@ -1174,7 +1178,10 @@ class Bench:
         if gaps is None:
             raise BenchError("the other stream had no tokens around the session turns' ends")
         longest, typical = gaps
-        note = "the gaps that overlap a session turn's end: its last token to its write"
+        note = (
+            "per turn the other stream's longest gap that overlaps the turn's end (its last "
+            "token to its write), median over the turns"
+        )
         self.rows.append(
             Row(ROW_SESSION_GAP, longest, "s", typical, longest / typical, "<= 1.5", note)
         )
