@@ -32,7 +32,7 @@ from infer_service.events import (
     Rejected,
     storage_problem,
 )
-from infer_service.executor import Executor
+from infer_service.executor import Ending, Executor, StepOutcome
 from infer_service.kv_view import SlotPicture, SlotState
 from infer_service.runtime import Runtime
 from infer_service.scheduler import Scheduler, TenantLimits
@@ -117,12 +117,10 @@ class Engine:
             self.slots, self.sessions, self.executor.states, self._wake, max_queue=max_queue,
             tenant_limits=tenant_limits, fair=fair,
         )  # fmt: skip
-        self.executor.finish = self._finish
-        self.executor.media_of = self.sessions.media_of
-        self.executor.on_shift = self.sessions.on_shift
         self.cache = self.executor.cache
         self.states = self.executor.states
         self.on_death: Callable[[BaseException], None] = lambda error: None
+        self.on_first_token: Callable[[float], None] = lambda seconds: None  # (metrics: TTFT)
 
     def start(self) -> None:
         self._thread.start()
@@ -290,9 +288,10 @@ class Engine:
             try:
                 self._admit_waiting()
                 self._end_expired()
-                self.executor.step(self.slots)
+                self._apply(self.executor.step(self.slots))
             except Exception as e:  # a bug: fail the active jobs, keep serving
                 log.exception("engine step failed")
+                self._apply(self.executor.take_outcome())  # what it ended before it failed
                 for slot in self.slots:
                     if slot.job:
                         self._finish(slot, FinishReason.ERROR, error=f"internal error: {e}")
@@ -359,25 +358,40 @@ class Engine:
             why = "deadline exceeded" if deadline else "cancelled by the client"
             self._finish(slot, FinishReason.CANCELLED, error=why, problem=cancelled(deadline, why))
 
-    def _finish(
-        self,
-        slot: Slot,
-        reason: FinishReason,
-        *,
-        error: str = "",
-        stop_string: str = "",
-        problem: Problem | None = None,
-    ) -> None:
+    def _apply(self, outcome: StepOutcome) -> None:
+        """What a step did, told: shifts to their sessions, first tokens to the metrics, and
+        every request it ended to its caller (each on its own: one failing is not another's)."""
+        for slot in outcome.shifted:
+            self.sessions.on_shift(slot)
+        for seconds in outcome.first_tokens:
+            try:
+                self.on_first_token(seconds)
+            except Exception:  # a metric, never a request's end
+                log.exception("observing a first token failed")
+        for ending in outcome.endings:
+            try:
+                self._settle(ending)
+            except Exception as e:  # a bug: this request hears it, the others go on
+                log.exception("ending a request failed")
+                why = Problem(ErrorKind.INTERNAL, f"internal error: {e}")
+                safely(ending.job.emit, Finished(FinishReason.ERROR, error=why.message,
+                                                 problem=why))  # fmt: skip
+
+    def _finish(self, slot: Slot, reason: FinishReason, **why: Any) -> None:
+        self._settle(self.executor.ending(slot, reason, **why))
+
+    def _settle(self, ending: Ending) -> None:
+        """Tell an ended request's caller, after its session took the turn in (or rolled it
+        back); a completed session turn says whether it is on disk."""
+        job, reason, usage, error = ending.job, ending.reason, ending.usage, ending.error
+        stop_string, problem = ending.stop_string, ending.problem
         if reason is FinishReason.ERROR and problem is None:
             problem = Problem(ErrorKind.INTERNAL, error or "internal error")
-        usage = slot.usage
-        job = self.executor.end(slot, reason)
         self.stats.tenant(job.tenant).num_generated_tokens += usage.num_generated_tokens
         completed = reason.completed
         record = None
         if completed and job.session_id is not None:
-            text = "".join(slot.reply)
-            record = TurnRecord(0, text, int(reason), asdict(usage), job.note, time.time())
+            record = TurnRecord(0, ending.reply, int(reason), asdict(usage), job.note, time.time())
         saved = self.sessions.end_turn(job, completed=completed, record=record)
         # the slot is free before the client hears about it: its next request finds it so
         finished = Finished(reason, usage, stop_string=stop_string, error=error, problem=problem)

@@ -10,10 +10,12 @@ Images are encoded on a worker beside llama_decode: the other slots keep decodin
 waits for its image (libmtmd's encode and llama.cpp's decode share no state, and the
 embeddings are copied out of the mtmd context before the executor sees them).
 
-The engine tells the executor how a request ends (`finish`), where a slot's media handles are
-(`media_of`) and what a shift means for its session (`on_shift`); the oracle
-(tests/oracle.py) drives this same code, and checks the cache against the ledgers after every
-step.
+A step returns what happened (`StepOutcome`): the requests it ended, with their usage and
+reply, the slots it shifted, the first tokens it sampled. The engine applies that after the
+step (events, session records and writes); nothing the executor calls reaches back into the
+engine. A job's media chunks are in `job.media` (a session turn's: its session's). The oracle
+(tests/oracle.py) drives this same code, with an observer that checks the cache against the
+ledgers after every plan, and after every step.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import numpy as np
 from llama_cpp import mtmd_cpp
@@ -69,16 +71,33 @@ log = logging.getLogger("slotwise.engine")
 WORTH_KEEPING = 32  # cells: a displaced sequence smaller than this is not worth a cache entry
 
 
-class Finish(Protocol):
-    def __call__(
-        self,
-        slot: Slot,
-        reason: FinishReason,
-        *,
-        error: str = "",
-        stop_string: str = "",
-        problem: Problem | None = None,
-    ) -> None: ...
+@dataclass
+class Ending:
+    """A request the executor ended: its slot is free, the rest is the engine's to tell."""
+
+    slot: Slot
+    job: Job
+    reason: FinishReason
+    usage: Usage
+    reply: str  # what a session turn generated, for its record
+    error: str = ""
+    stop_string: str = ""
+    problem: Problem | None = None
+
+
+@dataclass
+class StepOutcome:
+    endings: list[Ending] = field(default_factory=list)
+    shifted: list[Slot] = field(default_factory=list)  # one entry per shift carried out
+    first_tokens: list[float] = field(default_factory=list)  # seconds from start (TTFT)
+
+
+class StepObserver(Protocol):
+    """What the oracle looks at inside a step (given at construction; the engine has none)."""
+
+    def on_plan(self, slot: Slot) -> None: ...  # a shift carried out, before the next decode
+
+    def on_cannot_fit(self, slot: Slot, plan: CannotFit, num_cells: int) -> None: ...
 
 
 class Executor:
@@ -90,6 +109,7 @@ class Executor:
         cache_bytes: int = 1 << 30,
         state_cache_bytes: int = 256 << 20,
         notify: Callable[[], None] = lambda: None,
+        observer: StepObserver | None = None,
     ):
         self.rt = rt
         self.stats = stats
@@ -99,12 +119,8 @@ class Executor:
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="media-encode")
         self._encoding: dict[str, Future[np.ndarray]] = {}  # media key -> its encode
         self._encoded: dict[str, np.ndarray] = {}  # finished, until their slot decodes them
-        # how the engine hears what happens to a slot (the defaults serve a bare executor)
-        self.finish: Finish = self.end_bare
-        self.media_of: Callable[[Slot, str], MediaHandle] = _job_media
-        self.on_shift: Callable[[Slot], None] = lambda slot: None
-        self.on_cannot_fit: Callable[[Slot, CannotFit, int], None] = lambda *_: None
-        self.on_first_token: Callable[[float], None] = lambda seconds: None  # TTFT
+        self._observer = observer
+        self._outcome = StepOutcome()  # what the step under way did so far
 
     def close(self) -> None:
         self._encoder.shutdown(wait=True, cancel_futures=True)
@@ -303,8 +319,27 @@ class Executor:
         job.release()
         return job
 
-    def end_bare(self, slot: Slot, reason: FinishReason, **_: object) -> None:
-        self.end(slot, reason)
+    def ending(
+        self,
+        slot: Slot,
+        reason: FinishReason,
+        *,
+        error: str = "",
+        stop_string: str = "",
+        problem: Problem | None = None,
+    ) -> Ending:
+        """End the slot's request (as `end`) and say how, for the engine to tell."""
+        usage = slot.usage
+        job = self.end(slot, reason)
+        return Ending(slot, job, reason, usage, "".join(slot.reply), error, stop_string, problem)
+
+    def _end(self, slot: Slot, reason: FinishReason, **why: Any) -> None:
+        self._outcome.endings.append(self.ending(slot, reason, **why))
+
+    def take_outcome(self) -> StepOutcome:
+        """What happened since the last take (all of a step; part of one that raised)."""
+        outcome, self._outcome = self._outcome, StepOutcome()
+        return outcome
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -317,7 +352,11 @@ class Executor:
     def encoding(self) -> bool:
         return bool(self._encoding)
 
-    def step(self, slots: Sequence[Slot]) -> None:
+    def step(self, slots: Sequence[Slot]) -> StepOutcome:
+        self._step(slots)
+        return self.take_outcome()
+
+    def _step(self, slots: Sequence[Slot]) -> None:
         broken = self._collect_encodes()
         for slot in slots:
             if slot.job and slot.pending and slot.pending[0].media_id:
@@ -334,7 +373,7 @@ class Executor:
                         f"the image could not be decoded: {e}",
                         Reason.MEDIA_FAILED,
                     )
-                    self.finish(slot, FinishReason.ERROR, error=failed.message, problem=failed)
+                    self._end(slot, FinishReason.ERROR, error=failed.message, problem=failed)
         self._decode_text(slots)
         if self._encoding or self._encoded:  # (nothing to look at on a plain text step)
             self._forget_unwanted_media(slots)
@@ -378,7 +417,7 @@ class Executor:
         embd = self.cache.get(key)
         if embd is not None:
             return embd
-        copy = MediaHandle(mtmd_cpp.mtmd_input_chunk_copy(self.media_of(slot, key).chunk), key)
+        copy = MediaHandle(mtmd_cpp.mtmd_input_chunk_copy(_media(slot, key).chunk), key)
 
         def encode() -> np.ndarray:
             try:
@@ -424,7 +463,7 @@ class Executor:
         if not slot.pending or slot.pending[0] is not item:
             return False  # a reprefill put other items first
         assert slot.job and slot.ledger
-        handle = self.media_of(slot, item.media_id)
+        handle = _media(slot, item.media_id)
         if embd.size != item.num_cells * self.rt.n_embd:  # never read past the embeddings
             raise native.NativeError(
                 f"media {item.media_id[:12]}: {embd.size // self.rt.n_embd} embeddings for "
@@ -512,7 +551,7 @@ class Executor:
                 why = Problem(
                     ErrorKind.INTERNAL, f"llama_decode failed (rc={rc})", Reason.DECODE_FAILED
                 )
-                self.finish(slot, FinishReason.ERROR, error=why.message, problem=why)
+                self._end(slot, FinishReason.ERROR, error=why.message, problem=why)
                 continue
             slot.ledger.append(item)
             self._progress(slot, item.num_cells)
@@ -525,15 +564,15 @@ class Executor:
         if slot.prefilling:
             slot.prefilling = False
             slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
-            self.on_first_token(slot.usage.prefill_seconds)
+            self._outcome.first_tokens.append(slot.usage.prefill_seconds)
         assert slot.sampler is not None
         try:
             token, logprobs = slot.sampler.sample(index)
         except GrammarDeadEnd:
-            self.finish(slot, FinishReason.GRAMMAR)
+            self._end(slot, FinishReason.GRAMMAR)
             return
         if self.rt.is_eog(token):
-            self.finish(slot, FinishReason.STOP)
+            self._end(slot, FinishReason.STOP)
             return
         slot.usage.num_generated_tokens += 1
         self.stats.num_generated_tokens += 1
@@ -541,10 +580,10 @@ class Executor:
         delta = TokenDelta((token,), text, (logprobs,) if logprobs else ())
         slot.unsent = slot.unsent.merged(delta) if slot.unsent else delta
         if slot.text.stopped_by is not None:
-            self.finish(slot, FinishReason.STOP, stop_string=slot.text.stopped_by)
+            self._end(slot, FinishReason.STOP, stop_string=slot.text.stopped_by)
             return
         if slot.usage.num_generated_tokens >= job.max_tokens:
-            self.finish(slot, FinishReason.LENGTH)
+            self._end(slot, FinishReason.LENGTH)
             return
         n = len(slot.unsent.token_ids)
         if n >= job.stream_tokens or slot.usage.num_generated_tokens == 1:
@@ -570,12 +609,13 @@ class Executor:
         if isinstance(plan, Fits):
             return True
         if isinstance(plan, CannotFit):
-            self.on_cannot_fit(slot, plan, num_cells)
+            if self._observer is not None:
+                self._observer.on_cannot_fit(slot, plan, num_cells)
             if slot.prefilling:
                 why = too_long(plan)
-                self.finish(slot, FinishReason.ERROR, error=why.message, problem=why)
+                self._end(slot, FinishReason.ERROR, error=why.message, problem=why)
             else:
-                self.finish(slot, FinishReason.LENGTH)
+                self._end(slot, FinishReason.LENGTH)
             return False
         if isinstance(plan, Shift):
             self.rt.seq_rm(slot.seq, plan.p0, plan.p1)
@@ -590,7 +630,9 @@ class Executor:
             slot.pending.extendleft(reversed(plan.kept))
         slot.usage.num_shifts += 1
         slot.usage.num_evicted_cells += plan.num_cells_evicted
-        self.on_shift(slot)
+        self._outcome.shifted.append(slot)
+        if self._observer is not None:
+            self._observer.on_plan(slot)
         self.stats.num_shifts += 1
         self.send_delta(slot)  # the tokens before the shift go before it
         self.stats.num_evicted_cells += plan.num_cells_evicted
@@ -637,7 +679,7 @@ class Executor:
         slot.job.emit(PrefillProgress(slot.num_prefill_done, slot.num_prefill_total))
 
 
-def _job_media(slot: Slot, key: str) -> MediaHandle:
+def _media(slot: Slot, key: str) -> MediaHandle:
     assert slot.job is not None
     return slot.job.media[key]
 

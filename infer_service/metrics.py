@@ -18,7 +18,7 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
         registry=metrics.registry,
         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
     )
-    engine.executor.on_first_token = ttft.observe
+    engine.on_first_token = ttft.observe
 
     def collect() -> Iterable[Metric]:
         try:  # read on the engine thread, between steps: a consistent snapshot

@@ -21,7 +21,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -421,7 +421,8 @@ class SessionManager:
         session.media.update(job.media)
         session.pixels.update(job.pixels)
         session.rgb.update(job.rgb)
-        job.media, job.rgb = {}, {}  # the session owns the native chunks and pixels now
+        # the session owns the native chunks and pixels now; the turn reads them through it
+        job.media, job.rgb = _SessionMedia(self, session), {}
         return session.ledger, session.ledger.generated_tail(), reprefill
 
     def end_turn(
@@ -467,13 +468,9 @@ class SessionManager:
         if slot.owner is not None:
             self.by_id[slot.owner].num_shifts += 1
 
-    def media_of(self, slot: Slot, key: str) -> MediaHandle:
-        """A slot's native media chunk: the job's, or its session's (made from the pixels
-        when needed: a session swapped in from its KV state has none)."""
-        assert slot.job is not None
-        if slot.owner is None:
-            return slot.job.media[key]
-        session = self.by_id[slot.owner]
+    def media_of(self, session: Session, key: str) -> MediaHandle:
+        """A session's native media chunk (made from the pixels when needed: a session swapped
+        in from its KV state has none, and the io side makes those a re-prefill needs)."""
         handle = session.media.get(key)
         if handle is None:
             px = session.pixels[key]
@@ -816,6 +813,22 @@ def _generation_of(header: dict[str, Any]) -> Generation:
 
 def _error(kind: ErrorKind, reason: Reason, message: str) -> SessionError:
     return SessionError(kind, message, reason)
+
+
+class _SessionMedia(Mapping[str, MediaHandle]):
+    """A session turn's media chunks: its session's, made when first asked for."""
+
+    def __init__(self, manager: SessionManager, session: Session):
+        self._manager, self._session = manager, session
+
+    def __getitem__(self, key: str) -> MediaHandle:
+        return self._manager.media_of(self._session, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._session.pixels)
+
+    def __len__(self) -> int:
+        return len(self._session.pixels)
 
 
 def _shared_segments(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:

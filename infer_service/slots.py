@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -55,7 +55,8 @@ class EngineStoppedError(ProblemError):
 @dataclass(eq=False)  # a job is itself: the wait queue removes this one, not an equal one
 class Job:
     items: list[Item]
-    media: dict[str, MediaHandle]
+    # media key -> its native chunk; a session's turn reads its session's (which it does not own)
+    media: Mapping[str, MediaHandle]
     emit: Callable[[Event], None]
     sampling: SamplingConfig = SamplingConfig()
     context: ContextConfig = ContextConfig()
@@ -89,8 +90,9 @@ class Job:
         return SamplerSpec(self.sampling, self.constraint, self.logit_bias, self.top_logprobs)
 
     def release(self) -> None:
-        for h in self.media.values():
-            h.close()
+        if isinstance(self.media, dict):  # (its own; a session's mapping is the session's)
+            for h in self.media.values():
+                h.close()
 
     def expired(self, now: float) -> bool:
         return self.cancelled.is_set() or (self.deadline is not None and now > self.deadline)

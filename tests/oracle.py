@@ -55,7 +55,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
 
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")
 
@@ -73,7 +73,7 @@ from infer_service.events import (
     Started,
     TokenDelta,
 )
-from infer_service.executor import Executor
+from infer_service.executor import Ending, Executor
 from infer_service.ledger import (
     Admission,
     CannotFit,
@@ -454,12 +454,9 @@ class Oracle:
         self.stats = EngineStats()
         self._woken = threading.Event()
         self.executor = Executor(
-            rt, self.stats, cache_bytes=64 << 20, state_cache_bytes=0, notify=self._woken.set
-        )
-        self.executor.finish = self._finish
-        self.executor.media_of = self._media_of
-        self.executor.on_shift = self._on_shift
-        self.executor.on_cannot_fit = self._on_cannot_fit
+            rt, self.stats, cache_bytes=64 << 20, state_cache_bytes=0, notify=self._woken.set,
+            observer=self,
+        )  # fmt: skip
         self._runs: dict[int, _Run] = {}  # seq -> the run on it
         self._cells_of: dict[int, tuple[Segment, np.ndarray, np.ndarray]] = {}
 
@@ -628,7 +625,7 @@ class Oracle:
         )
         job = Job(
             list(items),
-            {},
+            MappingProxyType(run.media),  # (the run's: the job ends, they stay)
             run.emit,
             sampling=SamplingConfig(temperature=0),
             context=context,
@@ -659,25 +656,19 @@ class Oracle:
         self._verify(run)
         return True
 
-    # -- the executor's hooks -----------------------------------------------------------------
+    # -- what a step did, and the executor's observer ----------------------------------------
 
-    def _finish(self, slot: Slot, reason: FinishReason, **why: Any) -> None:
-        run = self._runs[slot.seq]
-        run.counts["generated"] += slot.usage.num_generated_tokens
-        run.trail.append(f"finished: {reason.name} {why.get('error', '')}")
-        if reason is FinishReason.ERROR:
-            run.fail(OracleError(f"the executor failed the request: {why.get('error')}"))
-        self.executor.end(slot, reason)
+    def _ended(self, ending: Ending) -> None:
+        run = self._runs[ending.slot.seq]
+        run.counts["generated"] += ending.usage.num_generated_tokens
+        run.trail.append(f"finished: {ending.reason.name} {ending.error}")
+        if ending.reason is FinishReason.ERROR:
+            run.fail(OracleError(f"the executor failed the request: {ending.error}"))
 
-    def _media_of(self, slot: Slot, key: str) -> MediaHandle:
-        return self._runs[slot.seq].media[key]
+    def on_plan(self, slot: Slot) -> None:
+        self._verify(self._runs[slot.seq])  # the plan carried out: the cache is the ledger's
 
-    def _on_shift(self, slot: Slot) -> None:
-        self._verify(
-            self._runs[slot.seq]
-        )  # the plan carried out: the cache must be the ledger's again
-
-    def _on_cannot_fit(self, slot: Slot, plan: CannotFit, num_cells: int) -> None:
+    def on_cannot_fit(self, slot: Slot, plan: CannotFit, num_cells: int) -> None:
         run = self._runs[slot.seq]
         run.counts["CannotFit"] += 1
         run.trail.append(f"ensure({num_cells}) -> {plan.message}")
@@ -693,7 +684,8 @@ class Oracle:
         before = self._progress()
         failed = self.stats.num_failed_decodes
         self._woken.clear()
-        self.executor.step(self.slots)
+        for ending in self.executor.step(self.slots).endings:
+            self._ended(ending)
         if self.stats.num_failed_decodes != failed:  # (the executor retries each alone)
             for run in self._runs.values():
                 run.fail(OracleError("llama_decode failed for a batch the ledgers admitted"))
@@ -905,7 +897,7 @@ def _request(oracle: Oracle, run: _Run, items: Sequence[Item], max_tokens: int) 
     """One request on the run's sequence through the executor, to its end."""
     job = Job(
         list(items),
-        {},
+        MappingProxyType(run.media),
         run.emit,
         sampling=SamplingConfig(temperature=0),
         context=ContextConfig(run.spec.policy),

@@ -51,14 +51,16 @@ def test_packages_import_only_what_they_may(monkeypatch) -> None:
 
 
 def test_import_linter_sees_a_wrong_import(tmp_path: Path, monkeypatch) -> None:
-    for package in ("infer_service", "prep_service"):
+    # packages of their own (the real ones are imported already: their modules would be read)
+    a, b = "layout_probe_engine", "layout_probe_prep"
+    for package in (a, b):
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / "infer_service" / "late.py").write_text("def f():\n    import prep_service\n")
+    (tmp_path / a / "late.py").write_text(f"def f():\n    import {b}\n")
     (tmp_path / ".importlinter").write_text(
-        "[importlinter]\nroot_packages =\n    infer_service\n    prep_service\n"
-        "[importlinter:contract:1]\nname = apart\ntype = independence\n"
-        "modules =\n    infer_service\n    prep_service\n"
+        f"[importlinter]\nroot_packages =\n    {a}\n    {b}\n"
+        f"[importlinter:contract:1]\nname = apart\ntype = independence\n"
+        f"modules =\n    {a}\n    {b}\n"
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))

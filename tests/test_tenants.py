@@ -222,6 +222,7 @@ def test_one_tenant_s_flood_does_not_hold_up_another(tenancy, fair: bool) -> Non
     it."""
     t = tenancy(parallel=2, fair=fair)
     order: list[str] = []
+    acme_started_before_globex: list[int] = []  # (counted by the engine, as it starts them)
     lock = threading.Lock()
 
     def run(key: str, name: str) -> None:
@@ -229,6 +230,9 @@ def test_one_tenant_s_flood_does_not_hold_up_another(tenancy, fair: bool) -> Non
             if isinstance(e, Started):
                 with lock:
                     order.append(name)
+                    if name == "globex":
+                        acme = engine.stats.by_tenant.get("acme")
+                        acme_started_before_globex.append(acme.num_requests if acme else 0)
 
         with t.client(key) as c:
             collect(c.generate(c.prepare("go on and on"), max_tokens=24, temperature=0.0), on_event)
@@ -250,8 +254,8 @@ def test_one_tenant_s_flood_does_not_hold_up_another(tenancy, fair: bool) -> Non
     position = order.index("globex")
     if fair:
         assert position <= 2, order  # acme's first, then globex's turn
-    else:
-        assert position == 12, order
+    else:  # (Started events of several streams may arrive in another order than sent)
+        assert acme_started_before_globex == [12], order
 
 
 def test_per_tenant_limits_answer_429_with_retry_after(tenancy) -> None:
