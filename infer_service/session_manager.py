@@ -1,8 +1,9 @@
 """The session manager: sessions in memory and on disk, their slots, swap-out and swap-in.
 
-Everything here runs on the engine thread, except what it hands to its io thread: session
+Everything here runs on the engine thread, except what it hands to its io lanes: session
 writes, the reads before a swap-in, deletions and the collection of pixels no session needs.
-The io thread does them in order. A session owns its slot between turns, and is swapped out
+A session's disk work runs in the order it was asked for; another session's runs beside it
+(infer_service/io_lanes.py). A session owns its slot between turns, and is swapped out
 (least recently used) when the slots are needed, and swapped back in from disk on its next
 turn.
 
@@ -22,13 +23,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
 from infer_service import header_delta
 from infer_service.events import ErrorKind, Problem, ProblemError, Reason, problem, storage_problem
 from infer_service.executor import Executor
+from infer_service.io_lanes import Lanes
 from infer_service.ledger import ContextConfig, Ledger
 from infer_service.media import MediaHandle, media_handle
 from infer_service.runtime import SamplingConfig
@@ -46,6 +48,8 @@ from slotwise_core.native import Bitmap
 
 log = logging.getLogger("slotwise.engine")
 
+IO_WORKERS = 4  # sessions whose disk work runs at once
+_PIXELS = ""  # the lane of pixel collection (no session has an empty id)
 MAX_JOURNAL_TURNS = 128  # entries a journal holds before a checkpoint folds them in
 MIN_CHECKPOINT_CELLS = 1024  # a checkpoint is due once this many cells (at least) were decoded
 IDLE_CHECKPOINT_SECONDS = 30.0  # a resident session this long without a turn is checkpointed
@@ -73,8 +77,11 @@ class SessionManager:
         self._notify = notify
         self.by_id: dict[str, Session] = {}
         self.broken: dict[str, SessionError] = {}
-        # disk work, in order: session writes, reads before a swap-in, deletions
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-io")
+        # disk work, per session in order (writes, reads before a swap-in, deletions), other
+        # sessions' beside it; the collection of pixels has a lane of its own
+        self._io = Lanes(IO_WORKERS, "session-io")
+        self._collecting = threading.Lock()  # (a deletion collects too, on its session's lane)
+        self._counting = threading.Lock()
         self._writes = _Writes()
         self._prefetch: dict[str, Future[_Prefetched]] = {}  # session id -> its swap-in read
         self._restoring: set[str] = set()
@@ -92,7 +99,7 @@ class SessionManager:
                 self._register(session_id, self._read_header(session_id, hold=True))
 
     def close(self) -> None:
-        self._io.shutdown(wait=True)
+        self._io.shutdown()
 
     # -- the RPCs' side (engine thread) -------------------------------------------------------
 
@@ -174,7 +181,7 @@ class SessionManager:
             return found
 
         self._deleting.add(session_id)
-        deleted = self._io.submit(delete)
+        deleted = self._io.submit(session_id, delete)
 
         def done(_: Future[bool]) -> None:  # a new session of this id may be created now
             with contextlib.suppress(EngineStoppedError):
@@ -223,7 +230,7 @@ class SessionManager:
             except EngineStoppedError as e:
                 resolve(done, error=e)
 
-        self._io.submit(read)
+        self._io.submit(session_id, read)
         return done
 
     def get(self, session_id: str) -> Session:
@@ -288,7 +295,7 @@ class SessionManager:
                 resolve(done, error=e)
 
         try:
-            self._io.submit(read)
+            self._io.submit(session_id, read)
         except RuntimeError:  # the io thread is shut down: the engine is stopping
             resolve(done, error=EngineStoppedError(problem(
                 ErrorKind.UNAVAILABLE, Reason.SHUTTING_DOWN, "server shutting down",
@@ -313,7 +320,7 @@ class SessionManager:
                     generation = _generation_of(header)
             # after this replica's writes queued so far: those of the old copy are refused
             held = header if isinstance(header, dict) and generation is not None else None
-            self._io.submit(self._hold, session_id, generation, held)
+            self._io.submit(session_id, self._hold, session_id, generation, held)
         finally:
             resolve(done, None)
 
@@ -385,7 +392,8 @@ class SessionManager:
         if prefetch is None:
             if self._reads_in_flight() >= num_free_slots:
                 return False  # a state read per free slot at most: each holds a KV state
-            prefetch = self._io.submit(self._read_for_swap_in, session.session_id,
+            prefetch = self._io.submit(session.session_id, self._read_for_swap_in,
+                                       session.session_id,
                                        session.ledger.to_json(), dict(session.pixels),
                                        dict(session.rgb))  # fmt: skip
             self._prefetch[session.session_id] = prefetch
@@ -638,7 +646,7 @@ class SessionManager:
         pixels = [(m, session.rgb[m]) for m in media]
         write = _Write(session, header, checkpoint, pixels, [future], int(checkpoint is not None))
         if self._writes.queue(sid, write):
-            self._io.submit(self._write, sid)
+            self._io.submit(sid, self._write, sid)
 
         def saved(done: Future[None]) -> None:  # back on the engine thread: drop what is on disk
             if not done.cancelled() and done.exception() is None:
@@ -666,7 +674,7 @@ class SessionManager:
                     pixels=pixels,
                 )  # fmt: skip
                 self._written[session_id] = header
-                self.bytes_written += len(kv_state) + len(json.dumps(header))
+                self._count(len(kv_state) + len(json.dumps(header)))
                 pixels = []
                 for f in write.futures[: write.covered]:  # on disk, whatever follows
                     resolve(f, None)
@@ -689,7 +697,7 @@ class SessionManager:
                     )  # fmt: skip
                     n = len(json.dumps(header))
                 self._written[session_id] = write.header
-                self.bytes_written += n
+                self._count(n)
         except StaleSessionError as e:
             log.warning("session %r not saved: %s", session_id, e)
             failure = ProblemError(problem(
@@ -714,6 +722,10 @@ class SessionManager:
             for f in write.futures:
                 resolve(f, None)
 
+    def _count(self, num_bytes: int) -> None:  # (lanes write side by side)
+        with self._counting:
+            self.bytes_written += num_bytes
+
     def _saved(self, session: Session, number: int, media_ids: set[str]) -> None:
         if self.by_id.get(session.session_id) is not session:
             return  # deleted, or replaced by a newer copy from disk
@@ -722,7 +734,7 @@ class SessionManager:
         for media_id in media_ids:
             session.rgb.pop(media_id, None)
         if self._orphans:
-            self._io.submit(self._pixel_collector())
+            self._io.submit(_PIXELS, self._pixel_collector())
 
     def _pixel_collector(self) -> Callable[[], None]:
         """(Engine thread) what the io thread runs to delete the saved pixels no session needs
@@ -737,16 +749,17 @@ class SessionManager:
         broken = bool(self.broken)
 
         def collect() -> None:
-            self._io_orphans |= candidates
-            if broken:
-                return
-            with store.collecting_pixels() as on_disk:  # every replica's files, writes held off
-                if on_disk is None:  # a file whose needs are unknown: nothing goes
+            with self._collecting:
+                self._io_orphans |= candidates
+                if broken:
                     return
-                gone = self._io_orphans - in_memory - on_disk
-                for media_id in gone:
-                    store.delete_media(media_id)
-            self._io_orphans -= gone
+                with store.collecting_pixels() as on_disk:  # every replica's files, no writes
+                    if on_disk is None:  # a file whose needs are unknown: nothing goes
+                        return
+                    gone = self._io_orphans - in_memory - on_disk
+                    for media_id in gone:
+                        store.delete_media(media_id)
+                self._io_orphans -= gone
 
         return collect
 

@@ -44,6 +44,7 @@ import os
 import re
 import struct
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
@@ -139,6 +140,7 @@ class _Journal:
 class SessionStore:
     def __init__(self, root: Path):
         self.root = root
+        self._writing = threading.Lock()  # one write (or collection) of this process at a time
         (root / "media").mkdir(parents=True, exist_ok=True)
         (root / ".locks").mkdir(exist_ok=True)
         # per session file (inode, mtime, size): the media ids it refers to (pixel collection)
@@ -167,7 +169,11 @@ class SessionStore:
         """Write the session (its pixels first) as the generation after `expect`, the one the
         caller holds (None: no file may be there); returns the new generation."""
         path = self.path(session_id)
-        with self._lock(self._session_lock(session_id)), self._lock(self._pixels_lock, shared=True):
+        with (
+            self._writing,
+            self._lock(self._session_lock(session_id)),
+            self._lock(self._pixels_lock, shared=True),
+        ):
             try:
                 found = self.generation(session_id)
             except CorruptSessionError:  # damaged, never newer (writes are atomic): replaced
@@ -195,7 +201,11 @@ class SessionStore:
         one the caller holds; returns the new generation and the bytes appended. A damaged
         checkpoint raises CorruptSessionError: it is replaced by a checkpoint, never appended
         to."""
-        with self._lock(self._session_lock(session_id)), self._lock(self._pixels_lock, shared=True):
+        with (
+            self._writing,
+            self._lock(self._session_lock(session_id)),
+            self._lock(self._pixels_lock, shared=True),
+        ):
             found, journal = self._generation(session_id) or (None, None)
             if found != expect or journal is None:
                 raise StaleSessionError(session_id, expect, found)
@@ -295,7 +305,7 @@ class SessionStore:
         return SavedSession(header, kv_state, kv_ledger)
 
     def delete(self, session_id: str) -> bool:
-        with self._lock(self._session_lock(session_id)):
+        with self._writing, self._lock(self._session_lock(session_id)):
             try:
                 self.path(session_id).unlink()
             except FileNotFoundError:
@@ -315,7 +325,7 @@ class SessionStore:
         pixels' lock, exclusive) while the caller deletes pixels that none needs. None when a
         file cannot be read (damaged, a newer format, a passing I/O error): its needs are
         unknown, so nothing may be deleted."""
-        with self._lock(self._pixels_lock):
+        with self._writing, self._lock(self._pixels_lock):
             referred: set[str] = set()
             seen: dict[str, tuple[tuple[int, ...], frozenset[str]]] = {}
             unreadable = False
@@ -353,7 +363,9 @@ class SessionStore:
 
     @contextlib.contextmanager
     def _lock(self, path: Path, *, shared: bool = False) -> Iterator[None]:
-        """A POSIX record lock (fcntl): across processes and, on NFSv4/EFS/CephFS, machines."""
+        """A POSIX record lock (fcntl): across processes and, on NFSv4/EFS/CephFS, machines.
+        POSIX locks are the process's, not a thread's (closing any descriptor of the file
+        releases them all): this process's writers take their turns first (`_writing`)."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.lockf(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)

@@ -254,3 +254,43 @@ def test_entries_of_another_lineage_are_cut_off_by_the_next_append(tmp_path: Pat
     assert store.generation("s") == g and store.load_header("s")["t"] == "new 1"
     g, _ = store.append("s", {"t": {"value": "new 2"}}, expect=g)
     assert store.load_header("s")["t"] == "new 2" and g.number == 3
+
+
+def test_one_session_s_slow_write_holds_up_no_other_session(
+    serve: Callable[..., Any], prep_servers: Callable[[str], int], tmp_path: Path
+) -> None:
+    a = serve(tmp_path)
+    prep = prep_servers("mrope")
+    (c,) = clients(prep, a)
+    for sid in ("slow", "quick"):
+        c.create_session(sid)
+    store = a.engine.sessions.store
+    writing, release = threading.Event(), threading.Event()
+    append = store.append
+
+    def held_append(session_id: str, *args: Any, **kwargs: Any) -> Any:
+        if session_id == "slow":  # a disk that answers when the test says so
+            writing.set()
+            release.wait(60)
+        return append(session_id, *args, **kwargs)
+
+    store.append = held_append
+
+    def session_turn(sid: str, k: int) -> Any:
+        prepared = c.prepare([Message.user(image_bytes(40, 32, seed=k), f"turn {k}?")])
+        return collect(c.generate(prepared, session_id=sid, max_tokens=4, temperature=0))
+
+    slow: list[Any] = []
+    thread = threading.Thread(target=lambda: slow.append(session_turn("slow", 0)), daemon=True)
+    thread.start()
+    assert writing.wait(60), "the slow session's turn never wrote"
+    # its write waits; another session's sync, turn and write do not
+    assert c.get_session("quick").num_turns == 0
+    quick = session_turn("quick", 1)
+    assert quick.finished is not None and quick.finished.persistence.name == "SAVED"
+    assert c.get_session("quick").num_turns == 1 and not slow
+    release.set()
+    thread.join(60)
+    assert slow and slow[0].finished.persistence.name == "SAVED"
+    assert SessionStore(tmp_path).load_header("slow")["num_turns"] == 1
+    c.close()
