@@ -6,10 +6,13 @@ tokenizes, is the exception: libmtmd's tokenizer is thread-safe).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,8 @@ from slotwise_core import model_files, native
 from slotwise_core.descriptors import Fingerprint
 
 log = logging.getLogger("slotwise.runtime")
+
+CLOSE_WAIT = 30.0  # seconds close waits for borrowers (a verification finishing its image)
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,8 @@ class Runtime:
             n_gpu_layers=config.gpu_layers,
             extra_bufts=extra_bufts,
         )
+        self._borrowers = threading.Condition()
+        self._num_borrowers, self._closing = 0, False
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.num_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         params = llama_cpp.llama_context_default_params()
@@ -110,8 +117,33 @@ class Runtime:
         self.uses_mrope = bool(self.mtmd and self.mtmd.uses_mrope)
         self._null_callback = mtmd_cpp.mtmd_helper_post_decode_callback(0)
 
-    def close(self) -> None:
-        """Free everything; safe to call twice."""
+    @contextlib.contextmanager
+    def borrowed(self) -> Iterator[Runtime]:
+        """The runtime used off the engine thread (a prompt's verification, a grammar's
+        parse): `close` waits until every borrower is done. Once it closes, UNAVAILABLE."""
+        with self._borrowers:
+            if self._closing:
+                raise native.NativeError("the model is being unloaded: server shutting down")
+            self._num_borrowers += 1
+        try:
+            yield self
+        finally:
+            with self._borrowers:
+                self._num_borrowers -= 1
+                self._borrowers.notify_all()
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def close(self, wait: float = CLOSE_WAIT) -> None:
+        """Free everything, once no borrower uses it; safe to call twice. A borrower that is
+        still at work after `wait` seconds keeps it (leaked, never freed under it)."""
+        with self._borrowers:
+            self._closing = True
+            if not self._borrowers.wait_for(lambda: self._num_borrowers == 0, timeout=wait):
+                log.warning("the runtime is still in use after %.0f s: left unfreed", wait)
+                return
         if self._batch is not None:
             self._batch.close()
             self._batch = None

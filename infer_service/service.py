@@ -9,9 +9,10 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -45,9 +46,11 @@ from infer_service.session_store import SessionIdError, check_session_id
 from infer_service.sessions import MAX_RECORDS, Session, owner_of, public_id, scoped
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.descriptors import DescriptorError, PreparedPrompt, TextChunk
+from slotwise_core.native import NativeError
 from slotwise_core.serving import abort, current_tenant
 
 log = logging.getLogger("slotwise.infer")
+T = TypeVar("T")
 access = logging.getLogger("slotwise.access")
 
 POLICIES = {
@@ -372,12 +375,17 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             if request.turn_note and session is None:
                 raise RequestError("turn_note goes with a session turn", "turn_note")
             # a grammar (or schema) is parsed off the event loop: it may be large
-            args |= await asyncio.to_thread(_sampler_fields, rt, request, args["sampling"])
+            args |= await asyncio.to_thread(
+                _borrowing, rt, _sampler_fields, rt, request, args["sampling"]
+            )
         except RequestError as e:
             await _bad_request(context, e)
             return None
         except ConstraintError as e:
             await _bad_request(context, RequestError(str(e), e.field))
+            return None
+        except ProblemError as e:  # (shutting down)
+            await abort_problem(context, e.problem)
             return None
         args["note"] = request.turn_note
         args["tenant"] = current_tenant()
@@ -389,11 +397,15 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         limits = MediaLimits(rt.ubatch_size, bool(rt.mtmd and rt.mtmd.non_causal))
         try:
             media, decoded = await asyncio.to_thread(
-                verify_prompt, prompt, fingerprint=rt.fingerprint, mtmd=rt.mtmd, limits=limits
-            )
+                _borrowing, rt, verify_prompt, prompt, fingerprint=rt.fingerprint, mtmd=rt.mtmd,
+                limits=limits,
+            )  # fmt: skip
         except StaleDescriptorError as e:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e),
                         reason=Reason.STALE_DESCRIPTOR.value)  # fmt: skip
+            return None
+        except ProblemError as e:  # (shutting down)
+            await abort_problem(context, e.problem)
             return None
         except ValueError as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e),
@@ -626,6 +638,20 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
 
 
 MAX_TURN_NOTE = 64 << 10
+
+
+def _borrowing(rt: Runtime, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn on a worker thread, with the runtime borrowed: it is not freed under fn (a handler
+    cancelled at shutdown leaves its thread running)."""
+    try:
+        with rt.borrowed():
+            return fn(*args, **kwargs)
+    except NativeError as e:
+        if rt.closing:
+            raise EngineStoppedError(
+                Problem(ErrorKind.UNAVAILABLE, str(e), Reason.SHUTTING_DOWN)
+            ) from None
+        raise
 
 
 def _sampler_fields(

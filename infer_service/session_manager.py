@@ -893,7 +893,15 @@ class _Writes:
             if old is None:
                 self._queued[session_id] = write
                 return True
-            assert old.session is write.session, "a dropped copy's write is taken out first"
+            if old.session is not write.session:  # (a dropped copy's: never merged into this)
+                stale = ProblemError(problem(
+                    ErrorKind.ABORTED, Reason.SESSION_STALE,
+                    f"session {session_id!r} was replaced by a newer copy before this was saved",
+                ))  # fmt: skip
+                for f in old.futures:
+                    resolve(f, error=stale)
+                self._queued[session_id] = write
+                return False  # (its write is scheduled already: it takes this one)
             if write.checkpoint is None:  # the queued checkpoint is still written, then this
                 write.checkpoint, write.covered = old.checkpoint, old.covered
             else:  # the newer checkpoint holds every state queued before it
