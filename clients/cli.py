@@ -213,58 +213,7 @@ def parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="both services' model and engine information")
     _connection(i)
 
-    s = sub.add_parser("serve", help="both services in one process, until SIGTERM/SIGINT")
-    s.add_argument("--model", type=Path, required=True, help="text model GGUF")
-    s.add_argument("--mmproj", type=Path, help="multimodal projector GGUF (omit for text-only)")
-    s.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
-    s.add_argument("--prep-port", type=int, default=50051, help="0: any free port")
-    s.add_argument("--infer-port", type=int, default=50052, help="0: any free port")
-    s.add_argument("--ctx-size", type=positive_int, default=4096, help="KV cells, all slots")
-    s.add_argument("--parallel", type=positive_int, default=1, help="slots (sequences)")
-    s.add_argument("--batch-size", type=positive_int, default=512)
-    s.add_argument("--ubatch-size", type=positive_int, default=512)
-    s.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded (CUDA builds)")
-    s.add_argument("--threads", type=positive_int, help="inference threads (default: cores / 2)")
-    s.add_argument("--prep-threads", type=positive_int, default=2, help="tokenizing threads")
-    s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
-    s.add_argument(
-        "--tenant-max-active", type=int, default=0, help="a tenant's generations at once (0: any)"
-    )
-    s.add_argument(
-        "--tenant-max-queued", type=int, default=0, help="a tenant's requests waiting (0: any)"
-    )
-    s.add_argument("--queue", choices=["fair", "fifo"], default="fair",
-                   help="fair: round robin across tenants (default); fifo: one line")  # fmt: skip
-    s.add_argument("--media-cache-mb", type=int, default=1024, help="projector output cache")
-    s.add_argument(
-        "--state-cache-mb", type=int, default=256, help="KV states of conversations off a slot"
-    )
-    s.add_argument("--default-max-tokens", type=positive_int, default=1024)
-    s.add_argument("--max-message-mb", type=positive_int, default=256)
-    s.add_argument("--grace", type=float, default=5.0, help="seconds to drain on shutdown")
-    s.add_argument("--sessions-dir", type=Path, help="keep sessions on disk (survive restarts)")
-    s.add_argument(
-        "--chat-template", metavar="NAME|FILE", help="llama.cpp built-in name or Jinja file"
-    )
-    s.add_argument(
-        "--embeddings", action="store_true", help="serve embeddings (a context of their own)"
-    )
-    s.add_argument("--embeddings-ctx", type=positive_int, default=512, help="tokens per text")
-    h = s.add_argument_group("hardening")
-    h.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate: serve TLS")
-    h.add_argument("--tls-key", type=Path, metavar="PEM", help="server private key")
-    h.add_argument("--tls-client-ca", type=Path, metavar="PEM", help="require client certificates")
-    h.add_argument(
-        "--token-file", type=Path, metavar="KEYS",
-        help="the keys file for prep, infer and the HTTP API (`TENANT KEY` lines, or one "
-        "key); SIGHUP re-reads it",
-    )  # fmt: skip
-    h.add_argument("--prep-metrics-port", type=int, help="Prometheus metrics of the prep service")
-    h.add_argument("--infer-metrics-port", type=int, help="Prometheus metrics of the infer service")
-    s.add_argument(
-        "--http-port", type=int, help="also serve the OpenAI-compatible HTTP API on this port"
-    )
-    _http_args(s)
+    sub.add_parser("serve", help="both services in one process (see: slotwise serve -h)")
 
     w = sub.add_parser("gateway", help="the OpenAI-compatible HTTP API over running services")
     w.add_argument("--prep", required=True, metavar="HOST:PORT", help="the PrepService")
@@ -276,7 +225,7 @@ def parser() -> argparse.ArgumentParser:
         help="bearer token for the gRPC services (without --api-key-file: with it, each "
         "caller's own key goes on to them)",
     )  # fmt: skip
-    _http_args(w)
+    http_arguments(w)
 
     sub.add_parser("bench", help="throughput and latency ratios (see: slotwise bench -h)")
     d = sub.add_parser("demo", help="a multimodal conversation that forces context shifts")
@@ -290,7 +239,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _http_args(p: argparse.ArgumentParser) -> None:
+def http_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("HTTP API")
     g.add_argument("--model-name", default="slotwise", help="the model's id in /v1/models")
     g.add_argument(
@@ -390,7 +339,7 @@ def read_keys(path: Path) -> Any:
         raise UsageError(str(e)) from None
 
 
-def _one_keys_file(token_file: Path | None, api_key_file: Path | None) -> Any:
+def one_keys_file(token_file: Path | None, api_key_file: Path | None) -> Any:
     """serve's keys file, for prep, infer and the HTTP API alike (either flag names it): the
     HTTP API passes each caller's key on, so the services must hold the same keys."""
     if token_file and api_key_file and token_file.resolve() != api_key_file.resolve():
@@ -737,78 +686,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     return status
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from slotwise_serve.launch import ServeConfig, Services, serve_until_signal
-
-    for path in (args.model, args.mmproj, args.tls_cert, args.tls_key, args.tls_client_ca):
-        if path is not None and not path.is_file():
-            raise UsageError(f"no such file: {path}")
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise UsageError("--tls-cert and --tls-key go together")
-    keys = _one_keys_file(args.token_file, args.api_key_file)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        force=True,
-    )
-    config = ServeConfig(
-        model=args.model,
-        mmproj=args.mmproj,
-        host=args.host,
-        prep_port=args.prep_port,
-        infer_port=args.infer_port,
-        ctx_size=args.ctx_size,
-        parallel=args.parallel,
-        batch_size=args.batch_size,
-        ubatch_size=args.ubatch_size,
-        gpu_layers=args.gpu_layers,
-        threads=args.threads or ServeConfig.threads,
-        prep_threads=args.prep_threads,
-        max_queue=args.max_queue,
-        tenant_max_active=args.tenant_max_active,
-        tenant_max_queued=args.tenant_max_queued,
-        fair=args.queue == "fair",
-        media_cache_mb=args.media_cache_mb,
-        state_cache_mb=args.state_cache_mb,
-        default_max_tokens=args.default_max_tokens,
-        max_message_mb=args.max_message_mb,
-        sessions_dir=args.sessions_dir,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca,
-        keys=keys,
-        prep_metrics_port=args.prep_metrics_port,
-        infer_metrics_port=args.infer_metrics_port,
-        chat_template=args.chat_template,
-        embeddings_ctx=args.embeddings_ctx if args.embeddings else 0,
-    )
-
-    def ready(s: Services) -> None:
-        rt = s.infer.engine.rt
-        http = f", HTTP API on {args.host}:{s.gateway.port}" if s.gateway else ""
-        print(
-            f"slotwise serve: prep on {s.prep_address}, infer on {s.infer_address}{http} "
-            f"({rt.num_slots} slots x {rt.num_cells_per_slot} cells, can_shift={rt.can_shift}, "
-            f"mrope={rt.uses_mrope}); SIGTERM or Ctrl-C stops",
-            flush=True,
-        )
-
-    def gateway(s: Services):  # one keys file for all three: callers' keys go on
-        return gateway_config(args, s.prep_address, s.infer_address, None, keys)
-
-    http = (gateway, args.http_port) if args.http_port is not None else None
-    try:
-        asyncio.run(serve_until_signal(config, ready, grace=args.grace, http=http))
-    except Exception as e:  # the model failed to load, a port is taken, ...
-        name = type(e).__name__
-        print(f"slotwise serve: {name}: {e}", file=sys.stderr)
-        return EXIT_USAGE if name in ("ModelMismatchError", "FileNotFoundError") else EXIT_SERVER
-    print("slotwise serve: stopped", flush=True)
-    return EXIT_OK
-
-
 def cmd_gateway(args: argparse.Namespace) -> int:
     from clients.gateway.serve import run_gateway
 
@@ -849,7 +726,6 @@ COMMANDS = {
     "chat": cmd_chat,
     "count": cmd_count,
     "info": cmd_info,
-    "serve": cmd_serve,
     "gateway": cmd_gateway,
     "demo": cmd_demo,
 }
@@ -880,6 +756,12 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import bench
 
         return bench.main(argv[1:])
+    if argv[:1] == ["serve"]:  # its options are the services' own (slotwise_serve.serve_command)
+        if not serve_extra_present("serve"):
+            return EXIT_USAGE
+        from slotwise_serve import serve_command
+
+        return serve_command.main(argv[1:])
     args = parser().parse_args(argv)
     if args.command in NEEDS_SERVE_EXTRA and not serve_extra_present(args.command):
         return EXIT_USAGE

@@ -7,12 +7,15 @@ import asyncio
 import contextlib
 import logging
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from infer_service.embedder import Embedder
 from infer_service.engine import Engine
 from infer_service.metrics import engine_metrics
+from infer_service.options import OPTIONS
 from infer_service.runtime import Runtime, RuntimeConfig
 from infer_service.scheduler import TenantLimits
 from infer_service.service import GenerateLimits, InferServicer
@@ -21,6 +24,7 @@ from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.metrics import ServiceMetrics
 from slotwise_core.model_files import ModelMismatchError
 from slotwise_core.native import NativeError
+from slotwise_core.options import add_options, settings
 from slotwise_core.serving import (
     DEFAULT_MAX_CONCURRENT_RPCS,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -138,65 +142,10 @@ async def start(
 
 
 def parser() -> argparse.ArgumentParser:
-    d = RuntimeConfig(model=Path())
     p = argparse.ArgumentParser(prog="slotwise-infer", description=__doc__)
-    p.add_argument("--model", type=Path, required=True, help="text model GGUF")
-    p.add_argument("--mmproj", type=Path, help="multimodal projector GGUF (omit for text-only)")
-    p.add_argument(
-        "--ctx-size", type=int, default=d.ctx_size, help="KV cells for all slots together"
-    )
-    p.add_argument("--parallel", type=int, default=d.parallel, help="slots (sequences)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--ubatch-size", type=int, default=d.ubatch_size)
-    p.add_argument(
-        "--gpu-layers", type=int, default=d.gpu_layers, help="layers offloaded (CUDA builds)"
-    )
-    p.add_argument("--threads", type=int, default=d.threads, help="decoding threads")
-    p.add_argument(
-        "--encode-threads",
-        type=int,
-        default=d.encode_threads,
-        help="image encoding threads (its own worker, beside decoding)",
-    )
-    p.add_argument(
-        "--extra-bufts",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="llama.cpp's repacked weight buffers (AMX among them); auto: off where the CPU "
-        "reports AMX and the kernel refuses it",
-    )
+    add_options(p, OPTIONS)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50052)
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
-    p.add_argument(
-        "--tenant-max-active", type=int, default=0,
-        help="a tenant's generations in slots at once (more wait); 0: no limit of its own",
-    )  # fmt: skip
-    p.add_argument(
-        "--tenant-max-queued", type=int, default=0,
-        help="a tenant's requests waiting (more are refused, RESOURCE_EXHAUSTED); 0: no limit",
-    )  # fmt: skip
-    p.add_argument(
-        "--queue", choices=["fair", "fifo"], default="fair",
-        help="fair: round robin across tenants (default); fifo: one queue for all",
-    )  # fmt: skip
-    p.add_argument("--media-cache-mb", type=int, default=1024, help="projector output cache")
-    p.add_argument("--sessions-dir", type=Path, help="persist sessions here (survive restarts)")
-    p.add_argument(
-        "--state-cache-mb",
-        type=int,
-        default=256,
-        help="host memory for the KV states of stateless conversations that lost their slot",
-    )
-    p.add_argument(
-        "--embeddings", action="store_true",
-        help="serve Embed: mean-pooled embeddings on a context of their own",
-    )  # fmt: skip
-    p.add_argument(
-        "--embeddings-ctx", type=int, default=512, help="tokens per text for --embeddings"
-    )
-    p.add_argument("--default-max-tokens", type=int, default=GenerateLimits.default_max_tokens)
-    p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20)
     add_security_arguments(p)
     p.add_argument(
         "--drain-seconds", type=float, default=30.0,
@@ -207,38 +156,47 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]]:
+    """The runtime and `start`'s arguments from settings named as OPTIONS names them (this
+    service's parser and `slotwise serve` alike)."""
+    config = RuntimeConfig(
+        model=s["model"],
+        mmproj=s["mmproj"],
+        ctx_size=s["ctx_size"],
+        parallel=s["parallel"],
+        batch_size=s["batch_size"],
+        ubatch_size=s["ubatch_size"],
+        gpu_layers=s["gpu_layers"],
+        threads=s["threads"],
+        encode_threads=s["encode_threads"],
+        extra_bufts={"auto": None, "on": True, "off": False}[s["extra_bufts"]],
+    )
+    return config, {
+        "max_queue": s["max_queue"],
+        "cache_bytes": s["media_cache_mb"] << 20,
+        "limits": GenerateLimits(default_max_tokens=s["default_max_tokens"]),
+        "max_message_bytes": s["max_message_mb"] << 20,
+        "sessions_dir": s["sessions_dir"],
+        "state_cache_bytes": s["state_cache_mb"] << 20,
+        "embeddings_ctx": s["embeddings_ctx"] if s["embeddings"] else 0,
+        "tenant_limits": TenantLimits(s["tenant_max_active"], s["tenant_max_queued"]),
+        "fair": s["queue"] == "fair",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     configure_logging(args.log_level)
-    config = RuntimeConfig(
-        model=args.model,
-        mmproj=args.mmproj,
-        ctx_size=args.ctx_size,
-        parallel=args.parallel,
-        batch_size=args.batch_size,
-        ubatch_size=args.ubatch_size,
-        gpu_layers=args.gpu_layers,
-        threads=args.threads,
-        encode_threads=args.encode_threads,
-        extra_bufts={"auto": None, "on": True, "off": False}[args.extra_bufts],
-    )
+    config, arguments = start_arguments(settings(args, OPTIONS))
 
     async def run() -> int:
         infer = await start(
             config,
             address=f"{args.host}:{args.port}",
-            max_queue=args.max_queue,
-            cache_bytes=args.media_cache_mb << 20,
-            limits=GenerateLimits(default_max_tokens=args.default_max_tokens),
-            max_message_bytes=args.max_message_mb << 20,
             max_concurrent_rpcs=args.max_concurrent_rpcs,
-            sessions_dir=args.sessions_dir,
-            state_cache_bytes=args.state_cache_mb << 20,
             security=security_from_args(args),
             metrics_port=args.metrics_port,
-            embeddings_ctx=args.embeddings_ctx if args.embeddings else 0,
-            tenant_limits=TenantLimits(args.tenant_max_active, args.tenant_max_queued),
-            fair=args.queue == "fair",
+            **arguments,
         )
         rt = infer.engine.rt
         log.info(

@@ -6,16 +6,19 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from prep_service.options import OPTIONS
 from prep_service.preparer import Preparer
 from prep_service.service import Limits, PrepServicer
 from slotwise.v1 import prep_pb2, prep_pb2_grpc
-from slotwise_core.images import DEFAULT_MAX_PIXELS, DEFAULT_MAX_TOTAL_PIXELS
 from slotwise_core.metrics import ServiceMetrics
 from slotwise_core.model_files import ModelMismatchError
 from slotwise_core.native import NativeError
+from slotwise_core.options import add_options, settings
 from slotwise_core.serving import (
     DEFAULT_MAX_CONCURRENT_RPCS,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -88,27 +91,9 @@ async def start(
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slotwise-prep", description=__doc__)
-    p.add_argument("--model", type=Path, required=True, help="text model GGUF (loaded vocab-only)")
-    p.add_argument("--mmproj", type=Path, help="multimodal projector GGUF (omit for text-only)")
+    add_options(p, OPTIONS)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--threads", type=int, default=2, help="worker threads for tokenizing")
-    p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
-    p.add_argument("--max-side", type=int, default=0, help="downscale images above this side")
-    p.add_argument("--max-images", type=int, default=64, help="images per request")
-    p.add_argument(
-        "--max-total-pixels",
-        type=int,
-        default=DEFAULT_MAX_TOTAL_PIXELS,
-        help="pixels of all images of one request together (checked before decoding)",
-    )
-    p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20)
-    p.add_argument(
-        "--chat-template",
-        metavar="NAME|FILE",
-        help="a llama.cpp built-in template name (chatml, gemma, llama3, ...) or a Jinja file; "
-        "default: the model's own",
-    )
     add_security_arguments(p)
     p.add_argument(
         "--drain-seconds", type=float, default=30.0,
@@ -119,22 +104,33 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def start_arguments(s: Mapping[str, Any]) -> tuple[Path, Path | None, dict[str, Any]]:
+    """The model, the projector and `start`'s arguments from settings named as OPTIONS names
+    them (this service's parser and `slotwise serve` alike)."""
+    limits = Limits(s["max_pixels"], s["max_side"], s["max_images"], s["max_total_pixels"])
+    arguments = {
+        "threads": s["threads"],
+        "limits": limits,
+        "max_message_bytes": s["max_message_mb"] << 20,
+        "chat_template": s["chat_template"],
+    }
+    return s["model"], s["mmproj"], arguments
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     configure_logging(args.log_level)
+    model, mmproj, arguments = start_arguments(settings(args, OPTIONS))
 
     async def run() -> None:
         prep = await start(
-            args.model,
-            args.mmproj,
+            model,
+            mmproj,
             address=f"{args.host}:{args.port}",
-            threads=args.threads,
-            limits=Limits(args.max_pixels, args.max_side, args.max_images, args.max_total_pixels),
-            max_message_bytes=args.max_message_mb << 20,
             max_concurrent_rpcs=args.max_concurrent_rpcs,
             security=security_from_args(args),
             metrics_port=args.metrics_port,
-            chat_template=args.chat_template,
+            **arguments,
         )
         log.info("prep_service serving on %s:%d", args.host, prep.port)
         await run_until_signal(prep.server, args.drain_seconds)

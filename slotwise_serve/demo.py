@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from PIL import Image, ImageDraw
 
@@ -253,28 +253,18 @@ def run_demo(
             print(f"tiny models written to {tmp} (mrope: qwen2vl, rope: llama + mlp)", file=out)
             for name in ("mrope", "rope"):
                 pair = pairs[name]
-                config = ServeConfig(
-                    pair.model,
-                    pair.mmproj,
-                    prep_port=0,
-                    infer_port=0,
-                    ctx_size=ctx_size or 512,
-                    threads=threads or 1,
-                    prep_threads=1,
-                )
+                config = ServeConfig.of(
+                    pair.model, pair.mmproj, prep_port=0, infer_port=0, prep={"threads": 1},
+                    infer={"ctx_size": ctx_size or 512, "threads": threads or 1},
+                )  # fmt: skip
                 run = DemoRun(name, config, max_tokens or 64, 1.0)
                 ok = run_pair(run, num_turns=num_turns, out=out) and ok
         print(f"\n{TINY_NOTE}", file=out)
     else:
-        config = ServeConfig(
-            model,
-            mmproj,
-            prep_port=0,
-            infer_port=0,
-            ctx_size=ctx_size or 1024,
-            threads=threads or ServeConfig.threads,
-            gpu_layers=gpu_layers,
-        )
+        infer: dict[str, Any] = {"ctx_size": ctx_size or 1024, "gpu_layers": gpu_layers}
+        if threads:
+            infer["threads"] = threads
+        config = ServeConfig.of(model, mmproj, prep_port=0, infer_port=0, infer=infer)
         ok = run_pair(
             DemoRun(model.name, config, max_tokens or 96, 2.0), num_turns=num_turns, out=out
         )

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,27 +23,15 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ServeConfig:
-    model: Path
-    mmproj: Path | None = None
+    """Each service's settings, by the names its own options give them (prep_service/options.py,
+    infer_service/options.py), and what serving both in one process adds."""
+
+    prep: Mapping[str, Any]
+    infer: Mapping[str, Any]
     host: str = "127.0.0.1"
     prep_port: int = 50051  # 0: any free port
     infer_port: int = 50052
-    ctx_size: int = 4096
-    parallel: int = 1
-    batch_size: int = 512
-    ubatch_size: int = 512
-    gpu_layers: int = 0
-    threads: int = max(1, (os.cpu_count() or 2) // 2)
-    prep_threads: int = 2
-    max_queue: int = 64
-    tenant_max_active: int = 0  # 0: no limit of a tenant's own
-    tenant_max_queued: int = 0
-    fair: bool = True  # the queue round robin across tenants (else FIFO)
-    media_cache_mb: int = 1024
-    state_cache_mb: int = 256
-    default_max_tokens: int = 1024
-    max_message_mb: int = 256
-    sessions_dir: Path | None = None  # sessions survive restarts when set
+    max_concurrent_rpcs: int = 1024  # per service
     # hardening: TLS (cert + key; client_ca requires client certificates) and a bearer token
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -52,8 +39,28 @@ class ServeConfig:
     keys: Any = None  # slotwise_core.keys.Keys: who may call (one file for all three)
     prep_metrics_port: int | None = None  # Prometheus metrics, one port per service
     infer_metrics_port: int | None = None
-    chat_template: str | None = None  # NAME|FILE: for models without one (see prep --help)
-    embeddings_ctx: int = 0  # > 0: serve Embed, with this many tokens per text
+
+    @classmethod
+    def of(
+        cls,
+        model: Path,
+        mmproj: Path | None = None,
+        *,
+        prep: Mapping[str, Any] | None = None,
+        infer: Mapping[str, Any] | None = None,
+        **serving: Any,
+    ) -> ServeConfig:
+        """Every setting its option's default but those given."""
+        from infer_service.options import OPTIONS as INFER
+        from prep_service.options import OPTIONS as PREP
+        from slotwise_core.options import defaults
+
+        files = {"model": model, "mmproj": mmproj}
+        return cls(
+            prep=defaults(PREP, **files, **(prep or {})),
+            infer=defaults(INFER, **files, **(infer or {})),
+            **serving,
+        )
 
 
 @dataclass
@@ -93,54 +100,29 @@ def _listen_host(host: str) -> str:
 async def start_services(config: ServeConfig) -> Services:
     """Start both services (their models load concurrently); on failure nothing stays open."""
     from infer_service.__main__ import start as start_infer
-    from infer_service.runtime import RuntimeConfig
-    from infer_service.scheduler import TenantLimits
-    from infer_service.service import GenerateLimits
+    from infer_service.__main__ import start_arguments as infer_arguments
     from prep_service.__main__ import start as start_prep
+    from prep_service.__main__ import start_arguments as prep_arguments
     from slotwise_core.serving import Security
 
     host = _listen_host(config.host)
     security = Security(config.tls_cert, config.tls_key, config.tls_client_ca, keys=config.keys)
     security.credentials()  # a missing or half-given certificate fails here, before any load
-    runtime = RuntimeConfig(
-        model=config.model,
-        mmproj=config.mmproj,
-        ctx_size=config.ctx_size,
-        parallel=config.parallel,
-        batch_size=config.batch_size,
-        ubatch_size=config.ubatch_size,
-        gpu_layers=config.gpu_layers,
-        threads=config.threads,
-    )
+    runtime, infer_args = infer_arguments(config.infer)  # (as each service reads its options)
+    model, mmproj, prep_args = prep_arguments(config.prep)
+    serving: dict[str, Any] = {
+        "security": security,
+        "max_concurrent_rpcs": config.max_concurrent_rpcs,
+    }
+    prep_address, infer_address = f"{host}:{config.prep_port}", f"{host}:{config.infer_port}"
     prep_task = asyncio.ensure_future(
-        start_prep(
-            config.model,
-            config.mmproj,
-            address=f"{host}:{config.prep_port}",
-            threads=config.prep_threads,
-            max_message_bytes=config.max_message_mb << 20,
-            security=security,
-            metrics_port=config.prep_metrics_port,
-            chat_template=config.chat_template,
-        )
-    )
+        start_prep(model, mmproj, address=prep_address, metrics_port=config.prep_metrics_port,
+                   **serving, **prep_args)
+    )  # fmt: skip
     infer_task = asyncio.ensure_future(
-        start_infer(
-            runtime,
-            address=f"{host}:{config.infer_port}",
-            max_queue=config.max_queue,
-            cache_bytes=config.media_cache_mb << 20,
-            limits=GenerateLimits(default_max_tokens=config.default_max_tokens),
-            max_message_bytes=config.max_message_mb << 20,
-            sessions_dir=config.sessions_dir,
-            state_cache_bytes=config.state_cache_mb << 20,
-            embeddings_ctx=config.embeddings_ctx,
-            security=security,
-            metrics_port=config.infer_metrics_port,
-            tenant_limits=TenantLimits(config.tenant_max_active, config.tenant_max_queued),
-            fair=config.fair,
-        )
-    )
+        start_infer(runtime, address=infer_address, metrics_port=config.infer_metrics_port,
+                    **serving, **infer_args)
+    )  # fmt: skip
     results = await asyncio.gather(prep_task, infer_task, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
@@ -155,7 +137,7 @@ async def start_services(config: ServeConfig) -> Services:
 async def serve_until_signal(
     config: ServeConfig,
     on_ready: Callable[[Services], None] | None = None,
-    grace: float = 5.0,
+    grace: float = 30.0,
     http: tuple[Callable[[Services], Any], int] | None = None,
 ) -> None:
     """Serve both until SIGTERM or SIGINT, then drain and stop them. http: (the gateway's

@@ -1,0 +1,45 @@
+"""infer_service's options: its parser and `slotwise serve` are built from these (and read
+into start arguments by `start_arguments` in infer_service/__main__.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from infer_service.runtime import RuntimeConfig
+from infer_service.service import GenerateLimits
+from slotwise_core.options import option
+from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
+
+_d = RuntimeConfig(model=Path())
+
+OPTIONS = (
+    option("--model", type=Path, required=True, help="text model GGUF"),
+    option("--mmproj", type=Path, help="multimodal projector GGUF (omit for text-only)"),
+    option("--ctx-size", type=int, default=_d.ctx_size, help="KV cells for all slots together"),
+    option("--parallel", type=int, default=_d.parallel, help="slots (sequences)"),
+    option("--batch-size", type=int, default=_d.batch_size),
+    option("--ubatch-size", type=int, default=_d.ubatch_size),
+    option("--gpu-layers", type=int, default=_d.gpu_layers, help="layers offloaded (CUDA builds)"),
+    option("--threads", type=int, default=_d.threads, help="decoding threads"),
+    option("--encode-threads", type=int, default=_d.encode_threads,
+           help="image encoding threads (its own worker, beside decoding)"),
+    option("--extra-bufts", choices=["auto", "on", "off"], default="auto",
+           help="llama.cpp's repacked weight buffers (AMX among them); auto: off where the CPU "
+           "reports AMX and the kernel refuses it"),
+    option("--max-queue", type=int, default=64, help="requests waiting for a slot"),
+    option("--tenant-max-active", type=int, default=0,
+           help="a tenant's generations in slots at once (more wait); 0: no limit of its own"),
+    option("--tenant-max-queued", type=int, default=0,
+           help="a tenant's requests waiting (more are refused, RESOURCE_EXHAUSTED); 0: no limit"),
+    option("--queue", choices=["fair", "fifo"], default="fair",
+           help="fair: round robin across tenants (default); fifo: one queue for all"),
+    option("--media-cache-mb", type=int, default=1024, help="projector output cache"),
+    option("--sessions-dir", type=Path, help="persist sessions here (survive restarts)"),
+    option("--state-cache-mb", type=int, default=256,
+           help="host memory for the KV states of stateless conversations that lost their slot"),
+    option("--embeddings", action="store_true",
+           help="serve Embed: mean-pooled embeddings on a context of their own"),
+    option("--embeddings-ctx", type=int, default=512, help="tokens per text for --embeddings"),
+    option("--default-max-tokens", type=int, default=GenerateLimits.default_max_tokens),
+    option("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20),
+)  # fmt: skip
