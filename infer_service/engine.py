@@ -33,6 +33,7 @@ from infer_service.events import (
     storage_problem,
 )
 from infer_service.executor import Ending, Executor, StepOutcome
+from infer_service.io_lanes import run_into
 from infer_service.kv_view import SlotPicture, SlotState
 from infer_service.runtime import Runtime
 from infer_service.scheduler import Scheduler, TenantLimits
@@ -276,15 +277,8 @@ class Engine:
                     break
                 calls = list(self._calls)
                 self._calls.clear()
-            for fn, future in calls:
-                if not future.set_running_or_notify_cancel():
-                    continue  # its caller went away (deadline, cancel): nobody wants it now
-                try:
-                    result = fn()
-                except BaseException as e:
-                    future.set_exception(e)
-                else:
-                    future.set_result(result)
+            for fn, future in calls:  # (one whose caller went away is skipped, never run late)
+                run_into(future, fn)
             try:
                 self._admit_waiting()
                 self._end_expired()

@@ -17,6 +17,18 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+def run_into(future: Future[T], fn: Callable[[], T]) -> None:
+    """Run fn for future's waiter, unless the waiter gave up first (cancelled it)."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn()
+    except BaseException as e:
+        future.set_exception(e)
+    else:
+        future.set_result(result)
+
+
 class Lanes:
     def __init__(self, workers: int, name: str = "io"):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
@@ -49,14 +61,7 @@ class Lanes:
                     del self._queued[key]  # (the next submit for key starts a new drain)
                     return
                 fn, future = queue.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn()
-            except BaseException as e:
-                future.set_exception(e)
-            else:
-                future.set_result(result)
+            run_into(future, fn)
 
     def shutdown(self) -> None:
         """Wait for what was submitted (every lane drains), then stop the threads."""

@@ -425,10 +425,16 @@ class Security:
         )
 
 
+def add_tls_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate: serve TLS")
+    p.add_argument("--tls-key", type=Path, metavar="PEM", help="server private key")
+    p.add_argument(
+        "--tls-client-ca", type=Path, metavar="PEM", help="require client certificates (its CA)"
+    )
+
+
 def add_security_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-cert", type=Path, help="server certificate (PEM): serve TLS")
-    p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
-    p.add_argument("--tls-client-ca", type=Path, help="require client certificates from this CA")
+    add_tls_arguments(p)
     p.add_argument(
         "--token-file", type=Path, metavar="KEYS",
         help="require `authorization: Bearer KEY`: the keys file (`TENANT KEY` lines, or one "

@@ -23,7 +23,7 @@ from clients.cli import (
 from infer_service.options import OPTIONS as INFER
 from prep_service.options import OPTIONS as PREP
 from slotwise_core.options import add_options, settings
-from slotwise_core.serving import DEFAULT_MAX_CONCURRENT_RPCS
+from slotwise_core.serving import DEFAULT_MAX_CONCURRENT_RPCS, add_tls_arguments
 from slotwise_serve.launch import ServeConfig, Services, serve_until_signal
 
 SHARED = ("--model", "--mmproj", "--max-message-mb")  # one value for both services
@@ -52,9 +52,7 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     s.add_argument("--log-level", default="warning", help="default warning")
     h = p.add_argument_group("hardening")
-    h.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate: serve TLS")
-    h.add_argument("--tls-key", type=Path, metavar="PEM", help="server private key")
-    h.add_argument("--tls-client-ca", type=Path, metavar="PEM", help="require client certificates")
+    add_tls_arguments(h)
     h.add_argument(
         "--token-file", type=Path, metavar="KEYS",
         help="the keys file for prep, infer and the HTTP API (`TENANT KEY` lines, or one "
