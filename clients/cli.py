@@ -213,7 +213,8 @@ def parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="both services' model and engine information")
     _connection(i)
 
-    sub.add_parser("serve", help="both services in one process (see: slotwise serve -h)")
+    # (its options are the services' own: slotwise_serve.serve_command parses them)
+    sub.add_parser("serve", add_help=False, help="both services in one process (slotwise serve -h)")
 
     w = sub.add_parser("gateway", help="the OpenAI-compatible HTTP API over running services")
     w.add_argument("--prep", required=True, metavar="HOST:PORT", help="the PrepService")
@@ -686,6 +687,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     return status
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from slotwise_serve import serve_command
+
+    return serve_command.main(args.rest)
+
+
 def cmd_gateway(args: argparse.Namespace) -> int:
     from clients.gateway.serve import run_gateway
 
@@ -726,6 +733,7 @@ COMMANDS = {
     "chat": cmd_chat,
     "count": cmd_count,
     "info": cmd_info,
+    "serve": cmd_serve,
     "gateway": cmd_gateway,
     "demo": cmd_demo,
 }
@@ -756,13 +764,11 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import bench
 
         return bench.main(argv[1:])
-    if argv[:1] == ["serve"]:  # its options are the services' own (slotwise_serve.serve_command)
-        if not serve_extra_present("serve"):
-            return EXIT_USAGE
-        from slotwise_serve import serve_command
-
-        return serve_command.main(argv[1:])
-    args = parser().parse_args(argv)
+    args, rest = parser().parse_known_args(argv)
+    if args.command == "serve":  # what follows it is serve's (a --log-level before it too)
+        args.rest = ["--log-level", args.log_level, *rest]
+    elif rest:
+        parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command in NEEDS_SERVE_EXTRA and not serve_extra_present(args.command):
         return EXIT_USAGE
     if args.command != "serve":

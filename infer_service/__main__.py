@@ -60,7 +60,7 @@ class RunningInfer:
         await asyncio.to_thread(self.engine.stop)
         if self.embedder is not None:
             await asyncio.to_thread(self.embedder.close)
-        self.engine.rt.close()
+        await asyncio.to_thread(self.engine.rt.close)  # (it waits for borrowers)
 
 
 async def start(

@@ -356,23 +356,28 @@ class Engine:
         """What a step did, told: shifts to their sessions, first tokens to the metrics, and
         every request it ended to its caller (each on its own: one failing is not another's)."""
         for slot in outcome.shifted:
-            self.sessions.on_shift(slot)
+            try:
+                self.sessions.on_shift(slot)
+            except Exception:  # a count of shifts, never a request's end
+                log.exception("counting a shift failed")
         for seconds in outcome.first_tokens:
             try:
                 self.on_first_token(seconds)
             except Exception:  # a metric, never a request's end
                 log.exception("observing a first token failed")
         for ending in outcome.endings:
-            try:
-                self._settle(ending)
-            except Exception as e:  # a bug: this request hears it, the others go on
-                log.exception("ending a request failed")
-                why = Problem(ErrorKind.INTERNAL, f"internal error: {e}")
-                safely(ending.job.emit, Finished(FinishReason.ERROR, error=why.message,
-                                                 problem=why))  # fmt: skip
+            self._settle_safely(ending)
 
     def _finish(self, slot: Slot, reason: FinishReason, **why: Any) -> None:
-        self._settle(self.executor.ending(slot, reason, **why))
+        self._settle_safely(self.executor.ending(slot, reason, **why))
+
+    def _settle_safely(self, ending: Ending) -> None:
+        try:
+            self._settle(ending)
+        except Exception as e:  # a bug: this request hears it, the others go on
+            log.exception("ending a request failed")
+            why = Problem(ErrorKind.INTERNAL, f"internal error: {e}")
+            safely(ending.job.emit, Finished(FinishReason.ERROR, error=why.message, problem=why))
 
     def _settle(self, ending: Ending) -> None:
         """Tell an ended request's caller, after its session took the turn in (or rolled it

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from infer_service.runtime import RuntimeConfig
 from infer_service.service import GenerateLimits
-from slotwise_core.options import option
+from slotwise_core.options import option, positive_int
 from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
 
 _d = RuntimeConfig(model=Path())
@@ -15,13 +15,14 @@ _d = RuntimeConfig(model=Path())
 OPTIONS = (
     option("--model", type=Path, required=True, help="text model GGUF"),
     option("--mmproj", type=Path, help="multimodal projector GGUF (omit for text-only)"),
-    option("--ctx-size", type=int, default=_d.ctx_size, help="KV cells for all slots together"),
-    option("--parallel", type=int, default=_d.parallel, help="slots (sequences)"),
-    option("--batch-size", type=int, default=_d.batch_size),
-    option("--ubatch-size", type=int, default=_d.ubatch_size),
+    option("--ctx-size", type=positive_int, default=_d.ctx_size,
+           help="KV cells for all slots together"),
+    option("--parallel", type=positive_int, default=_d.parallel, help="slots (sequences)"),
+    option("--batch-size", type=positive_int, default=_d.batch_size),
+    option("--ubatch-size", type=positive_int, default=_d.ubatch_size),
     option("--gpu-layers", type=int, default=_d.gpu_layers, help="layers offloaded (CUDA builds)"),
-    option("--threads", type=int, default=_d.threads, help="decoding threads"),
-    option("--encode-threads", type=int, default=_d.encode_threads,
+    option("--threads", type=positive_int, default=_d.threads, help="decoding threads"),
+    option("--encode-threads", type=positive_int, default=_d.encode_threads,
            help="image encoding threads (its own worker, beside decoding)"),
     option("--extra-bufts", choices=["auto", "on", "off"], default="auto",
            help="llama.cpp's repacked weight buffers (AMX among them); auto: off where the CPU "
@@ -39,7 +40,8 @@ OPTIONS = (
            help="host memory for the KV states of stateless conversations that lost their slot"),
     option("--embeddings", action="store_true",
            help="serve Embed: mean-pooled embeddings on a context of their own"),
-    option("--embeddings-ctx", type=int, default=512, help="tokens per text for --embeddings"),
-    option("--default-max-tokens", type=int, default=GenerateLimits.default_max_tokens),
-    option("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20),
+    option("--embeddings-ctx", type=positive_int, default=512,
+           help="tokens per text for --embeddings"),
+    option("--default-max-tokens", type=positive_int, default=GenerateLimits.default_max_tokens),
+    option("--max-message-mb", type=positive_int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20),
 )  # fmt: skip

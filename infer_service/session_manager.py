@@ -646,7 +646,7 @@ class SessionManager:
         pixels = [(m, session.rgb[m]) for m in media]
         write = _Write(session, header, checkpoint, pixels, [future], int(checkpoint is not None))
         if self._writes.queue(sid, write):
-            self._io.submit(sid, self._write, sid)
+            self._io.submit(sid, self._write, sid, session)
 
         def saved(done: Future[None]) -> None:  # back on the engine thread: drop what is on disk
             if not done.cancelled() and done.exception() is None:
@@ -656,11 +656,11 @@ class SessionManager:
         future.add_done_callback(saved)
         return future
 
-    def _write(self, session_id: str) -> None:
+    def _write(self, session_id: str, session: Session) -> None:
         """On the io thread: the newest queued state of one session, pixels first, over the
         generation this replica holds and no other."""
         assert self.store is not None
-        write = self._writes.take(session_id)
+        write = self._writes.take(session_id, session)
         if write is None:
             return
         store = self.store
@@ -901,7 +901,7 @@ class _Writes:
                 for f in old.futures:
                     resolve(f, error=stale)
                 self._queued[session_id] = write
-                return False  # (its write is scheduled already: it takes this one)
+                return True  # (the old copy's write task finds nothing of its own)
             if write.checkpoint is None:  # the queued checkpoint is still written, then this
                 write.checkpoint, write.covered = old.checkpoint, old.covered
             else:  # the newer checkpoint holds every state queued before it
@@ -911,9 +911,13 @@ class _Writes:
             self._queued[session_id] = write
             return False
 
-    def take(self, session_id: str) -> _Write | None:
+    def take(self, session_id: str, session: Session | None = None) -> _Write | None:
+        """The queued write (of that copy only, when given)."""
         with self._lock:
-            return self._queued.pop(session_id, None)
+            write = self._queued.get(session_id)
+            if write is None or (session is not None and write.session is not session):
+                return None
+            return self._queued.pop(session_id)
 
 
 def _untitle(session: Session, title: str, old: str) -> None:

@@ -62,6 +62,10 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # a session's key: its id, after `TENANT@` for every tenant but the default one
 _KEY = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_-]{0,63}@)?[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _PREFIX = len(_MAGIC) + 32
+# POSIX locks are the process's: two threads (or two stores on one directory) of one process
+# would not exclude each other, and one closing its descriptor releases the other's lock. So
+# this process's writes and collections take their turns here first.
+_PROCESS_WRITES = threading.Lock()
 _ENTRY = struct.Struct("<4sIIQ")  # magic, body length, crc32 of the body, generation number
 _ENTRY_MAGIC = b"SWT1"
 _MAX_HEADER_BYTES = 256 << 20
@@ -140,7 +144,7 @@ class _Journal:
 class SessionStore:
     def __init__(self, root: Path):
         self.root = root
-        self._writing = threading.Lock()  # one write (or collection) of this process at a time
+        self._writing = _PROCESS_WRITES
         (root / "media").mkdir(parents=True, exist_ok=True)
         (root / ".locks").mkdir(exist_ok=True)
         # per session file (inode, mtime, size): the media ids it refers to (pixel collection)
@@ -364,8 +368,7 @@ class SessionStore:
     @contextlib.contextmanager
     def _lock(self, path: Path, *, shared: bool = False) -> Iterator[None]:
         """A POSIX record lock (fcntl): across processes and, on NFSv4/EFS/CephFS, machines.
-        POSIX locks are the process's, not a thread's (closing any descriptor of the file
-        releases them all): this process's writers take their turns first (`_writing`)."""
+        Held under `_writing` (see _PROCESS_WRITES)."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.lockf(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)

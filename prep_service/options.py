@@ -6,19 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from slotwise_core.images import DEFAULT_MAX_PIXELS, DEFAULT_MAX_TOTAL_PIXELS
-from slotwise_core.options import option
+from slotwise_core.options import option, positive_int
 from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
 
 OPTIONS = (
     option("--model", type=Path, required=True, help="text model GGUF (loaded vocab-only)"),
     option("--mmproj", type=Path, help="multimodal projector GGUF (omit for text-only)"),
-    option("--threads", type=int, default=2, help="worker threads for tokenizing"),
+    option("--threads", type=positive_int, default=2, help="worker threads for tokenizing"),
     option("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, help="pixels of one image"),
     option("--max-side", type=int, default=0, help="downscale images above this side"),
-    option("--max-images", type=int, default=64, help="images per request"),
+    option("--max-images", type=positive_int, default=64, help="images per request"),
     option("--max-total-pixels", type=int, default=DEFAULT_MAX_TOTAL_PIXELS,
            help="pixels of all images of one request together (checked before decoding)"),
-    option("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20),
+    option("--max-message-mb", type=positive_int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20),
     option("--chat-template", metavar="NAME|FILE",
            help="a llama.cpp built-in template name (chatml, gemma, llama3, ...) or a Jinja "
            "file; default: the model's own"),

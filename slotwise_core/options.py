@@ -19,6 +19,13 @@ class Option:
         return self.flag.removeprefix("--").replace("-", "_")
 
 
+def positive_int(text: str) -> int:
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {n}")
+    return n
+
+
 def option(flag: str, **kwargs: Any) -> Option:
     return Option(flag, kwargs)
 

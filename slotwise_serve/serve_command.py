@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
             raise UsageError("--tls-cert and --tls-key go together")
         keys = one_keys_file(args.token_file, args.api_key_file)
     except UsageError as e:
-        print(f"slotwise serve: {e}", file=sys.stderr)
+        print(f"slotwise serve: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
     try:
         asyncio.run(serve_until_signal(config, ready, grace=args.drain_seconds, http=http))
     except UsageError as e:
-        print(f"slotwise serve: {e}", file=sys.stderr)
+        print(f"slotwise serve: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:  # the model failed to load, a port is taken, ...
         name = type(e).__name__

@@ -18,7 +18,7 @@ from infer_service import __main__ as infer_main
 from infer_service.options import OPTIONS as INFER
 from prep_service import __main__ as prep_main
 from prep_service.options import OPTIONS as PREP
-from slotwise_core.options import Option, settings
+from slotwise_core.options import Option, positive_int, settings
 from slotwise_serve import serve_command
 from support.media import image_bytes
 from support.procs import free_port
@@ -35,7 +35,7 @@ def unusual(o: Option, tmp_path: Path) -> list[str]:
         path = tmp_path / o.name
         path.write_text("")
         return [o.flag, str(path)]
-    if kw.get("type") in (int, float):
+    if kw.get("type") in (int, float, positive_int):
         return [o.flag, str((kw.get("default") or 0) + 3)]
     return [o.flag, f"{o.name}-value"]
 
@@ -111,3 +111,17 @@ def test_a_file_serve_cannot_find_is_a_usage_error(tmp_path: Path, capsys) -> No
     assert serve_command.main(["--model", str(tmp_path / "missing.gguf")]) == 2
     assert "no such file" in capsys.readouterr().err
     assert isinstance(serve_command.parser(), argparse.ArgumentParser)
+
+
+def test_serve_is_reached_through_the_slotwise_command_with_its_options(
+    tmp_path: Path, capsys
+) -> None:
+    from clients import cli
+
+    missing = str(tmp_path / "missing.gguf")
+    assert cli.main(["--log-level", "info", "serve", "--model", missing]) == 2
+    assert cli.main(["serve", "--model", missing, "--log-level", "info"]) == 2
+    assert capsys.readouterr().err.count("slotwise serve: error: no such file") == 2
+    with pytest.raises(SystemExit) as refused:  # a count of zero is no count
+        cli.main(["serve", "--model", missing, "--parallel", "0"])
+    assert refused.value.code == 2 and "must be positive" in capsys.readouterr().err
