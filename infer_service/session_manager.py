@@ -669,9 +669,13 @@ class SessionManager:
             if write.checkpoint is not None:
                 header, kv_state, digest = write.checkpoint
                 header["kv_digest"] = digest
+                # a checkpoint of what is on disk already (idle, swap-out, drain) takes no new
+                # generation: a replica the session has moved to goes on writing after it
+                on_disk = self._written.get(session_id)
+                same = on_disk is not None and not header_delta.diff(on_disk, header)
                 self._generations[session_id] = store.save(
                     session_id, header, kv_state, expect=self._generations.get(session_id),
-                    pixels=pixels,
+                    pixels=pixels, same_state=same,
                 )  # fmt: skip
                 self._written[session_id] = header
                 self._count(len(kv_state) + len(json.dumps(header)))

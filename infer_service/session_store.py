@@ -169,9 +169,12 @@ class SessionStore:
         *,
         expect: Generation | None = None,
         pixels: Sequence[tuple[str, bytes]] = (),
+        same_state: bool = False,
     ) -> Generation:
         """Write the session (its pixels first) as the generation after `expect`, the one the
-        caller holds (None: no file may be there); returns the new generation."""
+        caller holds (None: no file may be there); returns the new generation. same_state: the
+        header is the one on disk at `expect` (a checkpoint that only adds the KV state), so
+        the generation stays: another replica that holds it may go on writing after it."""
         path = self.path(session_id)
         with (
             self._writing,
@@ -186,7 +189,10 @@ class SessionStore:
                 raise StaleSessionError(session_id, expect, found)
             for media_id, rgb in pixels:
                 self.save_media(media_id, rgb)
-            generation = found.next() if found else Generation(os.urandom(16).hex(), 1)
+            if found is None:
+                generation = Generation(os.urandom(16).hex(), 1)
+            else:
+                generation = found if same_state else found.next()
             body = json.dumps({"version": FORMAT_VERSION, **header}).encode()
             prefix = _MAGIC + struct.pack("<QQ", len(body), generation.number)
             _write_atomically(path, prefix + bytes.fromhex(generation.lineage) + body, kv_state)

@@ -19,9 +19,11 @@ from infer_service.runtime import RuntimeConfig
 from infer_service.session_store import SessionStore, StaleSessionError
 from slotwise_core.tiny_models import TinyPair
 from support.cluster import Proc
+from support.hold import PrefillHold
 from support.loop import LoopThread
 from support.media import image_bytes
 from support.procs import free_port
+from support.wait import wait_until
 
 
 @pytest.fixture
@@ -176,3 +178,41 @@ def test_a_stale_writer_is_refused_by_the_store(tmp_path: Path) -> None:
     with pytest.raises(StaleSessionError, match="created again"):
         a.save("s", {"num_turns": 2}, b"old", expect=g2)
     assert a.load("s").kv_state == b"new"
+
+
+def test_a_checkpoint_by_the_replica_a_session_left_does_not_refuse_the_next_turn(
+    loop_thread: LoopThread,
+    tiny: dict[str, TinyPair],
+    prep_servers: Callable[[str], int],
+    tmp_path: Path,
+) -> None:
+    """b served the session last and still holds it (its KV not checkpointed yet); the next
+    turn runs on a; b checkpoints meanwhile (idle, or its slot is wanted): that checkpoint
+    adds KV bytes to the state on disk, no turn, so a's turn is saved after it."""
+    pair = tiny["mrope"]
+    config = RuntimeConfig(pair.model, pair.mmproj, ctx_size=2048, parallel=2, threads=1)
+    a_srv, b_srv = (loop_thread.run(start(config, sessions_dir=tmp_path)) for _ in range(2))
+    prep = f"127.0.0.1:{prep_servers('mrope')}"
+    a, b = (SlotwiseClient(prep, f"127.0.0.1:{s.port}") for s in (a_srv, b_srv))
+    store = SessionStore(tmp_path)
+    try:
+        a.create_session("s")
+        turn(a, "s", 0)
+        turn(b, "s", 1)  # b holds it now, in a slot, its turn in the journal only
+        held = store.generation("s")
+        done: list[Any] = []
+        with PrefillHold(a_srv.engine.rt, at=1) as hold:
+            runner = threading.Thread(target=lambda: done.append(turn(a, "s", 2)), daemon=True)
+            runner.start()
+            assert hold.held.wait(60)  # a's turn is under way (a took in b's turn first)
+            b_srv.engine.call(b_srv.engine.sessions.checkpoint_resident).result(60)
+            wait_until(lambda: store.load("s").kv_state, what="b's checkpoint on disk")
+            assert store.generation("s") == held  # the state on disk is the same
+        runner.join(60)
+        assert done and done[0].finished.persistence.name == "SAVED"
+        assert store.load_header("s")["num_turns"] == 3
+    finally:
+        for c in (a, b):
+            c.close()
+        for s in (a_srv, b_srv):
+            loop_thread.run(s.stop(0))
