@@ -1,4 +1,5 @@
-"""What a generation reports, as domain objects; converted to protobuf only at the edge."""
+"""What a generation reports, as domain objects; converted to protobuf only at the edge
+(infer_service/wire.py)."""
 
 from __future__ import annotations
 
@@ -7,36 +8,27 @@ import errno
 from dataclasses import dataclass, field
 
 from infer_service.ledger import Policy
-from slotwise.v1 import infer_pb2
 
 
-class Persistence(enum.IntEnum):
-    UNSPECIFIED = infer_pb2.PERSISTENCE_UNSPECIFIED
-    MEMORY = infer_pb2.PERSISTENCE_MEMORY
-    SAVED = infer_pb2.PERSISTENCE_SAVED
-    NOT_SAVED = infer_pb2.PERSISTENCE_NOT_SAVED
+class Persistence(enum.Enum):
+    UNSPECIFIED = "unspecified"
+    MEMORY = "memory"
+    SAVED = "saved"
+    NOT_SAVED = "not_saved"
 
 
 class FinishReason(enum.IntEnum):
-    STOP = infer_pb2.FINISH_REASON_STOP
-    LENGTH = infer_pb2.FINISH_REASON_LENGTH
-    CANCELLED = infer_pb2.FINISH_REASON_CANCELLED
-    ERROR = infer_pb2.FINISH_REASON_ERROR
-    GRAMMAR = infer_pb2.FINISH_REASON_GRAMMAR  # the constraint allows nothing next
+    # (a turn record on disk keeps the number: the contract's, which never changes)
+    STOP = 1
+    LENGTH = 2
+    CANCELLED = 3
+    ERROR = 4
+    GRAMMAR = 5  # the constraint allows nothing next
 
     @property
     def completed(self) -> bool:
         """The generation ran to an end of its own (a session keeps such a turn)."""
         return self in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.GRAMMAR)
-
-
-POLICY_TO_PB = {
-    Policy.AUTO: infer_pb2.SHIFT_POLICY_AUTO,
-    Policy.SHIFT: infer_pb2.SHIFT_POLICY_SHIFT,
-    Policy.GAP: infer_pb2.SHIFT_POLICY_GAP,
-    Policy.REPREFILL: infer_pb2.SHIFT_POLICY_REPREFILL,
-    Policy.STOP: infer_pb2.SHIFT_POLICY_STOP,
-}
 
 
 class ErrorKind(enum.Enum):
@@ -148,32 +140,11 @@ class Started:
     truncated_media_ids: tuple[str, ...] = ()
     num_reused_cells: int = 0
 
-    def to_pb(self) -> infer_pb2.GenerateResponse:
-        return infer_pb2.GenerateResponse(
-            started=infer_pb2.Started(
-                slot=self.slot,
-                num_prompt_cells=self.num_prompt_cells,
-                num_prompt_positions=self.num_prompt_positions,
-                num_capacity_cells=self.num_capacity_cells,
-                num_truncated_cells=self.num_truncated_cells,
-                num_truncated_chunks=self.num_truncated_chunks,
-                truncated_media_ids=self.truncated_media_ids,
-                num_reused_cells=self.num_reused_cells,
-            )
-        )
-
 
 @dataclass(frozen=True)
 class PrefillProgress:
     num_cells_done: int
     num_cells_total: int
-
-    def to_pb(self) -> infer_pb2.GenerateResponse:
-        return infer_pb2.GenerateResponse(
-            prefill=infer_pb2.PrefillProgress(
-                num_cells_done=self.num_cells_done, num_cells_total=self.num_cells_total
-            )
-        )
 
 
 @dataclass(frozen=True)
@@ -202,23 +173,6 @@ class TokenDelta:
             self.logprobs + other.logprobs,
         )
 
-    def to_pb(self) -> infer_pb2.GenerateResponse:
-        return infer_pb2.GenerateResponse(
-            delta=infer_pb2.TokenDelta(
-                token_ids=self.token_ids,
-                text=self.text,
-                logprobs=[_logprobs_pb(lp) for lp in self.logprobs],
-            )
-        )
-
-
-def _choice_pb(c: TokenChoice) -> infer_pb2.TokenLogprob:
-    return infer_pb2.TokenLogprob(token_id=c.token_id, piece=c.piece, logprob=c.logprob)
-
-
-def _logprobs_pb(lp: TokenLogprobs) -> infer_pb2.TokenLogprobs:
-    return infer_pb2.TokenLogprobs(chosen=_choice_pb(lp.chosen), top=map(_choice_pb, lp.top))
-
 
 @dataclass(frozen=True)
 class ContextShift:
@@ -242,18 +196,6 @@ class ContextShift:
             next_position_after=later.next_position_after,
         )
 
-    def to_pb(self) -> infer_pb2.GenerateResponse:
-        return infer_pb2.GenerateResponse(
-            shift=infer_pb2.ContextShift(
-                policy=POLICY_TO_PB[self.policy],
-                num_cells_evicted=self.num_cells_evicted,
-                num_positions_evicted=self.num_positions_evicted,
-                media_ids_evicted=self.media_ids_evicted,
-                num_cells_used_after=self.num_cells_used_after,
-                next_position_after=self.next_position_after,
-            )
-        )
-
 
 @dataclass
 class Usage:
@@ -265,9 +207,6 @@ class Usage:
     num_reused_cells: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-
-    def to_pb(self) -> infer_pb2.Usage:
-        return infer_pb2.Usage(**self.__dict__)
 
 
 @dataclass(frozen=True)
@@ -281,17 +220,6 @@ class Finished:
     error: str = ""
     persistence: Persistence = Persistence.UNSPECIFIED
     problem: Problem | None = None
-
-    def to_pb(self) -> infer_pb2.GenerateResponse:
-        return infer_pb2.GenerateResponse(
-            finished=infer_pb2.Finished(
-                reason=int(self.reason),
-                usage=self.usage.to_pb(),
-                stop_string=self.stop_string,
-                error=self.error,
-                persistence=int(self.persistence),
-            )
-        )
 
 
 Event = Started | PrefillProgress | TokenDelta | ContextShift | Finished | Rejected

@@ -19,7 +19,6 @@ import grpc
 from infer_service.embedder import Embedder, EmbedError
 from infer_service.engine import Engine, EngineStoppedError, Job, prompt_items
 from infer_service.events import (
-    POLICY_TO_PB,
     ContextShift,
     ErrorKind,
     Event,
@@ -31,8 +30,8 @@ from infer_service.events import (
     TokenDelta,
     storage_problem,
 )
-from infer_service.kv_view import CellKind, CellRun, SlotPicture, SlotState
-from infer_service.ledger import ContextConfig, EvictionUnit, Policy
+from infer_service.kv_view import CellRun, SlotPicture
+from infer_service.ledger import ContextConfig
 from infer_service.media import MediaLimits, StaleDescriptorError, verify_prompt
 from infer_service.runtime import Runtime, SamplingConfig
 from infer_service.sampling import (
@@ -44,6 +43,18 @@ from infer_service.sampling import (
 )
 from infer_service.session_store import SessionIdError, check_session_id
 from infer_service.sessions import MAX_RECORDS, Session, owner_of, public_id, scoped
+from infer_service.wire import (
+    CELL_KIND_TO_PB,
+    CODES,
+    POLICIES,
+    POLICY_TO_PB,
+    SLOT_STATE_TO_PB,
+    UNIT_TO_PB,
+    UNITS,
+    event_pb,
+    shift_pb,
+    usage_pb,
+)
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.descriptors import DescriptorError, PreparedPrompt, TextChunk
 from slotwise_core.native import NativeError
@@ -52,25 +63,6 @@ from slotwise_core.serving import abort, current_tenant
 log = logging.getLogger("slotwise.infer")
 T = TypeVar("T")
 access = logging.getLogger("slotwise.access")
-
-POLICIES = {
-    infer_pb2.SHIFT_POLICY_UNSPECIFIED: Policy.AUTO,
-    infer_pb2.SHIFT_POLICY_AUTO: Policy.AUTO,
-    infer_pb2.SHIFT_POLICY_SHIFT: Policy.SHIFT,
-    infer_pb2.SHIFT_POLICY_GAP: Policy.GAP,
-    infer_pb2.SHIFT_POLICY_REPREFILL: Policy.REPREFILL,
-    infer_pb2.SHIFT_POLICY_STOP: Policy.STOP,
-}
-UNITS = {
-    infer_pb2.EVICTION_UNIT_UNSPECIFIED: EvictionUnit.TOKEN,
-    infer_pb2.EVICTION_UNIT_TOKEN: EvictionUnit.TOKEN,
-    infer_pb2.EVICTION_UNIT_MESSAGE: EvictionUnit.MESSAGE,
-}
-UNIT_TO_PB = {
-    EvictionUnit.TOKEN: infer_pb2.EVICTION_UNIT_TOKEN,
-    EvictionUnit.MESSAGE: infer_pb2.EVICTION_UNIT_MESSAGE,
-}
-CODES = {kind: getattr(grpc.StatusCode, kind.value) for kind in ErrorKind}
 
 
 class Mailbox:
@@ -330,7 +322,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
                 finished = isinstance(event, Finished)
                 if isinstance(event, Finished):
                     seen.append(event)
-                yield event.to_pb()
+                yield event_pb(event)
                 if isinstance(event, Finished) and event.problem is not None:
                     await abort_problem(context, event.problem)  # non-OK after its Finished
         finally:
@@ -746,7 +738,7 @@ def session_info(s: Session, *, num_records: int = 0) -> infer_pb2.SessionInfo:
                 turn=r.turn,
                 text=r.text,
                 reason=r.reason,  # type: ignore[arg-type]
-                usage=infer_pb2.Usage(**r.usage),
+                usage=usage_pb(r.usage),
                 note=r.note,
                 created=r.created,
             )
@@ -774,9 +766,6 @@ def session_info(s: Session, *, num_records: int = 0) -> infer_pb2.SessionInfo:
 MAX_TITLE_CHARS = 200
 DEFAULT_WATCH_MS, MIN_WATCH_MS = 250, 100
 MAX_WATCHES, MAX_WATCHES_PER_TENANT = 16, 4  # each costs a look between engine steps
-# the contract's names are the domain's, prefixed (a new member without one fails at import)
-_CELL_KINDS = {k: infer_pb2.CellKind.Value(f"CELL_KIND_{k.name}") for k in CellKind}
-_SLOT_STATES = {s: infer_pb2.SlotState.Value(f"SLOT_STATE_{s.name}") for s in SlotState}
 
 
 def check_title(title: str) -> str:
@@ -790,7 +779,7 @@ def check_title(title: str) -> str:
 
 def _run_pb(r: CellRun) -> infer_pb2.CellRun:
     return infer_pb2.CellRun(
-        kind=_CELL_KINDS[r.kind],
+        kind=CELL_KIND_TO_PB[r.kind],
         pinned=r.pinned,
         message_index=r.message_index,
         media_id=r.media_id,
@@ -805,7 +794,7 @@ def slot_view(p: SlotPicture, tenant: str) -> infer_pb2.SlotView:
     """A slot as `tenant` may see it: whole when the sequence is its own (or it holds
     nothing); another tenant's as its state only (not even its size: a cell count a few times
     a second would tell how long others' prompts and replies are)."""
-    state = _SLOT_STATES[p.state]
+    state = SLOT_STATE_TO_PB[p.state]
     if p.tenant != tenant and p.num_cells:
         return infer_pb2.SlotView(slot=p.slot, state=state)
     return infer_pb2.SlotView(
@@ -819,7 +808,7 @@ def slot_view(p: SlotPicture, tenant: str) -> infer_pb2.SlotView:
         shifts=[
             infer_pb2.ShiftMark(
                 id=m.id,
-                shift=m.shift.to_pb().shift,
+                shift=shift_pb(m.shift),
                 at_cell=m.at_cell,
                 evicted=map(_run_pb, m.evicted),
                 time=m.time,

@@ -20,6 +20,7 @@ import pytest
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from infer_service.wire import event_pb
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2_grpc, prompt_pb2
 from slotwise_core.descriptors import MediaChunk, PreparedPrompt, TextChunk
 
@@ -189,8 +190,8 @@ def test_infer_events_write_the_golden_bytes(name: str) -> None:
     pb = golden_prompt()
     media_id = next(c.media.media_id for c in pb.chunks if c.WhichOneof("kind") == "media")
     event = make_golden.events(media_id)[name.removeprefix("generate_response_")]
-    assert wire(event.to_pb()) == golden_bytes(name)
-    assert as_json(event.to_pb()) == golden_json(name)
+    assert wire(event_pb(event)) == golden_bytes(name)
+    assert as_json(event_pb(event)) == golden_json(name)
 
 
 def test_infer_reads_the_golden_prompt_as_its_servicer_does() -> None:

@@ -178,11 +178,13 @@ def as_rgb(prompt):
 
 
 def fixtures(prompt) -> dict[str, Message]:
+    from infer_service.wire import event_pb
+
     """name -> message: the prompt plus the event fixtures (events made from its media id)."""
     media_id = next(c.media.media_id for c in prompt.chunks if c.WhichOneof("kind") == "media")
     out: dict[str, Message] = {"prepared_prompt": prompt, "prepared_prompt_rgb": as_rgb(prompt)}
     for kind, event in events(media_id).items():
-        out[f"generate_response_{kind}"] = event.to_pb()  # type: ignore[attr-defined]
+        out[f"generate_response_{kind}"] = event_pb(event)
     return out
 
 
