@@ -85,14 +85,15 @@ class SessionManager:
         self._writes = _Writes()
         self._prefetch: dict[str, Future[_Prefetched]] = {}  # session id -> its swap-in read
         self._restoring: set[str] = set()
-        self._deleting: set[str] = set()  # deletions queued on the io thread
+        self._deleting: set[str] = set()  # deletions queued on their lanes
         self._orphans: set[str] = set()  # media ids a session stopped referring to
-        # io thread only (filled before it starts): the generation of each session file this
-        # replica holds (its writes must find that one on disk), pixels waiting to be collected
+        # each on its session's lane only (filled before the lanes start): the generation of
+        # each session this replica holds (its writes must find that one on disk), the header
+        # on disk; pixels waiting to be collected (pixel collection only)
         self._generations: dict[str, Generation] = {}
-        self._written: dict[str, dict[str, Any]] = {}  # the header on disk: what a delta is from
+        self._written: dict[str, dict[str, Any]] = {}  # (what a turn's delta is from)
         self._io_orphans: set[str] = set()
-        self.bytes_written = 0  # session files and journals (io thread)
+        self.bytes_written = 0  # session files and journals (the lanes, under _counting)
         self.idle_checkpoint_seconds = IDLE_CHECKPOINT_SECONDS
         if store is not None:
             for session_id in store.ids():
@@ -199,8 +200,8 @@ class SessionManager:
 
     def restore(self, session_id: str) -> Future[Session]:
         """Forget the in-memory state and read the session back from disk. The read runs on
-        the io thread (after pending writes) and the restore completes even if its caller has
-        gone; the future gives the restored session."""
+        its session's io lane (after its pending writes) and the restore completes even if its
+        caller has gone; the future gives the restored session."""
         session = self.idle(session_id)
         if self.store is None:
             raise _error(
@@ -223,7 +224,7 @@ class SessionManager:
             except Exception as e:  # the restore's caller hears it, whatever it is
                 resolve(done, error=e)
 
-        def read() -> None:  # io thread
+        def read() -> None:  # its session's io lane
             header = self._read_header(session_id, hold=True)
             try:
                 self._on_engine(lambda: register(header), done)
@@ -274,7 +275,7 @@ class SessionManager:
             done.set_result(None)
             return done
 
-        def read() -> None:  # io thread
+        def read() -> None:  # its session's io lane
             try:
                 try:
                     found = store.generation(session_id)
@@ -296,7 +297,7 @@ class SessionManager:
 
         try:
             self._io.submit(session_id, read)
-        except RuntimeError:  # the io thread is shut down: the engine is stopping
+        except RuntimeError:  # the io lanes are shut down: the engine is stopping
             resolve(done, error=EngineStoppedError(problem(
                 ErrorKind.UNAVAILABLE, Reason.SHUTTING_DOWN, "server shutting down",
             )))  # fmt: skip
@@ -343,7 +344,7 @@ class SessionManager:
 
     def _hold(
         self, session_id: str, generation: Generation | None, header: dict[str, Any] | None
-    ) -> None:  # io thread
+    ) -> None:  # its session's io lane
         if generation is None or header is None:
             self._generations.pop(session_id, None)
             self._written.pop(session_id, None)
@@ -525,7 +526,7 @@ class SessionManager:
             return 0
         got = prefetch.result()
         start = got.start if got.kv_state and self.executor.load_state(slot, got.kv_state) else 0
-        for key, handle in got.media.items():  # made on the io thread, from the pixels
+        for key, handle in got.media.items():  # made on the io lane, from the pixels
             if key in session.pixels and key not in session.media:
                 session.media[key] = handle
             else:
@@ -541,7 +542,7 @@ class SessionManager:
         pixels: dict[str, Pixels],
         in_memory: dict[str, bytes],
     ) -> _Prefetched:
-        """On the io thread: the checkpoint's KV state if it was made in this context's layout,
+        """On its io lane: the checkpoint's KV state if it was made in this context's layout,
         with how many of the ledger's segments it holds, and the media chunks of those it lacks
         made from their pixels (libmtmd's tokenize is thread-safe on a shared context)."""
         assert self.store is not None
@@ -625,9 +626,10 @@ class SessionManager:
         """Write the session's current state: a checkpoint with kv_state, or (None) what
         changed since the header on disk, appended to its journal.
 
-        The write runs on the io thread; after a failure the next one writes what the header on
-        disk lacks again. A write queued behind a running one is merged with a newer one of
-        the same session (pending writes stay bounded: one checkpoint and one header each).
+        The write runs on the session's io lane; after a failure the next one writes what the
+        header on disk lacks again. A write queued behind a running one is merged with a newer
+        one of the same session (pending writes stay bounded: one checkpoint and one header
+        each).
         """
         if self.store is None:
             return None
@@ -657,7 +659,7 @@ class SessionManager:
         return future
 
     def _write(self, session_id: str, session: Session) -> None:
-        """On the io thread: the newest queued state of one session, pixels first, over the
+        """On its io lane: the newest queued state of one session, pixels first, over the
         generation this replica holds and no other."""
         assert self.store is not None
         write = self._writes.take(session_id, session)
@@ -741,7 +743,7 @@ class SessionManager:
             self._io.submit(_PIXELS, self._pixel_collector())
 
     def _pixel_collector(self) -> Callable[[], None]:
-        """(Engine thread) what the io thread runs to delete the saved pixels no session needs
+        """(Engine thread) what an io lane runs to delete the saved pixels no session needs
         any more: none in this replica's memory (snapshot now) and none in any session file in
         the directory (every replica's, read when it runs, with their writes held off). The
         disk stays bounded by what sessions hold. With a broken session file around, whose
@@ -860,7 +862,7 @@ def _shared_segments(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
 
 @dataclass
 class _Prefetched:
-    """What a swap-in needs, read on the io thread: a checkpoint's KV state and how many of the
+    """What a swap-in needs, read on its io lane: a checkpoint's KV state and how many of the
     ledger's segments it holds, and the media chunks of those it lacks."""
 
     kv_state: bytes
@@ -883,7 +885,7 @@ class _Write:
 
 
 class _Writes:
-    """Per session, the newest state waiting for the io thread: one queued write each, so a
+    """Per session, the newest state waiting for its io lane: one queued write each, so a
     slow or full disk holds at most one pending state per session, not one per turn."""
 
     def __init__(self) -> None:
