@@ -262,15 +262,15 @@ class Engine:
                 future.set_exception(EngineStoppedError(why))
 
     def _run(self) -> None:
-        idle: float | None = None  # seconds until a session's idle checkpoint is due
+        idle_at: float | None = None  # when a session's idle checkpoint is due (monotonic)
         while True:
             with self._wake:
                 while not (self._stopping or self._calls or self._has_work()):
                     if self.executor.encoding:  # a slot waiting for its image may be cancelled
                         self._wake.wait(_ENCODE_POLL)
                         break
-                    if idle is not None:
-                        self._wake.wait(idle)
+                    if idle_at is not None:
+                        self._wake.wait(max(0.0, idle_at - time.monotonic()))
                         break
                     self._wake.wait()
                 if self._stopping:
@@ -279,21 +279,29 @@ class Engine:
                 self._calls.clear()
             for fn, future in calls:  # (one whose caller went away is skipped, never run late)
                 run_into(future, fn)
+            ended = False
             try:
                 self._admit_waiting()
                 self._end_expired()
-                self._apply(self.executor.step(self.slots))
+                outcome = self.executor.step(self.slots)
+                ended = bool(outcome.endings)
+                self._apply(outcome)
             except Exception as e:  # a bug: fail the active jobs, keep serving
                 log.exception("engine step failed")
                 self._apply(self.executor.take_outcome())  # what it ended before it failed
                 for slot in self.slots:
                     if slot.job:
                         self._finish(slot, FinishReason.ERROR, error=f"internal error: {e}")
-            try:  # (a failure here is no request's: its session is checkpointed later)
-                idle = self.sessions.checkpoint_idle(time.monotonic())
-            except Exception:
-                log.exception("an idle session's checkpoint failed")
-                idle = None
+            now = time.monotonic()
+            # looked at again when a turn (or a session call) may have made one idle, or one
+            # is due: not on every token's step
+            if calls or ended or (idle_at is not None and now >= idle_at):
+                try:  # (a failure here is no request's: its session is checkpointed later)
+                    wait = self.sessions.checkpoint_idle(now)
+                except Exception:
+                    log.exception("an idle session's checkpoint failed")
+                    wait = None
+                idle_at = None if wait is None else now + wait
         self._end_everything(
             Problem(ErrorKind.UNAVAILABLE, "server shutting down", Reason.SHUTTING_DOWN)
         )

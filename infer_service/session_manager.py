@@ -636,7 +636,7 @@ class SessionManager:
         header = session.header(self.rt.fingerprint, self.rt.layout, "")
         checkpoint = None
         if kv_state is not None:
-            checkpoint = (header, kv_state, ledger_digest(header["ledger"]))
+            checkpoint = (header, kv_state)
         else:
             session.num_journal_turns += 1
         media = {px.media_id for px in session.pixels.values() if px.media_id in session.rgb}
@@ -669,8 +669,8 @@ class SessionManager:
         try:
             pixels = write.pixels
             if write.checkpoint is not None:
-                header, kv_state, digest = write.checkpoint
-                header["kv_digest"] = digest
+                header, kv_state = write.checkpoint
+                header["kv_digest"] = ledger_digest(header["ledger"])  # (here, off the engine)
                 # a checkpoint of what is on disk already (idle, swap-out, drain) takes no new
                 # generation: a replica the session has moved to goes on writing after it
                 on_disk = self._written.get(session_id)
@@ -871,7 +871,7 @@ class _Prefetched:
     exact: bool = False  # the state holds those segments and nothing else
 
 
-_Checkpoint = tuple[dict[str, Any], bytes | bytearray | memoryview, str]  # header, KV, digest
+_Checkpoint = tuple[dict[str, Any], bytes | bytearray | memoryview]  # header, KV state
 
 
 @dataclass
