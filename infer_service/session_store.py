@@ -30,7 +30,8 @@ half; the journal is removed after it. A journal entry is appended and fsynced: 
 entry (a crash mid-append) fails its crc and is cut off by the next append. The session is the
 checkpoint's header with every entry after it applied, entries of an older checkpoint (left by
 a crash between the rename and the removal) skipped. A turn writes bytes in proportion to what
-it added; the KV bytes are written when the session manager decides a checkpoint is due.
+it added; the KV bytes are written when the session manager decides a checkpoint is due. A
+journal of MAX_JOURNAL_ENTRIES is folded into its checkpoint by the store itself.
 Pixels are hashed again when they are read: a damaged file is never encoded.
 """
 
@@ -67,6 +68,8 @@ _PREFIX = len(_MAGIC) + 32
 # this process's writes and collections take their turns here first.
 _PROCESS_WRITES = threading.Lock()
 _ENTRY = struct.Struct("<4sIIQ")  # magic, body length, crc32 of the body, generation number
+MAX_JOURNAL_ENTRIES = 256  # a journal this long is folded into its checkpoint
+_READ_KEYS = ("version", "generation", "lineage", "journal")  # what a read adds to a header
 _ENTRY_MAGIC = b"SWT1"
 _MAX_HEADER_BYTES = 256 << 20
 _LOCK_STRIPES = 256  # lock files for sessions: bounded, never deleted (a deleted lock file
@@ -175,7 +178,6 @@ class SessionStore:
         caller holds (None: no file may be there); returns the new generation. same_state: the
         header is the one on disk at `expect` (a checkpoint that only adds the KV state), so
         the generation stays: another replica that holds it may go on writing after it."""
-        path = self.path(session_id)
         with (
             self._writing,
             self._lock(self._session_lock(session_id)),
@@ -193,11 +195,33 @@ class SessionStore:
                 generation = Generation(os.urandom(16).hex(), 1)
             else:
                 generation = found if same_state else found.next()
-            body = json.dumps({"version": FORMAT_VERSION, **header}).encode()
-            prefix = _MAGIC + struct.pack("<QQ", len(body), generation.number)
-            _write_atomically(path, prefix + bytes.fromhex(generation.lineage) + body, kv_state)
-            self._journal_path(session_id).unlink(missing_ok=True)  # folded into the checkpoint
+            self._put_checkpoint(session_id, header, kv_state, generation)
         return generation
+
+    def _put_checkpoint(
+        self,
+        session_id: str,
+        header: dict[str, Any],
+        kv_state: bytes | bytearray | memoryview,
+        generation: Generation,
+    ) -> None:
+        body = json.dumps({"version": FORMAT_VERSION, **header}).encode()
+        prefix = _MAGIC + struct.pack("<QQ", len(body), generation.number)
+        head = prefix + bytes.fromhex(generation.lineage) + body
+        _write_atomically(self.path(session_id), head, kv_state)
+        self._journal_path(session_id).unlink(missing_ok=True)  # folded into the checkpoint
+
+    def _fold(self, session_id: str, generation: Generation) -> None:
+        """The journal into a checkpoint of the same state (the generation stays), keeping
+        the KV bytes while the ledger is still theirs (else none: the next load re-prefills).
+        Bounds a journal whose session never makes a checkpoint of its own (one that is not in
+        a slot, renamed again and again, say)."""
+        saved = self.load(session_id)
+        header = {k: v for k, v in saved.header.items() if k not in _READ_KEYS}
+        kv_state = saved.kv_state
+        if header.get("ledger") != saved.kv_ledger:
+            kv_state, header["kv_digest"] = b"", ""
+        self._put_checkpoint(session_id, header, kv_state, generation)
 
     def append(
         self,
@@ -237,6 +261,8 @@ class SessionStore:
                 os.close(fd)
             if journal.valid_bytes == 0:
                 _fsync_dir(self.root)  # a journal just (re)started survives a power cut
+            if len(journal.entries) + 1 >= MAX_JOURNAL_ENTRIES:
+                self._fold(session_id, generation)
         return generation, len(entry) + len(body)
 
     def generation(self, session_id: str) -> Generation | None:

@@ -18,7 +18,12 @@ from oracle import KvProbe, segment_cells
 from clients.client import Constraint, Message, SlotwiseClient, collect
 from infer_service.__main__ import start
 from infer_service.runtime import RuntimeConfig
-from infer_service.session_store import Generation, SessionStore, StaleSessionError
+from infer_service.session_store import (
+    MAX_JOURNAL_ENTRIES,
+    Generation,
+    SessionStore,
+    StaleSessionError,
+)
 from slotwise_core.tiny_models import TinyPair
 from support.loop import LoopThread
 from support.media import image_bytes
@@ -294,3 +299,26 @@ def test_one_session_s_slow_write_holds_up_no_other_session(
     assert slow and slow[0].finished.persistence.name == "SAVED"
     assert SessionStore(tmp_path).load_header("slow")["num_turns"] == 1
     c.close()
+
+
+def test_a_journal_that_never_meets_a_checkpoint_stays_bounded(tmp_path: Path) -> None:
+    """Renames of a session not in a slot append entries and never make a KV checkpoint: the
+    store folds a long journal into its checkpoint itself, the state and its KV bytes kept."""
+    store = SessionStore(tmp_path)
+    ledger = [{"pos": 0, "tokens": [1, 2]}]
+    g = store.save("s", {"title": "t0", "ledger": ledger, "kv_digest": "d"}, b"kv")
+    for k in range(1, 3 * MAX_JOURNAL_ENTRIES):
+        g, _ = store.append("s", {"title": {"value": f"t{k}"}}, expect=g)
+        assert store.load_header("s").get("journal", 0) < MAX_JOURNAL_ENTRIES
+    saved = store.load("s")
+    assert saved.header["title"] == f"t{3 * MAX_JOURNAL_ENTRIES - 1}" and store.generation("s") == g
+    assert saved.kv_state == b"kv" and saved.kv_ledger == ledger  # (the ledger is still theirs)
+    # a fold after the ledger changed keeps no KV bytes that are not its ledger's
+    g, _ = store.append("s", {"ledger": {"value": [*ledger, {"pos": 2, "tokens": [3]}]}}, expect=g)
+    for k in range(MAX_JOURNAL_ENTRIES):
+        g, _ = store.append("s", {"title": {"value": f"u{k}"}}, expect=g)
+    saved = store.load("s")
+    assert saved.kv_state == b"" and saved.header["kv_digest"] == ""
+    assert (
+        len(saved.header["ledger"]) == 2 and saved.header["title"] == f"u{MAX_JOURNAL_ENTRIES - 1}"
+    )
