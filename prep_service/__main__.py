@@ -24,7 +24,7 @@ from slotwise_core.serving import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Security,
     Server,
-    add_security_arguments,
+    add_service_arguments,
     configure_logging,
     create_server,
     run_until_signal,
@@ -92,15 +92,7 @@ async def start(
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slotwise-prep", description=__doc__)
     add_options(p, OPTIONS)
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=50051)
-    add_security_arguments(p)
-    p.add_argument(
-        "--drain-seconds", type=float, default=30.0,
-        help="on SIGTERM: health turns NOT_SERVING, new calls are refused, and calls in flight "
-        "get this long to finish (default 30)",
-    )  # fmt: skip
-    p.add_argument("--log-level", default="info")
+    add_service_arguments(p, port=50051)
     return p
 
 

@@ -433,6 +433,27 @@ def add_tls_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> N
     )
 
 
+DRAIN_SECONDS = 30.0
+
+
+def add_drain_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup, *aliases: str) -> None:
+    p.add_argument(
+        "--drain-seconds", *aliases, type=float, default=DRAIN_SECONDS, dest="drain_seconds",
+        help="on SIGTERM: health turns NOT_SERVING, new calls are refused, and calls in flight "
+        f"get this long to finish (default {DRAIN_SECONDS:.0f})",
+    )  # fmt: skip
+
+
+def add_service_arguments(p: argparse.ArgumentParser, *, port: int) -> None:
+    """What a service's own command line adds to its options: where it listens, who may
+    call, how it drains, what it logs."""
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=port)
+    add_security_arguments(p)
+    add_drain_argument(p)
+    p.add_argument("--log-level", default="info")
+
+
 def add_security_arguments(p: argparse.ArgumentParser) -> None:
     add_tls_arguments(p)
     p.add_argument(

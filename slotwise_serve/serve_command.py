@@ -23,7 +23,11 @@ from clients.cli import (
 from infer_service.options import OPTIONS as INFER
 from prep_service.options import OPTIONS as PREP
 from slotwise_core.options import add_options, settings
-from slotwise_core.serving import DEFAULT_MAX_CONCURRENT_RPCS, add_tls_arguments
+from slotwise_core.serving import (
+    DEFAULT_MAX_CONCURRENT_RPCS,
+    add_drain_argument,
+    add_tls_arguments,
+)
 from slotwise_serve.launch import ServeConfig, Services, serve_until_signal
 
 SHARED = ("--model", "--mmproj", "--max-message-mb")  # one value for both services
@@ -45,11 +49,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--infer-port", type=int, default=50052, help="0: any free port")
     s.add_argument("--max-concurrent-rpcs", type=int, default=DEFAULT_MAX_CONCURRENT_RPCS,
                    help="calls each service serves at once; more: RESOURCE_EXHAUSTED")  # fmt: skip
-    s.add_argument(
-        "--drain-seconds", "--grace", type=float, default=30.0, dest="drain_seconds",
-        help="on SIGTERM: health turns NOT_SERVING, new calls are refused, and calls in flight "
-        "get this long to finish (default 30, as each service alone)",
-    )  # fmt: skip
+    add_drain_argument(s, "--grace")
     s.add_argument("--log-level", default="warning", help="default warning")
     h = p.add_argument_group("hardening")
     add_tls_arguments(h)
