@@ -1,22 +1,14 @@
-"""slotwise: talk to the slotwise services, or run them.
+"""The `slotwise` command's client commands: generate, chat, count, info and gateway.
 
-  slotwise generate --prompt TEXT [--image PATH ...]   one reply, streamed to stdout
-  slotwise chat                                        interactive conversation on stdin
-  slotwise count --prompt TEXT [--image-size WxH ...]  KV cells and positions of a prompt
-  slotwise info                                        both services' model and engine info
-  slotwise serve --model PATH --mmproj PATH            both services in one process
-  slotwise demo                                        tiny models, a conversation, a table
-
-Addresses default to $SLOTWISE_PREP / $SLOTWISE_INFER, else localhost:50051 / localhost:50052.
-Exit status: 0 ok, 1 the server reported an error (its status code and message are printed),
-2 usage error.
+Their argument groups, the HTTP API's options and config (`slotwise serve` shares them), exit
+codes and UsageError. The command tree (the parser, `main`, serve, demo, bench) is slotwise_cli's,
+above everything it dispatches to: these commands need only `pip install .` (no llama.cpp,
+Pillow, numpy or gguf).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import logging
 import os
 import sys
 import time
@@ -87,10 +79,12 @@ def positive_int(text: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# the parser
+# argument groups (slotwise_cli.parser puts them on the client commands)
 
 
-def _connection(p: argparse.ArgumentParser, *, prep: bool = True, infer: bool = True) -> None:
+def connection_arguments(
+    p: argparse.ArgumentParser, *, prep: bool = True, infer: bool = True
+) -> None:
     g = p.add_argument_group("connection")
     if prep:
         g.add_argument(
@@ -120,7 +114,7 @@ def _connection(p: argparse.ArgumentParser, *, prep: bool = True, infer: bool = 
     )
 
 
-def _prompt_args(p: argparse.ArgumentParser, *, sizes: bool) -> None:
+def prompt_arguments(p: argparse.ArgumentParser, *, sizes: bool) -> None:
     p.add_argument("--prompt", help="the user message (default: read stdin)")
     p.add_argument(
         "--image",
@@ -148,7 +142,7 @@ def _prompt_args(p: argparse.ArgumentParser, *, sizes: bool) -> None:
     )
 
 
-def _generation_args(p: argparse.ArgumentParser, *, keep_default: int | str = 0) -> None:
+def generation_arguments(p: argparse.ArgumentParser, *, keep_default: int | str = 0) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("--max-tokens", type=int, default=0, help="0: the server's default")
     g.add_argument("--temperature", type=float, help="0 is greedy (server default 0.8)")
@@ -177,67 +171,6 @@ def _generation_args(p: argparse.ArgumentParser, *, keep_default: int | str = 0)
     )
     c.add_argument("--unit", choices=[u.value for u in Unit], default="token", help="eviction unit")
     c.add_argument("--discard-fraction", type=float, help="share of evictable cells per shift")
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="slotwise", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--log-level", default="warning", help="client-side logging (default warning)")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    g = sub.add_parser("generate", help="one reply, streamed to stdout; a summary on stderr")
-    _prompt_args(g, sizes=False)
-    _generation_args(g)
-    g.add_argument(
-        "--truncate", action="store_true", help="drop the oldest part of a prompt too long"
-    )
-    g.add_argument("-v", "--verbose", action="store_true", help="report context shifts on stderr")
-    _connection(g)
-
-    c = sub.add_parser("chat", help="an interactive conversation (stdin); /help for commands")
-    c.add_argument("--system", help="the system message")
-    _generation_args(c, keep_default="system")
-    c.add_argument(
-        "--no-truncate",
-        action="store_true",
-        help="refuse a conversation longer than the context instead of dropping its oldest part",
-    )
-    _connection(c)
-
-    n = sub.add_parser("count", help="KV cells and positions of a prompt (images may be sizes)")
-    _prompt_args(n, sizes=True)
-    n.add_argument("-v", "--verbose", action="store_true", help="one line per chunk")
-    _connection(n, infer=False)
-
-    i = sub.add_parser("info", help="both services' model and engine information")
-    _connection(i)
-
-    # (its options are the services' own: slotwise_serve.serve_command parses them)
-    sub.add_parser("serve", add_help=False, help="both services in one process (slotwise serve -h)")
-
-    w = sub.add_parser("gateway", help="the OpenAI-compatible HTTP API over running services")
-    w.add_argument("--prep", required=True, metavar="HOST:PORT", help="the PrepService")
-    w.add_argument("--infer", required=True, metavar="HOST:PORT", help="the InferService")
-    w.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
-    w.add_argument("--port", type=int, default=8080, help="HTTP port (default %(default)s)")
-    w.add_argument(
-        "--token-file", type=Path,
-        help="bearer token for the gRPC services (without --api-key-file: with it, each "
-        "caller's own key goes on to them)",
-    )  # fmt: skip
-    http_arguments(w)
-
-    sub.add_parser("bench", help="throughput and latency ratios (see: slotwise bench -h)")
-    d = sub.add_parser("demo", help="a multimodal conversation that forces context shifts")
-    d.add_argument("--model", type=Path, help="a real text model GGUF (default: tiny models)")
-    d.add_argument("--mmproj", type=Path, help="its projector GGUF (with --model)")
-    d.add_argument("--turns", type=positive_int, default=5, help="turns (default %(default)s)")
-    d.add_argument("--ctx-size", type=positive_int, help="KV cells (tiny: 256, real: 1024)")
-    d.add_argument("--max-tokens", type=positive_int, help="per turn (tiny: 64, real: 96)")
-    d.add_argument("--threads", type=positive_int, help="inference threads (tiny: 1)")
-    d.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded (CUDA builds)")
-    return p
 
 
 def http_arguments(p: argparse.ArgumentParser) -> None:
@@ -687,12 +620,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     return status
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from slotwise_serve import serve_command
-
-    return serve_command.main(args.rest)
-
-
 def cmd_gateway(args: argparse.Namespace) -> int:
     from clients.gateway.serve import run_gateway
 
@@ -707,92 +634,3 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     config = gateway_config(args, args.prep, args.infer, read_token(args.token_file), keys)
     run_gateway(config, args.host, args.port)
     return EXIT_OK
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from slotwise_serve.demo import run_demo
-
-    if (args.model is None) != (args.mmproj is None):
-        raise UsageError("--model and --mmproj go together (the demo sends images)")
-    for path in (args.model, args.mmproj):
-        if path is not None and not path.is_file():
-            raise UsageError(f"no such file: {path}")
-    return run_demo(
-        args.model,
-        args.mmproj,
-        num_turns=args.turns,
-        ctx_size=args.ctx_size,
-        max_tokens=args.max_tokens,
-        threads=args.threads,
-        gpu_layers=args.gpu_layers,
-    )
-
-
-COMMANDS = {
-    "generate": cmd_generate,
-    "chat": cmd_chat,
-    "count": cmd_count,
-    "info": cmd_info,
-    "serve": cmd_serve,
-    "gateway": cmd_gateway,
-    "demo": cmd_demo,
-}
-
-
-# What `pip install 'slotwise[serve]'` adds; the client commands run without it.
-SERVE_EXTRA = ("llama_cpp", "PIL", "numpy", "gguf")
-NEEDS_SERVE_EXTRA = ("serve", "demo", "bench")
-
-
-def serve_extra_present(command: str) -> bool:
-    missing = [name for name in SERVE_EXTRA if importlib.util.find_spec(name) is None]
-    if missing:
-        print(
-            f"slotwise {command}: needs the serve extra (missing: {', '.join(missing)}): "
-            "pip install 'slotwise[serve]'",
-            file=sys.stderr,
-        )
-    return not missing
-
-
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # the benchmark has its own options (python -m benchmarks.bench -h)
-        if not serve_extra_present("bench"):
-            return EXIT_USAGE
-        from benchmarks import bench
-
-        return bench.main(argv[1:])
-    args, rest = parser().parse_known_args(argv)
-    if args.command == "serve":  # what follows it is serve's (a --log-level before it too)
-        args.rest = ["--log-level", args.log_level, *rest]
-    elif rest:
-        parser().error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command in NEEDS_SERVE_EXTRA and not serve_extra_present(args.command):
-        return EXIT_USAGE
-    if args.command != "serve":
-        logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING))
-    try:
-        return COMMANDS[args.command](args)
-    except UsageError as e:
-        print(f"slotwise {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except SlotwiseError as e:
-        print(f"slotwise {args.command}: error: {e.code().name}: {e.details()}", file=sys.stderr)
-        return EXIT_SERVER
-    except ValueError as e:  # e.g. an image given by size to prepare, a bad option value
-        print(f"slotwise {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        # stdout closed early (e.g. piped into head): not an error of ours
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_OK
-
-
-if __name__ == "__main__":
-    sys.exit(main())

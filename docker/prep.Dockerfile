@@ -46,6 +46,7 @@ COPY infer_service/ infer_service/
 COPY clients/ clients/
 COPY slotwise_serve/ slotwise_serve/
 COPY benchmarks/ benchmarks/
+COPY slotwise_cli/ slotwise_cli/
 RUN pip install --no-deps . && pip check
 
 FROM ${PYTHON_IMAGE} AS runtime

@@ -51,7 +51,7 @@ def main() -> None:
             pair = write_tiny_models(Path(tmp))["mrope"]
             model, mmproj = pair.model, pair.mmproj
         port = _free_port()
-        argv = [sys.executable, "-m", "clients.cli", "serve", "--model", str(model),
+        argv = [sys.executable, "-m", "slotwise_cli", "serve", "--model", str(model),
                 "--ctx-size", str(args.ctx_size), "--parallel", "2", "--http-port", str(port),
                 "--prep-port", "0", "--infer-port", "0"]  # fmt: skip
         if mmproj is not None:

@@ -32,7 +32,7 @@ def slotwise(
     *args: str, stdin: str | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "clients.cli", *args],
+        [sys.executable, "-m", "slotwise_cli", *args],
         input=stdin,
         capture_output=True,
         text=True,

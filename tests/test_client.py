@@ -709,9 +709,9 @@ sys.meta_path.insert(0, Absent())
 
 import grpc
 
-import clients.cli
 import clients.client
 import clients.gateway
+import slotwise_cli
 from clients.client import Message, SlotwiseClient, image_pb, prepare_request
 from slotwise.v1 import prep_pb2
 
@@ -751,7 +751,7 @@ with SlotwiseClient(address) as client:
 with open(sys.argv[1], "wb") as f:
     f.write(IMAGE)
 command = ["count", "--prompt", "what?", "--image", sys.argv[1], "--prep", address]
-assert clients.cli.main(command) == 0
+assert slotwise_cli.main(command) == 0  # the `slotwise` command, client-only
 server.stop(0)
 prepared, counted = seen  # the image went as its bytes, from the client and from the CLI
 assert prepared.chat.messages[0].parts[0].image.data == IMAGE

@@ -279,7 +279,7 @@ def test_command_flags_exist_in_the_service_parser(config: dict[str, Any], name:
 def test_the_gateway_command_parses_and_its_ports_and_healthcheck_agree(
     config: dict[str, Any],
 ) -> None:
-    from clients.cli import parser
+    from slotwise_cli import parser
 
     service = config["services"]["gateway"]
     command = service["command"]
@@ -386,7 +386,7 @@ def test_cpu_override_removes_the_gpu() -> None:
 
 
 def test_client_waits_for_healthy_services(config: dict[str, Any]) -> None:
-    from clients.cli import parser
+    from slotwise_cli import parser
 
     services = config["services"]
     client = services["client"]

@@ -1,6 +1,7 @@
-"""The dependency picture holds, one way: clients -> stubs; services -> core -> stubs (the
-contracts in pyproject.toml, checked by import-linter); the ledger -> stdlib only, and the client
-side without the serve extra (read from the sources' import statements)."""
+"""The dependency picture holds, one way: the `slotwise` command tree (slotwise_cli) -> all;
+clients -> stubs; services -> core -> stubs (the contracts in pyproject.toml, checked by
+import-linter); the ledger -> stdlib only, and the client side without the serve extra (read from
+the sources' import statements)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # what only the serve extra installs: the client side never imports it
 SERVE_ONLY = {"llama_cpp", "numpy", "PIL", "gguf", "grpc_reflection"}
+# what `pip install .` (no extra) runs: the client and the command tree over it
+CLIENT_SIDE = ("clients", "slotwise_cli")
 
 
 def imports(path: Path) -> set[str]:
@@ -67,6 +70,26 @@ def test_import_linter_sees_a_wrong_import(tmp_path: Path, monkeypatch) -> None:
     assert lint_imports(no_cache=True, no_logo=True) == 1
 
 
+def test_import_linter_sees_a_lazy_import_a_forbidden_contract_forbids(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # as clients.cli once reached up into slotwise_serve inside a function
+    client, serve = "layout_probe_client", "layout_probe_serve"
+    for package in (client, serve):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / serve / "command.py").write_text("")
+    (tmp_path / client / "cli.py").write_text(f"def f():\n    from {serve} import command\n")
+    (tmp_path / ".importlinter").write_text(
+        f"[importlinter]\nroot_packages =\n    {client}\n    {serve}\n"
+        f"[importlinter:contract:1]\nname = below\ntype = forbidden\n"
+        f"source_modules =\n    {client}\nforbidden_modules =\n    {serve}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert lint_imports(no_cache=True, no_logo=True) == 1
+
+
 def test_the_pure_logic_imports_the_stdlib_only() -> None:
     for name in (
         "infer_service/ledger", "infer_service/text_stream", "infer_service/header_delta",
@@ -81,7 +104,7 @@ def test_the_pure_logic_imports_the_stdlib_only() -> None:
 
 
 def test_the_client_side_needs_no_serve_extra() -> None:
-    for path in modules("clients"):
+    for path in (p for package in CLIENT_SIDE for p in modules(package)):
         bad = eager_imports(path) & SERVE_ONLY
         assert not bad, f"{path.relative_to(ROOT)} imports {bad} (the serve extra)"
 

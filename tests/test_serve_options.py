@@ -116,12 +116,12 @@ def test_a_file_serve_cannot_find_is_a_usage_error(tmp_path: Path, capsys) -> No
 def test_serve_is_reached_through_the_slotwise_command_with_its_options(
     tmp_path: Path, capsys
 ) -> None:
-    from clients import cli
+    import slotwise_cli
 
     missing = str(tmp_path / "missing.gguf")
-    assert cli.main(["--log-level", "info", "serve", "--model", missing]) == 2
-    assert cli.main(["serve", "--model", missing, "--log-level", "info"]) == 2
+    assert slotwise_cli.main(["--log-level", "info", "serve", "--model", missing]) == 2
+    assert slotwise_cli.main(["serve", "--model", missing, "--log-level", "info"]) == 2
     assert capsys.readouterr().err.count("slotwise serve: error: no such file") == 2
     with pytest.raises(SystemExit) as refused:  # a count of zero is no count
-        cli.main(["serve", "--model", missing, "--parallel", "0"])
+        slotwise_cli.main(["serve", "--model", missing, "--parallel", "0"])
     assert refused.value.code == 2 and "must be positive" in capsys.readouterr().err

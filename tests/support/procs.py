@@ -10,7 +10,7 @@ from pathlib import Path
 def serve_argv(model: Path, mmproj: Path | None, *extra: str) -> list[str]:
     """`slotwise serve` on a tiny pair: one thread each, ports picked by the OS unless extra
     names them (a later flag wins)."""
-    argv = [sys.executable, "-m", "clients.cli", "serve", "--model", str(model)]
+    argv = [sys.executable, "-m", "slotwise_cli", "serve", "--model", str(model)]
     if mmproj is not None:
         argv += ["--mmproj", str(mmproj)]
     return [*argv, "--prep-port", "0", "--infer-port", "0", "--threads", "1",
