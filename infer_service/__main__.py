@@ -14,6 +14,7 @@ from typing import Any
 
 from infer_service.embedder import Embedder
 from infer_service.engine import Engine
+from infer_service.facade import EngineFacade
 from infer_service.metrics import engine_metrics
 from infer_service.options import OPTIONS
 from infer_service.runtime import Runtime, RuntimeConfig
@@ -133,7 +134,13 @@ async def start(
     engine.start()
     server.bind(
         infer_pb2_grpc.add_InferServiceServicer_to_server,
-        InferServicer(engine, limits=limits, embedder=embedder, draining=server.draining),
+        InferServicer(
+            EngineFacade(engine),
+            engine.rt,
+            limits=limits,
+            embedder=embedder,
+            draining=server.draining,
+        ),
     )
     if metrics_port is not None:
         metrics.serve(metrics_port)

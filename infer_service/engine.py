@@ -82,6 +82,7 @@ class EngineSnapshot:
     cache_hits: int
     cache_misses: int
     stats: EngineStats
+    session_bytes_written: int  # session checkpoints and journals
 
 
 class Engine:
@@ -164,6 +165,7 @@ class Engine:
                 shifts_by_policy=dict(self.stats.shifts_by_policy),
                 by_tenant={t: replace(v) for t, v in self.stats.by_tenant.items()},
             ),
+            session_bytes_written=self.sessions.bytes_written,
         )
 
     def pictures(self) -> list[SlotPicture]:

@@ -68,7 +68,7 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
         )
         yield CounterMetricFamily(
             "slotwise_infer_session_bytes_written", "bytes of session checkpoints and journals",
-            value=engine.sessions.bytes_written,
+            value=snap.session_bytes_written,
         )  # fmt: skip
         yield CounterMetricFamily(
             "slotwise_infer_session_reprefill_cells",

@@ -1,4 +1,5 @@
-"""InferService: the gRPC edge. Validates everything before a request reaches the engine."""
+"""InferService: the gRPC edge. Validates everything before a request reaches the engine, and
+talks to the engine through its facade (infer_service/facade.py) only."""
 
 from __future__ import annotations
 
@@ -10,14 +11,12 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import grpc
 
 from infer_service.embedder import Embedder, EmbedError
-from infer_service.engine import Engine, EngineStoppedError, Job, prompt_items
 from infer_service.events import (
     ContextShift,
     ErrorKind,
@@ -30,6 +29,7 @@ from infer_service.events import (
     TokenDelta,
     storage_problem,
 )
+from infer_service.facade import EngineFacade
 from infer_service.kv_view import CellRun, SlotPicture
 from infer_service.ledger import ContextConfig
 from infer_service.media import MediaLimits, StaleDescriptorError, verify_prompt
@@ -42,7 +42,8 @@ from infer_service.sampling import (
     json_schema_grammar,
 )
 from infer_service.session_store import SessionIdError, check_session_id
-from infer_service.sessions import MAX_RECORDS, Session, owner_of, public_id, scoped
+from infer_service.sessions import MAX_RECORDS, SessionView, public_id, scoped
+from infer_service.slots import EngineStoppedError, Job, prompt_items
 from infer_service.wire import (
     CELL_KIND_TO_PB,
     CODES,
@@ -174,13 +175,15 @@ class GenerateLimits:
 class InferServicer(infer_pb2_grpc.InferServiceServicer):
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineFacade,
+        runtime: Runtime,
         *,
         limits: GenerateLimits = GenerateLimits(),
         embedder: Embedder | None = None,
         draining: asyncio.Event | None = None,
     ):
         self.engine = engine
+        self.rt = runtime  # (its model, for checking prompts off the event loop; not the engine)
         self.limits = limits
         self.embedder = embedder
         self.draining = draining or asyncio.Event()
@@ -209,9 +212,9 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         )
 
     async def GetServerInfo(self, request, context):
-        rt = self.engine.rt
+        rt = self.rt
         try:  # made on the engine thread between steps: counters that belong together
-            snap = await asyncio.wrap_future(self.engine.call(self.engine.snapshot))
+            snap = await self.engine.snapshot()
         except ProblemError as e:
             await abort_problem(context, e.problem)
             return
@@ -281,13 +284,13 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             return
         if session_id is not None:
             try:
-                session = await self._begin_turn(session_id)
+                session = await self.engine.begin_turn(session_id)
             except ProblemError as e:
                 await abort_problem(context, e.problem)
                 return
             # (the turn is ours now: no other can change num_turns under it)
             if request.HasField("expect_turns") and session.num_turns != request.expect_turns:
-                self._end_turn_later(session_id)
+                self.engine.end_turn_later(session_id)
                 await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                             f"the session has {session.num_turns} turns, not the "
                             f"{request.expect_turns} this turn expects",
@@ -299,7 +302,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             made = await self._job(request, prompt, session, context)
         finally:
             if made is None and session_id is not None:
-                self._end_turn_later(session_id)  # never awaited: it must happen even if we go
+                self.engine.end_turn_later(session_id)  # it must happen even if we go
         if made is None:
             return
         job, mailbox = made
@@ -308,7 +311,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         except ProblemError as e:
             job.release()
             if session_id is not None:
-                self._end_turn_later(session_id)
+                self.engine.end_turn_later(session_id)
             await abort_problem(context, e.problem)
             return
         finished = False
@@ -329,36 +332,11 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             if not finished:
                 job.cancel()  # client went away or the deadline passed: free the slot
 
-    async def _begin_turn(self, session_id: str) -> Session:
-        """Mark the session busy for this turn; if the caller goes away while the engine runs
-        it, the mark is undone (else the session would stay busy for ever). First, what another
-        replica sharing the sessions directory did to it is taken in."""
-        await _outlived(self.engine.sessions.sync(session_id))
-        future = self._engine_future(lambda: self.engine.sessions.begin_turn(session_id))
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            if not future.cancel():  # it ran, or runs: undo once it is done
-
-                def undo(done: Future[Session]) -> None:
-                    if not done.cancelled() and done.exception() is None:
-                        self._end_turn_later(session_id)
-
-                future.add_done_callback(undo)
-            raise
-
-    def _end_turn_later(self, session_id: str) -> None:
-        with contextlib.suppress(EngineStoppedError):
-            self.engine.call(lambda: self.engine.sessions.abort_turn(session_id))
-
-    def _engine_future(self, fn) -> Future[Any]:
-        return self.engine.call(fn)
-
     async def _job(
-        self, request, prompt: PreparedPrompt, session: Session | None, context
+        self, request, prompt: PreparedPrompt, session: SessionView | None, context
     ) -> tuple[Job, Mailbox] | None:
         """Validate everything that can be checked before queueing; None after an abort."""
-        rt = self.engine.rt
+        rt = self.rt
         try:
             args = self._parse(request, session)
             _check_token_ids(prompt, rt.num_vocab)
@@ -435,7 +413,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             rgb=decoded if session is not None else {},
             emit=emit,
             deadline=time.monotonic() + remaining if remaining is not None else None,
-            session_id=session.session_id if session else None,
+            session_id=session.key if session else None,
             **args,
         )
         return job, mailbox
@@ -449,21 +427,11 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
     # -- sessions ---------------------------------------------------------------------------
 
     async def _session_rpc(self, context, fn, session_id: str, *args, doing: str = ""):
-        """Run fn on the engine thread; a future it returns (disk work) is awaited here, off
-        the engine thread. Every failure ends the call with its own status, never UNKNOWN."""
+        """fn(key, *args) of the facade, for the caller's session of that id. Every failure
+        ends the call with its own status, never UNKNOWN."""
         try:
             key = scoped(current_tenant(), check_session_id(session_id))
-            await _outlived(self.engine.sessions.sync(key))
-            result = await asyncio.wrap_future(self.engine.call(lambda: fn(key, *args)))
-            # disk work goes on when its caller leaves (shielded): only waiting for it stops
-            if isinstance(result, tuple):  # (session, its write)
-                session, write = result
-                if write is not None:
-                    await _outlived(write)
-                return session
-            if isinstance(result, Future):
-                return await _outlived(result)
-            return result
+            return await fn(key, *args)
         except SessionIdError as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), reason="BAD_REQUEST",
                         field="session_id")  # fmt: skip
@@ -482,60 +450,49 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         except RequestError as e:
             await _bad_request(context, e)
             return
-        session = await self._session_rpc(
-            context, self.engine.sessions.create, session_id, args["context"], args["sampling"],
-            title, doing="the session was not saved",
+        view = await self._session_rpc(
+            context, self.engine.create, session_id, args["context"], args["sampling"], title,
+            doing="the session was not saved",
         )  # fmt: skip
-        return infer_pb2.CreateSessionResponse(session=await self._info(context, session))
+        return infer_pb2.CreateSessionResponse(session=session_info(view))
 
     async def GetSession(self, request, context):
         n = min(request.num_records, MAX_RECORDS)
-        info = await self._session_rpc(  # read on the engine thread: a snapshot
-            context,
-            lambda sid: session_info(self.engine.sessions.get(sid), num_records=n),
-            request.session_id,
-        )
-        return infer_pb2.GetSessionResponse(session=info)
+        view = await self._session_rpc(context, self.engine.get, request.session_id, n)
+        return infer_pb2.GetSessionResponse(session=session_info(view))
 
     async def ListSessions(self, request, context):
         """The caller's sessions only (another tenant's are not there for it)."""
-        tenant = current_tenant()
-
-        def mine() -> tuple[list[infer_pb2.SessionInfo], dict[str, Any]]:
-            sessions = self.engine.sessions
-            own = [s for key, s in sessions.by_id.items() if owner_of(key) == tenant]
-            broken = {k: e for k, e in sessions.broken.items() if owner_of(k) == tenant}
-            return [session_info(s) for s in own], broken
-
         try:
-            sessions, broken = await asyncio.wrap_future(self.engine.call(mine))
+            views, broken = await self.engine.sessions_of(current_tenant())
         except ProblemError as e:
             await abort_problem(context, e.problem)
+            return
         return infer_pb2.ListSessionsResponse(
-            sessions=sessions
+            sessions=[session_info(v) for v in views]
             + [
-                infer_pb2.SessionInfo(session_id=public_id(key), error=str(e))
-                for key, e in sorted(broken.items())
+                infer_pb2.SessionInfo(session_id=public_id(key), error=why)
+                for key, why in sorted(broken.items())
             ]
         )
 
     async def DeleteSession(self, request, context):
         await self._session_rpc(
-            context, self.engine.sessions.delete, request.session_id, doing="delete failed"
+            context, self.engine.delete, request.session_id, doing="delete failed"
         )
         return infer_pb2.DeleteSessionResponse()
 
     async def SaveSession(self, request, context):
-        session = await self._session_rpc(
-            context, self.engine.sessions.save, request.session_id, doing="save failed"
+        view = await self._session_rpc(
+            context, self.engine.save, request.session_id, doing="save failed"
         )
-        return infer_pb2.SaveSessionResponse(session=await self._info(context, session))
+        return infer_pb2.SaveSessionResponse(session=session_info(view))
 
     async def RestoreSession(self, request, context):
-        session = await self._session_rpc(
-            context, self.engine.sessions.restore, request.session_id, doing="restore failed"
+        view = await self._session_rpc(
+            context, self.engine.restore, request.session_id, doing="restore failed"
         )
-        return infer_pb2.RestoreSessionResponse(session=await self._info(context, session))
+        return infer_pb2.RestoreSessionResponse(session=session_info(view))
 
     async def RenameSession(self, request, context):
         try:
@@ -543,18 +500,18 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         except RequestError as e:
             await _bad_request(context, e)
             return
-        session = await self._session_rpc(
-            context, self.engine.sessions.rename, request.session_id, title,
+        view = await self._session_rpc(
+            context, self.engine.rename, request.session_id, title,
             doing="the title was not saved",
         )  # fmt: skip
-        return infer_pb2.RenameSessionResponse(session=await self._info(context, session))
+        return infer_pb2.RenameSessionResponse(session=session_info(view))
 
     async def WatchSlots(self, request, context):
         """Views made on the engine thread between steps, at most one per interval, sent only
         when they changed; the caller's own slots in full, the others' as a state and a count.
         Ends when the server drains (a page then reconnects, to this replica or another)."""
         interval = max(request.min_interval_ms or DEFAULT_WATCH_MS, MIN_WATCH_MS) / 1000
-        tenant, rt = current_tenant(), self.engine.rt
+        tenant, rt = current_tenant(), self.rt
         watching = self._watches
         if sum(watching.values()) >= MAX_WATCHES or watching[tenant] >= MAX_WATCHES_PER_TENANT:
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -573,7 +530,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         last = None
         while not self.draining.is_set():
             try:
-                pictures = await asyncio.wrap_future(self.engine.call(self.engine.pictures))
+                pictures = await self.engine.pictures()
             except ProblemError as e:
                 await abort_problem(context, e.problem)
                 return
@@ -596,15 +553,9 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         await abort(context, grpc.StatusCode.UNAVAILABLE, "the server is draining; watch again",
                     reason="SHUTTING_DOWN")  # fmt: skip
 
-    async def _info(self, context, session: Session) -> infer_pb2.SessionInfo:
-        """The session as the engine thread sees it (a snapshot, not a read under its feet)."""
-        try:
-            return await asyncio.wrap_future(self.engine.call(lambda: session_info(session)))
-        except ProblemError as e:
-            await abort_problem(context, e.problem)
-            raise
-
-    def _parse(self, request: infer_pb2.GenerateRequest, session: Session | None) -> dict[str, Any]:
+    def _parse(
+        self, request: infer_pb2.GenerateRequest, session: SessionView | None
+    ) -> dict[str, Any]:
         """Request options, with a session's defaults for what the request leaves unset."""
         ctx = _context(request.context, session.context if session else ContextConfig())
         max_tokens = request.max_tokens or self.limits.default_max_tokens
@@ -700,13 +651,6 @@ def _context(c: infer_pb2.ContextOptions, base: ContextConfig) -> ContextConfig:
     )
 
 
-async def _outlived(future: Future[Any]) -> Any:
-    """Wait for disk work that goes on if this caller leaves (its outcome is then dropped)."""
-    waited = asyncio.wrap_future(future)
-    waited.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved either way
-    return await asyncio.shield(waited)
-
-
 async def _bad_request(context: grpc.aio.ServicerContext, e: RequestError) -> None:
     await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), reason="BAD_REQUEST",
                 field=e.field)  # fmt: skip
@@ -729,9 +673,8 @@ def _check_token_ids(prompt: PreparedPrompt, num_vocab: int) -> None:
             )
 
 
-def session_info(s: Session, *, num_records: int = 0) -> infer_pb2.SessionInfo:
+def session_info(s: SessionView) -> infer_pb2.SessionInfo:
     c = s.context
-    records = list(s.records)[-num_records:] if num_records else []
     return infer_pb2.SessionInfo(
         records=[
             infer_pb2.TurnRecord(
@@ -742,14 +685,14 @@ def session_info(s: Session, *, num_records: int = 0) -> infer_pb2.SessionInfo:
                 note=r.note,
                 created=r.created,
             )
-            for r in records
+            for r in s.records
         ],
-        session_id=public_id(s.session_id),
+        session_id=public_id(s.key),
         title=s.title,
         num_turns=s.num_turns,
-        num_cells=s.ledger.num_cells,
-        next_position=s.ledger.next_pos,
-        resident=s.slot is not None,
+        num_cells=s.num_cells,
+        next_position=s.next_position,
+        resident=s.resident,
         context=infer_pb2.ContextOptions(
             policy=POLICY_TO_PB[c.policy],
             keep=c.keep,
@@ -759,7 +702,7 @@ def session_info(s: Session, *, num_records: int = 0) -> infer_pb2.SessionInfo:
         ),
         sampling=infer_pb2.SamplingParams(**asdict(s.sampling)),
         num_shifts=s.num_shifts,
-        num_media=sum(1 for seg in s.ledger.segments if seg.is_media),
+        num_media=s.num_media,
     )
 
 

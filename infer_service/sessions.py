@@ -1,4 +1,5 @@
-"""A session: one conversation's sequence, ledger and options, kept between turns."""
+"""A session: one conversation's sequence, ledger and options, kept between turns; its
+lifecycle state; and the view of it the edge is given (made on the engine thread)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import base64
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 from infer_service.ledger import ContextConfig, EvictionUnit, Ledger, Policy
@@ -51,6 +53,29 @@ class TurnRecord:
         )
 
 
+class Lifecycle(Enum):
+    """Where a session is in its life; one state per session, changed on the engine thread
+    only, by the moves `SessionTable.move` allows (infer_service/session_table.py)."""
+
+    STORED = "stored"  # its sequence is in no slot (its state: its ledger, and its files)
+    RESIDENT = "resident"  # its sequence is in a slot, between turns
+    IN_TURN = "in_turn"  # a turn runs: waiting for its swap-in read or a slot, or decoding
+    RESTORING = "restoring"  # being read back from disk (RestoreSession)
+    DELETING = "deleting"  # deleted; the removal of its files waits on its io lane
+    BROKEN = "broken"  # its file is unusable (the table keeps why)
+
+
+@dataclass
+class DiskState:
+    """What persistence knows of a session's files (infer_service/session_persistence.py)."""
+
+    dirty: bool = False  # the newest save asked for is not on disk yet (or failed)
+    num_saves: int = 0
+    num_journal_turns: int = 0  # completed turns written since the last checkpoint asked for
+    num_tail_cells: int = 0  # cells those turns decoded
+    last_checkpoint: float = 0.0  # time.monotonic() of the last checkpoint asked for
+
+
 @dataclass
 class Session:
     """What one conversation holds. Memory stays bounded by what its ledger holds: media
@@ -67,18 +92,14 @@ class Session:
     rgb: dict[str, bytes] = field(default_factory=dict)  # media_id -> pixels not on disk
     num_turns: int = 0
     num_shifts: int = 0
-    slot: int | None = None  # the slot whose sequence holds it, if any
-    busy: bool = False  # a turn is running
+    state: Lifecycle = Lifecycle.STORED
+    slot: int | None = None  # the slot whose sequence holds it (RESIDENT, or IN_TURN)
     # the ledger and shift count of the last completed turn while a turn runs
-    snapshot: tuple[list[dict[str, Any]], int] | None = None
+    rollback: tuple[list[dict[str, Any]], int] | None = None
     last_used: float = field(default_factory=time.monotonic)
-    dirty: bool = False  # the newest save asked for is not on disk yet (or failed)
-    num_saves: int = 0
     records: deque[TurnRecord] = field(default_factory=lambda: deque(maxlen=MAX_RECORDS))
     title: str = ""
-    num_journal_turns: int = 0  # completed turns written since the last checkpoint asked for
-    num_tail_cells: int = 0  # cells those turns decoded
-    last_checkpoint: float = 0.0  # time.monotonic() of the last checkpoint asked for
+    disk: DiskState = field(default_factory=DiskState)
 
     def release(self) -> None:
         for h in self.media.values():
@@ -154,8 +175,41 @@ class Session:
                 map(TurnRecord.from_json, header.get("records", ())), maxlen=MAX_RECORDS
             ),  # (files before turn records have none)
             title=str(header.get("title", "")),  # (nor titles)
-            num_journal_turns=int(header.get("journal", 0)),
+            disk=DiskState(num_journal_turns=int(header.get("journal", 0))),
         )
+
+    def view(self, num_records: int = 0) -> SessionView:
+        """What the edge may read of it (call on the engine thread)."""
+        return SessionView(
+            key=self.session_id,
+            title=self.title,
+            num_turns=self.num_turns,
+            num_cells=self.ledger.num_cells,
+            next_position=self.ledger.next_pos,
+            resident=self.slot is not None,
+            context=self.context,
+            sampling=self.sampling,
+            num_shifts=self.num_shifts,
+            num_media=sum(1 for seg in self.ledger.segments if seg.is_media),
+            records=tuple(self.records)[-num_records:] if num_records else (),
+        )
+
+
+@dataclass(frozen=True)
+class SessionView:
+    """A session as of one moment on the engine thread: the edge never reads a live one."""
+
+    key: str  # its id in its tenant's namespace (`scoped`)
+    title: str
+    num_turns: int
+    num_cells: int
+    next_position: int
+    resident: bool
+    context: ContextConfig
+    sampling: SamplingConfig
+    num_shifts: int
+    num_media: int
+    records: tuple[TurnRecord, ...] = ()
 
 
 def scoped(tenant: str, session_id: str) -> str:

@@ -43,6 +43,7 @@ from test_sessions import (
 from infer_service.events import PrefillProgress, TokenDelta
 from infer_service.service import Mailbox
 from infer_service.session_store import SessionStore
+from infer_service.sessions import Lifecycle
 from slotwise.v1 import infer_pb2, prep_pb2, prompt_pb2
 from support.media import image_bytes
 from support.rpc import Stream, channel
@@ -153,7 +154,9 @@ def test_a_thousand_session_rpcs_with_1ms_deadlines_while_a_stream_runs(
     wait_until(
         lambda: (
             not infer.engine.call(
-                lambda: any(s.busy for s in infer.engine.sessions.by_id.values())
+                lambda: any(
+                    s.state is Lifecycle.IN_TURN for s in infer.engine.sessions.table.sessions()
+                )
             ).result(PATIENCE)
         ),
         what="no session marked busy",
@@ -426,7 +429,7 @@ def test_150_image_turns_keep_memory_bounded(
         if k == 30:
             growth_from = rss()
     growth = rss() - growth_from
-    session = infer.engine.sessions.by_id["long"]
+    session = infer.engine.sessions.table.get("long")
     held = infer.engine.call(session.held_keys).result(5)
     assert session_info(stub, "long").num_shifts > 10
     assert set(session.pixels) == held and set(session.media) <= held
@@ -549,7 +552,7 @@ def test_a_turn_that_sets_only_policy_keeps_the_sessions_keep(
     )
     chat = Chat(prep, stub, "pinned", max_tokens=4)
     chat.turn("system-like start", context=infer_pb2.ContextOptions(policy=GAP))
-    session = infer.engine.sessions.by_id["pinned"]
+    session = infer.engine.sessions.table.get("pinned")
     pinned = infer.engine.call(lambda: session.ledger.num_pinned_cells).result(5)
     assert pinned >= 6  # the turn's policy came on top of the session's keep
     info = session_info(stub, "pinned")

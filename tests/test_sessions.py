@@ -157,7 +157,7 @@ def held_atoms(engine: Any, session_id: str) -> tuple[list[object], list[int]]:
     tokens), read on the engine thread. Media keys are "<media_id>" or "<media_id>:<slice>"."""
 
     def read() -> tuple[list[object], list[int]]:
-        ledger = engine.sessions.by_id[session_id].ledger
+        ledger = engine.sessions.table.get(session_id).ledger
         tail = ledger.generated_tail()
         prompt: list[object] = []
         for seg in ledger.segments[:tail]:
