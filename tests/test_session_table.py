@@ -19,7 +19,9 @@ IN_MEMORY = (L.STORED, L.RESIDENT, L.IN_TURN)
 
 
 def session(session_id: str = "s") -> Session:
-    return Session(session_id, ContextConfig(), SamplingConfig(), Ledger(64, can_shift=True, n_ctx_train=64))
+    return Session(
+        session_id, ContextConfig(), SamplingConfig(), Ledger(64, can_shift=True, n_ctx_train=64)
+    )
 
 
 def test_a_session_lives_through_its_turns() -> None:
