@@ -167,6 +167,7 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
         ubatch_size=s["ubatch_size"],
         gpu_layers=s["gpu_layers"],
         threads=s["threads"],
+        threads_batch=s["threads_batch"],
         encode_threads=s["encode_threads"],
         extra_bufts={"auto": None, "on": True, "off": False}[s["extra_bufts"]],
     )

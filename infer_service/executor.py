@@ -4,7 +4,9 @@ Every item a slot decodes is one transaction: the ledger's `ensure` -> the plan 
 the cache (seq_rm / seq_add / seq_clear) -> llama_decode -> the ledger's `append`. A step puts
 one piece (at most a batch) of each slot's media chunk into the cache, then every slot's next
 text (one generated token, or up to batch_size prompt tokens) into ONE llama_decode, and
-samples every slot whose logits came out of it.
+samples every slot whose logits came out of it. While some slots generate, a prompt (or an
+image's embeddings) goes in pieces (infer_service/step_budget.py), so that their tokens keep
+coming while it prefills.
 
 Images are encoded on a worker beside llama_decode: the other slots keep decoding while one
 waits for its image (libmtmd's encode and llama.cpp's decode share no state, and the
@@ -63,6 +65,7 @@ from infer_service.sampling import ConstraintError, GrammarDeadEnd, SlotSampler
 from infer_service.session_store import CorruptSessionError
 from infer_service.slots import EngineStats, Job, MediaPiece, SessionError, Slot, too_long
 from infer_service.state_cache import StateCache, reuse_of
+from infer_service.step_budget import prefill_budget
 from infer_service.text_stream import TextStream
 from slotwise_core import native
 
@@ -121,6 +124,7 @@ class Executor:
         self._encoded: dict[str, np.ndarray] = {}  # finished, until their slot decodes them
         self._observer = observer
         self._outcome = StepOutcome()  # what the step under way did so far
+        self._num_generating = 0  # slots of the step under way that generate (not prefilling)
 
     def close(self) -> None:
         self._encoder.shutdown(wait=True, cancel_futures=True)
@@ -358,6 +362,7 @@ class Executor:
 
     def _step(self, slots: Sequence[Slot]) -> None:
         broken = self._collect_encodes()
+        self._num_generating = sum(1 for s in slots if s.job and not s.prefilling)
         for slot in slots:
             if slot.job and slot.pending and slot.pending[0].media_id:
                 try:
@@ -441,7 +446,7 @@ class Executor:
         item, offset = piece.item, piece.offset
         n = item.num_cells - offset
         if not (self.rt.mtmd and self.rt.mtmd.non_causal):
-            n = min(n, self.rt.batch_size)
+            n = min(n, self._prefill_budget(slot))
         rc = self.rt.decode_embeddings(piece.embd, piece.positions, offset, n, slot.seq)
         if rc != 0:
             raise native.NativeError(f"llama_decode of media failed (rc={rc})")
@@ -487,6 +492,10 @@ class Executor:
 
     # -- text ---------------------------------------------------------------------------------
 
+    def _prefill_budget(self, slot: Slot) -> int:
+        """What of its prompt a slot may decode in this step (a piece while others generate)."""
+        return prefill_budget(self.rt.batch_size, self._num_generating, slot.num_prefill_total)
+
     def _decode_text(self, slots: Iterable[Slot]) -> None:
         batch = self.rt.batch
         batch.clear()
@@ -500,7 +509,12 @@ class Executor:
         for slot in ready:
             if budget == 0:
                 break
-            n = text_take_size(slot.pending, budget, self.rt.batch_size)
+            allowed = budget
+            if slot.prefilling:  # (grouped text of less than a batch goes whole)
+                head = slot.pending[0]
+                whole = head.num_cells if head.group is not None else 0
+                allowed = min(budget, max(self._prefill_budget(slot), whole))
+            n = text_take_size(slot.pending, allowed, self.rt.batch_size)
             if n == 0:
                 continue
             head = slot.pending[0]

@@ -38,7 +38,10 @@ class RuntimeConfig:
     batch_size: int = 512
     ubatch_size: int = 512
     gpu_layers: int = 0
-    threads: int = max(1, (os.cpu_count() or 2) // 2)  # spinning workers starve on shared cores
+    # llama.cpp's threads for a step that generates one token per sequence, and for a step
+    # with prompt tokens (llama-server's default for both: every core)
+    threads: int = os.cpu_count() or 2
+    threads_batch: int = os.cpu_count() or 2
     # the projector runs on its own worker beside decoding, and only while an image waits
     encode_threads: int = os.cpu_count() or 2
     extra_bufts: bool | None = None  # None: unless the CPU reports AMX the kernel refuses
@@ -83,7 +86,7 @@ class Runtime:
         params.n_ubatch = config.ubatch_size
         params.n_seq_max = config.parallel
         params.n_threads = config.threads
-        params.n_threads_batch = config.threads
+        params.n_threads_batch = config.threads_batch
         params.kv_unified = False  # every sequence gets its own budget of cells
         params.no_perf = True
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)

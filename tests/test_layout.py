@@ -93,6 +93,7 @@ def test_import_linter_sees_a_lazy_import_a_forbidden_contract_forbids(
 def test_the_pure_logic_imports_the_stdlib_only() -> None:
     for name in (
         "infer_service/ledger", "infer_service/text_stream", "infer_service/header_delta",
+        "infer_service/step_budget",
         "slotwise_core/keys",
     ):  # fmt: skip
         path = ROOT / f"{name}.py"

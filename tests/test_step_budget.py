@@ -1,0 +1,109 @@
+"""A long prompt does not stall the slots that generate: while they do, it enters the cache in
+pieces (infer_service/step_budget.py), and every engine step still gives each of them a token.
+
+The engine's own executor on the tiny pair, stepped by hand: each step is looked at, no time is
+measured."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from infer_service.events import Event, PrefillProgress, TokenDelta
+from infer_service.executor import Executor
+from infer_service.ledger import Item
+from infer_service.runtime import Runtime, RuntimeConfig, SamplingConfig
+from infer_service.slots import EngineStats, Job, Slot
+from infer_service.step_budget import MIN_PIECE, PIECES, prefill_budget
+
+BATCH = 512
+
+
+@given(
+    num_generating=st.integers(0, 8),
+    cells=st.integers(1, 100_000),
+    batch=st.sampled_from([64, 512, 2048]),
+)
+def test_a_budget_is_a_piece_of_the_prompt_within_a_batch(
+    num_generating: int, cells: int, batch: int
+) -> None:
+    budget = prefill_budget(batch, num_generating, cells)
+    assert 1 <= budget <= batch
+    if num_generating == 0:
+        assert budget == batch  # nobody waits: whole batches
+        return
+    assert budget >= min(batch, MIN_PIECE * num_generating)  # the others' tokens cost little
+    if cells >= PIECES * max(batch, MIN_PIECE * num_generating):
+        assert -(-cells // budget) >= PIECES  # a long prompt goes in PIECES pieces at least
+
+
+@pytest.fixture
+def executor(tiny) -> Iterator[Executor]:
+    pair = tiny["rope"]
+    rt = Runtime(RuntimeConfig(pair.model, None, ctx_size=2 * 4096, parallel=2, threads=1))
+    ex = Executor(rt, EngineStats(), cache_bytes=0, state_cache_bytes=0)
+    try:
+        yield ex
+    finally:
+        ex.close()
+        rt.close()
+
+
+def start(ex: Executor, slot: Slot, tokens: list[int], events: list[Event]) -> Job:
+    rt = ex.rt
+    never = tuple((t, float("-inf")) for t in range(rt.num_vocab) if rt.is_eog(t))
+    job = Job(
+        [Item(len(tokens), len(tokens), 0, token_ids=tuple(tokens))],
+        {},
+        events.append,
+        sampling=SamplingConfig(temperature=0),
+        max_tokens=1 << 20,
+        logit_bias=never,  # (A generates until the test is done with it)
+    )
+    ex.start(slot, job, ex.enter(slot, job))
+    return job
+
+
+def tokens_of(events: list[Event]) -> int:
+    return sum(len(e.token_ids) for e in events if isinstance(e, TokenDelta))
+
+
+def progress_of(events: list[Event]) -> list[int]:
+    return [e.num_cells_done for e in events if isinstance(e, PrefillProgress)]
+
+
+def test_a_long_prompt_goes_in_pieces_while_another_slot_generates(executor: Executor) -> None:
+    ex, slots = executor, [Slot(0), Slot(1)]
+    words = random.Random(7).choices(range(10, 200), k=3000)
+    a: list[Event] = []
+    start(ex, slots[0], words[:8], a)
+    while tokens_of(a) < 3:  # A generates
+        ex.step(slots)
+    b: list[Event] = []
+    start(ex, slots[1], words, b)
+    budget = prefill_budget(BATCH, 1, len(words))
+    steps = 0
+    while tokens_of(b) == 0:
+        a_before, b_before = tokens_of(a), len(progress_of(b))
+        ex.step(slots)
+        steps += 1
+        assert tokens_of(a) == a_before + 1, f"step {steps}: A got no token"
+        assert len(progress_of(b)) == b_before + 1, f"step {steps}: B got not one piece in"
+    pieces = progress_of(b)
+    sizes = [y - x for x, y in zip([0, *pieces], pieces, strict=False)]
+    assert max(sizes) <= budget < BATCH, sizes
+    assert len(sizes) >= PIECES
+
+
+def test_a_prompt_alone_goes_in_whole_batches(executor: Executor) -> None:
+    ex, slots = executor, [Slot(0), Slot(1)]
+    words = random.Random(8).choices(range(10, 200), k=1500)
+    b: list[Event] = []
+    start(ex, slots[1], words, b)
+    while tokens_of(b) == 0:
+        ex.step(slots)
+    assert progress_of(b) == [512, 1024, 1500]
