@@ -36,7 +36,7 @@ from infer_service.executor import Ending, Executor, StepOutcome
 from infer_service.io_lanes import run_into
 from infer_service.kv_view import SlotPicture, SlotState
 from infer_service.runtime import Runtime
-from infer_service.scheduler import Scheduler, TenantLimits
+from infer_service.scheduler import Reservation, Scheduler, TenantLimits
 from infer_service.session_manager import SessionManager
 from infer_service.session_store import SessionStore
 from infer_service.sessions import TurnRecord, owner_of
@@ -200,10 +200,16 @@ class Engine:
             )
         return out
 
-    def submit(self, job: Job) -> None:
+    def reserve(self, tenant: str) -> Reservation:
+        """A place in the queue for a request about to be checked (QueueFullError: none)."""
         with self._wake:
             self._check_alive()
-            self.scheduler.put(job)
+            return self.scheduler.reserve(tenant)
+
+    def submit(self, job: Job, reservation: Reservation | None = None) -> None:
+        with self._wake:
+            self._check_alive()
+            self.scheduler.put(job, reservation)
             self._wake.notify()
 
     def call(self, fn: Callable[[], T]) -> Future[T]:

@@ -19,6 +19,7 @@ from infer_service.engine import Engine, EngineSnapshot
 from infer_service.kv_view import SlotPicture
 from infer_service.ledger import ContextConfig
 from infer_service.runtime import SamplingConfig
+from infer_service.scheduler import Reservation
 from infer_service.sessions import Session, SessionView, owner_of
 from infer_service.slots import EngineStoppedError, Job
 
@@ -34,9 +35,14 @@ class EngineFacade:
     def alive(self) -> bool:
         return self._engine.alive
 
-    def submit(self, job: Job) -> None:
-        """Queue a job (ProblemError: the queue is full, or the engine stopped)."""
-        self._engine.submit(job)
+    def reserve(self, tenant: str) -> Reservation:
+        """A place in the queue, taken before a request's images are decoded and checked
+        (ProblemError: the queue is full, or the engine stopped)."""
+        return self._engine.reserve(tenant)
+
+    def submit(self, job: Job, reservation: Reservation | None = None) -> None:
+        """Queue a job, in its reserved place (ProblemError: no place, the engine stopped)."""
+        self._engine.submit(job, reservation)
 
     async def snapshot(self) -> EngineSnapshot:
         return await self._on_engine(self._engine.snapshot)

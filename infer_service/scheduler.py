@@ -1,13 +1,16 @@
 """The scheduler: the bounded wait queue, which waiting job starts next, and in which slot.
 
-The queue is touched only under the engine's condition lock (handlers put jobs in from their
-threads); everything else runs on the engine thread.
+A request takes its place in the queue (a reservation) before its images are decoded and
+checked, and is refused then if there is none: the work and memory of requests in flight are
+bounded by the queue, not by how many arrive at once. The queue is touched only under the
+engine's condition lock (handlers reserve and put jobs in from their threads); everything else
+runs on the engine thread.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -16,6 +19,24 @@ from infer_service.ledger import Item, Ledger
 from infer_service.session_manager import SessionManager
 from infer_service.slots import Job, QueueFullError, Slot
 from infer_service.state_cache import StateCache, reuse_of
+
+
+class Reservation:
+    """A place in the queue, held while a request is checked: `Engine.submit` fills it with
+    the job, `release` gives it back (either once, from any thread)."""
+
+    def __init__(self, scheduler: Scheduler, tenant: str):
+        self.tenant = tenant
+        self._scheduler = scheduler
+        self._held = True
+
+    def release(self) -> None:
+        self._scheduler.unreserve(self)
+
+    def take(self) -> bool:
+        """(Under the scheduler's lock) True once: the place is given up."""
+        held, self._held = self._held, False
+        return held
 
 
 @dataclass(frozen=True)
@@ -54,43 +75,69 @@ class Scheduler:
         self._queues: dict[str, deque[Job]] = {}
         self._rotation: deque[str] = deque()
         self._num_waiting = 0
+        self._reserved: Counter[str] = Counter()  # places held by requests being checked
 
     @property
     def num_waiting(self) -> int:
         return self._num_waiting
 
     def num_waiting_of(self, tenant: str) -> int:
-        return len(self._queues.get(tenant, ()))
+        """Its queued jobs and the places its requests hold while they are checked."""
+        return len(self._queues.get(tenant, ())) + self._reserved[tenant]
 
-    def put(self, job: Job) -> None:
-        """Queue a job (the caller holds the lock), or refuse it when the queue, or its
-        tenant's share of it, is full. A full queue (fair) still takes a tenant's job while
-        that tenant holds less than its share of it (max_queue over the tenants waiting), so
-        that one tenant's flood cannot shut the others out (so at most max_queue plus a share
-        per tenant wait)."""
-        if self._num_waiting >= self.max_queue and not self._below_share(job.tenant):
-            raise _full(
-                f"all {len(self.slots)} slots are busy and {self._num_waiting} requests wait "
-                f"(queue limit {self.max_queue}); retry later",
-                queue_limit=self.max_queue,
-                slots=len(self.slots),
-            )
-        limit = self.tenant_limits.max_queued
-        if limit and self.num_waiting_of(job.tenant) >= limit:
-            raise _full(
-                f"{limit} requests of this tenant wait already (its queue limit); retry later",
-                tenant_queue_limit=limit,
-            )
+    def reserve(self, tenant: str) -> Reservation:
+        """A place in the queue for a request of tenant (the caller holds the lock), or
+        QueueFullError as `put` refuses a job."""
+        self._check_room(tenant)
+        self._reserved[tenant] += 1
+        return Reservation(self, tenant)
+
+    def unreserve(self, reservation: Reservation) -> None:
+        with self._lock:
+            if reservation.take():
+                self._drop_reserved(reservation.tenant)
+
+    def _drop_reserved(self, tenant: str) -> None:  # under _lock
+        self._reserved[tenant] -= 1
+        if not self._reserved[tenant]:
+            del self._reserved[tenant]
+
+    def put(self, job: Job, reservation: Reservation | None = None) -> None:
+        """Queue a job (the caller holds the lock) in the place it reserved, or refuse it when
+        the queue, or its tenant's share of it, is full."""
+        if reservation is not None and reservation.take():
+            self._drop_reserved(reservation.tenant)
+        else:
+            self._check_room(job.tenant)
         queue = self._queues.setdefault(job.tenant, deque())
         if not queue:
             self._rotation.append(job.tenant)
         queue.append(job)
         self._num_waiting += 1
 
+    def _check_room(self, tenant: str) -> None:  # under _lock
+        """A full queue (fair) still takes a tenant's request while that tenant holds less
+        than its share of it (max_queue over the tenants waiting), so that one tenant's flood
+        cannot shut the others out (so at most max_queue plus a share per tenant wait)."""
+        waiting = self._num_waiting + self._reserved.total()
+        if waiting >= self.max_queue and not self._below_share(tenant):
+            raise _full(
+                f"all {len(self.slots)} slots are busy and {waiting} requests wait "
+                f"(queue limit {self.max_queue}); retry later",
+                queue_limit=self.max_queue,
+                slots=len(self.slots),
+            )
+        limit = self.tenant_limits.max_queued
+        if limit and self.num_waiting_of(tenant) >= limit:
+            raise _full(
+                f"{limit} requests of this tenant wait already (its queue limit); retry later",
+                tenant_queue_limit=limit,
+            )
+
     def _below_share(self, tenant: str) -> bool:  # under _lock
         if not self.fair:
             return False
-        tenants = len(self._queues) + (tenant not in self._queues)
+        tenants = len(self._queues.keys() | self._reserved.keys() | {tenant})
         return self.num_waiting_of(tenant) < max(1, self.max_queue // tenants)
 
     def _remove(self, job: Job) -> None:  # under _lock

@@ -41,6 +41,7 @@ from infer_service.sampling import (
     check_spec,
     json_schema_grammar,
 )
+from infer_service.scheduler import Reservation
 from infer_service.session_store import SessionIdError, check_session_id
 from infer_service.sessions import MAX_RECORDS, SessionView, public_id, scoped
 from infer_service.slots import EngineStoppedError, Job, prompt_items
@@ -276,44 +277,23 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), reason="BAD_REQUEST",
                         field="prompt")  # fmt: skip
             return
-        session = None
         if session_id is None and request.HasField("expect_turns"):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                         "expect_turns goes with a session_id", reason="BAD_REQUEST",
                         field="expect_turns")  # fmt: skip
             return
-        if session_id is not None:
-            try:
-                session = await self.engine.begin_turn(session_id)
-            except ProblemError as e:
-                await abort_problem(context, e.problem)
-                return
-            # (the turn is ours now: no other can change num_turns under it)
-            if request.HasField("expect_turns") and session.num_turns != request.expect_turns:
-                self.engine.end_turn_later(session_id)
-                await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                            f"the session has {session.num_turns} turns, not the "
-                            f"{request.expect_turns} this turn expects",
-                            reason=Reason.SESSION_MOVED_ON.value,
-                            metadata=(("num_turns", str(session.num_turns)),))  # fmt: skip
-                return
-        made = None
-        try:
-            made = await self._job(request, prompt, session, context)
-        finally:
-            if made is None and session_id is not None:
-                self.engine.end_turn_later(session_id)  # it must happen even if we go
-        if made is None:
-            return
-        job, mailbox = made
-        try:
-            self.engine.submit(job)
+        try:  # a place in the queue first: a request refused costs no image decoding
+            reservation = self.engine.reserve(tenant)
         except ProblemError as e:
-            job.release()
-            if session_id is not None:
-                self.engine.end_turn_later(session_id)
             await abort_problem(context, e.problem)
             return
+        try:
+            admitted = await self._admit(request, prompt, session_id, reservation, context)
+        finally:
+            reservation.release()  # (the job's now, unless it was refused)
+        if admitted is None:
+            return
+        job, mailbox = admitted
         finished = False
         try:
             while not finished:
@@ -331,6 +311,51 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         finally:
             if not finished:
                 job.cancel()  # client went away or the deadline passed: free the slot
+
+    async def _admit(
+        self,
+        request,
+        prompt: PreparedPrompt,
+        session_id: str | None,
+        reservation: Reservation,
+        context,
+    ) -> tuple[Job, Mailbox] | None:
+        """Begin the session's turn, check the request and queue its job in the reserved
+        place; None after an abort."""
+        session = None
+        if session_id is not None:
+            try:
+                session = await self.engine.begin_turn(session_id)
+            except ProblemError as e:
+                await abort_problem(context, e.problem)
+                return None
+            # (the turn is ours now: no other can change num_turns under it)
+            if request.HasField("expect_turns") and session.num_turns != request.expect_turns:
+                self.engine.end_turn_later(session_id)
+                await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                            f"the session has {session.num_turns} turns, not the "
+                            f"{request.expect_turns} this turn expects",
+                            reason=Reason.SESSION_MOVED_ON.value,
+                            metadata=(("num_turns", str(session.num_turns)),))  # fmt: skip
+                return None
+        made = None
+        try:
+            made = await self._job(request, prompt, session, context)
+        finally:
+            if made is None and session_id is not None:
+                self.engine.end_turn_later(session_id)  # it must happen even if we go
+        if made is None:
+            return None
+        job, mailbox = made
+        try:
+            self.engine.submit(job, reservation)
+        except ProblemError as e:
+            job.release()
+            if session_id is not None:
+                self.engine.end_turn_later(session_id)
+            await abort_problem(context, e.problem)
+            return None
+        return job, mailbox
 
     async def _job(
         self, request, prompt: PreparedPrompt, session: SessionView | None, context

@@ -803,6 +803,16 @@ def test_full_queue_is_resource_exhausted(prep_servers, infer_server) -> None:
             retry = error_details_pb2.RetryInfo()
             assert any(d.Unpack(retry) for d in rpc_status.from_call(err).details)
             assert retry.retry_delay.seconds >= 1
+            # the place in the queue comes first: a request refused costs no image decoding
+            # (a forged image would be FAILED_PRECONDITION once checked)
+            forged = chat_with_image(prep_servers("mrope"))
+            forged.chunks[first_media_index(forged)].media.num_cells += 5
+            forged.num_cells += 5
+            assert_rpc_error(
+                server.port, make_request(forged), Code.RESOURCE_EXHAUSTED,
+                "all 1 slots are busy and 1 requests wait (queue limit 1); retry later",
+                "QUEUE_FULL",
+            )  # fmt: skip
         finally:
             running.cancel()
         s = Stream(list(queued))  # the queued one gets the slot once the first is gone
