@@ -15,6 +15,7 @@ from typing import Any
 from infer_service.embedder import Embedder
 from infer_service.engine import Engine
 from infer_service.facade import EngineFacade
+from infer_service.media import VerifiedMedia
 from infer_service.metrics import engine_metrics
 from infer_service.options import OPTIONS
 from infer_service.runtime import Runtime, RuntimeConfig
@@ -51,6 +52,7 @@ class RunningInfer:
     engine: Engine
     died: asyncio.Event  # the engine thread died: health is NOT_SERVING, the process must go
     embedder: Embedder | None = None
+    verified: VerifiedMedia | None = None  # images checked before
 
     @property
     def port(self) -> int:
@@ -62,6 +64,9 @@ class RunningInfer:
         if self.embedder is not None:
             await asyncio.to_thread(self.embedder.close)
         await asyncio.to_thread(self.engine.rt.close)  # (it waits for borrowers)
+
+
+VERIFIED_SHARE = 4  # one part in this of --media-cache-mb keeps checked images
 
 
 async def start(
@@ -108,11 +113,13 @@ async def start(
             await server.stop(0)
             raise
     store = SessionStore(sessions_dir) if sessions_dir else None
+    # the media budget: checked images (decoded, preprocessed) and the projector's outputs
+    verified_bytes = cache_bytes // VERIFIED_SHARE
     engine = await asyncio.to_thread(
         Engine,
         runtime,
         max_queue=max_queue,
-        cache_bytes=cache_bytes,
+        cache_bytes=cache_bytes - verified_bytes,
         store=store,
         state_cache_bytes=state_cache_bytes,
         tenant_limits=tenant_limits,
@@ -140,12 +147,13 @@ async def start(
             limits=limits,
             embedder=embedder,
             draining=server.draining,
+            verified=(verified := VerifiedMedia(verified_bytes)),
         ),
     )
     if metrics_port is not None:
         metrics.serve(metrics_port)
     await server.set_serving()
-    return RunningInfer(server, engine, died, embedder)
+    return RunningInfer(server, engine, died, embedder, verified)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -37,7 +37,9 @@ OPTIONS = (
            help="a tenant's requests waiting (more are refused, RESOURCE_EXHAUSTED); 0: no limit"),
     option("--queue", choices=["fair", "fifo"], default="fair",
            help="fair: round robin across tenants (default); fifo: one queue for all"),
-    option("--media-cache-mb", type=int, default=1024, help="projector output cache"),
+    option("--media-cache-mb", type=int, default=1024,
+           help="images checked (a quarter: one sent again is not decoded again) and the "
+           "projector's outputs (the rest)"),
     option("--sessions-dir", type=Path, help="persist sessions here (survive restarts)"),
     option("--state-cache-mb", type=int, default=256,
            help="host memory for the KV states of stateless conversations that lost their slot"),

@@ -32,7 +32,12 @@ from infer_service.events import (
 from infer_service.facade import EngineFacade
 from infer_service.kv_view import CellRun, SlotPicture
 from infer_service.ledger import ContextConfig
-from infer_service.media import MediaLimits, StaleDescriptorError, verify_prompt
+from infer_service.media import (
+    MediaLimits,
+    StaleDescriptorError,
+    VerifiedMedia,
+    verify_prompt,
+)
 from infer_service.runtime import Runtime, SamplingConfig
 from infer_service.sampling import (
     Constraint,
@@ -182,11 +187,13 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         limits: GenerateLimits = GenerateLimits(),
         embedder: Embedder | None = None,
         draining: asyncio.Event | None = None,
+        verified: VerifiedMedia | None = None,
     ):
         self.engine = engine
         self.rt = runtime  # (its model, for checking prompts off the event loop; not the engine)
         self.limits = limits
         self.embedder = embedder
+        self.verified = verified  # images checked before: a resent one is not decoded again
         self.draining = draining or asyncio.Event()
         self._watches: Counter[str] = Counter()  # WatchSlots calls open, by tenant
         self._relays: dict[asyncio.AbstractEventLoop, EventRelay] = {}
@@ -393,7 +400,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         try:
             media, decoded = await asyncio.to_thread(
                 _borrowing, rt, verify_prompt, prompt, fingerprint=rt.fingerprint, mtmd=rt.mtmd,
-                limits=limits,
+                limits=limits, cache=self.verified,
             )  # fmt: skip
         except StaleDescriptorError as e:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e),

@@ -410,7 +410,10 @@ def rss() -> int:
 def test_150_image_turns_keep_memory_bounded(
     servers: Servers, prep_servers, tmp_path: Path
 ) -> None:
-    infer = servers.start("mrope", parallel=1, ctx_size=2048, sessions_dir=tmp_path)
+    # (the media caches get 32 MB: the images checked keep 8 of them, the growth they may cause)
+    infer = servers.start(
+        "mrope", parallel=1, ctx_size=2048, sessions_dir=tmp_path, cache_bytes=32 << 20
+    )
     stub = infer_stub(infer.port)
     prep = prep_stub(prep_servers("mrope"))
     create(stub, "long", GREEDY)

@@ -196,7 +196,10 @@ class Servers:
         self.tiny = tiny
         self.running: list[Any] = []
 
-    def start(self, name: str, *, sessions_dir: Path | None = None, **config: Any) -> Any:
+    def start(
+        self, name: str, *, sessions_dir: Path | None = None, cache_bytes: int = 1 << 30,
+        **config: Any,
+    ) -> Any:  # fmt: skip
         from infer_service.__main__ import start
         from infer_service.runtime import RuntimeConfig
 
@@ -204,7 +207,9 @@ class Servers:
         config.setdefault("threads", 1)
         config.setdefault("ctx_size", 1024)
         runtime = RuntimeConfig(pair.model, pair.mmproj, **config)
-        running = self.loop_thread.run(start(runtime, sessions_dir=sessions_dir))
+        running = self.loop_thread.run(
+            start(runtime, sessions_dir=sessions_dir, cache_bytes=cache_bytes)
+        )
         self.running.append(running)
         return running
 
