@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prep_service.image_cache import DEFAULT_IMAGE_CACHE_BYTES
 from prep_service.options import OPTIONS
 from prep_service.preparer import Preparer
 from prep_service.service import Limits, PrepServicer
@@ -62,6 +63,7 @@ async def start(
     security: Security = Security(),
     metrics_port: int | None = None,
     chat_template: str | None = None,
+    image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
 ) -> RunningPrep:
     """Listen first (health NOT_SERVING), load the models, then report SERVING."""
     metrics = ServiceMetrics("prep")
@@ -81,7 +83,9 @@ async def start(
     except BaseException:
         await server.stop(0)  # don't leave a port open that will never serve
         raise
-    servicer = PrepServicer(preparer, limits=limits, workers=threads)
+    servicer = PrepServicer(
+        preparer, limits=limits, workers=threads, image_cache_bytes=image_cache_bytes
+    )
     server.bind(prep_pb2_grpc.add_PrepServiceServicer_to_server, servicer)
     if metrics_port is not None:
         metrics.serve(metrics_port)
@@ -105,6 +109,7 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[Path, Path | None, dict[str, 
         "limits": limits,
         "max_message_bytes": s["max_message_mb"] << 20,
         "chat_template": s["chat_template"],
+        "image_cache_bytes": s["image_cache_mb"] << 20,
     }
     return s["model"], s["mmproj"], arguments
 

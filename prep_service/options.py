@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from prep_service.image_cache import DEFAULT_IMAGE_CACHE_BYTES
 from slotwise_core.images import DEFAULT_MAX_PIXELS, DEFAULT_MAX_TOTAL_PIXELS
 from slotwise_core.options import option, positive_int
 from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
@@ -19,6 +20,9 @@ OPTIONS = (
     option("--max-total-pixels", type=int, default=DEFAULT_MAX_TOTAL_PIXELS,
            help="pixels of all images of one request together (checked before decoding)"),
     option("--max-message-mb", type=positive_int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20),
+    option("--image-cache-mb", type=int, default=DEFAULT_IMAGE_CACHE_BYTES >> 20,
+           help="what prep learnt of the image files it decoded, by their digest, so that a "
+           "resent image is not decoded again (0: off)"),
     option("--chat-template", metavar="NAME|FILE",
            help="a llama.cpp built-in template name (chatml, gemma, llama3, ...) or a Jinja "
            "file; default: the model's own"),

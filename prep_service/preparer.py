@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,17 +40,24 @@ class UnsupportedError(ValueError):
     """A request this model cannot serve (images without an mmproj, chat without a template)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ImageRef:
-    """An image as prepare needs it: pixels, or (CountTokens) just a size."""
+    """An image as prepare needs it: its size, the hash of its pixels and a file that decodes
+    to exactly them (or raw RGB); or (CountTokens) just a size."""
 
     width: int
     height: int
-    pixels: RgbImage | None = None
+    media_id: str = ""
+    encoded: bytes = b""
+    rgb: bytes = b""  # only without an encoded form
 
     @classmethod
     def of(cls, image: RgbImage) -> ImageRef:
-        return cls(image.width, image.height, image)
+        rgb = b"" if image.encoded else image.rgb
+        return cls(image.width, image.height, image.media_id, image.encoded, rgb)
+
+    def __repr__(self) -> str:  # never print the file
+        return f"ImageRef({self.width}x{self.height}, {self.media_id[:12] or 'size only'})"
 
 
 Part = str | ImageRef
@@ -122,6 +130,9 @@ class Preparer:
             native.free_model(self._model)
             raise
         self.marker = self.mtmd.marker if self.mtmd else mtmd_default_marker()
+        # the chunks libmtmd makes of one image alone depend on its size only (for this model
+        # and projector): remembered for the sizes seen last
+        self._group_shape = functools.lru_cache(maxsize=1024)(self._shape_of)
         bos = llama_cpp.llama_vocab_bos(self._vocab)
         eos = llama_cpp.llama_vocab_eos(self._vocab)
         try:
@@ -384,8 +395,12 @@ class Preparer:
         # infer tokenizes the real ones and checks that its counts are these
         bitmaps = [native.Bitmap(im.width, im.height) for im in segment.images]
         raw = self.mtmd.count(segment.text, bitmaps, add_special=segment.add_special)
-        groups = [self.mtmd.media_group(b) for b in bitmaps]
+        groups = [self._group_shape(b) for b in bitmaps]
         return _group(raw, groups, segment)
+
+    def _shape_of(self, bitmap: native.Bitmap) -> tuple[native.RawChunk, ...]:
+        assert self.mtmd is not None
+        return tuple(self.mtmd.media_group(bitmap))
 
 
 def _n_ctx_train(model: int) -> int:
@@ -412,7 +427,7 @@ def _numbered_images(segments: list[_Segment]) -> list[_Segment]:
 
 
 def _group(
-    raw: list[native.RawChunk], groups: list[list[native.RawChunk]], segment: _Segment
+    raw: list[native.RawChunk], groups: Sequence[Sequence[native.RawChunk]], segment: _Segment
 ) -> list[Chunk]:
     """Attach group numbers, cutting off the wrapper tokens libmtmd merged into neighbours.
 
@@ -466,17 +481,16 @@ def _group(
 
 
 def _media(c: native.RawChunk, image: ImageRef, msg: int, group: int) -> MediaChunk:
-    px = image.pixels
     return MediaChunk(
-        media_id=px.media_id if px else "",
+        media_id=image.media_id,
         num_cells=c.num_cells,
         num_positions=c.num_positions,
         width=image.width,
         height=image.height,
-        rgb=b"" if px and px.encoded else (px.rgb if px else b""),
+        rgb=b"" if image.encoded else image.rgb,
         message_index=msg,
         media_group=group,
-        encoded=px.encoded if px else b"",
+        encoded=image.encoded,
     )
 
 

@@ -7,15 +7,17 @@ import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from prep_service.chat import TemplateError
+from prep_service.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageCache
 from prep_service.preparer import (
     ImageRef,
     InputError,
     Message,
+    Part,
     Preparer,
     RawPrompt,
     UnsupportedError,
@@ -28,7 +30,8 @@ from slotwise_core.images import (
     DEFAULT_MAX_PIXELS,
     DEFAULT_MAX_TOTAL_PIXELS,
     ImageError,
-    decode_image,
+    ImageFacts,
+    image_facts,
     image_size,
 )
 from slotwise_core.serving import abort
@@ -61,9 +64,17 @@ class Limits:
 
 
 class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
-    def __init__(self, preparer: Preparer, *, limits: Limits = Limits(), workers: int = 2):
+    def __init__(
+        self,
+        preparer: Preparer,
+        *,
+        limits: Limits = Limits(),
+        workers: int = 2,
+        image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
+    ):
         self.preparer = preparer
         self.limits = limits
+        self.image_cache = ImageCache(image_cache_bytes)
         # mtmd_tokenize is thread-safe: calls proceed in parallel, off the event loop
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prep")
 
@@ -178,21 +189,20 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
         which = request.WhichOneof("input")
         self._check_total_pixels(request)
         n_images = 0
+        files: list[tuple[bytes, str]] = []  # the encoded images, in order
+        holes: list[tuple[list[Any], int]] = []  # where each one's ImageRef goes
 
-        def image(pb, where: str) -> ImageRef:
+        def image(pb, where: str, parts: list[Any]) -> None:
             nonlocal n_images
             n_images += 1
             if n_images > self.limits.max_images:
                 raise InputError(f"more than {self.limits.max_images} images in one request")
             source = pb.WhichOneof("source")
             if source == "data":
-                try:
-                    rgb = decode_image(
-                        pb.data, max_pixels=self.limits.max_pixels, max_side=self.limits.max_side
-                    )
-                except ImageError as e:
-                    raise ImageError(f"{where}: {e}") from None
-                return ImageRef.of(rgb)
+                files.append((pb.data, where))
+                holes.append((parts, len(parts)))
+                parts.append(ImageRef(0, 0))  # (filled in below, once decoded)
+                return
             if source == "size" and sizes_allowed:
                 w, h = pb.size.width, pb.size.height
                 if w == 0 or h == 0 or w * h > self.limits.max_pixels:
@@ -200,19 +210,31 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                         f"{where}: size {w}x{h} must be positive and at most "
                         f"{self.limits.max_pixels} pixels"
                     )
-                return ImageRef(w, h)
+                parts.append(ImageRef(w, h))
+                return
             if source == "size":
                 raise InputError(f"{where}: Prepare needs the image bytes, not just a size")
             raise InputError(f"{where}: image has neither data nor size")
 
+        def with_images(result: list[Message] | RawPrompt) -> list[Message] | RawPrompt:
+            for (parts, k), (data, _), facts in zip(
+                holes, files, self._image_facts(files), strict=True
+            ):
+                parts[k] = ImageRef(
+                    facts.width, facts.height, facts.media_id, facts.reencoded or data
+                )
+            return result
+
         if which == "raw":
             raw = request.raw
-            images = [image(im, f"image {k}") for k, im in enumerate(raw.images)]
-            return RawPrompt(raw.text, images, raw.add_special)
+            images: list[ImageRef] = []
+            for k, im in enumerate(raw.images):
+                image(im, f"image {k}", images)
+            return with_images(RawPrompt(raw.text, images, raw.add_special))
         if which == "chat":
             messages = []
             for i, m in enumerate(request.chat.messages):
-                parts: list[str | ImageRef] = []
+                parts: list[Part] = []
                 for j, p in enumerate(m.parts):
                     kind = p.WhichOneof("kind")
                     if kind == "text":
@@ -222,7 +244,7 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                         # counted (a long session's earlier images cost nothing, and no limit)
                         parts.append(ImageRef(0, 0))
                     elif kind == "image":
-                        parts.append(image(p.image, f"message {i} part {j}"))
+                        image(p.image, f"message {i} part {j}", parts)
                     else:
                         raise InputError(f"message {i} part {j} is empty (neither text nor image)")
                 calls = [
@@ -230,8 +252,44 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                     for k, c in enumerate(m.tool_calls)
                 ]
                 messages.append(Message(m.role, parts, calls, m.tool_call_id, m.name))
-            return messages
+            return with_images(messages)
         raise InputError("request has neither chat nor raw input")
+
+    def _image_facts(self, files: list[tuple[bytes, str]]) -> list[ImageFacts]:
+        """Each file's facts, in order: from the cache, or decoded (a file sent twice, once).
+        The first file that does not decode is the error, named by where it was.
+
+        (One after the other: several side by side on a second pool gained nothing measurable
+        on 2 busy cores, where concurrent requests already use them, and would double the
+        decodes, and their memory, in flight.)"""
+        cache, limits = self.image_cache, self.limits
+        found: list[ImageFacts | None] = [None] * len(files)
+        todo: dict[bytes | int, list[int]] = {}  # what to decode -> the files it answers
+        for n, (data, _) in enumerate(files):
+            key = None
+            if cache.enabled:
+                key = cache.key(data, max_pixels=limits.max_pixels, max_side=limits.max_side)
+            if key is not None and key in todo:
+                todo[key].append(n)  # (the same file again in this request)
+            elif (facts := cache.get(key)) is not None:
+                found[n] = facts
+            else:
+                todo[n if key is None else key] = [n]
+
+        def decode(n: int) -> ImageFacts:
+            data, where = files[n]
+            try:
+                return image_facts(data, max_pixels=limits.max_pixels, max_side=limits.max_side)
+            except ImageError as e:
+                raise ImageError(f"{where}: {e}") from None
+
+        for what, ns in todo.items():  # (in order: dicts keep it)
+            facts = decode(ns[0])
+            for n in ns:
+                found[n] = facts
+            if isinstance(what, bytes):
+                cache.put(what, facts)  # (a file that does not decode never gets here)
+        return [f for f in found if f is not None]
 
 
 def _tools(request) -> Tools | None:

@@ -7,7 +7,7 @@ import io
 import warnings
 from dataclasses import dataclass
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 DEFAULT_MAX_PIXELS = 33_177_600  # 8K UHD (7680x4320): larger files are refused, not decoded
@@ -67,6 +67,38 @@ def decode_image(
     frame; files over max_pixels (decompression bombs included) are refused before decoding.
     max_side > 0 downscales so that neither side exceeds it.
     """
+    image, resized = _decode(data, max_pixels, max_side)
+    # decoding the same bytes again gives the same pixels (EXIF rotation included), unless
+    # they were resized here
+    encoded = lossless(image.width, image.height, image.rgb) if resized else data
+    return RgbImage(image.width, image.height, image.rgb, encoded)
+
+
+@dataclass(frozen=True)
+class ImageFacts:
+    """An image file as prep needs it: decode_image's size and media_id, and what to send
+    for it; the pixels themselves are not kept."""
+
+    width: int
+    height: int
+    media_id: str
+    # a lossless file of the pixels when max_side resized them; b"": the file itself decodes
+    # to exactly them
+    reencoded: bytes = b""
+
+
+def image_facts(
+    data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS, max_side: int = 0
+) -> ImageFacts:
+    """decode_image(data, ...) without keeping the pixels: the same decoding, the same
+    refusals, the same media_id."""
+    image, resized = _decode(data, max_pixels, max_side)
+    w, h = image.width, image.height
+    return ImageFacts(w, h, image.media_id, lossless(w, h, image.rgb) if resized else b"")
+
+
+def _decode(data: bytes, max_pixels: int, max_side: int) -> tuple[RgbImage, bool]:
+    """The file's pixels (no encoded form yet), and whether max_side resized them."""
     if not data:
         raise ImageError("image is empty (0 bytes)")
     try:
@@ -81,7 +113,7 @@ def decode_image(
                     )
                 img.seek(0)
                 img.load()
-                image = _to_rgb(img, max_side)
+                return _to_rgb(img, max_side)
     except ImageError:
         raise
     except UnidentifiedImageError:
@@ -90,22 +122,22 @@ def decode_image(
         raise ImageError(f"image refused as a decompression bomb: {e}") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise ImageError(f"image file is truncated or corrupt: {e}") from None
-    # decoding the same bytes again gives the same pixels, unless they were resized here (a
-    # rotated one is re-encoded too: the size alone cannot tell the two apart)
-    resized = (image.width, image.height) != (width, height)
-    encoded = lossless(image.width, image.height, image.rgb) if resized else data
-    return RgbImage(image.width, image.height, image.rgb, encoded)
 
 
-def _to_rgb(img: Image.Image, max_side: int) -> RgbImage:
-    img = ImageOps.exif_transpose(img) or img
+def _to_rgb(img: Image.Image, max_side: int) -> tuple[RgbImage, bool]:
+    """EXIF orientation, alpha on white, RGB, max_side: each step only where it changes the
+    pixels (exif_transpose without a rotation, and convert to the mode the image has, would
+    only copy them)."""
+    if img.getexif().get(ExifTags.Base.Orientation, 1) != 1:
+        img = ImageOps.exif_transpose(img)
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         img = Image.alpha_composite(background, rgba)
-    rgb = img.convert("RGB")
-    if max_side > 0 and max(rgb.size) > max_side:
+    rgb = img if img.mode == "RGB" else img.convert("RGB")
+    resized = max_side > 0 and max(rgb.size) > max_side
+    if resized:
         scale = max_side / max(rgb.size)
         size = (max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale)))
         rgb = rgb.resize(size, Image.Resampling.BICUBIC)
-    return RgbImage(rgb.width, rgb.height, rgb.tobytes())
+    return RgbImage(rgb.width, rgb.height, rgb.tobytes()), resized

@@ -25,6 +25,7 @@ EXPECTED = [
     *bench.ROW_SHIFT.values(),
     bench.ROW_COUNT,
     bench.ROW_PREPARE,
+    bench.ROW_PREPARE_HIT,
     bench.ROW_PREPARE_BYTES,
     bench.ROW_PREPARE8,
     bench.ROW_STALL_GAP,

@@ -12,7 +12,14 @@ import zlib
 import pytest
 from PIL import ExifTags, Image, ImageOps
 
-from slotwise_core.images import DEFAULT_MAX_PIXELS, ImageError, RgbImage, decode_image, media_id
+from slotwise_core.images import (
+    DEFAULT_MAX_PIXELS,
+    ImageError,
+    RgbImage,
+    decode_image,
+    image_facts,
+    media_id,
+)
 
 RED, GREEN, BLUE, WHITE = (255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255)
 
@@ -251,3 +258,58 @@ def test_media_id_is_the_content_hash_of_the_rgb() -> None:
     changed.putpixel((0, 0), tuple(255 - v for v in source.getpixel((0, 0))))
     assert decode_image(encode(changed, "PNG")).media_id != expected
     assert media_id(5, 12, source.tobytes()) != expected
+
+
+# -- what prep keeps of an image ----------------------------------------------------------------
+
+
+def facts_cases() -> dict[str, tuple[bytes, int]]:
+    """(file, max_side) of every path decoding takes: plain, rotated, alpha, palette, resized."""
+    rgba = noise(30, 20, seed=20, mode="RGBA")
+    palette = noise(25, 15, seed=21).convert("P")
+    return {
+        "jpeg": (encode(noise(40, 30, seed=22), "JPEG", quality=90), 0),
+        "jpeg-exif-6": (jpeg_with_orientation(noise(40, 30, seed=23), 6), 0),
+        "jpeg-exif-1": (jpeg_with_orientation(noise(40, 30, seed=24), 1), 0),
+        "png-rgba": (encode(rgba, "PNG"), 0),
+        "png-palette": (encode(palette, "PNG"), 0),
+        "gray": (encode(noise(20, 10, seed=25, mode="L"), "PNG"), 0),
+        "resized": (encode(noise(400, 200, seed=26), "PNG"), 100),
+        "resized-and-rotated": (jpeg_with_orientation(noise(300, 100, seed=27), 8), 60),
+    }
+
+
+@pytest.mark.parametrize("case", list(facts_cases()))
+def test_image_facts_are_decode_images_without_the_pixels(case: str) -> None:
+    data, max_side = facts_cases()[case]
+    im = decode_image(data, max_side=max_side)
+    facts = image_facts(data, max_side=max_side)
+    assert (facts.width, facts.height, facts.media_id) == (im.width, im.height, im.media_id)
+    # what is sent: the file itself unless it was resized, and it decodes to exactly the pixels
+    sent = facts.reencoded or data
+    assert sent == im.encoded
+    assert (facts.reencoded != b"") == case.startswith("resized")
+    again = decode_image(sent, max_pixels=im.width * im.height)
+    assert (again.width, again.height, again.rgb) == (im.width, im.height, im.rgb)
+
+
+def test_a_rotated_file_is_sent_as_it_is() -> None:
+    """Decoding applies EXIF orientation, so the file itself decodes to the rotated pixels:
+    no re-encoding (a phone photo stays the JPEG it was)."""
+    data = jpeg_with_orientation(halves(64, 32), 6)
+    im = decode_image(data)
+    assert (im.width, im.height) == (32, 64)
+    assert im.encoded == data
+
+
+def test_image_facts_refuse_what_decode_image_refuses() -> None:
+    for bad, message in (
+        (b"", "empty"),
+        (b"not an image", "not a PNG"),
+        (encode(noise(30, 30), "PNG")[:300], "truncated or corrupt"),
+        (bilevel_png(600, 600), "over the limit of 1000"),
+    ):
+        with pytest.raises(ImageError, match=message):
+            image_facts(bad, max_pixels=1000)
+        with pytest.raises(ImageError, match=message):
+            decode_image(bad, max_pixels=1000)
