@@ -177,6 +177,7 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
         threads=s["threads"],
         threads_batch=s["threads_batch"],
         encode_threads=s["encode_threads"],
+        encode_nice=s["encode_nice"],
         extra_bufts={"auto": None, "on": True, "off": False}[s["extra_bufts"]],
     )
     return config, {

@@ -22,8 +22,11 @@ ledgers after every plan, and after every step.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -119,7 +122,10 @@ class Executor:
         self.cache = EmbeddingCache(cache_bytes)
         self.states = StateCache(state_cache_bytes)  # stateless conversations that lost a slot
         self._notify = notify  # an encode finished: the engine may sleep
-        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="media-encode")
+        self._encoder = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="media-encode",
+            initializer=_niced, initargs=(rt.config.encode_nice,),
+        )  # fmt: skip
         self._encoding: dict[str, Future[np.ndarray]] = {}  # media key -> its encode
         self._encoded: dict[str, np.ndarray] = {}  # finished, until their slot decodes them
         self._observer = observer
@@ -691,6 +697,16 @@ class Executor:
             return
         slot.num_prefill_done += num_cells
         slot.job.emit(PrefillProgress(slot.num_prefill_done, slot.num_prefill_total))
+
+
+def _niced(nice: int) -> None:
+    """The encode worker (and the threads its encodes start, which inherit it) runs at a lower
+    priority than decoding: the cores are the generating slots' when they need them, the
+    encoder's the rest of the time (Linux: a thread's nice value is its own)."""
+    if nice:
+        with contextlib.suppress(OSError, AttributeError):
+            me = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + nice))
 
 
 def _media(slot: Slot, key: str) -> MediaHandle:

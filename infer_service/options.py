@@ -3,6 +3,7 @@ into start arguments by `start_arguments` in infer_service/__main__.py)."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from infer_service.runtime import RuntimeConfig
@@ -11,6 +12,14 @@ from slotwise_core.options import option, positive_int
 from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
 
 _d = RuntimeConfig(model=Path())
+
+
+def nice_value(text: str) -> int:
+    n = int(text)
+    if not 0 <= n <= 19:
+        raise argparse.ArgumentTypeError(f"must be within 0-19, got {n}")
+    return n
+
 
 OPTIONS = (
     option("--model", type=Path, required=True, help="text model GGUF"),
@@ -27,6 +36,9 @@ OPTIONS = (
            help="threads of a step with prompt tokens; default: every core"),
     option("--encode-threads", type=positive_int, default=_d.encode_threads,
            help="image encoding threads (its own worker, beside decoding)"),
+    option("--encode-nice", type=nice_value, default=_d.encode_nice,
+           help="the encoding worker's priority below decoding's (nice; 0: the "
+           "same): while slots generate, an image encodes on what they leave"),
     option("--extra-bufts", choices=["auto", "on", "off"], default="auto",
            help="llama.cpp's repacked weight buffers (AMX among them); auto: off where the CPU "
            "reports AMX and the kernel refuses it"),

@@ -44,6 +44,8 @@ class RuntimeConfig:
     threads_batch: int = os.cpu_count() or 2
     # the projector runs on its own worker beside decoding, and only while an image waits
     encode_threads: int = os.cpu_count() or 2
+    # its priority below decoding's (nice): while slots generate, it takes what they leave
+    encode_nice: int = 10
     extra_bufts: bool | None = None  # None: unless the CPU reports AMX the kernel refuses
 
 

@@ -9,6 +9,8 @@ about 1,500 with the encode worker, 7 without it.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -58,3 +60,14 @@ def test_a_stream_keeps_receiving_tokens_while_another_requests_image_is_encoded
     during = run.tokens_between(run.b_admitted, run.b_first)
     assert infer.engine.stats.num_media_decodes >= 1  # type: ignore[attr-defined]
     assert during >= 100, f"A got {during} tokens while B's image was encoded (1541 here)"
+
+
+def test_the_encoder_yields_the_cores_to_decoding(services: tuple[int, object]) -> None:
+    """The encode worker (whose threads inherit it) runs 10 nice levels below decoding."""
+    _, infer = services
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    encoder = infer.engine.executor._encoder  # type: ignore[attr-defined]
+    assert encoder.submit(nice).result(30) == min(19, nice() + 10)

@@ -16,6 +16,7 @@ from test_cli import start_serve
 from clients.client import Message, SlotwiseClient, SlotwiseError
 from infer_service import __main__ as infer_main
 from infer_service.options import OPTIONS as INFER
+from infer_service.options import nice_value
 from prep_service import __main__ as prep_main
 from prep_service.options import OPTIONS as PREP
 from slotwise_core.options import Option, positive_int, settings
@@ -35,7 +36,7 @@ def unusual(o: Option, tmp_path: Path) -> list[str]:
         path = tmp_path / o.name
         path.write_text("")
         return [o.flag, str(path)]
-    if kw.get("type") in (int, float, positive_int):
+    if kw.get("type") in (int, float, positive_int, nice_value):
         return [o.flag, str((kw.get("default") or 0) + 3)]
     return [o.flag, f"{o.name}-value"]
 
