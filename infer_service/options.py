@@ -31,9 +31,10 @@ OPTIONS = (
     option("--ubatch-size", type=positive_int, default=_d.ubatch_size),
     option("--gpu-layers", type=int, default=_d.gpu_layers, help="layers offloaded (CUDA builds)"),
     option("--threads", type=positive_int, default=_d.threads,
-           help="threads of a step that generates (one token per sequence); default: every core"),
+           help="threads of a step that generates (one token per sequence); default: every "
+           "physical core"),
     option("--threads-batch", type=positive_int, default=_d.threads_batch,
-           help="threads of a step with prompt tokens; default: every core"),
+           help="threads of a step with prompt tokens; default: every physical core"),
     option("--encode-threads", type=positive_int, default=_d.encode_threads,
            help="image encoding threads (its own worker, beside decoding)"),
     option("--encode-nice", type=nice_value, default=_d.encode_nice,

@@ -12,8 +12,8 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,24 @@ log = logging.getLogger("slotwise.runtime")
 CLOSE_WAIT = 30.0  # seconds close waits for borrowers (a verification finishing its image)
 
 
+def physical_cores() -> int:
+    """llama-server's default thread count: one per physical core this process may run on
+    (two hyperthreads of a core share its math units), i.e. the distinct thread-sibling sets of
+    the CPUs in its affinity."""
+    try:
+        cpus: Iterable[int] = os.sched_getaffinity(0)
+    except AttributeError:  # (not Linux)
+        cpus = range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings")
+            cores.add(siblings.read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     model: Path
@@ -39,11 +57,11 @@ class RuntimeConfig:
     ubatch_size: int = 512
     gpu_layers: int = 0
     # llama.cpp's threads for a step that generates one token per sequence, and for a step
-    # with prompt tokens (llama-server's default for both: every core)
-    threads: int = os.cpu_count() or 2
-    threads_batch: int = os.cpu_count() or 2
+    # with prompt tokens (llama-server's default for both: every physical core)
+    threads: int = field(default_factory=physical_cores)
+    threads_batch: int = field(default_factory=physical_cores)
     # the projector runs on its own worker beside decoding, and only while an image waits
-    encode_threads: int = os.cpu_count() or 2
+    encode_threads: int = field(default_factory=physical_cores)
     # its priority below decoding's (nice): while slots generate, it takes what they leave
     encode_nice: int = 10
     extra_bufts: bool | None = None  # None: unless the CPU reports AMX the kernel refuses

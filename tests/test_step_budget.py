@@ -6,8 +6,10 @@ measured."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -16,7 +18,7 @@ from hypothesis import strategies as st
 from infer_service.events import Event, PrefillProgress, TokenDelta
 from infer_service.executor import Executor
 from infer_service.ledger import Item
-from infer_service.runtime import Runtime, RuntimeConfig, SamplingConfig
+from infer_service.runtime import Runtime, RuntimeConfig, SamplingConfig, physical_cores
 from infer_service.slots import EngineStats, Job, Slot
 from infer_service.step_budget import MIN_PIECE, PIECES, prefill_budget
 
@@ -107,3 +109,10 @@ def test_a_prompt_alone_goes_in_whole_batches(executor: Executor) -> None:
     while tokens_of(b) == 0:
         ex.step(slots)
     assert progress_of(b) == [512, 1024, 1500]
+
+
+def test_threads_default_to_the_physical_cores_this_process_may_use() -> None:
+    cores = physical_cores()
+    assert 1 <= cores <= len(os.sched_getaffinity(0))
+    config = RuntimeConfig(model=Path("m.gguf"))
+    assert config.threads == config.threads_batch == config.encode_threads == cores
