@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +24,7 @@ from slotwise_core.images import (
     decode_image,
     media_id,
 )
+from slotwise_core.lru import SizedLRU
 
 
 class StaleDescriptorError(ValueError):
@@ -78,43 +77,15 @@ class Verified:
         return len(self.rgb) + PREPROCESSED_BYTES_PER_PIXEL * self.width * self.height
 
 
-class VerifiedMedia:
+class VerifiedMedia(SizedLRU[str, Verified]):
     """Checked images by the digest of the bytes they came in (raw pixels: by media_id, whose
     hash the descriptor's reader checked), least recently used out first, bounded in bytes;
     thread-safe. A request must hold the image's bytes to use an entry: the cache tells nobody
-    what another request sent."""
+    what another request sent. The chunks of an entry that goes live on while requests or
+    sessions hold them."""
 
     def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.num_bytes = 0
-        self.hits = self.misses = 0
-        self._lock = threading.Lock()
-        self._items: OrderedDict[str, Verified] = OrderedDict()
-
-    def get(self, key: str) -> Verified | None:
-        with self._lock:
-            found = self._items.get(key)
-            if found is None:
-                self.misses += 1
-                return None
-            self.hits += 1
-            self._items.move_to_end(key)
-            return found
-
-    def put(self, key: str, verified: Verified) -> None:
-        if verified.num_bytes > self.max_bytes:
-            return
-        with self._lock:
-            if key in self._items:
-                return
-            self._items[key] = verified
-            self.num_bytes += verified.num_bytes
-            while self.num_bytes > self.max_bytes:
-                _, old = self._items.popitem(last=False)
-                self.num_bytes -= old.num_bytes  # (its chunks live on while requests hold them)
-
-    def __len__(self) -> int:
-        return len(self._items)
+        super().__init__(max_bytes, lambda verified: verified.num_bytes)
 
 
 def image_key(image: MediaChunk) -> str:

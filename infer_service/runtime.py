@@ -11,7 +11,6 @@ import ctypes
 import logging
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from llama_cpp import mtmd_cpp
 
 from slotwise_core import model_files, native
 from slotwise_core.descriptors import Fingerprint
+from slotwise_core.lru import SizedLRU
 
 log = logging.getLogger("slotwise.runtime")
 
@@ -401,30 +401,8 @@ class TokenBatch:
         llama_cpp.llama_batch_free(self.native)
 
 
-class EmbeddingCache:
-    """media_id -> projector output, least recently used out first, bounded in bytes."""
+class EmbeddingCache(SizedLRU[str, np.ndarray]):
+    """media key -> projector output, least recently used out first, bounded in bytes."""
 
     def __init__(self, max_bytes: int = 1 << 30):
-        self.max_bytes = max_bytes
-        self.num_bytes = 0
-        self._items: OrderedDict[str, np.ndarray] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, key: str) -> np.ndarray | None:
-        value = self._items.get(key)
-        if value is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._items.move_to_end(key)
-        return value
-
-    def put(self, key: str, value: np.ndarray) -> None:
-        if key in self._items:
-            return
-        self._items[key] = value
-        self.num_bytes += value.nbytes
-        while self.num_bytes > self.max_bytes and len(self._items) > 1:
-            _, old = self._items.popitem(last=False)
-            self.num_bytes -= old.nbytes
+        super().__init__(max_bytes, lambda embeddings: embeddings.nbytes)

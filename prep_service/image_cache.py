@@ -9,11 +9,10 @@ kept here, least recently used first out, within a bound in bytes. Pixels are ne
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from slotwise_core.images import ImageFacts
+from slotwise_core.lru import SizedLRU
 
 DEFAULT_IMAGE_CACHE_BYTES = 64 << 20
 # what an entry costs besides a re-encoded file: the key, the facts, media_id, the order's node
@@ -29,16 +28,11 @@ class CacheStats:
     max_bytes: int
 
 
-class ImageCache:
+class ImageCache(SizedLRU[bytes, ImageFacts]):
     """Thread-safe. max_bytes 0 keeps nothing: no file is hashed, every lookup misses."""
 
     def __init__(self, max_bytes: int):
-        self.max_bytes = max(0, max_bytes)
-        self._entries: OrderedDict[bytes, tuple[ImageFacts, int]] = OrderedDict()
-        self._lock = threading.Lock()
-        self._bytes = 0
-        self._hits = 0
-        self._misses = 0
+        super().__init__(max_bytes, lambda facts: ENTRY_OVERHEAD + len(facts.reencoded))
 
     @property
     def enabled(self) -> bool:
@@ -52,33 +46,13 @@ class ImageCache:
         h.update(data)
         return h.digest()
 
-    def get(self, key: bytes | None) -> ImageFacts | None:
+    def find(self, key: bytes | None) -> ImageFacts | None:
         """The facts kept for this key (None, as when the cache is off: a miss)."""
-        with self._lock:
-            if key is not None and (entry := self._entries.get(key)) is not None:
-                self._entries.move_to_end(key)
-                self._hits += 1
-                return entry[0]
-            self._misses += 1
+        if key is None:
+            with self._lock:
+                self.misses += 1
             return None
-
-    def put(self, key: bytes, facts: ImageFacts) -> None:
-        """Remember facts of a file that decoded (an image that failed never comes here)."""
-        size = ENTRY_OVERHEAD + len(facts.reencoded)
-        if size > self.max_bytes:
-            return
-        with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= old[1]
-            self._entries[key] = (facts, size)
-            self._bytes += size
-            while self._bytes > self.max_bytes:
-                _, (_, freed) = self._entries.popitem(last=False)
-                self._bytes -= freed
+        return self.get(key)
 
     def stats(self) -> CacheStats:
-        with self._lock:
-            return CacheStats(
-                self._hits, self._misses, len(self._entries), self._bytes, self.max_bytes
-            )
+        return CacheStats(self.hits, self.misses, len(self), self.num_bytes, self.max_bytes)

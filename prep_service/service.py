@@ -271,7 +271,7 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                 key = cache.key(data, max_pixels=limits.max_pixels, max_side=limits.max_side)
             if key is not None and key in todo:
                 todo[key].append(n)  # (the same file again in this request)
-            elif (facts := cache.get(key)) is not None:
+            elif (facts := cache.find(key)) is not None:
                 found[n] = facts
             else:
                 todo[n if key is None else key] = [n]
