@@ -16,7 +16,9 @@ an end-of-generation token early is counted over what it generated.
 
 The stall section (benchmarks/stall.py) runs on its own generated pair, the tiny qwen2vl model
 with a projector of --vision-width x --vision-layers (or --model with --mmproj): stream A
-generates text while client B sends a 1000x1000 JPEG; it needs no Gemma.
+generates text while client B sends a 1000x1000 JPEG; it needs no Gemma. The textstall section is
+the same with a long text prompt as B, on the text model. The resent section (a chat resent whole
+every turn, a photo in every third) runs on the tiny qwen2vl pair (or --model with --mmproj).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from benchmarks.images import make_jpeg
 from benchmarks.stall import (
     HEAVY,
+    BTimes,
     ServerStall,
     SlotwiseStall,
     StallError,
@@ -59,9 +62,11 @@ from benchmarks.stall import (
     stall_jpeg,
 )
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc
-from slotwise_core.tiny_models import Vision
+from slotwise_core.tiny_models import Vision, write_tiny_models
 
-SECTIONS = ("stream1", "stream4", "shift", "prep", "ttft", "stall", "session")
+SECTIONS = (
+    "stream1", "stream4", "shift", "prep", "ttft", "stall", "textstall", "resent", "session",
+)  # fmt: skip
 
 # Row names (the table's first column); the smoke test checks that each one is printed.
 ROW_STREAM1 = "1 stream tok/s: gRPC / raw loop"
@@ -80,11 +85,18 @@ ROW_PREPARE_HIT = "Prepare of a resent 1 MP JPEG (cache hit), p50 ms"
 ROW_PREPARE8 = "Prepare 8 clients / 1 client, req/s"
 ROW_PREPARE_BYTES = "Prepare 1 MP JPEG: response / file, bytes"
 ROW_TTFT = "TTFT ms: gRPC / in-process"
+ROW_TTFT_THREADS = "TTFT ms, long prompt: infer's default threads / --threads set"
 ROW_STALL_GAP = "image stall: A's longest gap / B's TTFT"
 ROW_STALL_RATE = "image stall: A's tok/s during B's prefill / without"
 ROW_STALL_SERVER = "image stall: B's TTFT slotwise / llama-server"
 ROW_STALL_SERVER_GAP = "image stall, llama-server: A's longest gap / B's TTFT"
 ROW_STALL_SERVER_RATE = "image stall, llama-server: A's tok/s during / without"
+ROW_TEXTSTALL_GAP = "text stall: A's longest gap / B's TTFT"
+ROW_TEXTSTALL_ALONE = "text stall: B's TTFT with A streaming / B's TTFT alone"
+ROW_TEXTSTALL_SERVER = "text stall: B's TTFT slotwise / llama-server"
+ROW_TEXTSTALL_SERVER_GAP = "text stall, llama-server: A's longest gap / B's TTFT"
+ROW_RESENT = "resent chat: last 3 turns' latency / first 3 turns'"
+ROW_RESENT_SESSION = "resent chat: last 3 turns' latency / the same as session turns"
 ROW_SESSION_BYTES = "session turn: bytes written per cell added / a whole-state write's"
 ROW_SESSION_GAP = "session turn's end: other stream's longest gap / its median gap"  # median/turn
 
@@ -109,6 +121,7 @@ PROMPTS = (
 )
 # ~250 tokens for time to first token: the prefill is part of what is timed.
 TTFT_PROMPT = " ".join(PROMPTS) * 2
+RESENT_SEED = 1 << 20  # the resent chat's photos: seeds of their own (no other section's image)
 
 MAX_MESSAGE = 256 << 20
 CHANNEL_OPTIONS = [
@@ -631,6 +644,67 @@ def session_turn(
     raise BenchError("the session turn ended without a Finished event")
 
 
+def user_message(text: str, jpeg: bytes | None = None) -> Any:
+    parts = [prep_pb2.Part(text=text)]
+    if jpeg is not None:
+        parts.append(prep_pb2.Part(image=prep_pb2.Image(data=jpeg)))
+    return prep_pb2.Message(role="user", parts=parts)
+
+
+def chat_request(messages: Sequence[Any]) -> Any:
+    return prep_pb2.PrepareRequest(chat=prep_pb2.Chat(messages=list(messages)))
+
+
+@dataclass
+class ResentTurn:
+    seconds: float  # Prepare of the whole chat to the reply's end
+    prepare_seconds: float  # of which the Prepare call
+    engine_seconds: float  # infer's prefill and decode time (its Usage)
+    reply: str
+    prompt_cells: int
+    reused_cells: int
+    shifts: int
+    photo: bool = False
+
+
+def resent_turn(
+    prep: prep_pb2_grpc.PrepServiceStub,
+    infer: infer_pb2_grpc.InferServiceStub,
+    messages: Sequence[Any],
+    max_tokens: int,
+    session: str = "",
+) -> ResentTurn:
+    """One turn of a client that resends the conversation: Prepare of the whole chat, then a
+    stateless greedy Generate to its end; timed from the Prepare call to the Finished event.
+    With a session: what a session's client sends instead, the chunks from the previous reply
+    on (prep neither decodes nor counts the images before it), as that session's turn."""
+    t0 = time.perf_counter()
+    request = chat_request(messages)
+    if session:
+        request.first_message = max(0, len(messages) - 2)  # (the previous reply)
+    prompt = prep.Prepare(request, timeout=120).prompt
+    t_prepared = time.perf_counter()
+    req = infer_pb2.GenerateRequest(
+        prompt=prompt, max_tokens=max_tokens, sampling=infer_pb2.SamplingParams(temperature=0.0),
+        session_id=session,
+    )  # fmt: skip
+    text: list[str] = []
+    for r in infer.Generate(req, timeout=600):
+        kind = r.WhichOneof("event")
+        if kind == "delta":
+            text.append(r.delta.text)
+        elif kind == "finished":
+            f = r.finished
+            if f.reason == infer_pb2.FINISH_REASON_ERROR:
+                raise BenchError(f"resent chat: generation failed: {f.error}")
+            u = f.usage
+            return ResentTurn(
+                time.perf_counter() - t0, t_prepared - t0, u.prefill_seconds + u.decode_seconds,
+                "".join(text), u.num_prompt_cells, u.num_reused_cells, u.num_shifts,
+            )  # fmt: skip
+    raise BenchError("resent chat: the turn ended without a Finished event")
+
+
 def scrape_metric(port: int, name: str) -> float:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
@@ -699,6 +773,14 @@ class Options:
     stall_alone: float = 2.0
     session_cells: int = 5800
     session_turns: int = 5
+    long_tokens: int = 5800  # the long prompt (TTFT by threads, text stall's B)
+    textstall_ctx: int = 0  # KV cells per slot; 0: B's prompt + 2048, rounded up to 256
+    resent_turns: int = 20
+    resent_tokens: int = 8
+
+
+def round_up(n: int, step: int = 256) -> int:
+    return -(-n // step) * step
 
 
 class Bench:
@@ -709,6 +791,7 @@ class Bench:
         self._raw_model: RawModel | None = None
         self._prep: GrpcService | None = None
         self.stream1_rate: float | None = None
+        self._long: tuple[str, int] | None = None  # the long prompt's words, its token count
 
     # -- plumbing
 
@@ -745,9 +828,23 @@ class Bench:
 
     @contextlib.contextmanager
     def infer(
-        self, *, ctx: int, parallel: int, extra: Sequence[str] = ()
+        self,
+        *,
+        ctx: int,
+        parallel: int,
+        extra: Sequence[str] = (),
+        threads: bool = True,
+        model: Path | None = None,
+        mmproj: Path | None = None,
     ) -> Iterator[infer_pb2_grpc.InferServiceStub]:
-        args = ["--model", str(self.model), "--threads", str(self.o.threads)]
+        """infer on the text model (or ``model`` and ``mmproj``), with ``--threads`` and
+        ``--threads-batch`` of --threads (what every other side gets), or (threads=False) with
+        no thread flags: infer's defaults, every core for both."""
+        args = ["--model", str(model or self.model)]
+        if mmproj is not None:
+            args += ["--mmproj", str(mmproj)]
+        if threads:
+            args += ["--threads", str(self.o.threads), "--threads-batch", str(self.o.threads)]
         args += ["--ctx-size", str(ctx), "--parallel", str(parallel), *extra]
         svc = self.service("infer_service", args)
         try:
@@ -808,6 +905,8 @@ class Bench:
         try:
             if "stream1" in only or "ttft" in only:
                 self.bench_stream1()
+            if "ttft" in only:
+                self.bench_ttft_threads()
             if "stream4" in only:
                 self.bench_stream4()
             if "shift" in only:
@@ -816,6 +915,10 @@ class Bench:
                 self.bench_prep()
             if "stall" in only:
                 self.bench_stall()
+            if "textstall" in only:
+                self.bench_textstall()
+            if "resent" in only:
+                self.bench_resent()
             if "session" in only:
                 self.bench_session()
         finally:
@@ -895,6 +998,64 @@ class Bench:
             "vs tokenize + prefill + sample in process; lower is better"
         )
         self.rows.append(compared(ROW_TTFT, res["grpc"], res["raw"], "ms", note=note, scale=1e3))
+
+    def long_text(self, n: int) -> str:
+        """A prompt of about --long-tokens tokens (prep's count) that begins with its own number
+        n: two of them share no more than a few tokens of prefix, so no cache answers one."""
+        if self._long is None:
+            target, unit = self.o.long_tokens, TTFT_PROMPT.split()
+
+            def count(words: list[str]) -> int:
+                text = f"Report 0. {' '.join(words)}"
+                return len(prompt_tokens(prepare_text(self.prep, text)))
+
+            words = unit * max(1, -(-target // count(unit)) + 1)
+            words = words[: max(1, len(words) * target // count(words))]
+            self._long = " ".join(words), count(words)
+        return f"Report {n}. {self._long[0]}"
+
+    @property
+    def long_tokens(self) -> int:
+        """The long prompt's tokens (as prep counts them, BOS included)."""
+        self.long_text(0)
+        assert self._long is not None
+        return self._long[1]
+
+    def bench_ttft_threads(self) -> None:
+        """TTFT of a long prompt on infer started with no thread flags (its defaults: every
+        core, for generation and prompt steps) and with --threads T --threads-batch T."""
+        o = self.o
+        serial = itertools.count(1)
+        n = self.long_tokens
+        ctx = round_up(n + 256)
+        with (
+            self.infer(ctx=ctx, parallel=1, threads=False) as default,
+            self.infer(ctx=ctx, parallel=1) as tuned,
+        ):
+
+            def timed(infer: infer_pb2_grpc.InferServiceStub) -> Callable[[], float]:
+                def fn() -> float:
+                    text = self.long_text(next(serial))
+                    t0 = time.perf_counter()
+                    prompt = prepare_text(self.prep, text)
+                    return generate(infer, prompt, 1, t_sent=t0).ttft
+
+                return fn
+
+            for infer in (default, tuned):  # warm-up: page in the weights, open the channel
+                generate(infer, prepare_text(self.prep, f"Warm-up. {PROMPTS[0]}"), 1)
+            res = self.interleaved({"default": timed(default), "tuned": timed(tuned)}, o.repeats)
+        note = (
+            f"prompt {n} tokens, a new one each time, ctx {ctx}; Prepare + Generate until the "
+            f"first delta; infer with no thread flags (its defaults: --threads and "
+            f"--threads-batch {os.cpu_count()}, every core here) vs --threads {o.threads} "
+            f"--threads-batch {o.threads}; lower is better"
+        )
+        self.rows.append(
+            compared(
+                ROW_TTFT_THREADS, res["default"], res["tuned"], "ms", "<= 1.05", note, scale=1e3
+            )
+        )
 
     # -- 2 and 3: four concurrent streams
 
@@ -1142,6 +1303,239 @@ class Bench:
         finally:
             prep.stop()
 
+    # -- the text prefill stall: B a long text prompt
+
+    def bench_textstall(self) -> None:
+        """The stall with B a --long-tokens text prompt (a new one each run), on the text model:
+        infer --parallel 2, each slot with room for B's prompt and A's run (A's context shifts
+        when its slot is full); llama-server -np 2 with the same cells per slot (at most the
+        model's n_ctx_train: A's time alone is cut to leave it room for B's wait)."""
+        o = self.o
+        n_b = self.long_tokens
+        slot = o.textstall_ctx or round_up(n_b + 2048)
+        if slot < n_b + 64:
+            raise BenchError(f"--textstall-ctx {slot} has no room for B's {n_b}-token prompt")
+        flags = f"--parallel 2 --ctx-size {2 * slot} --threads {o.threads} --threads-batch "
+        flags += str(o.threads)
+        with (
+            self.infer(ctx=2 * slot, parallel=2) as infer,
+            self.llama_server(ctx=2 * slot, parallel=2) as server,
+        ):
+            try:
+                ours = SlotwiseStall(self.prep, infer)
+                theirs = ServerStall(server.port) if server else None
+            except StallError as e:
+                raise BenchError(f"text stall: {e}") from e
+            self._textstall_rows(ours, theirs, infer_flags=flags)
+
+    def _textstall_rows(
+        self, ours: SlotwiseStall, theirs: ServerStall | None, *, infer_flags: str
+    ) -> None:
+        """Slotwise with A, slotwise B alone (and llama-server with A) interleaved, after one
+        warm-up of B with a short prompt on each server; the rows from the medians."""
+        o = self.o
+        serial = itertools.count(1)  # a new prompt every run: no cache may answer B
+        got: dict[str, list[StallRun]] = {"slotwise": [], "llama-server": []}
+        alone: list[BTimes] = []
+
+        def with_a(name: str, target: SlotwiseStall | ServerStall) -> Callable[[], float]:
+            def fn() -> float:
+                k = next(serial)
+                text = self.long_text(k)
+                try:
+                    r = target.run(None, k, text=text, alone_s=o.stall_alone, settle_s=0.5)
+                except StallError as e:
+                    raise BenchError(f"text stall, {name}: {e}") from e
+                if not r.alone_rate > 0:
+                    raise BenchError(f"text stall, {name}: A got no token while timed alone")
+                got[name].append(r)
+                self.log(f"text stall {name}: {r.figures()}")
+                return r.ttft
+
+            return fn
+
+        def b_alone() -> float:
+            k = next(serial)
+            try:
+                b = ours.b_alone(None, k, text=self.long_text(k))
+            except StallError as e:
+                raise BenchError(f"text stall, B alone: {e}") from e
+            alone.append(b)
+            return b.ttft
+
+        sides: dict[str, Callable[[], float]] = {"slotwise": with_a("slotwise", ours)}
+        sides["alone"] = b_alone
+        if theirs:
+            sides["llama-server"] = with_a("llama-server", theirs)
+        try:
+            for target in (ours, theirs) if theirs else (ours,):  # warm-up: a short B
+                target.b_alone(None, text=f"Warm-up. {PROMPTS[0]}")
+        except StallError as e:
+            raise BenchError(f"text stall, warm-up: {e}") from e
+        self.interleaved(sides, o.repeats)
+        mine = got["slotwise"]
+        during = median([r.a_tokens_during for r in mine])
+        shifts = median([r.shifts_during for r in mine])
+        rate = median([r.rate_during / r.alone_rate for r in mine])
+        note = (
+            f"{self.model.name}; B: {mine[-1].b_tokens}-token text prompt (a new one each run), "
+            f"max_tokens 2; infer {infer_flags}; A's longest wait for a token over B's wait "
+            f"(B's Prepare to its first token); medians: A got {during:.0f} tokens during B's "
+            f"TTFT at {rate:.2f} of its rate alone ({o.stall_alone:g} s before B), "
+            f"{shifts:.0f} context shifts"
+        )
+        self.rows.append(
+            compared(
+                ROW_TEXTSTALL_GAP, [r.longest_gap for r in mine], [r.ttft for r in mine], "ms",
+                "<= 0.05", note, scale=1e3,
+            )
+        )  # fmt: skip
+        note = (
+            "B alone: the same kind of prompt (a new one) with no A running, interleaved with "
+            "the runs beside A; lower is better"
+        )
+        self.rows.append(
+            compared(
+                ROW_TEXTSTALL_ALONE, [r.ttft for r in mine], [b.ttft for b in alone], "ms",
+                "<= 1.05", note, scale=1e3,
+            )
+        )  # fmt: skip
+        if not theirs:
+            return
+        ref = got["llama-server"]
+        cut = median([r.alone_seconds for r in ref])
+        note = (
+            f"llama-server -np 2 -t {o.threads} -tb {o.threads} -c {2 * (theirs.slot_ctx)}: "
+            f"{theirs.slot_ctx} cells per slot, the same text model; A and B through "
+            f"/completion (cache_prompt off); B's TTFT with A streaming on both; A timed alone "
+            f"{cut:.2f} s (median) there; lower is better"
+        )
+        self.rows.append(
+            compared(
+                ROW_TEXTSTALL_SERVER, [r.ttft for r in mine], [r.ttft for r in ref], "ms",
+                "<= 1.0", note, scale=1e3,
+            )
+        )  # fmt: skip
+        self.rows.append(
+            compared(
+                ROW_TEXTSTALL_SERVER_GAP, [r.longest_gap for r in ref], [r.ttft for r in ref],
+                "ms", note=f"for reference; medians: A got "
+                f"{median([r.a_tokens_during for r in ref]):.0f} tokens during B's TTFT, at "
+                f"{median([r.rate_during / r.alone_rate for r in ref]):.2f} of its rate alone",
+                scale=1e3,
+            )
+        )  # fmt: skip
+
+    # -- a chat resent whole every turn, a photo in every third user turn
+
+    def bench_resent(self) -> None:
+        """An OpenAI-style client: every turn sends the whole conversation again (Prepare of
+        the chat, then a stateless Generate of --resent-tokens, greedy) and appends the reply
+        as an assistant message; a new 1000x1000 JPEG in every third user turn (1, 4, 7...).
+        A late turn should cost what an early one does: prep knows a resent file by its digest,
+        infer a checked image by its bytes' digest, and infer continues the slot's sequence."""
+        o = self.o
+        if o.mmproj and o.model:
+            model, mmproj = o.model, o.mmproj
+            what = f"{model.name} + {mmproj.name}"
+        else:
+            pair = write_tiny_models(self.log_dir / "resent", ["mrope"])["mrope"]
+            model, mmproj, what = pair.model, pair.mmproj, "tiny mrope pair"
+        turns = o.resent_turns
+        seeds = itertools.count(RESENT_SEED)
+        pair_args = ["--model", str(model), "--mmproj", str(mmproj), "--threads", str(o.threads)]
+        prep_svc = self.service("prep_service", pair_args)
+        try:
+            prep = prep_pb2_grpc.PrepServiceStub(prep_svc.channel)
+            probe = prep.Prepare(
+                chat_request([user_message("How many cells?", make_jpeg(1000, 1000, 1))]),
+                timeout=120,
+            ).prompt
+            photo_cells = sum(c.media.num_cells for c in probe.chunks if c.HasField("media"))
+            photos = -(-turns // 3)
+            # every photo, every turn's text (its message and the reply, with room to spare)
+            ctx = round_up(photos * photo_cells + turns * (96 + 2 * o.resent_tokens) + 256)
+            with self.infer(ctx=ctx, parallel=1, model=model, mmproj=mmproj) as infer:
+
+                def conversation(c: int, n_turns: int, session: str = "") -> list[ResentTurn]:
+                    messages: list[Any] = []
+                    out = []
+                    if session:
+                        infer.CreateSession(
+                            infer_pb2.CreateSessionRequest(session_id=session), timeout=30
+                        )
+                    for k in range(1, n_turns + 1):
+                        text = f"Conversation {c}, turn {k}: what do you make of this?"
+                        jpeg = make_jpeg(1000, 1000, next(seeds)) if k % 3 == 1 else None
+                        messages.append(user_message(text, jpeg))
+                        t = resent_turn(prep, infer, messages, o.resent_tokens, session)
+                        t.photo = jpeg is not None
+                        messages.append(
+                            prep_pb2.Message(role="assistant", parts=[prep_pb2.Part(text=t.reply)])
+                        )
+                        out.append(t)
+                    return out
+
+                conversation(0, 1)  # warm-up: the first image, the first Generate
+                runs, sessions = [], []
+                for c in range(1, o.repeats + 1):
+                    runs.append(conversation(c, turns))
+                    # the same conversation (new photos of the same size) as a session's turns:
+                    # the same cells decoded, nothing resent
+                    sessions.append(conversation(c, turns, session=f"reference-{c}"))
+                    per_turn = [round(t.seconds * 1e3) for t in runs[-1]]
+                    self.log(f"resent {c}: turns {per_turn} ms, last 3 / first 3 "
+                             f"{sum(per_turn[-3:]) / sum(per_turn[:3]):.3f}; as a session: "
+                             f"{[round(t.seconds * 1e3) for t in sessions[-1]]} ms")  # fmt: skip
+        finally:
+            prep_svc.stop()
+        lasts = [sum(t.seconds for t in r[-3:]) / 3 for r in runs]
+        firsts = [sum(t.seconds for t in r[:3]) / 3 for r in runs]
+        last_photo = max(k for k in range(turns) if k % 3 == 0)  # 0-based: turns 1, 4, 7...
+        photo_ratio = median([r[last_photo].seconds / r[0].seconds for r in runs])
+        text_note = ""
+        if turns % 3 != 1:  # the last turn has no photo: against turn 2, which has none either
+            text_ratio = median([r[-1].seconds / r[1].seconds for r in runs])
+            text_note = f", the last turn / turn 2 (no photo in either): {text_ratio:.2f}"
+
+        def window_ms(part: Callable[[ResentTurn], float], window: slice) -> str:
+            return f"{median([sum(map(part, r[window])) / 3 for r in runs]) * 1e3:.0f}"
+
+        firsts3, lasts3 = slice(0, 3), slice(-3, None)
+        cells = max(t.prompt_cells for r in runs for t in r)
+        shifts = sum(t.shifts for r in runs for t in r)
+        end = runs[-1][-1]
+        note = (
+            f"{what}; {turns} turns, a new 1000x1000 JPEG ({len(make_jpeg(1000, 1000, 1)) >> 10}"
+            f" KiB) in turns 1, 4, 7... ({photos} photos of {photo_cells} cells); a turn: "
+            f"Prepare of the whole chat + Generate of {o.resent_tokens} tokens (greedy, "
+            f"stateless) to its end; mean of turns {max(1, turns - 2)}-{turns} over turns 1-3 "
+            f"(each window has one turn with a new photo), median over {len(runs)} "
+            f"conversations; the last turn with a new photo / turn 1: {photo_ratio:.2f}"
+            + text_note
+            + "; of which, first 3 / last 3: the Prepare call "
+            + f"{window_ms(lambda t: t.prepare_seconds, firsts3)} / "
+            + f"{window_ms(lambda t: t.prepare_seconds, lasts3)} ms, infer's prefill + decode "
+            + f"(its Usage) {window_ms(lambda t: t.engine_seconds, firsts3)} / "
+            + f"{window_ms(lambda t: t.engine_seconds, lasts3)} ms"
+            + f"; infer --parallel 1 --ctx-size {ctx} (the chat reached {cells} cells: "
+            + ("it fits, no shift" if not shifts else f"{shifts} context shifts")
+            + f"); the last turn reused {end.reused_cells} of its {end.prompt_cells} cells"
+        )
+        self.rows.append(compared(ROW_RESENT, lasts, firsts, "ms", "<= 1.2", note, scale=1e3))
+        as_session = [sum(t.seconds for t in r[-3:]) / 3 for r in sessions]
+        session_engine = median([sum(t.engine_seconds for t in r[-3:]) / 3 for r in sessions])
+        note = (
+            "the same conversations' last 3 turns sent as a session's turns (only the messages "
+            "from the previous reply on: no image sent again), on the same infer: what "
+            "resending the whole chat costs beyond the cells both decode; infer's prefill + "
+            f"decode, last 3 turns: {window_ms(lambda t: t.engine_seconds, lasts3)} ms resent, "
+            f"{session_engine * 1e3:.0f} ms as a session"
+        )
+        self.rows.append(
+            compared(ROW_RESENT_SESSION, lasts, as_session, "ms", "<= 1.2", note, scale=1e3)
+        )
+
     # -- 7: what a session turn writes, and what its end costs the other stream
 
     def bench_session(self) -> None:
@@ -1273,8 +1667,10 @@ class Bench:
             return
         ref = got["llama-server"]
         note = (
-            f"llama-server -np 2 -t {o.threads} -c {2 * o.stall_ctx}, the same pair, A and B "
-            "through /completion (B's image as multimodal_data, cache_prompt off"
+            f"llama-server -np 2 -t {o.threads} -c {2 * o.stall_ctx} ({theirs.slot_ctx} cells "
+            f"per slot: A timed alone {median([r.alone_seconds for r in ref]):.2f} s, median, "
+            "to leave it room for B's wait), the same pair, A and B through /completion (B's "
+            "image as multimodal_data, cache_prompt off"
             + (
                 ", byte tokens 128-255 banned: it streams no incomplete UTF-8"
                 if theirs.extra
@@ -1355,9 +1751,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--encode-threads", type=int, help="stall: infer's --encode-threads (default --threads)"
     )
-    p.add_argument("--stall-alone", type=float, default=2.0, help="stall: seconds A is timed alone")
+    p.add_argument(
+        "--stall-alone", type=float, default=2.0, help="stall, textstall: seconds A is timed alone"
+    )
     p.add_argument("--session-cells", type=int, default=5800, help="session: cells it holds")
     p.add_argument("--session-turns", type=int, default=5, help="session: short turns timed")
+    p.add_argument(
+        "--long-tokens", type=int, default=5800,
+        help="ttft (threads row) and textstall: tokens of the long prompt",
+    )  # fmt: skip
+    p.add_argument(
+        "--textstall-ctx", type=int, default=0,
+        help="textstall: KV cells per slot (2 slots, both servers); default: B's prompt + 2048",
+    )  # fmt: skip
+    p.add_argument("--resent-turns", type=int, default=20, help="resent: turns per conversation")
+    p.add_argument("--resent-tokens", type=int, default=8, help="resent: max_tokens of each reply")
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("-v", "--verbose", action="store_true", help="per-repeat figures on stderr")
     return p
@@ -1370,6 +1778,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser().error("--repeats must be >= 1 and --tokens >= 2")
     if args.stall_alone <= 0:
         parser().error("--stall-alone must be > 0")
+    if args.long_tokens < 16 or args.resent_turns < 3 or args.resent_tokens < 1:
+        parser().error("--long-tokens must be >= 16, --resent-turns >= 3, --resent-tokens >= 1")
     try:
         vision = Vision(args.vision_width, args.vision_layers)
     except ValueError as e:
@@ -1377,7 +1787,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     only = tuple(args.only or SECTIONS)
     try:
         model = args.model
-        if model is None and (set(only) != {"stall"} or args.mmproj):
+        if model is None and (not set(only) <= {"stall", "resent"} or args.mmproj):
             model = gemma_path()
         if model is not None and not model.is_file():
             raise BenchError(f"model file not found: {model}")
@@ -1403,6 +1813,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             stall_alone=args.stall_alone,
             session_cells=args.session_cells,
             session_turns=args.session_turns,
+            long_tokens=args.long_tokens,
+            textstall_ctx=args.textstall_ctx,
+            resent_turns=args.resent_turns,
+            resent_tokens=args.resent_tokens,
         )
         t0 = time.monotonic()
         load0 = os.getloadavg()[0]
@@ -1413,7 +1827,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     print(
-        f"slotwise bench {stamp}: {model.name if model else 'the stall pair'}, "
+        f"slotwise bench {stamp}: {model.name if model else 'the generated tiny pair'}, "
         f"{opts.threads} threads, {opts.repeats} repeats, "
         f"{os.cpu_count()} CPUs ({platform.machine()}), load average {load0:.1f} -> "
         f"{os.getloadavg()[0]:.1f}, {time.monotonic() - t0:.0f}s"

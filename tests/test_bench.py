@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from benchmarks import bench
-from benchmarks.stall import StallRun
+from benchmarks.stall import ROOM_KEPT, StallRun, _Reader, _time_alone
 from slotwise_core.tiny_models import TinyPair
 
 EXPECTED = [
     bench.ROW_STREAM1,
     bench.ROW_TTFT,
+    bench.ROW_TTFT_THREADS,
     bench.ROW_STREAM4,
     bench.ROW_GAIN4,
     *bench.ROW_SHIFT.values(),
@@ -30,6 +33,10 @@ EXPECTED = [
     bench.ROW_PREPARE8,
     bench.ROW_STALL_GAP,
     bench.ROW_STALL_RATE,
+    bench.ROW_TEXTSTALL_GAP,
+    bench.ROW_TEXTSTALL_ALONE,
+    bench.ROW_RESENT,
+    bench.ROW_RESENT_SESSION,
     bench.ROW_SESSION_BYTES,
     bench.ROW_SESSION_GAP,
 ]
@@ -37,6 +44,8 @@ STALL_SERVER_ROWS = (
     bench.ROW_STALL_SERVER,
     bench.ROW_STALL_SERVER_GAP,
     bench.ROW_STALL_SERVER_RATE,
+    bench.ROW_TEXTSTALL_SERVER,
+    bench.ROW_TEXTSTALL_SERVER_GAP,
 )
 
 
@@ -50,6 +59,8 @@ def test_bench_smoke_on_tiny_rope(
     argv += ["--session-cells", "600", "--session-turns", "2"]
     # the stall on the default tiny projector: the rows come out, the goals mean nothing here
     argv += ["--vision-width", "32", "--vision-layers", "1", "--stall-alone", "0.5"]
+    # the text stall's B and the long TTFT prompt: a few hundred tokens; a short resent chat
+    argv += ["--long-tokens", "600", "--resent-turns", "6", "--resent-tokens", "4"]
     assert bench.main(argv) == 0
 
     printed = capsys.readouterr().out
@@ -71,6 +82,10 @@ def test_bench_smoke_on_tiny_rope(
     assert not any(name in rows for name in STALL_SERVER_ROWS)
     # A streamed through B's whole wait (a gap is shorter than B's TTFT)
     assert rows[bench.ROW_STALL_GAP]["ratio"] < 1.0
+    assert rows[bench.ROW_TEXTSTALL_GAP]["ratio"] < 1.0
+    assert "text prompt" in rows[bench.ROW_TEXTSTALL_GAP]["note"]
+    # the resent chat fitted infer's context: its turns were not shifted
+    assert "it fits, no shift" in rows[bench.ROW_RESENT]["note"], rows[bench.ROW_RESENT]["note"]
     # the shift rows really shifted, with the policy they asked for
     for name, row in bench.ROW_SHIFT.items():
         assert "shifts by " + name in rows[row]["note"], rows[row]["note"]
@@ -98,6 +113,49 @@ def test_stall_gap_spans_the_whole_wait() -> None:
     assert steady.longest_gap == pytest.approx(0.1)
     assert steady.a_tokens_during == 3
     assert steady.figures()["during_over_without"] == pytest.approx(1.0)
+
+
+class _Ticking(_Reader):
+    """A's tokens at a steady rate (no server)."""
+
+    def __init__(self, rate: float):
+        super().__init__()
+        self.rate = rate
+        self.done = threading.Event()
+
+    def read(self) -> None:
+        while not self.done.wait(1 / self.rate):
+            self.times.append(time.monotonic())
+
+    def cut(self) -> None:
+        self.done.set()
+
+
+@pytest.mark.parametrize("room", [None, 10**6])
+def test_a_is_timed_alone_as_asked_when_it_has_room(room: int | None) -> None:
+    reader = _Ticking(500)
+    reader.thread.start()
+    try:
+        rate, seconds = _time_alone(reader, 0.3, room)
+    finally:
+        reader.stop()
+    assert seconds == pytest.approx(0.3, abs=0.1) and rate > 0
+
+
+def test_a_timed_alone_leaves_most_of_its_slot_for_bs_wait() -> None:
+    # llama-server's A can have `room` tokens: its time alone stops before it used 1/3 of them
+    reader = _Ticking(500)
+    reader.thread.start()
+    try:
+        time.sleep(0.1)
+        n0 = len(reader.times)
+        room = n0 + 60
+        rate, seconds = _time_alone(reader, 5.0, room)
+        used = len(reader.times) - n0
+    finally:
+        reader.stop()
+    assert seconds < 2.0 and rate > 0
+    assert used <= (room - n0) * (1 - ROOM_KEPT) + 10, used
 
 
 def test_table_marks_targets() -> None:
