@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -703,8 +704,8 @@ def _niced(nice: int) -> None:
     """The encode worker (and the threads its encodes start, which inherit it) runs at a lower
     priority than decoding: the cores are the generating slots' when they need them, the
     encoder's the rest of the time (Linux: a thread's nice value is its own)."""
-    if nice:
-        with contextlib.suppress(OSError, AttributeError):
+    if nice and sys.platform.startswith("linux"):  # (elsewhere the id would name a process)
+        with contextlib.suppress(Exception):  # (a refusal leaves the encoder as it is)
             me = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + nice))
 

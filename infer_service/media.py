@@ -158,8 +158,9 @@ def verify_prompt(
             key = image_key(image)
             verified = cache.get(key) if cache is not None else None
             if verified is None or verified.media_id != image.media_id:
-                verified = _verify_image(mtmd, image, pixels.get(image.media_id))
-                if cache is not None:
+                seen = pixels.get(image.media_id)  # (another group's: its bytes decoded)
+                verified = _verify_image(mtmd, image, seen)
+                if cache is not None and seen is None:  # only bytes that were decoded here
                     cache.put(key, verified)
             pixels[image.media_id] = verified.rgb
             _check_group(group, chunks, verified, handles)

@@ -103,7 +103,8 @@ class SessionManager:
             session_id, context, sampling, self.executor.new_ledger(context), title=title
         )
         self.table.add(session)
-        return session, self._save(session)
+        # its first file: a checkpoint with no KV state (a journal needs one to follow)
+        return session, self._watch(session, self.persistence.save(session, b""))
 
     def get(self, session_id: str) -> Session:
         return self.table.get(session_id)
@@ -283,12 +284,13 @@ class SessionManager:
 
     def _on_engine(self, fn: Callable[[], None], done: Future[Any]) -> None:
         """Run fn on the engine thread; if the engine stops before it runs, done hears why."""
-        ran = self._call(fn)
-        ran.add_done_callback(
-            lambda f: (
-                resolve(done, error=f.exception()) if not f.cancelled() and f.exception() else None
-            )
-        )
+
+        def ran(f: Future[Any]) -> None:
+            error = None if f.cancelled() else f.exception()
+            if error is not None and not resolve(done, error=error):
+                log.error("after its caller was answered: %r", error, exc_info=error)
+
+        self._call(fn).add_done_callback(ran)
 
     def _call_quietly(self, fn: Callable[[], None]) -> None:
         with contextlib.suppress(EngineStoppedError):  # (stopping: nothing is left to tidy)
@@ -355,7 +357,13 @@ class SessionManager:
             return None
         session.last_used = time.monotonic()
         rollback, session.rollback = session.rollback, None
-        if completed and session.slot is not None:
+        if completed:
+            if session.slot is None:  # (a bug: never rolled back in silence)
+                raise SessionError(
+                    ErrorKind.INTERNAL,
+                    f"internal error: session {session.session_id!r} completed a turn in no slot",
+                    Reason.INTERNAL,
+                )
             session.num_turns += 1
             if record is not None:
                 session.records.append(replace(record, turn=session.num_turns))

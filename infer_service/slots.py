@@ -206,14 +206,16 @@ def cancelled(deadline: bool, why: str) -> Problem:
     return Problem(ErrorKind.CANCELLED, why, Reason.CANCELLED)
 
 
-def resolve(future: Future[T], result: T | None = None, error: BaseException | None = None) -> None:
-    """Settle a future whose waiter may have given up on it (cancelled): that is no error."""
-    if future.cancelled():
-        return
+def resolve(future: Future[T], result: T | None = None, error: BaseException | None = None) -> bool:
+    """Settle a future whose waiter may have given up on it (cancelled), or that is settled
+    already: that is no error. Returns whether this call settled it."""
+    if future.done():
+        return False
     if error is not None:
         future.set_exception(error)
     else:
         future.set_result(result)  # type: ignore[arg-type]
+    return True
 
 
 def safely(emit: Callable[[Event], None], event: Event) -> None:

@@ -122,3 +122,22 @@ def test_a_chunk_lives_while_a_request_holds_it(mtmd) -> None:
     assert cache.get("a") is None and handle.chunk  # the request's reference keeps it
     described = native.describe_chunk(handle.chunk)
     assert described.is_media and described.num_cells > 0
+
+
+def test_bytes_never_decoded_are_never_taken_as_checked(prep_servers, infer_server) -> None:
+    """Two groups of one image in a request: the second's bytes are not decoded (the first's
+    pixels serve both), so they must not enter the cache as that image's."""
+    server = infer_server("mrope", ctx_size=2048)
+    prep = prep_servers("mrope")
+    image = image_bytes(120, 90, seed=5)
+    twice = prepare(prep, messages=[message("user", "A:", image, "B:", image, "Same?")])
+    groups = [c.media for c in twice.chunks if c.WhichOneof("kind") == "media"]
+    assert len(groups) == 2 and groups[0].media_id == groups[1].media_id
+    other = image_bytes(120, 90, seed=6)  # another picture's file, under the first's name
+    groups[1].encoded = other
+    Stream(generate(server.port, make_request(twice, max_tokens=2)))
+    alone = chat(prep, 5)
+    first_media(alone).encoded = other
+    e = refused(server.port, alone)
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "the image decodes here to other pixels" in e.details()
