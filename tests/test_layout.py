@@ -53,41 +53,35 @@ def test_packages_import_only_what_they_may(monkeypatch) -> None:
     assert lint_imports(no_cache=True, no_logo=True) == 0
 
 
-def test_import_linter_sees_a_wrong_import(tmp_path: Path, monkeypatch) -> None:
-    # packages of their own (the real ones are imported already: their modules would be read)
-    a, b = "layout_probe_engine", "layout_probe_prep"
-    for package in (a, b):
+def lint_probe(tmp_path: Path, monkeypatch, late: str, contract: str) -> int:
+    """lint-imports on two packages of their own (the real ones are imported already: their
+    modules would be read), the first importing the second inside a function of late.py."""
+    first, second = "layout_probe_a", "layout_probe_b"
+    for package in (first, second):
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / a / "late.py").write_text(f"def f():\n    import {b}\n")
+    (tmp_path / second / "command.py").write_text("")
+    (tmp_path / first / "late.py").write_text(f"def f():\n    {late.format(second)}\n")
     (tmp_path / ".importlinter").write_text(
-        f"[importlinter]\nroot_packages =\n    {a}\n    {b}\n"
-        f"[importlinter:contract:1]\nname = apart\ntype = independence\n"
-        f"modules =\n    {a}\n    {b}\n"
+        f"[importlinter]\nroot_packages =\n    {first}\n    {second}\n"
+        f"[importlinter:contract:1]\nname = probe\n{contract.format(first, second)}"
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert lint_imports(no_cache=True, no_logo=True) == 1
+    return lint_imports(no_cache=True, no_logo=True)
+
+
+def test_import_linter_sees_a_wrong_import(tmp_path: Path, monkeypatch) -> None:
+    independent = "type = independence\nmodules =\n    {0}\n    {1}\n"
+    assert lint_probe(tmp_path, monkeypatch, "import {}", independent) == 1
 
 
 def test_import_linter_sees_a_lazy_import_a_forbidden_contract_forbids(
     tmp_path: Path, monkeypatch
 ) -> None:
     # as clients.cli once reached up into slotwise_serve inside a function
-    client, serve = "layout_probe_client", "layout_probe_serve"
-    for package in (client, serve):
-        (tmp_path / package).mkdir()
-        (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / serve / "command.py").write_text("")
-    (tmp_path / client / "cli.py").write_text(f"def f():\n    from {serve} import command\n")
-    (tmp_path / ".importlinter").write_text(
-        f"[importlinter]\nroot_packages =\n    {client}\n    {serve}\n"
-        f"[importlinter:contract:1]\nname = below\ntype = forbidden\n"
-        f"source_modules =\n    {client}\nforbidden_modules =\n    {serve}\n"
-    )
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert lint_imports(no_cache=True, no_logo=True) == 1
+    below = "type = forbidden\nsource_modules =\n    {0}\nforbidden_modules =\n    {1}\n"
+    assert lint_probe(tmp_path, monkeypatch, "from {} import command", below) == 1
 
 
 def test_the_pure_logic_imports_the_stdlib_only() -> None:
