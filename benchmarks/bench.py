@@ -1338,21 +1338,12 @@ class Bench:
         got: dict[str, list[StallRun]] = {"slotwise": [], "llama-server": []}
         alone: list[BTimes] = []
 
-        def with_a(name: str, target: SlotwiseStall | ServerStall) -> Callable[[], float]:
-            def fn() -> float:
-                k = next(serial)
-                text = self.long_text(k)
-                try:
-                    r = target.run(None, k, text=text, alone_s=o.stall_alone, settle_s=0.5)
-                except StallError as e:
-                    raise BenchError(f"text stall, {name}: {e}") from e
-                if not r.alone_rate > 0:
-                    raise BenchError(f"text stall, {name}: A got no token while timed alone")
-                got[name].append(r)
-                self.log(f"text stall {name}: {r.figures()}")
-                return r.ttft
+        def b_text() -> tuple[bytes | None, int, str | None]:
+            k = next(serial)
+            return None, k, self.long_text(k)
 
-            return fn
+        def with_a(name: str, target: SlotwiseStall | ServerStall) -> Callable[[], float]:
+            return self._stall_side("text stall", name, target, b_text, got[name])
 
         def b_alone() -> float:
             k = next(serial)
@@ -1607,6 +1598,31 @@ class Bench:
             Row(ROW_SESSION_GAP, longest, "s", typical, longest / typical, "<= 1.5", note)
         )
 
+    def _stall_side(
+        self,
+        section: str,
+        name: str,
+        target: SlotwiseStall | ServerStall,
+        b_of: Callable[[], tuple[bytes | None, int, str | None]],
+        runs: list[StallRun],
+    ) -> Callable[[], float]:
+        """One measurement on target per call (B from b_of: its image, number, text), kept in
+        runs; returns B's TTFT."""
+
+        def fn() -> float:
+            jpeg, n, text = b_of()
+            try:
+                r = target.run(jpeg, n, text=text, alone_s=self.o.stall_alone, settle_s=0.5)
+            except StallError as e:
+                raise BenchError(f"{section}, {name}: {e}") from e
+            if not r.alone_rate > 0:
+                raise BenchError(f"{section}, {name}: A got no token while timed alone")
+            runs.append(r)
+            self.log(f"{section} {name}: {r.figures()}")
+            return r.ttft
+
+        return fn
+
     def _stall_rows(
         self, ours: SlotwiseStall, theirs: ServerStall | None, *, what: str, infer_flags: str
     ) -> None:
@@ -1616,20 +1632,12 @@ class Bench:
         got: dict[str, list[StallRun]] = {"slotwise": [], "llama-server": []}
         sides: dict[str, Callable[[], float]] = {}
 
-        def side(name: str, target: SlotwiseStall | ServerStall) -> Callable[[], float]:
-            def fn() -> float:
-                n = next(seed)
-                try:
-                    r = target.run(stall_jpeg(n), n, alone_s=o.stall_alone, settle_s=0.5)
-                except StallError as e:
-                    raise BenchError(f"stall, {name}: {e}") from e
-                if not r.alone_rate > 0:
-                    raise BenchError(f"stall, {name}: A got no token while timed alone")
-                got[name].append(r)
-                self.log(f"stall {name}: {r.figures()}")
-                return r.ttft
+        def b_image() -> tuple[bytes | None, int, str | None]:
+            n = next(seed)
+            return stall_jpeg(n), n, None
 
-            return fn
+        def side(name: str, target: SlotwiseStall | ServerStall) -> Callable[[], float]:
+            return self._stall_side("stall", name, target, b_image, got[name])
 
         sides["slotwise"] = side("slotwise", ours)
         if theirs:
