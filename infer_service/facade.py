@@ -31,10 +31,6 @@ class EngineFacade:
         self._engine = engine
         self._sessions = engine.sessions
 
-    @property
-    def alive(self) -> bool:
-        return self._engine.alive
-
     def reserve(self, tenant: str) -> Reservation:
         """A place in the queue, taken before a request's images are decoded and checked
         (ProblemError: the queue is full, or the engine stopped)."""
