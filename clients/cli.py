@@ -33,6 +33,7 @@ from clients.client import (
     Tls,
     Unit,
 )
+from slotwise_core.limits import DEFAULT_MAX_IMAGES
 
 EXIT_OK, EXIT_SERVER, EXIT_USAGE = 0, 1, 2
 
@@ -173,7 +174,10 @@ def generation_arguments(p: argparse.ArgumentParser, *, keep_default: int | str 
     c.add_argument("--discard-fraction", type=float, help="share of evictable cells per shift")
 
 
-def http_arguments(p: argparse.ArgumentParser) -> None:
+def http_arguments(p: argparse.ArgumentParser, *, max_images: bool = True) -> None:
+    """max_images: the gateway's own --max-images (`slotwise serve` has prep's, which it
+    honours too). The defaults are MediaPolicy's and GatewayConfig's, not imported: every
+    command builds this parser, and the gateway's imports are not light."""
     g = p.add_argument_group("HTTP API")
     g.add_argument("--model-name", default="slotwise", help="the model's id in /v1/models")
     g.add_argument(
@@ -205,15 +209,31 @@ def http_arguments(p: argparse.ArgumentParser) -> None:
         "public (an internal image store); repeatable. Default: public addresses only",
     )
     g.add_argument("--max-image-mb", type=positive_int, default=20, help="per image_url")
+    if max_images:
+        g.add_argument(
+            "--max-images", type=positive_int, default=DEFAULT_MAX_IMAGES,
+            help="images per request (default %(default)s, prep's): more are refused (400) "
+            "before any is fetched or decoded",
+        )  # fmt: skip
+    g.add_argument(
+        "--max-body-mb", type=positive_int, default=64,
+        help="request body size (default %(default)s): larger is refused (413) as it comes in",
+    )  # fmt: skip
     g.add_argument(
         "--no-ui", action="store_true", help="no web page at / (the API behind it stays)"
     )
 
 
 def gateway_config(
-    args: argparse.Namespace, prep: str, infer: str, token: str | None, keys: Any = None
+    args: argparse.Namespace,
+    prep: str,
+    infer: str,
+    token: str | None,
+    keys: Any = None,
+    max_images: int | None = None,
 ):
-    """keys: the callers' keys (slotwise_core.keys.Keys), which the services hold too."""
+    """keys: the callers' keys (slotwise_core.keys.Keys), which the services hold too;
+    max_images: where the parser has no --max-images of the gateway's own (prep's)."""
     from clients.gateway import GatewayConfig
     from clients.gateway.media import MediaPolicy, check_allow_patterns
 
@@ -232,11 +252,13 @@ def gateway_config(
             allow_http=args.allow_image_urls,
             max_bytes=args.max_image_mb << 20,
             allow=allow_patterns(args.image_url_allow),
+            max_images=args.max_images if max_images is None else max_images,
         ),
         token=token,
         strict_model_name=args.strict_model_name,
         cors_origins=tuple(args.cors_origins),
         ui=not args.no_ui,
+        max_body_bytes=args.max_body_mb << 20,
     )
 
 

@@ -361,9 +361,9 @@ async def _chaos(
                 workers.append(disk_filler(root, until, stats, rng))
             await asyncio.gather(*workers)
             (root / "filler").unlink(missing_ok=True)
-            await asyncio.sleep(0.5)  # cancelled calls reach the engine
+            idle = await settled(stub)  # the calls cancelled last have reached the engine
             rss_end = rss_bytes(infer.pid)
-            report.update(await after_the_storm(prep, stub, infer, infer_port))
+            report.update(await after_the_storm(prep, stub, infer, infer_port, idle))
         report["rss_start_mb"] = round(rss_start / 2**20, 1)
         report["rss_end_mb"] = round(rss_end / 2**20, 1)
         # a restart: what is on disk is what the clients were told
@@ -401,19 +401,27 @@ async def _chaos(
     return report
 
 
+async def settled(stub: infer_pb2_grpc.InferServiceStub) -> infer_pb2.GetServerInfoResponse:
+    """The engine's snapshot once no slot is busy and nothing is queued: the streams the
+    clients left are cancelled within a step or two. After 10 s, whatever it holds then (a
+    leak, which the report shows)."""
+    deadline_at = time.monotonic() + 10
+    while True:
+        info = await stub.GetServerInfo(infer_pb2.GetServerInfoRequest(), timeout=10)
+        if (info.num_active, info.num_queued) == (0, 0) or time.monotonic() > deadline_at:
+            return info
+        await asyncio.sleep(0.1)
+
+
 async def after_the_storm(
     prep: prep_pb2_grpc.PrepServiceStub,
     stub: infer_pb2_grpc.InferServiceStub,
     infer: subprocess.Popen,
     port: int,
+    info: infer_pb2.GetServerInfoResponse,
 ) -> dict[str, object]:
+    """info: the engine's snapshot once settled."""
     out: dict[str, object] = {"engine_deaths": 0 if infer.poll() is None else 1}
-    deadline_at = time.monotonic() + 10
-    while True:  # streams the clients left are cancelled within a step or two
-        info = await stub.GetServerInfo(infer_pb2.GetServerInfoRequest(), timeout=10)
-        if (info.num_active, info.num_queued) == (0, 0) or time.monotonic() > deadline_at:
-            break
-        await asyncio.sleep(0.1)
     out["leaked_slots"], out["leaked_queue"] = info.num_active, info.num_queued
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         health = await health_pb2_grpc.HealthStub(ch).Check(

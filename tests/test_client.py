@@ -695,7 +695,7 @@ import sys
 from concurrent import futures
 
 BLOCKED = {"PIL", "numpy", "llama_cpp", "gguf", "prep_service", "infer_service", "slotwise_core"}
-SHARED = {"slotwise_core", "slotwise_core.keys"}  # the keys file's format, stdlib only
+SHARED = {"slotwise_core", "slotwise_core.keys", "slotwise_core.limits"}  # stdlib only
 
 
 class Absent:  # as if these were not installed

@@ -32,9 +32,14 @@ from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.tiny_models import TinyPair
 from support.cluster import NGINX, Cluster, Proc
 from support.media import image_bytes
+from support.required import require_or_skip
 from support.wait import wait_until
 
-pytestmark = pytest.mark.skipif(NGINX is None, reason="needs nginx (.ci/run installs it)")
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_nginx() -> None:
+    if NGINX is None:
+        require_or_skip("nginx", "needs nginx (.ci/run installs it)")
 
 
 @pytest.fixture
@@ -253,21 +258,24 @@ NODE = shutil.which("node")
 NODE_DIR = Path(__file__).parent / "contract" / "node"
 
 
-@pytest.mark.skipif(
-    NODE is None or not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir(),
-    reason="needs node and tests/contract/node/node_modules (npm ci)",
-)
+@pytest.fixture
+def node() -> str:
+    """node, with tests/contract/node's packages (asked for before the cluster starts)."""
+    if NODE is None or not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        require_or_skip("node", "needs node and tests/contract/node/node_modules (npm ci)")
+    return NODE
+
+
 def test_the_node_client_s_session_turns_stay_on_one_replica(
-    cluster: Cluster, tmp_path: Path
+    node: str, cluster: Cluster, tmp_path: Path
 ) -> None:
     """client.js sends x-slotwise-session on CreateSession and Generate: without it, nginx
     would spread the three calls (least_conn) and the session would be on several replicas."""
-    assert NODE is not None
     image = tmp_path / "image.png"
     image.write_bytes(image_bytes(40, 40, seed=9))
     for _ in range(3):
         done = subprocess.run(
-            [NODE, "client.js", "--prep", cluster.prep_address, "--infer", cluster.infer_address,
+            [node, "client.js", "--prep", cluster.prep_address, "--infer", cluster.infer_address,
              "--image", str(image), "--max-tokens", "3", "--session", "node-1"],
             cwd=NODE_DIR, capture_output=True, text=True, timeout=120,
         )  # fmt: skip

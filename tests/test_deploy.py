@@ -44,6 +44,8 @@ from test_compose import (
     tool,
 )
 
+from support.required import require_or_skip
+
 K8S = ROOT / "deploy" / "k8s"
 BASE = K8S / "base"
 GPU = K8S / "overlays" / "gpu"
@@ -382,7 +384,9 @@ def nginx_binary() -> str:
         (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None
     )
     if found is None:
-        pytest.skip("no nginx binary here (apt-get install nginx-light to run nginx -t)")
+        require_or_skip(
+            "nginx", "no nginx binary here (apt-get install nginx-light to run nginx -t)"
+        )
     return found
 
 

@@ -19,6 +19,7 @@ from google.protobuf import json_format
 
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 from support.media import image_bytes
+from support.required import require_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE_DIR = ROOT / "tests" / "contract" / "node"
@@ -26,13 +27,16 @@ GOLDEN = ROOT / "tests" / "contract" / "golden"
 NODE = shutil.which("node")
 MAX_TOKENS = 6
 
-pytestmark = [
-    pytest.mark.skipif(NODE is None, reason="node is not installed (Node.js >= 20 is needed)"),
-    pytest.mark.skipif(
-        not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir(),
-        reason="tests/contract/node/node_modules is absent: run (cd tests/contract/node && npm ci)",
-    ),
-]
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_node() -> None:
+    if NODE is None:
+        require_or_skip("node", "node is not installed (Node.js >= 20 is needed)")
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        require_or_skip(
+            "node",
+            "tests/contract/node/node_modules is absent: run (cd tests/contract/node && npm ci)",
+        )
 
 
 def run_node(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -178,7 +182,9 @@ def test_the_openai_npm_package_streams_a_chat_with_an_image(
 ) -> None:  # fmt: skip
     """The official `openai` npm package against the HTTP gateway: one streamed chat."""
     if not (NODE_DIR / "node_modules" / "openai").is_dir():
-        pytest.skip("the openai npm package is absent: run (cd tests/contract/node && npm ci)")
+        require_or_skip(
+            "node", "the openai npm package is absent: run (cd tests/contract/node && npm ci)"
+        )
     from clients.gateway import GatewayConfig
     from clients.gateway.serve import start_gateway
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from google.protobuf import descriptor_pb2
 
+from support.required import require_or_skip
+
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "protos" / "baseline" / "descriptor_set.binpb"
 NODE_MODULES = ROOT / "tests" / "contract" / "node" / "node_modules"
@@ -30,7 +32,9 @@ def buf() -> str:
     npm = [*sorted(NODE_MODULES.glob("@bufbuild/buf-*/bin/buf")), NODE_MODULES / ".bin" / "buf"]
     found = next((str(p) for p in npm if p.exists()), None) or shutil.which("buf")
     if found is None:
-        pytest.skip("no buf binary: `npm ci` in tests/contract/node installs it (needs npm)")
+        require_or_skip(
+            "buf", "no buf binary: `npm ci` in tests/contract/node installs it (needs npm)"
+        )
     return found
 
 

@@ -22,6 +22,7 @@ from support.hold import PrefillHold
 from support.http_stack import Stack, Stacks, stacks_fixture
 from support.media import image_bytes
 from support.procs import free_port, serve_argv
+from support.required import require_or_skip
 from support.wait import PATIENCE, wait_until
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -159,8 +160,11 @@ def _ready(url: str) -> bool:
 @pytest.fixture
 def browser_page(tmp_path: Path) -> Iterator[Any]:
     if CHROMIUM is None:
-        pytest.skip("no chromium here (Debian's package; .ci/run installs it)")
-    sync_api = pytest.importorskip("playwright.sync_api")
+        require_or_skip("chromium", "no chromium here (Debian's package; .ci/run installs it)")
+    try:
+        from playwright import sync_api
+    except ImportError:
+        require_or_skip("chromium", "no playwright package (pip install -e '.[test]')")
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1280, "height": 900})

@@ -29,7 +29,7 @@ from clients.client import (
     ToolOptions,
 )
 from clients.gateway.errors import ApiError, bad_request, from_slotwise
-from clients.gateway.media import MediaPolicy, image_bytes
+from clients.gateway.media import MediaPolicy, check_image_count, image_bytes
 from clients.gateway.schema import MAX_TOKENS, SlotwiseOptions
 from clients.gateway.turns import Keep, Text, TurnEnd, TurnRequest, refuse, start_turn
 
@@ -110,6 +110,13 @@ def _system_text(system: str | list[dict[str, Any]] | None) -> str:
 async def _messages(
     body: MessagesRequest | CountRequest, media: MediaPolicy, *, sizes: bool = False
 ) -> list[Message]:
+    images = sum(
+        block.get("type") == "image"
+        for m in body.messages
+        if isinstance(m.content, list)
+        for block in m.content
+    )
+    check_image_count(images, media, "messages")
     out: list[Message] = []
     system = _system_text(body.system)
     if system:

@@ -25,6 +25,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
 from clients.client import AsyncSlotwiseClient
 from clients.gateway import anthropic_api, media, openai_api
@@ -40,6 +42,9 @@ from slotwise_core.keys import Keys, reload_on_sighup
 __all__ = ["GatewayConfig", "conversation_key", "create_app"]
 
 _OPEN_PATHS = ("/health", "/ready", "/metrics")
+# a body this large holds two images at --max-image-mb's default, base64 (4/3 of their bytes),
+# well within what prep and infer take in one message (--max-message-mb, 256)
+DEFAULT_MAX_BODY_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class GatewayConfig:
     strict_model_name: bool = False  # 404 for another model name (else any name is this one)
     cors_origins: tuple[str, ...] = ()
     ui: bool = True  # the web page at / (its API under /slotwise/ is there either way)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # 413 beyond: nothing larger is read in
 
     def callers(self) -> Keys | None:
         if self.api_keys is not None:
@@ -79,6 +85,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         title="slotwise", summary="OpenAI and Anthropic APIs over slotwise", lifespan=lifespan
     )
     app.state.closing = closing
+    # bodies sent without a Content-Length (chunked) are counted as they come in, and refused
+    # past the limit (an HTTPException(413), which too_large below answers); a declared
+    # Content-Length is checked in `edge`, first: this middleware would answer that in plain text
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=config.max_body_bytes)
     if config.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -116,6 +126,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
     def error(path: str, e: ApiError) -> JSONResponse:
         return anthropic_api.error_response(e) if anthropic(path) else e.response()
 
+    too_big = ApiError(
+        413,
+        f"the request body is over {config.max_body_bytes} bytes (--max-body-mb)",
+        code="request_too_large",
+    )
+
     @app.middleware("http")
     async def edge(request: Request, call_next: Any) -> Response:
         path = request.url.path
@@ -132,6 +148,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 )
                 return error(path, refused)
             _CALLER_KEY.set(key)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > config.max_body_bytes:
+            requests.labels("too_large", "413").inc()
+            return error(path, too_big)  # (before a byte of it is read)
         t0 = time.perf_counter()
         response = await call_next(request)
         route = request.scope.get("route")  # the template, never the raw path: bounded labels
@@ -143,6 +163,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         return error(request.url.path, e)
+
+    @app.exception_handler(413)
+    async def too_large(request: Request, e: HTTPException) -> JSONResponse:
+        return error(request.url.path, too_big)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:

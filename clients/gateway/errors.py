@@ -3,8 +3,8 @@
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
 400 invalid_request_error (`context_length_exceeded` for a prompt that can never fit), 401 with
---api-key, 404 for an unknown model, 429 when the queue is full (with Retry-After), 503 while
-loading or draining. Bad input never gets a 500.
+--api-key, 404 for an unknown model, 413 for a body past --max-body-mb, 429 when the queue is
+full (with Retry-After), 503 while loading or draining. Bad input never gets a 500.
 """
 
 from __future__ import annotations

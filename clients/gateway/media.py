@@ -26,6 +26,7 @@ import httpx
 from prometheus_client import Counter
 
 from clients.gateway.errors import bad_request
+from slotwise_core.limits import DEFAULT_MAX_IMAGES
 
 log = logging.getLogger("slotwise.gateway.media")
 
@@ -51,6 +52,7 @@ class MediaPolicy:
     allow_http: bool = False
     max_bytes: int = 20 << 20
     timeout: float = 10.0
+    max_images: int = DEFAULT_MAX_IMAGES  # per request, counted before any is fetched or decoded
     # hosts (exact names) and networks (CIDRs) that may be fetched although not public
     allow: tuple[str, ...] = ()
 
@@ -82,6 +84,16 @@ def _is_network(pattern: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def check_image_count(count: int, policy: MediaPolicy, param: str) -> None:
+    """Refuse a request with more images than allowed, before any is fetched or decoded."""
+    if count > policy.max_images:
+        raise bad_request(
+            f"{count} images in one request; at most {policy.max_images} are taken (--max-images)",
+            param,
+            code="too_many_images",
+        )
 
 
 class _Refused(Exception):

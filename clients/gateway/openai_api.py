@@ -34,7 +34,7 @@ from clients.client import (
     ToolOptions,
 )
 from clients.gateway.errors import ApiError, bad_request, from_slotwise
-from clients.gateway.media import MediaPolicy, image_bytes
+from clients.gateway.media import MediaPolicy, check_image_count, image_bytes
 from clients.gateway.schema import (
     ChatCompletionRequest,
     ChatMessage,
@@ -56,6 +56,13 @@ def sse(body: object) -> str:
 
 
 async def chat_messages(messages: Sequence[ChatMessage], media: MediaPolicy) -> list[Message]:
+    images = sum(
+        isinstance(part, ImagePart)
+        for m in messages
+        if isinstance(m.content, list)
+        for part in m.content
+    )
+    check_image_count(images, media, "messages")
     return [await _message(m, i, media) for i, m in enumerate(messages)]
 
 

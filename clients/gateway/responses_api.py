@@ -43,7 +43,7 @@ from clients.client import (
     TurnRecord,
 )
 from clients.gateway.errors import ApiError, bad_request, from_slotwise
-from clients.gateway.media import MediaPolicy, image_bytes
+from clients.gateway.media import MediaPolicy, check_image_count, image_bytes
 from clients.gateway.openai_api import token_logprobs
 from clients.gateway.schema import MAX_TOKENS, SlotwiseOptions
 from clients.gateway.turns import Keep, Text, TurnEnd, TurnRequest, refuse, start_turn
@@ -123,6 +123,13 @@ class ResponsesRequest(_Open):
 async def _messages(items: str | list[InputItem], media: MediaPolicy) -> list[Message]:
     if isinstance(items, str):
         return [Message.user(items)]
+    images = sum(
+        part.get("type") == "input_image"
+        for item in items
+        if isinstance(item.content, list)
+        for part in item.content
+    )
+    check_image_count(images, media, "input")
     out: list[Message] = []
     for i, item in enumerate(items):
         kind = item.type or "message"
@@ -539,7 +546,13 @@ def _named(response_id: str, param: str | None = None) -> tuple[str, int]:
 
 
 def _not_found(response_id: str, param: str | None = None) -> ApiError:
-    return ApiError(404, f"no stored response {response_id!r}", code="not_found", param=param)
+    """404 for the id in a path; an id a request body names (param) makes that request a bad
+    one: 400, as OpenAI answers it."""
+    if param is not None:
+        return bad_request(
+            f"no stored response {response_id!r}", param, code="previous_response_not_found"
+        )
+    return ApiError(404, f"no stored response {response_id!r}", code="not_found")
 
 
 def _hex(rid: str, what: str) -> str:
