@@ -106,6 +106,7 @@ class EngineFacade:
         """A tenant's sessions, and its broken ones with why."""
 
         def mine() -> tuple[list[SessionView], dict[str, str]]:
+            self._sessions.expire()  # (none unused past its TTL is listed)
             table = self._sessions.table
             views = [s.view() for s in table.sessions() if owner_of(s.session_id) == tenant]
             broken = {k: str(e) for k, e in table.broken().items() if owner_of(k) == tenant}

@@ -22,18 +22,19 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
 
     def collect() -> Iterable[Metric]:
         try:  # read on the engine thread, between steps: a consistent snapshot
-            future = engine.call(engine.snapshot)
+            future = engine.call(lambda: (engine.snapshot(), engine.sessions.usage()))
         except EngineStoppedError:
             future = None
         try:
-            snap = future.result(timeout=2) if future is not None else None
+            read = future.result(timeout=2) if future is not None else None
         except TimeoutError:
             assert future is not None
             future.cancel()  # not wanted any more: the engine skips it
-            snap = None
-        if snap is None:
+            read = None
+        if read is None:
             yield GaugeMetricFamily("slotwise_infer_engine_up", "the engine thread runs", value=0)
             return
+        snap, sessions = read
         yield GaugeMetricFamily("slotwise_infer_engine_up", "the engine thread runs", value=1)
         cells = GaugeMetricFamily(
             "slotwise_infer_cells_used", "KV cells held by each slot's sequence", labels=["slot"]
@@ -86,5 +87,22 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
             for tenant, t in by_tenant:
                 family.add_metric([tenant], getattr(t, value))
             yield family
+        by_owner = sorted(sessions.items())
+        for family_of, name, help_, value in (
+            (GaugeMetricFamily, "sessions",
+             "sessions a tenant holds, in memory or on disk (as this replica knows them)",
+             "num_sessions"),
+            (GaugeMetricFamily, "session_bytes",
+             "bytes a tenant's sessions take on disk (files and their images' pixels)",
+             "num_bytes"),
+            (CounterMetricFamily, "sessions_expired",
+             "sessions deleted here after going unused past --session-ttl", "num_expired"),
+            (CounterMetricFamily, "sessions_evicted",
+             "sessions deleted here to keep their tenant within its quota", "num_evicted"),
+        ):  # fmt: skip
+            per_tenant = family_of(f"slotwise_infer_tenant_{name}", help_, labels=["tenant"])
+            for tenant, held in by_owner:
+                per_tenant.add_metric([tenant], getattr(held, value))
+            yield per_tenant
 
     return collect

@@ -19,19 +19,28 @@ session leaves its slot, when the engine stops, when it has been idle for a whil
 cells decoded since the last one reach the session's own size (or the journal is long).
 A session whose checkpoint is older than its journal loads the checkpoint and decodes only the
 segments after what the two share.
+
+Sessions have a life (`limits`): a tenant keeps at most so many sessions and bytes on disk, and
+its least recently used session that is not in a turn makes way for a new one; a session
+unused past the TTL is deleted, in memory and on disk (the directory's files that this replica
+never read too, found by a sweep now and then). Its age counts from its last use as the
+replica's `clock` (wall time) says, or from its files' last write: what a restart or another
+replica sees. An expired session is gone for every call at once, whether or not the periodic
+work (`periodic`) has deleted it yet.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from infer_service.events import ErrorKind, ProblemError, Reason, problem
+from infer_service.events import ErrorKind, Problem, ProblemError, Reason, problem
 from infer_service.executor import Executor
 from infer_service.ledger import ContextConfig, Ledger
 from infer_service.runtime import SamplingConfig
@@ -39,13 +48,22 @@ from infer_service.session_persistence import Changed, Persistence
 from infer_service.session_store import SessionStore
 from infer_service.session_swap import Swapper
 from infer_service.session_table import SessionTable, busy, not_found
-from infer_service.sessions import Lifecycle, Session, TurnRecord
+from infer_service.sessions import (
+    Lifecycle,
+    Session,
+    SessionLimits,
+    TenantSessions,
+    TurnRecord,
+    owner_of,
+)
 from infer_service.slots import EngineStats, EngineStoppedError, Job, SessionError, Slot, resolve
 from slotwise_core.descriptors import Fingerprint
 
 log = logging.getLogger("slotwise.engine")
 
 IDLE_CHECKPOINT_SECONDS = 30.0  # a resident session this long without a turn is checkpointed
+SWEEP_SECONDS = 3600.0  # how often the directory is looked through for unused files
+_NOT_IN_A_TURN = (Lifecycle.STORED, Lifecycle.RESIDENT, Lifecycle.BROKEN)  # may expire or go
 
 Call = Callable[[Callable[[], Any]], Future[Any]]  # run on the engine thread (Engine.call)
 
@@ -69,6 +87,13 @@ class SessionManager:
         self.persistence = Persistence(store, self.rt.fingerprint, self.rt.layout)
         self.swaps = Swapper(executor, self.persistence, stats, notify)
         self.idle_checkpoint_seconds = IDLE_CHECKPOINT_SECONDS
+        self.limits = SessionLimits()
+        self.clock: Callable[[], float] = time.time  # what a session's age is counted in
+        self.sweep_seconds = SWEEP_SECONDS
+        self._oldest = math.inf  # no session last used before this has been looked at
+        self._next_sweep = self.clock() + self.sweep_seconds
+        self.expired: dict[str, int] = {}  # per tenant (metrics)
+        self.evicted: dict[str, int] = {}
         if store is not None:
             for session_id in store.ids():
                 self._register(session_id, self.persistence.read_header(session_id, hold=True))
@@ -90,6 +115,7 @@ class SessionManager:
         self, session_id: str, context: ContextConfig, sampling: SamplingConfig, title: str = ""
     ) -> tuple[Session, Future[None] | None]:
         """The new session, and its first write (await it off the engine thread)."""
+        self._lapse(session_id)
         state = self.table.state(session_id)
         if state is Lifecycle.DELETING:  # its deletion must land before a new file does
             raise busy(session_id, "is being deleted; retry")
@@ -99,19 +125,24 @@ class SessionManager:
                 f"session {session_id!r} already exists",
                 Reason.SESSION_EXISTS,
             )
+        self._make_room(owner_of(session_id))
         session = Session(
             session_id, context, sampling, self.executor.new_ledger(context), title=title
         )
+        self._touch(session)
         self.table.add(session)
         # its first file: a checkpoint with no KV state (a journal needs one to follow)
         return session, self._watch(session, self.persistence.save(session, b""))
 
     def get(self, session_id: str) -> Session:
+        self._lapse(session_id)
         return self.table.get(session_id)
 
     def rename(self, session_id: str, title: str) -> tuple[Session, Future[None] | None]:
         """A new title, appended to the journal. A failed write puts the old title back."""
+        self._lapse(session_id)
         session = self.table.idle(session_id)
+        self._touch(session)
         old, session.title = session.title, title
         write = self._save(session)
 
@@ -127,6 +158,7 @@ class SessionManager:
     def delete(self, session_id: str) -> Future[bool] | None:
         """Forget the session; returns the disk deletion (ordered after its pending writes),
         whose result says whether a file was there."""
+        self._lapse(session_id)
         state = self.table.state(session_id)
         if state is Lifecycle.RESTORING:
             raise busy(session_id, "is being restored")
@@ -137,6 +169,21 @@ class SessionManager:
             raise not_found(session_id)
         if session is not None:
             self.table.idle(session_id)
+        # an id nobody knew, without a file either, was never there
+        return self._remove(session_id, None if state is not None else not_found(session_id))
+
+    def _remove(
+        self,
+        session_id: str,
+        missing: Exception | None = None,
+        *,
+        unused: bool = False,
+        unused_before: float | None = None,
+    ) -> Future[bool] | None:
+        """Forget a session that is not in a turn and delete its files (see
+        Persistence.delete for `unused`)."""
+        session = self.table.live(session_id)
+        if session is not None:
             if session.slot is not None:
                 self.swap_out(self.slots[session.slot], save=False)
             session.release()
@@ -150,22 +197,23 @@ class SessionManager:
         if session is not None:
             self.persistence.orphans |= session.media_ids()
         self.table.mark(session_id, Lifecycle.DELETING)
-        # an id nobody knew, without a file either, was never there
-        missing = None if state is not None else not_found(session_id)
         deleted = self.persistence.delete(
-            session_id, self._in_memory(), bool(self.table.broken()), missing
-        )
-
-        def forget() -> None:  # a new session of this id may be created now
-            if self.table.state(session_id) is Lifecycle.DELETING:
-                self.table.drop(session_id)
-
-        deleted.add_done_callback(lambda _: self._call_quietly(forget))
+            session_id, self._in_memory(), bool(self.table.broken()), missing,
+            unused=unused, unused_before=unused_before,
+        )  # fmt: skip
+        deleted.add_done_callback(lambda _: self._call_quietly(lambda: self._gone(session_id)))
         return deleted
+
+    def _gone(self, session_id: str) -> None:
+        """Its files are deleted: a new session of this id may be created now."""
+        if self.table.state(session_id) is Lifecycle.DELETING:
+            self.table.drop(session_id)
 
     def save(self, session_id: str) -> tuple[Session, Future[None] | None]:
         """A checkpoint of a resident session (of one that is not: what its journal lacks)."""
+        self._lapse(session_id)
         session = self.table.idle(session_id)
+        self._touch(session)
         if session.slot is not None:
             return session, self._checkpoint(session, self.slots[session.slot])
         return session, self._save(session)
@@ -174,6 +222,7 @@ class SessionManager:
         """Forget the in-memory state and read the session back from disk. The read runs on
         its session's io lane (after its pending writes) and the restore completes even if its
         caller has gone; the future gives the restored session."""
+        self._lapse(session_id)
         session = self.table.idle(session_id)
         if self.store is None:
             raise SessionError(
@@ -299,6 +348,7 @@ class SessionManager:
     # -- turns (engine thread) ----------------------------------------------------------------
 
     def begin_turn(self, session_id: str) -> Session:
+        self._lapse(session_id)
         session = self.table.idle(session_id)
         self.table.move(session, Lifecycle.IN_TURN)
         return session
@@ -356,6 +406,7 @@ class SessionManager:
         if session is None or session.state is not Lifecycle.IN_TURN:
             return None
         session.last_used = time.monotonic()
+        self._touch(session)
         rollback, session.rollback = session.rollback, None
         if completed:
             if session.slot is None:  # (a bug: never rolled back in silence)
@@ -487,6 +538,7 @@ class SessionManager:
             session.disk.dirty = False
         for media_id in media_ids:
             session.rgb.pop(media_id, None)
+        self._trim(owner_of(session.session_id), session.session_id)
         if self.persistence.orphans:
             self.persistence.collect_pixels(self._in_memory(), bool(self.table.broken()))
 
@@ -498,9 +550,215 @@ class SessionManager:
         """Media ids some session in memory refers to (or holds pixels of)."""
         return {m for s in self.table.sessions() for m in (*s.media_ids(), *s.rgb)}
 
+    # -- a session's life: quotas and expiry (engine thread) ------------------------------------
+
+    def periodic(self, now: float) -> float | None:
+        """The sessions' work that no request asks for (now: time.monotonic()): idle
+        checkpoints and expiry; returns the seconds until more of it is due."""
+        waits = [w for w in (self.checkpoint_idle(now), self.expire()) if w is not None]
+        return min(waits, default=None)
+
+    def expire(self) -> float | None:
+        """Delete the sessions unused past the TTL: those this replica knows (in memory and
+        on disk), and now and then the directory's files it never read (another replica's,
+        say); returns the seconds until more may be due."""
+        ttl = self.limits.ttl
+        if ttl <= 0:
+            return None
+        now = self.clock()
+        if now >= self._oldest + ttl:  # (else nothing is due: no scan on every call)
+            self._oldest = math.inf
+            for session_id in self.table.ids():
+                used = self._used_at(session_id)
+                if used is None:
+                    continue
+                if used + ttl > now:
+                    self._oldest = min(self._oldest, used)
+                elif self.table.state(session_id) in _NOT_IN_A_TURN:
+                    self._expire(session_id, now)
+                # (one in a turn is touched again as its turn ends)
+        wait = self._oldest + ttl - now
+        if self.store is not None:
+            if now >= self._next_sweep:
+                self._next_sweep = now + self.sweep_seconds
+                self._sweep(now - ttl)
+            wait = min(wait, self._next_sweep - now)
+        return max(0.0, wait) if wait < math.inf else None
+
+    def usage(self) -> dict[str, TenantSessions]:
+        """Per tenant: its sessions (in memory or on disk, as this replica knows them), their
+        bytes on disk, and how many expired or were evicted here."""
+        out: dict[str, TenantSessions] = {}
+        for session_id in self.table.ids():
+            if self.table.state(session_id) is not Lifecycle.DELETING:
+                t = out.setdefault(owner_of(session_id), TenantSessions())
+                t.num_sessions += 1
+                t.num_bytes += self._bytes_of(session_id)
+        for tenant, n in self.expired.items():
+            out.setdefault(tenant, TenantSessions()).num_expired = n
+        for tenant, n in self.evicted.items():
+            out.setdefault(tenant, TenantSessions()).num_evicted = n
+        return out
+
+    def _touch(self, session: Session) -> None:
+        session.touched = self.clock()
+        self._oldest = min(self._oldest, session.touched)
+
+    def _used_at(self, session_id: str) -> float | None:
+        """When the session was last used (time.time()); None: not known here."""
+        session = self.table.live(session_id)
+        if session is not None:
+            return session.touched
+        if self.table.state(session_id) is Lifecycle.BROKEN:
+            found = self.persistence.footprint(session_id)
+            return found[1] if found is not None else None
+        return None
+
+    def _bytes_of(self, session_id: str) -> int:
+        found = self.persistence.footprint(session_id)
+        return found[0] if found is not None else 0
+
+    def _lapse(self, session_id: str) -> None:
+        """A session unused past the TTL is gone for every call, whether or not the periodic
+        work has come to it yet."""
+        ttl, now = self.limits.ttl, self.clock()
+        used = self._used_at(session_id)
+        idle = self.table.state(session_id) in _NOT_IN_A_TURN
+        if ttl > 0 and used is not None and used + ttl <= now and idle:
+            self._expire(session_id, now)
+
+    def _expire(self, session_id: str, now: float) -> None:
+        tenant = owner_of(session_id)
+        self.expired[tenant] = self.expired.get(tenant, 0) + 1
+        log.info("session %r expired: unused for longer than %.0f s", session_id, self.limits.ttl)
+        self._remove(session_id, unused=True, unused_before=now - self.limits.ttl)
+
+    def _sweep(self, before: float) -> None:
+        """Expire the directory's session files last written before `before` that this
+        replica never read (listed on an io lane; each deleted on its own)."""
+
+        def listed(found: Future[list[str]]) -> None:  # an io lane
+            error = None if found.cancelled() else found.exception()
+            if error is not None:
+                log.warning("looking for unused sessions failed: %s", error)
+            elif found.result():
+                self._call_quietly(lambda: self._expire_unread(found.result(), before))
+
+        self.persistence.unused(before).add_done_callback(listed)
+
+    def _expire_unread(self, session_ids: list[str], before: float) -> None:
+        unread = [sid for sid in session_ids if sid not in self.table]  # (known: see expire)
+        if not unread:
+            return
+        in_memory, broken = self._in_memory(), bool(self.table.broken())
+        for session_id in unread:
+            self.table.mark(session_id, Lifecycle.DELETING)
+            deleted = self.persistence.delete(
+                session_id, in_memory, broken, None, unused=True, unused_before=before
+            )
+            deleted.add_done_callback(self._unread_gone(session_id))
+
+    def _unread_gone(self, session_id: str) -> Callable[[Future[bool]], None]:
+        def gone() -> None:  # engine thread
+            self._gone(session_id)
+            tenant = owner_of(session_id)
+            self.expired[tenant] = self.expired.get(tenant, 0) + 1
+            log.info("session %r expired: its files went unused for too long", session_id)
+
+        def landed(deleted: Future[bool]) -> None:
+            if not deleted.cancelled() and deleted.exception() is None and deleted.result():
+                self._call_quietly(gone)
+            else:  # (kept: written since, or the disk failed; looked at again by a later sweep)
+                self._call_quietly(lambda: self._gone(session_id))
+
+        return landed
+
+    def _make_room(self, tenant: str) -> None:
+        """Before a tenant's new session: while the tenant is at its quota, its least
+        recently used sessions not in a turn are deleted. If even all of those would not make
+        room, none is, and the new session is refused (RESOURCE_EXHAUSTED)."""
+        limits = self.limits
+        if limits.max_sessions <= 0 and limits.max_bytes <= 0:
+            return
+        mine = self._sessions_of(tenant)
+        count, used = len(mine), sum(mine.values())
+
+        def full() -> bool:
+            return 0 < limits.max_sessions <= count or 0 < limits.max_bytes <= used
+
+        if not full():
+            return
+        victims = []
+        for session_id in self._by_age(mine):
+            victims.append(session_id)
+            count, used = count - 1, used - mine[session_id]
+            if not full():
+                break
+        else:
+            raise ProblemError(self._quota_refusal(len(mine), sum(mine.values())))
+        for session_id in victims:
+            self._evict(session_id, "to make room for a new one")
+
+    def _trim(self, tenant: str, keep: str) -> None:
+        """After a write of `keep` landed: while the tenant's sessions take more bytes than
+        its quota, its least recently used others that are not in a turn are deleted."""
+        if self.limits.max_bytes <= 0:
+            return
+        mine = self._sessions_of(tenant)
+        used = sum(mine.values())
+        for session_id in self._by_age(mine):
+            if used <= self.limits.max_bytes:
+                break
+            if session_id != keep:
+                used -= mine[session_id]
+                self._evict(session_id, "its tenant's sessions took more than their bytes")
+
+    def _sessions_of(self, tenant: str) -> dict[str, int]:
+        """The tenant's sessions (those being deleted aside), with their bytes on disk."""
+        ids = self.table.ids_of(tenant)
+        return {
+            sid: self._bytes_of(sid)
+            for sid in ids
+            if self.table.state(sid) is not Lifecycle.DELETING
+        }
+
+    def _by_age(self, session_ids: dict[str, int]) -> list[str]:
+        """Those not in a turn, least recently used first."""
+        idle = [sid for sid in session_ids if self.table.state(sid) in _NOT_IN_A_TURN]
+        return sorted(idle, key=lambda sid: (self._used_at(sid) or 0.0, sid))
+
+    def _evict(self, session_id: str, why: str) -> None:
+        tenant = owner_of(session_id)
+        self.evicted[tenant] = self.evicted.get(tenant, 0) + 1
+        log.info("session %r evicted: %s", session_id, why)
+        self._remove(session_id, unused=True)
+
+    def _quota_refusal(self, count: int, used: int) -> Problem:
+        limits = self.limits
+        most = [
+            f"{limits.max_sessions} sessions" if limits.max_sessions > 0 else "",
+            f"{limits.max_bytes >> 20} MB" if limits.max_bytes > 0 else "",
+        ]
+        return problem(
+            ErrorKind.RESOURCE_EXHAUSTED, Reason.SESSION_QUOTA,
+            f"the tenant's sessions are at its quota (at most {' and '.join(filter(None, most))};"
+            f" it has {count}, {used >> 20} MB on disk) and those not in a turn cannot make "
+            "room for a new one: retry when a turn has ended, or delete a session",
+            num_sessions=count, num_bytes=used, tenant_max_sessions=limits.max_sessions,
+            tenant_max_session_bytes=limits.max_bytes,
+        )  # fmt: skip
+
     # -- reading sessions ---------------------------------------------------------------------
 
     def _register(self, session_id: str, header: dict[str, Any] | BaseException) -> None:
+        try:
+            self._read_in(session_id, header)
+        finally:  # (damaged or not, its age counts from its files' last write)
+            used = self._used_at(session_id)
+            if used is not None:
+                self._oldest = min(self._oldest, used)
+
+    def _read_in(self, session_id: str, header: dict[str, Any] | BaseException) -> None:
         try:
             if isinstance(header, BaseException):
                 raise header
@@ -512,6 +770,8 @@ class SessionManager:
                     Reason.SESSION_FOREIGN,
                 )
             session = Session.from_header(session_id, header, self.executor.new_ledger)
+            found = self.persistence.footprint(session_id)
+            session.touched = found[1] if found is not None else self.clock()
             self._orphaned(session.prune())
         except SessionError as e:
             log.warning("%s", e)

@@ -14,6 +14,7 @@ that means for the session.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -41,6 +42,7 @@ log = logging.getLogger("slotwise.engine")
 
 IO_WORKERS = 4  # sessions whose disk work runs at once
 _PIXELS = ""  # the lane of pixel collection (no session has an empty id)
+_SWEEP = "/"  # the lane that looks for sessions unused too long (nor has one a slash)
 MAX_JOURNAL_TURNS = 128  # entries a journal holds before a checkpoint folds them in
 MIN_CHECKPOINT_CELLS = 1024  # a checkpoint is due once this many cells (at least) were decoded
 
@@ -72,6 +74,9 @@ class Persistence:
         self._written: dict[str, dict[str, Any]] = {}  # (what a turn's delta is from)
         self._io_orphans: set[str] = set()
         self.bytes_written = 0  # session files and journals (the lanes, under _counting)
+        # per session: its bytes on disk and when they were last written, as measured after
+        # this replica's last read or write of them (the lanes, under _counting)
+        self._footprints: dict[str, tuple[int, float]] = {}
 
     def close(self) -> None:
         self.lanes.shutdown()
@@ -160,6 +165,7 @@ class Persistence:
                 )  # fmt: skip
                 self._written[session_id] = header
                 self._count(len(kv_state) + len(json.dumps(header)))
+                self._measure(session_id, header)
                 pixels = []
                 for f in write.futures[: write.covered]:  # on disk, whatever follows
                     resolve(f, None)
@@ -183,6 +189,7 @@ class Persistence:
                     n = len(json.dumps(header))
                 self._written[session_id] = write.header
                 self._count(n)
+                self._measure(session_id, write.header)
         except StaleSessionError as e:
             log.warning("session %r not saved: %s", session_id, e)
             failure = ProblemError(problem(
@@ -209,26 +216,86 @@ class Persistence:
         with self._counting:
             self.bytes_written += num_bytes
 
+    # -- what sessions take on disk -----------------------------------------------------------
+
+    def footprint(self, session_id: str) -> tuple[int, float] | None:
+        """(Any thread) The session's bytes on disk and when they were last written
+        (time.time()), as of this replica's last read or write of them (None: unknown)."""
+        with self._counting:
+            return self._footprints.get(session_id)
+
+    def _measure(self, session_id: str, header: dict[str, Any] | None) -> None:
+        """(Its session's io lane) its files, and the pixels of the images it holds: each
+        image once per session, even where another session holds it too."""
+        assert self.store is not None
+        try:
+            found = self.store.footprint(session_id)
+        except OSError:  # (a measure, never a write's failure: the next write measures again)
+            return
+        if found is None:
+            self._forget_footprint(session_id)
+            return
+        num_bytes, written = found
+        with contextlib.suppress(AttributeError, KeyError, TypeError, ValueError):  # (damaged)
+            pixels = {px["media_id"]: px for px in (header or {}).get("pixels", {}).values()}
+            num_bytes += sum(3 * int(px["width"]) * int(px["height"]) for px in pixels.values())
+        with self._counting:
+            self._footprints[session_id] = (num_bytes, written)
+
+    def _forget_footprint(self, session_id: str) -> None:
+        with self._counting:
+            self._footprints.pop(session_id, None)
+
+    def unused(self, before: float) -> Future[list[str]]:
+        """The sessions in the directory (every replica's) whose files were last written
+        before `before` (time.time()), listed on a lane of its own."""
+        assert self.store is not None
+        return self.lanes.submit(_SWEEP, self.store.unused_since, before)
+
     # -- deletion and pixels ------------------------------------------------------------------
 
     def delete(
-        self, session_id: str, in_memory: set[str], broken: bool, missing: Exception | None
+        self,
+        session_id: str,
+        in_memory: set[str],
+        broken: bool,
+        missing: Exception | None,
+        *,
+        unused: bool = False,
+        unused_before: float | None = None,
     ) -> Future[bool]:
         """Remove the session's files, after its pending writes (on its lane), and collect
         the pixels nobody needs then; the future says whether a file was there (without one,
-        it raises `missing` if given)."""
+        it raises `missing` if given). unused: only if nobody wrote them since this replica
+        did (or read them; without such a generation, only if last written before
+        unused_before): an expiry or an eviction never deletes a session another replica
+        has just used."""
         assert self.store is not None
         store, collect = self.store, self.pixel_collector(in_memory, broken)
 
         def delete() -> bool:
-            found = store.delete(session_id)
+            since = self._generations.get(session_id) if unused else None
+            # the pixels of a file this replica never read are collected too
+            pixels = self._pixels_in(session_id) if session_id not in self._written else set()
+            found = store.delete(session_id, unless_written_since=since or unused_before)
+            if found and pixels:
+                with self._collecting:
+                    self._io_orphans |= pixels
             self.hold(session_id, None, None)
+            self._forget_footprint(session_id)
             collect()
             if not found and missing is not None:
                 raise missing
             return found
 
         return self.lanes.submit(session_id, delete)
+
+    def _pixels_in(self, session_id: str) -> set[str]:
+        assert self.store is not None
+        with contextlib.suppress(Exception):  # (damaged: what it refers to is unknown)
+            pixels = self.store.load_header(session_id).get("pixels", {})
+            return {str(px["media_id"]) for px in pixels.values()}
+        return set()
 
     def collect_pixels(self, in_memory: set[str], broken: bool) -> None:
         """(Engine thread) queue a collection of the orphans, if there are any."""
@@ -267,6 +334,7 @@ class Persistence:
         of every image its ledger holds must be there too (they are hashed when read).
         hold: this replica holds this generation from now on (its next write follows it)."""
         assert self.store is not None
+        header = None
         try:
             header = self.store.load_header(session_id)
             held = {seg.get("media") for seg in header.get("ledger", ())} - {None}
@@ -277,6 +345,8 @@ class Persistence:
                 self.hold(session_id, generation_of(header), header)
         except Exception as e:  # whatever is wrong with the file, the session is reported
             return e
+        finally:  # (a damaged file takes its room, and ages, too)
+            self._measure(session_id, header)
         return header
 
     def hold(
@@ -307,7 +377,10 @@ class Persistence:
                 raise ProblemError(storage_problem(e, "the sessions directory")) from e
             if found == self._generations.get(session_id):
                 return None
-            return Changed(self.read_header(session_id) if found is not None else None)
+            if found is None:
+                self._forget_footprint(session_id)
+                return Changed(None)
+            return Changed(self.read_header(session_id))
 
         try:
             return self.lanes.submit(session_id, read)

@@ -16,7 +16,9 @@ refused (StaleSessionError) and never writes over a newer file. A generation nam
 lineage too, random for every session file created: a session deleted and created again
 elsewhere never matches an old copy's number.
 Session writes hold the pixels' lock shared, pixel collection exclusive: pixels are written
-before the file that refers to them, and never deleted between.
+before the file that refers to them, and never deleted between. POSIX locks belong to the
+process, so this process's threads take each lock file's turns in memory first (`_FileLock`):
+a session's slow write holds up no other session's (only one sharing its lock file's stripe).
 
 The header holds the format version, the model fingerprint, the context configuration the KV
 state was saved from (a state only loads into a context with the same stream layout), the
@@ -63,10 +65,6 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # a session's key: its id, after `TENANT@` for every tenant but the default one
 _KEY = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_-]{0,63}@)?[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _PREFIX = len(_MAGIC) + 32
-# POSIX locks are the process's: two threads (or two stores on one directory) of one process
-# would not exclude each other, and one closing its descriptor releases the other's lock. So
-# this process's writes and collections take their turns here first.
-_PROCESS_WRITES = threading.Lock()
 _ENTRY = struct.Struct("<4sIIQ")  # magic, body length, crc32 of the body, generation number
 MAX_JOURNAL_ENTRIES = 256  # a journal this long is folded into its checkpoint
 _READ_KEYS = ("version", "generation", "lineage", "journal")  # what a read adds to a header
@@ -147,7 +145,6 @@ class _Journal:
 class SessionStore:
     def __init__(self, root: Path):
         self.root = root
-        self._writing = _PROCESS_WRITES
         (root / "media").mkdir(parents=True, exist_ok=True)
         (root / ".locks").mkdir(exist_ok=True)
         # per session file (inode, mtime, size): the media ids it refers to (pixel collection)
@@ -178,11 +175,7 @@ class SessionStore:
         caller holds (None: no file may be there); returns the new generation. same_state: the
         header is the one on disk at `expect` (a checkpoint that only adds the KV state), so
         the generation stays: another replica that holds it may go on writing after it."""
-        with (
-            self._writing,
-            self._lock(self._session_lock(session_id)),
-            self._lock(self._pixels_lock, shared=True),
-        ):
+        with self._session_lock(session_id), self._pixels_lock(shared=True):
             try:
                 found = self.generation(session_id)
             except CorruptSessionError:  # damaged, never newer (writes are atomic): replaced
@@ -235,11 +228,7 @@ class SessionStore:
         one the caller holds; returns the new generation and the bytes appended. A damaged
         checkpoint raises CorruptSessionError: it is replaced by a checkpoint, never appended
         to."""
-        with (
-            self._writing,
-            self._lock(self._session_lock(session_id)),
-            self._lock(self._pixels_lock, shared=True),
-        ):
+        with self._session_lock(session_id), self._pixels_lock(shared=True):
             found, journal = self._generation(session_id) or (None, None)
             if found != expect or journal is None:
                 raise StaleSessionError(session_id, expect, found)
@@ -340,8 +329,18 @@ class SessionStore:
             header["journal"] = header.get("journal", 0) + 1
         return SavedSession(header, kv_state, kv_ledger)
 
-    def delete(self, session_id: str) -> bool:
-        with self._writing, self._lock(self._session_lock(session_id)):
+    def delete(
+        self, session_id: str, *, unless_written_since: Generation | float | None = None
+    ) -> bool:
+        """Remove the session's files; returns whether there were any. unless_written_since:
+        keep them if another generation than this one is on disk, or (a time) if they were
+        written since then: a replica that found the session unused never deletes it under
+        another one that just used it."""
+        with self._session_lock(session_id):
+            if unless_written_since is not None and self._written_since(
+                session_id, unless_written_since
+            ):
+                return False
             try:
                 self.path(session_id).unlink()
             except FileNotFoundError:
@@ -355,13 +354,46 @@ class SessionStore:
         _fsync_dir(self.root)
         return True
 
+    def _written_since(self, session_id: str, since: Generation | float) -> bool:
+        if isinstance(since, Generation):
+            try:
+                return self.generation(session_id) not in (None, since)
+            except CorruptSessionError:
+                return False  # (damaged: never a newer write, which would be whole)
+        found = self.footprint(session_id)
+        return found is not None and found[1] >= since
+
+    def footprint(self, session_id: str) -> tuple[int, float] | None:
+        """The bytes of the session's checkpoint and journal, and when either was last
+        written (time.time(); None: no file)."""
+        try:
+            st = self.path(session_id).stat()
+        except FileNotFoundError:
+            return None
+        size, written = st.st_size, st.st_mtime
+        try:
+            jt = self._journal_path(session_id).stat()
+        except FileNotFoundError:
+            return size, written
+        return size + jt.st_size, max(written, jt.st_mtime)
+
+    def unused_since(self, before: float) -> list[str]:
+        """The sessions whose files were last written before `before` (time.time())."""
+        found = []
+        for session_id in self.ids():
+            with contextlib.suppress(SessionIdError, OSError):  # (not ours; gone meanwhile)
+                footprint = self.footprint(session_id)
+                if footprint is not None and footprint[1] < before:
+                    found.append(session_id)
+        return found
+
     @contextlib.contextmanager
     def collecting_pixels(self) -> Iterator[set[str] | None]:
         """Every media id a session file on disk refers to, with session writes held off (the
         pixels' lock, exclusive) while the caller deletes pixels that none needs. None when a
         file cannot be read (damaged, a newer format, a passing I/O error): its needs are
         unknown, so nothing may be deleted."""
-        with self._writing, self._lock(self._pixels_lock):
+        with self._pixels_lock():
             referred: set[str] = set()
             seen: dict[str, tuple[tuple[int, ...], frozenset[str]]] = {}
             unreadable = False
@@ -389,24 +421,12 @@ class SessionStore:
             self._referred = seen
             yield None if unreadable else referred
 
-    def _session_lock(self, session_id: str) -> Path:
+    def _session_lock(self, session_id: str) -> contextlib.AbstractContextManager[None]:
         stripe = zlib.crc32(check_session_key(session_id).encode()) % _LOCK_STRIPES
-        return self.root / ".locks" / f"{stripe}.lock"
+        return _locked(self.root / ".locks" / f"{stripe}.lock")
 
-    @property
-    def _pixels_lock(self) -> Path:
-        return self.root / ".locks" / "pixels.lock"
-
-    @contextlib.contextmanager
-    def _lock(self, path: Path, *, shared: bool = False) -> Iterator[None]:
-        """A POSIX record lock (fcntl): across processes and, on NFSv4/EFS/CephFS, machines.
-        Held under `_writing` (see _PROCESS_WRITES)."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # (closing releases the lock)
+    def _pixels_lock(self, *, shared: bool = False) -> contextlib.AbstractContextManager[None]:
+        return _locked(self.root / ".locks" / "pixels.lock", shared=shared)
 
     def _media_path(self, media_id: str) -> Path:
         return self.root / "media" / f"{check_session_id(media_id)}.rgb"
@@ -431,6 +451,88 @@ class SessionStore:
         if pixels_id(width, height, rgb) != media_id:
             raise CorruptSessionError(f"pixels of media {media_id[:12]} are damaged")
         return rgb
+
+
+class _FileLock:
+    """A lock file as this process holds it. POSIX record locks (fcntl) work across processes
+    and, on NFSv4/EFS/CephFS, machines, but they are the process's: its threads do not
+    exclude each other, and closing any descriptor of the file drops all of them. So a lock
+    file in use has one descriptor here, closed only once no thread holds or waits for it,
+    and its threads take turns at its POSIX lock in memory first: exclusive by one thread at
+    a time, shared by any number together (taken by the first, let go by the last). A thread
+    waiting to hold it exclusive goes before new sharers: pixel collection is not starved by a
+    stream of writes."""
+
+    def __init__(self, key: tuple[int, int], fd: int):
+        self.key, self.fd = key, fd
+        self.users = 0  # threads holding or waiting for it (under _FILE_LOCKS_LOCK)
+        self._turns = threading.Condition()
+        self._exclusive = False
+        self._sharers = 0
+        self._waiting = 0  # threads waiting to hold it exclusive
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._turns:
+            self._waiting += 1
+            self._turns.wait_for(lambda: not self._exclusive and not self._sharers)
+            self._waiting -= 1
+            self._exclusive = True
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX)  # (other processes: waits for theirs)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN)
+        finally:
+            with self._turns:
+                self._exclusive = False
+                self._turns.notify_all()
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._turns:
+            self._turns.wait_for(lambda: not self._exclusive and not self._waiting)
+            if not self._sharers:  # (under _turns: no sharer goes on before it is held)
+                fcntl.lockf(self.fd, fcntl.LOCK_SH)
+            self._sharers += 1
+        try:
+            yield
+        finally:
+            with self._turns:
+                self._sharers -= 1
+                if not self._sharers:
+                    fcntl.lockf(self.fd, fcntl.LOCK_UN)
+                    self._turns.notify_all()
+
+
+# the lock files in use in this process, by file: two stores of one directory share them
+_FILE_LOCKS: dict[tuple[int, int], _FileLock] = {}
+_FILE_LOCKS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _locked(path: Path, *, shared: bool = False) -> Iterator[None]:
+    with _FILE_LOCKS_LOCK:
+        try:
+            st = path.stat()  # (a stat, unlike an open and close, drops no lock)
+            lock = _FILE_LOCKS.get((st.st_dev, st.st_ino))
+        except FileNotFoundError:
+            lock = None
+        if lock is None:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            st = os.fstat(fd)
+            lock = _FILE_LOCKS[st.st_dev, st.st_ino] = _FileLock((st.st_dev, st.st_ino), fd)
+        lock.users += 1
+    try:
+        with lock.shared() if shared else lock.exclusive():
+            yield
+    finally:
+        with _FILE_LOCKS_LOCK:
+            lock.users -= 1
+            if not lock.users:  # nobody here holds it: closing drops no one's lock
+                del _FILE_LOCKS[lock.key]
+                os.close(lock.fd)
 
 
 def _read_prefix(session_id: str, f: Any) -> tuple[int, Generation]:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from infer_service.events import ErrorKind, Reason
-from infer_service.sessions import Lifecycle, Session
+from infer_service.sessions import Lifecycle, Session, owner_of
 from infer_service.slots import SessionError
 
 S = Lifecycle
@@ -40,6 +40,7 @@ class _Known:
 class SessionTable:
     def __init__(self) -> None:
         self._entries: dict[str, Session | _Known] = {}
+        self._tenants: dict[str, set[str]] = {}  # tenant -> its ids (quotas count per tenant)
 
     def state(self, session_id: str) -> Lifecycle | None:
         entry = self._entries.get(session_id)
@@ -62,6 +63,13 @@ class SessionTable:
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._entries
+
+    def ids(self) -> list[str]:
+        return list(self._entries)
+
+    def ids_of(self, tenant: str) -> list[str]:
+        """A tenant's ids, whatever their state."""
+        return list(self._tenants.get(tenant, ()))
 
     # -- lookups for the RPCs: each state answers with its own error ---------------------------
 
@@ -89,7 +97,7 @@ class SessionTable:
         """A session into memory, STORED: new, read from disk, or restored."""
         self._check(session.session_id, S.STORED)
         session.state = S.STORED
-        self._entries[session.session_id] = session
+        self._put(session.session_id, session)
 
     def move(self, session: Session, to: Lifecycle) -> None:
         """A session in memory to another state in memory."""
@@ -101,13 +109,22 @@ class SessionTable:
     def mark(self, session_id: str, to: Lifecycle, error: SessionError | None = None) -> None:
         """An id to a state without a session in memory (RESTORING, DELETING, BROKEN)."""
         self._check(session_id, to)
-        self._entries[session_id] = _Known(to, error)
+        self._put(session_id, _Known(to, error))
 
     def drop(self, session_id: str) -> None:
         """Forget the id (whatever its state allows)."""
         if session_id in self._entries:
             self._check(session_id, None)
             del self._entries[session_id]
+            tenant = owner_of(session_id)
+            ids = self._tenants[tenant]
+            ids.discard(session_id)
+            if not ids:
+                del self._tenants[tenant]
+
+    def _put(self, session_id: str, entry: Session | _Known) -> None:
+        self._entries[session_id] = entry
+        self._tenants.setdefault(owner_of(session_id), set()).add(session_id)
 
     def _check(self, session_id: str, to: Lifecycle | None) -> None:
         now = self.state(session_id)

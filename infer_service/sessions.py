@@ -28,6 +28,25 @@ MAX_RECORDS = 256  # turn records a session keeps (the oldest go first)
 
 
 @dataclass(frozen=True)
+class SessionLimits:
+    """A tenant's share of sessions and how long one lives without a turn (0: no limit)."""
+
+    max_sessions: int = 1000  # per tenant: its least recently used one makes way for a new one
+    max_bytes: int = 10 << 30  # per tenant, on disk: files and the pixels their images hold
+    ttl: float = 30 * 24 * 3600.0  # seconds without a turn (OpenAI keeps stored responses 30 days)
+
+
+@dataclass
+class TenantSessions:
+    """A tenant's sessions as this replica knows them, and how many of them ended by limit."""
+
+    num_sessions: int = 0
+    num_bytes: int = 0
+    num_expired: int = 0
+    num_evicted: int = 0
+
+
+@dataclass(frozen=True)
 class TurnRecord:
     """What one completed turn produced, kept with the session (on disk too)."""
 
@@ -97,6 +116,9 @@ class Session:
     # the ledger and shift count of the last completed turn while a turn runs
     rollback: tuple[list[dict[str, Any]], int] | None = None
     last_used: float = field(default_factory=time.monotonic)
+    # when it was last used, in wall-clock time (its files' mtime says the same to another
+    # replica or a restart): what its TTL and its tenant's quota count from
+    touched: float = field(default_factory=time.time)
     records: deque[TurnRecord] = field(default_factory=lambda: deque(maxlen=MAX_RECORDS))
     title: str = ""
     disk: DiskState = field(default_factory=DiskState)

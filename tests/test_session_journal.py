@@ -5,8 +5,12 @@ decoded again, and the cells llama.cpp then holds exactly the ledger's."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -261,40 +265,102 @@ def test_entries_of_another_lineage_are_cut_off_by_the_next_append(tmp_path: Pat
     assert store.load_header("s")["t"] == "new 2" and g.number == 3
 
 
+def slow_fsync(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> tuple[threading.Event, threading.Event]:
+    """A disk whose fsync of the file `name` waits until the test says so (`release`), once
+    `writing` says it began: where a real slow write stalls, inside the store's locked write."""
+    writing, release = threading.Event(), threading.Event()
+    fsync = os.fsync
+
+    def held_fsync(fd: int) -> None:
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).name == name:
+            writing.set()
+            release.wait(60)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", held_fsync)
+    return writing, release
+
+
+def test_a_slow_write_holds_up_no_other_session_and_keeps_its_locks_from_other_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = SessionStore(tmp_path)
+    held = {sid: store.save(sid, {"t": sid}, b"") for sid in ("slow", "quick")}
+    writing, release = slow_fsync(monkeypatch, "slow.turns")
+
+    def append(sid: str, done: list[Any]) -> threading.Thread:
+        def write() -> None:
+            done.append(store.append(sid, {"t": {"value": "1"}}, expect=held[sid]))
+
+        thread = threading.Thread(target=write, daemon=True)
+        thread.start()
+        return thread
+
+    slow: list[Any] = []
+    quick: list[Any] = []
+    stripe = tmp_path / ".locks" / f"{zlib.crc32(b'slow') % 256}.lock"
+    try:
+        append("slow", slow)
+        assert writing.wait(30), "the slow write never reached its fsync"
+        append("quick", quick).join(30)
+        assert quick, "another session's write waited for the slow one"
+        # the quick write let its locks go; the slow one's still hold for other processes
+        assert not other_process_locks(stripe) and not other_process_locks(stripe, "pixels.lock")
+    finally:
+        release.set()
+    wait_until(lambda: bool(slow), what="the slow write")
+    assert store.load_header("slow")["t"] == "1" and store.load_header("quick")["t"] == "1"
+    assert other_process_locks(stripe) and other_process_locks(stripe, "pixels.lock")
+
+
+def other_process_locks(lock: Path, name: str = "") -> bool:
+    """Whether another process can take the lock file (`name` beside `lock`) exclusive now."""
+    path = lock.with_name(name) if name else lock
+    probe = (
+        "import fcntl, os, sys; "
+        "fcntl.lockf(os.open(sys.argv[1], os.O_RDWR), fcntl.LOCK_EX | fcntl.LOCK_NB)"
+    )
+    probed = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True)
+    return probed.returncode == 0
+
+
 def test_one_session_s_slow_write_holds_up_no_other_session(
-    serve: Callable[..., Any], prep_servers: Callable[[str], int], tmp_path: Path
+    serve: Callable[..., Any],
+    prep_servers: Callable[[str], int],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     a = serve(tmp_path)
     prep = prep_servers("mrope")
     (c,) = clients(prep, a)
     for sid in ("slow", "quick"):
         c.create_session(sid)
-    store = a.engine.sessions.store
-    writing, release = threading.Event(), threading.Event()
-    append = store.append
-
-    def held_append(session_id: str, *args: Any, **kwargs: Any) -> Any:
-        if session_id == "slow":  # a disk that answers when the test says so
-            writing.set()
-            release.wait(60)
-        return append(session_id, *args, **kwargs)
-
-    store.append = held_append
+    # a disk whose fsync of the slow session's journal answers when the test says so: the
+    # stall sits where a real one does, inside the store's locked write
+    writing, release = slow_fsync(monkeypatch, "slow.turns")
 
     def session_turn(sid: str, k: int) -> Any:
         prepared = c.prepare([Message.user(image_bytes(40, 32, seed=k), f"turn {k}?")])
         return collect(c.generate(prepared, session_id=sid, max_tokens=4, temperature=0))
 
     slow: list[Any] = []
+    quick: list[Any] = []
     thread = threading.Thread(target=lambda: slow.append(session_turn("slow", 0)), daemon=True)
-    thread.start()
-    assert writing.wait(60), "the slow session's turn never wrote"
-    # its write waits; another session's sync, turn and write do not
-    assert c.get_session("quick").num_turns == 0
-    quick = session_turn("quick", 1)
-    assert quick.finished is not None and quick.finished.persistence.name == "SAVED"
-    assert c.get_session("quick").num_turns == 1 and not slow
-    release.set()
+    other = threading.Thread(target=lambda: quick.append(session_turn("quick", 1)), daemon=True)
+    try:
+        thread.start()
+        assert writing.wait(60), "the slow session's turn never wrote"
+        # its write waits; another session's sync, turn and write do not
+        assert c.get_session("quick").num_turns == 0
+        other.start()
+        other.join(30)
+        assert quick, "the quick session's turn waited for the slow one's write"
+        assert quick[0].finished is not None and quick[0].finished.persistence.name == "SAVED"
+        assert c.get_session("quick").num_turns == 1 and not slow
+    finally:
+        release.set()
     thread.join(60)
     assert slow and slow[0].finished.persistence.name == "SAVED"
     assert SessionStore(tmp_path).load_header("slow")["num_turns"] == 1
