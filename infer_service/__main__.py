@@ -22,6 +22,7 @@ from infer_service.runtime import Runtime, RuntimeConfig
 from infer_service.scheduler import TenantLimits
 from infer_service.service import GenerateLimits, InferServicer
 from infer_service.session_store import SessionStore
+from infer_service.sessions import SessionLimits
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.metrics import ServiceMetrics
 from slotwise_core.model_files import ModelMismatchError
@@ -85,6 +86,7 @@ async def start(
     embeddings_ctx: int = 0,
     tenant_limits: TenantLimits = TenantLimits(),
     fair: bool = True,
+    session_limits: SessionLimits = SessionLimits(),
 ) -> RunningInfer:
     """Listen first (health NOT_SERVING), load the model, then report SERVING."""
     metrics = ServiceMetrics("infer")
@@ -125,6 +127,7 @@ async def start(
         tenant_limits=tenant_limits,
         fair=fair,
     )
+    engine.sessions.limits = session_limits  # (before the engine's first periodic work)
     metrics.collect_from(engine_metrics(engine, metrics))
     loop = asyncio.get_running_loop()
     died = asyncio.Event()
@@ -179,6 +182,7 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
         encode_threads=s["encode_threads"],
         encode_nice=s["encode_nice"],
         extra_bufts={"auto": None, "on": True, "off": False}[s["extra_bufts"]],
+        grammar_ms=s["max_grammar_ms"],
     )
     return config, {
         "max_queue": s["max_queue"],
@@ -190,6 +194,9 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
         "embeddings_ctx": s["embeddings_ctx"] if s["embeddings"] else 0,
         "tenant_limits": TenantLimits(s["tenant_max_active"], s["tenant_max_queued"]),
         "fair": s["queue"] == "fair",
+        "session_limits": SessionLimits(
+            s["tenant_max_sessions"], s["tenant_max_session_mb"] << 20, float(s["session_ttl"])
+        ),
     }
 
 

@@ -270,7 +270,8 @@ class Engine:
                 future.set_exception(EngineStoppedError(why))
 
     def _run(self) -> None:
-        idle_at: float | None = None  # when a session's idle checkpoint is due (monotonic)
+        # when the sessions' periodic work is due (monotonic): at once, for those read from disk
+        idle_at: float | None = time.monotonic()
         while True:
             with self._wake:
                 while not (self._stopping or self._calls or self._has_work()):
@@ -291,9 +292,11 @@ class Engine:
             try:
                 self._admit_waiting()
                 self._end_expired()
-                outcome = self.executor.step(self.slots)
-                ended = bool(outcome.endings)
-                self._apply(outcome)
+                # (a wake-up for calls or the sessions' periodic work alone steps nothing)
+                if self.executor.encoding or any(s.job for s in self.slots):
+                    outcome = self.executor.step(self.slots)
+                    ended = bool(outcome.endings)
+                    self._apply(outcome)
             except Exception as e:  # a bug: fail the active jobs, keep serving
                 log.exception("engine step failed")
                 self._apply(self.executor.take_outcome())  # what it ended before it failed
@@ -304,10 +307,10 @@ class Engine:
             # looked at again when a turn (or a session call) may have made one idle, or one
             # is due: not on every token's step
             if calls or ended or (idle_at is not None and now >= idle_at):
-                try:  # (a failure here is no request's: its session is checkpointed later)
-                    wait = self.sessions.checkpoint_idle(now)
+                try:  # (a failure here is no request's: it is tried again later)
+                    wait = self.sessions.periodic(now)
                 except Exception:
-                    log.exception("an idle session's checkpoint failed")
+                    log.exception("the sessions' periodic work failed")
                     wait = None
                 idle_at = None if wait is None else now + wait
         self._end_everything(

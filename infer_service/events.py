@@ -61,11 +61,13 @@ class Reason(enum.Enum):
     SESSION_FOREIGN = "SESSION_FOREIGN"
     SESSION_STALE = "SESSION_STALE"  # another replica wrote the session since
     SESSION_MOVED_ON = "SESSION_MOVED_ON"  # it has more turns than the caller expected
+    SESSION_QUOTA = "SESSION_QUOTA"  # the tenant's sessions are at its quota, all in turns
     NOT_PERSISTED = "NOT_PERSISTED"
     STORAGE_FULL = "STORAGE_FULL"
     STORAGE_FAILED = "STORAGE_FAILED"
     BAD_REQUEST = "BAD_REQUEST"
     MEDIA_FAILED = "MEDIA_FAILED"
+    GRAMMAR_TOO_COSTLY = "GRAMMAR_TOO_COSTLY"
     DECODE_FAILED = "DECODE_FAILED"
     CANCELLED = "CANCELLED"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"

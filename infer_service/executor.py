@@ -50,6 +50,7 @@ from infer_service.events import (
     TokenDelta,
     Usage,
 )
+from infer_service.grammar_lane import GrammarLane, GrammarTooCostly
 from infer_service.kv_view import ShiftMark, at_cell, runs
 from infer_service.ledger import (
     CannotFit,
@@ -130,11 +131,13 @@ class Executor:
         self._encoding: dict[str, Future[np.ndarray]] = {}  # media key -> its encode
         self._encoded: dict[str, np.ndarray] = {}  # finished, until their slot decodes them
         self._observer = observer
+        self.grammars = GrammarLane()  # every slot's grammar work, each call under a budget
         self._outcome = StepOutcome()  # what the step under way did so far
         self._num_generating = 0  # slots of the step under way that generate (not prefilling)
 
     def close(self) -> None:
         self._encoder.shutdown(wait=True, cancel_futures=True)
+        self.grammars.close()
 
     def new_ledger(self, ctx: ContextConfig) -> Ledger:
         return Ledger(
@@ -201,8 +204,18 @@ class Executor:
         `reprefill`: the sequence holds only the ledger's segments before this one (a
         checkpoint older than the ledger; 0: its saved state did not load); those the ledger
         keeps after it are decoded again. A refused prompt raises ProblemError."""
+        if job.sampler_spec.constraint is not None and self.grammars.full:
+            raise ProblemError(
+                Problem(
+                    ErrorKind.RESOURCE_EXHAUSTED,
+                    "grammars of earlier requests that ran past their budget are still being "
+                    "followed; retry shortly",
+                    Reason.GRAMMAR_TOO_COSTLY,
+                    retry_after=1.0,
+                )
+            )
         try:  # first: a refusal here changes nothing
-            sampler = SlotSampler(self.rt, job.sampler_spec)
+            sampler = SlotSampler(self.rt, job.sampler_spec, self.grammars)
         except ConstraintError as e:
             raise SessionError(ErrorKind.INVALID_ARGUMENT, str(e), Reason.BAD_REQUEST) from e
         try:
@@ -356,7 +369,9 @@ class Executor:
 
     def waits_for_encode(self, slot: Slot) -> bool:
         front = slot.pending[0] if slot.pending else None
-        encode = self._encoding.get(front.media_id or "") if front is not None else None
+        if front is None or not front.media_id or slot.job is None:
+            return False
+        encode = self._encoding.get(media_cache_key(slot.job, front.media_id))
         return encode is not None and not encode.done()
 
     @property
@@ -373,8 +388,9 @@ class Executor:
         for slot in slots:
             if slot.job and slot.pending and slot.pending[0].media_id:
                 try:
-                    if slot.pending[0].media_id in broken:
-                        raise broken[slot.pending[0].media_id]
+                    error = broken.get(media_cache_key(slot.job, slot.pending[0].media_id))
+                    if error is not None:
+                        raise error
                     self._decode_media(slot)
                 except Exception as e:  # this request's image: it ends alone (its sequence
                     # is cleared, or rolled back to its last completed turn)
@@ -394,11 +410,21 @@ class Executor:
         """An encode no active request waits for any more (cancelled, deadline) and that has
         not started is dropped: stale work must not hold up the live requests behind it.
         Finished embeddings no slot is about to decode leave `_encoded` (they stay cached)."""
-        wanted = {i.media_id for s in slots if s.job for i in s.pending if i.media_id}
+        wanted = {
+            media_cache_key(s.job, i.media_id)
+            for s in slots
+            if s.job
+            for i in s.pending
+            if i.media_id
+        }
         for key in [k for k in self._encoding if k not in wanted]:
             if self._encoding[key].cancel():
                 del self._encoding[key]
-        fronts = {s.pending[0].media_id for s in slots if s.job and s.pending}
+        fronts = {
+            media_cache_key(s.job, s.pending[0].media_id)
+            for s in slots
+            if s.job and s.pending and s.pending[0].media_id
+        }
         for key in [k for k in self._encoded if k not in fronts]:
             del self._encoded[key]
 
@@ -420,16 +446,22 @@ class Executor:
                 self.cache.put(key, embd)
         return failed
 
-    def _embeddings(self, slot: Slot, key: str) -> np.ndarray | None:
-        """The projector's output for key, or None while it is being encoded (started here
-        on the encode worker, with its own copy of the chunk: the request may end first)."""
+    def _embeddings(self, slot: Slot, media_key: str) -> np.ndarray | None:
+        """The projector's output for the media key, or None while it is being encoded
+        (started here on the encode worker, with its own copy of the chunk: the request may
+        end first). Kept, and shared, within the job's tenant and salt only."""
+        assert slot.job is not None
+        key = media_cache_key(slot.job, media_key)
         embd = self._encoded.get(key)
         if embd is not None or key in self._encoding:
             return embd
         embd = self.cache.get(key)
+        counts = self.stats.tenant(slot.job.tenant)
         if embd is not None:
+            counts.num_media_cache_hits += 1
             return embd
-        copy = MediaHandle(mtmd_cpp.mtmd_input_chunk_copy(_media(slot, key).chunk), key)
+        counts.num_media_cache_misses += 1
+        copy = MediaHandle(mtmd_cpp.mtmd_input_chunk_copy(_media(slot, media_key).chunk), media_key)
 
         def encode() -> np.ndarray:
             try:
@@ -516,25 +548,14 @@ class Executor:
         for slot in ready:
             if budget == 0:
                 break
-            allowed = budget
-            if slot.prefilling:  # (grouped text of less than a batch goes whole)
-                head = slot.pending[0]
-                whole = head.num_cells if head.group is not None else 0
-                allowed = min(budget, max(self._prefill_budget(slot), whole))
-            n = text_take_size(slot.pending, allowed, self.rt.batch_size)
-            if n == 0:
+            try:
+                took = self._take_text(slot, budget)
+            except Exception as e:  # this slot's item alone: the batch goes on without it
+                self._fail(slot, e)
                 continue
-            head = slot.pending[0]
-            assert slot.ledger is not None
-            n = fitting_take(slot.ledger, n, head.group)
-            if not self._make_room(slot, n, n, head.group):
-                continue  # finished, or a reprefill put other items first
-            item = take_text(slot.pending, n)
-            assert slot.ledger is not None
-            last = not slot.pending
-            end = batch.add(item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=last)
-            taken.append((slot, item, end if last else None))
-            budget -= n
+            if took is not None:
+                taken.append(took)
+                budget -= took[1].num_cells
         if not taken:
             return
         t0 = time.perf_counter()
@@ -549,14 +570,47 @@ class Executor:
             return
         elapsed = time.perf_counter() - t0
         for slot, item, logits_at in taken:
-            assert slot.ledger is not None
-            slot.ledger.append(item)
-            if slot.prefilling:
-                self._progress(slot, item.num_cells)
-            else:
-                slot.usage.decode_seconds += elapsed
-            if logits_at is not None:
-                self._sample(slot, logits_at)
+            try:
+                assert slot.ledger is not None
+                slot.ledger.append(item)
+                if slot.prefilling:
+                    self._progress(slot, item.num_cells)
+                else:
+                    slot.usage.decode_seconds += elapsed
+                if logits_at is not None:
+                    self._sample(slot, logits_at)
+            except Exception as e:
+                self._fail(slot, e)
+
+    def _take_text(self, slot: Slot, budget: int) -> tuple[Slot, Item, int | None] | None:
+        """The slot's next text into the batch, after the ledger's plan made room for it:
+        (slot, item, its logits' index or None); None when it takes nothing this step."""
+        allowed = budget
+        if slot.prefilling:  # (grouped text of less than a batch goes whole)
+            head = slot.pending[0]
+            whole = head.num_cells if head.group is not None else 0
+            allowed = min(budget, max(self._prefill_budget(slot), whole))
+        n = text_take_size(slot.pending, allowed, self.rt.batch_size)
+        if n == 0:
+            return None
+        head = slot.pending[0]
+        assert slot.ledger is not None
+        n = fitting_take(slot.ledger, n, head.group)
+        if not self._make_room(slot, n, n, head.group):
+            return None  # finished, or a reprefill put other items first
+        item = take_text(slot.pending, n)
+        assert slot.ledger is not None
+        last = not slot.pending
+        end = self.rt.batch.add(item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=last)
+        return slot, item, end if last else None
+
+    def _fail(self, slot: Slot, e: Exception) -> None:
+        """A bug met while carrying out one slot's item: that request ends (INTERNAL, its
+        sequence cleared or its session rolled back), the step goes on for the others."""
+        log.error("slot %d: its item failed", slot.seq, exc_info=e)
+        why = Problem(ErrorKind.INTERNAL, f"internal error: {e!r}", Reason.INTERNAL)
+        if slot.job is not None:
+            self._end(slot, FinishReason.ERROR, error=why.message, problem=why)
 
     def _decode_alone(self, taken: list[tuple[Slot, Item, int | None]]) -> None:
         """Decode each sequence of a failed batch on its own: only those that fail again end."""
@@ -574,10 +628,13 @@ class Executor:
                 )
                 self._end(slot, FinishReason.ERROR, error=why.message, problem=why)
                 continue
-            slot.ledger.append(item)
-            self._progress(slot, item.num_cells)
-            if logits_at is not None:
-                self._sample(slot, end)  # before the next decode wipes these logits
+            try:
+                slot.ledger.append(item)
+                self._progress(slot, item.num_cells)
+                if logits_at is not None:
+                    self._sample(slot, end)  # before the next decode wipes these logits
+            except Exception as e:
+                self._fail(slot, e)
 
     def _sample(self, slot: Slot, index: int) -> None:
         job = slot.job
@@ -591,6 +648,13 @@ class Executor:
             token, logprobs = slot.sampler.sample(index)
         except GrammarDeadEnd:
             self._end(slot, FinishReason.GRAMMAR)
+            return
+        except GrammarTooCostly as e:
+            why = Problem(
+                ErrorKind.RESOURCE_EXHAUSTED, str(e), Reason.GRAMMAR_TOO_COSTLY,
+                field="constraint.grammar",
+            )  # fmt: skip
+            self._end(slot, FinishReason.ERROR, error=why.message, problem=why)
             return
         if self.rt.is_eog(token):
             self._end(slot, FinishReason.STOP)
@@ -708,6 +772,12 @@ def _niced(nice: int) -> None:
         with contextlib.suppress(Exception):  # (a refusal leaves the encoder as it is)
             me = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + nice))
+
+
+def media_cache_key(job: Job, media_key: str) -> str:
+    """A media key within its job's tenant and salt, as prefix reuse is: the projector's work
+    for one tenant is never another's (a hit would tell that someone sent the image)."""
+    return f"{job.tenant}\0{job.cache_salt}\0{media_key}"
 
 
 def _media(slot: Slot, key: str) -> MediaHandle:

@@ -112,6 +112,7 @@ def verify_prompt(
     mtmd: native.Multimodal | None,
     limits: MediaLimits,
     cache: VerifiedMedia | None = None,
+    scope: str = "",
 ) -> tuple[dict[str, MediaHandle], dict[str, bytes]]:
     """Verify fingerprint and every media group; return native media chunks by media key,
     and the pixels of each image by media_id.
@@ -119,8 +120,10 @@ def verify_prompt(
     An encoded image is decoded here (once) with the code prep decoded it with, and must hash
     to its media_id. Each image is tokenized again from its pixels; its group (wrapper text +
     media) must match the descriptor chunk for chunk, cell for cell, position for position.
-    An image in `cache` (the same bytes) is not decoded or tokenized again: its group is
-    compared with the one libmtmd made of it then.
+    An image in `cache` (the same bytes, sent within the same `scope`: a tenant and its
+    salt) is not decoded or tokenized again: its group is compared with the one libmtmd made
+    of it then. Another scope's entry is never used: how fast a check went would tell a
+    tenant that someone else sent the image.
     """
     if prompt.fingerprint != fingerprint:
         raise StaleDescriptorError(
@@ -155,7 +158,7 @@ def verify_prompt(
                     )
             assert mtmd is not None
             image = media[0]
-            key = image_key(image)
+            key = f"{scope}\0{image_key(image)}"
             verified = cache.get(key) if cache is not None else None
             if verified is None or verified.media_id != image.media_id:
                 seen = pixels.get(image.media_id)  # (another group's: its bytes decoded)

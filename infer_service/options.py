@@ -8,10 +8,12 @@ from pathlib import Path
 
 from infer_service.runtime import RuntimeConfig
 from infer_service.service import GenerateLimits
+from infer_service.sessions import SessionLimits
 from slotwise_core.options import option, positive_int
 from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
 
 _d = RuntimeConfig(model=Path())
+_life = SessionLimits()
 
 
 def nice_value(text: str) -> int:
@@ -43,6 +45,9 @@ OPTIONS = (
     option("--extra-bufts", choices=["auto", "on", "off"], default="auto",
            help="llama.cpp's repacked weight buffers (AMX among them); auto: off where the CPU "
            "reports AMX and the kernel refuses it"),
+    option("--max-grammar-ms", type=positive_int, default=_d.grammar_ms,
+           help="the most one token's grammar work may take on the engine thread; a request "
+           "whose grammar takes longer ends (RESOURCE_EXHAUSTED GRAMMAR_TOO_COSTLY)"),
     option("--max-queue", type=int, default=64, help="requests waiting for a slot"),
     option("--tenant-max-active", type=int, default=0,
            help="a tenant's generations in slots at once (more wait); 0: no limit of its own"),
@@ -54,6 +59,15 @@ OPTIONS = (
            help="images checked (a quarter: one sent again is not decoded again) and the "
            "projector's outputs (the rest)"),
     option("--sessions-dir", type=Path, help="persist sessions here (survive restarts)"),
+    option("--tenant-max-sessions", type=int, default=_life.max_sessions,
+           help="sessions a tenant keeps: its least recently used one not in a turn makes way "
+           "for a new one (none can: RESOURCE_EXHAUSTED); 0: no limit"),
+    option("--tenant-max-session-mb", type=int, default=_life.max_bytes >> 20,
+           help="a tenant's sessions on disk (files and their images' pixels): its least "
+           "recently used ones make way; 0: no limit"),
+    option("--session-ttl", type=int, default=int(_life.ttl),
+           help="seconds a session may go without a turn before it is deleted, in memory and "
+           "on disk (default: 30 days); 0: never"),
     option("--state-cache-mb", type=int, default=256,
            help="host memory for the KV states of stateless conversations that lost their slot"),
     option("--embeddings", action="store_true",

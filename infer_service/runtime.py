@@ -65,6 +65,8 @@ class RuntimeConfig:
     # its priority below decoding's (nice): while slots generate, it takes what they leave
     encode_nice: int = 10
     extra_bufts: bool | None = None  # None: unless the CPU reports AMX the kernel refuses
+    # the most one token's grammar work may take on the engine thread (a request past it ends)
+    grammar_ms: int = 250
 
 
 @dataclass(frozen=True)

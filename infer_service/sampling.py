@@ -17,23 +17,31 @@ checked first, and a mismatch ends the generation like a grammar with no way on.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
-import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import llama_cpp
 import numpy as np
+import re2
 
 from infer_service.events import TokenChoice, TokenLogprobs
+from infer_service.grammar_lane import GrammarLane, GrammarTooCostly
 from infer_service.runtime import Runtime, SamplingConfig
 from infer_service.text_stream import utf8_tail
+from slotwise_core.grammar_limits import LimitError, check_grammar
 from slotwise_core.json_grammar import json_schema_to_gbnf
+from slotwise_core.native import NativeError
+
+T = TypeVar("T")
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries: OpenAI allows 300
 MAX_TRIGGER_PATTERNS = 16
 MAX_TRIGGER_LENGTH = 256  # characters of a pattern
+_TRIGGER_MEMORY = 1 << 20  # bytes RE2 may spend on one pattern's program
 _TRIGGER_REACH = 512  # characters before a token's text that a match may begin in
 
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
@@ -75,6 +83,8 @@ def json_schema_grammar(schema: str) -> str:
     """A JSON Schema (text) -> GBNF (slotwise_core/json_grammar.py)."""
     try:
         return json_schema_to_gbnf(schema)
+    except LimitError as e:
+        raise ConstraintError(str(e), "constraint.json_schema") from None
     except RecursionError:
         raise ConstraintError("json_schema: nested too deeply", "constraint.json_schema") from None
     except Exception as e:  # the converter's own assertions and lookups: a schema it refuses
@@ -112,6 +122,10 @@ def check_spec(rt: Runtime, spec: SamplerSpec) -> None:
                 "constraint.trigger_patterns",
             )
         _compile(p)
+    try:
+        check_grammar(c.grammar)
+    except LimitError as e:
+        raise ConstraintError(str(e), "constraint.grammar") from None
     grammar = rt.grammar_sampler(c.grammar)
     if not grammar:
         raise ConstraintError(
@@ -122,19 +136,32 @@ def check_spec(rt: Runtime, spec: SamplerSpec) -> None:
     rt.free_sampler(grammar)
 
 
-def _compile(pattern: str) -> re.Pattern[str]:
+def _compile(pattern: str) -> Any:
+    """A trigger pattern in RE2, which matches in time linear in the text (Python's `re`, and
+    llama.cpp's std::regex, backtrack: `(.*.*)*X` froze the engine thread for minutes)."""
+    options = re2.Options()
+    options.dot_nl = True
+    options.max_mem = _TRIGGER_MEMORY
+    options.log_errors = False
     try:
-        return re.compile(pattern, re.DOTALL)
-    except re.error as e:
+        return re2.compile(pattern, options)
+    except re2.error as e:
+        why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else e
         raise ConstraintError(
-            f"trigger pattern {pattern!r}: {e}", "constraint.trigger_patterns"
+            f"trigger pattern {pattern!r}: {why} (patterns are RE2: no backreferences or "
+            "lookaround)",
+            "constraint.trigger_patterns",
         ) from None
 
 
 class SlotSampler:
-    """One request's sampling state. Engine thread only; `close` frees the native samplers."""
+    """One request's sampling state. Engine thread only; `close` frees the native samplers.
 
-    def __init__(self, rt: Runtime, spec: SamplerSpec):
+    The grammar's calls run on `lane` (infer_service/grammar_lane.py), each under the
+    budget; the engine thread hands them copies of the logits, never the context's own.
+    """
+
+    def __init__(self, rt: Runtime, spec: SamplerSpec, lane: GrammarLane | None = None):
         self.rt = rt
         c = spec.constraint
         # (the patterns first: a refusal then leaves nothing native behind)
@@ -142,9 +169,10 @@ class SlotSampler:
         self.chain: Any = rt.sampler(spec.sampling, spec.logit_bias)  # a llama_sampler pointer
         self.grammar: Any = None  # a llama_sampler pointer
         self.top_logprobs = spec.top_logprobs
+        self._lane = lane or GrammarLane()
+        self._budget = rt.config.grammar_ms / 1000
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._text = ""  # a lazy grammar's text before its trigger
-        self._cur: np.ndarray | None = None
         if c is not None:
             self.grammar = rt.grammar_sampler(c.grammar)
             if not self.grammar:  # (checked before queueing: only if llama.cpp changed its mind)
@@ -167,29 +195,54 @@ class SlotSampler:
 
     def sample(self, index: int) -> tuple[int, TokenLogprobs | None]:
         """The next token from the logits at batch index `index`, with its log-probabilities
-        when asked; raises GrammarDeadEnd when the grammar allows nothing."""
+        when asked; raises GrammarDeadEnd when the grammar allows nothing, GrammarTooCostly
+        when following it took longer than the budget."""
         if not self.grammar or self.awaiting_trigger:
             token = self.rt.sample(self.chain, index)
             if self._triggers:
                 self._watch_for_trigger(token)
         else:
-            token = self._constrained(index)
+            cur = self._cur
+            cur["id"], cur["logit"], cur["p"] = self._ids, self.rt.logits(index), 0.0
+            token = self._on_lane(lambda: self._constrained(cur))
         return token, self._logprobs(index, token) if self.top_logprobs is not None else None
 
     # -- grammar ------------------------------------------------------------------------------
 
-    def _constrained(self, index: int) -> int:
-        logits = self.rt.logits(index)
-        arr = _array(self._fill(logits))
+    def _on_lane(self, fn: Callable[[], T]) -> T:
+        """fn on the grammar lane, the runtime borrowed (a call left running past the budget
+        keeps the model from being freed under it); past the budget this sampler is the
+        lane's to free."""
+        natives, rt = (self.chain, self.grammar), self.rt
+
+        def borrowing() -> T:
+            with rt.borrowed():
+                return fn()
+
+        def abandon() -> None:
+            with contextlib.suppress(NativeError), rt.borrowed():  # (closed: nothing to free)
+                for s in natives:
+                    rt.free_sampler(s)
+
+        try:
+            return self._lane.run(borrowing, self._budget, abandon)
+        except GrammarTooCostly:
+            self.chain = self.grammar = None  # (close must not free them under the call)
+            raise
+
+    def _constrained(self, cur: np.ndarray) -> int:
+        """(on the lane) The chain's choice if the grammar allows it, else the chain's choice
+        among what the grammar allows."""
+        work = cur.copy()  # the chain sorts and cuts (top-k) what it is given
+        arr = _array(work)
         llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(arr))
         token = int(arr.data[arr.selected].id)
         if not (self._allows(token) and self._utf8_ok(token)):  # choose again, allowed only
-            cur = self._fill(logits)
             llama_cpp.llama_sampler_apply(self.grammar, ctypes.byref(_array(cur)))
             while True:
                 if not np.isfinite(cur["logit"]).any():
                     raise GrammarDeadEnd
-                work = cur.copy()  # the chain sorts and cuts (top-k) what it is given
+                work = cur.copy()
                 arr = _array(work)
                 llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(arr))
                 token = int(arr.data[arr.selected].id)
@@ -203,14 +256,6 @@ class SlotSampler:
         if not self.rt.is_eog(token):
             self._utf8 = utf8_tail(self._utf8, self.rt.piece(token)) or b""
         return token
-
-    def _fill(self, logits: np.ndarray) -> np.ndarray:
-        cur = self._cur
-        assert cur is not None
-        cur["id"] = self._ids
-        cur["logit"] = logits
-        cur["p"] = 0.0
-        return cur
 
     def _utf8_ok(self, token: int) -> bool:
         """Whether the token keeps the text well-formed UTF-8. The grammar sees code points:
@@ -247,11 +292,15 @@ class SlotSampler:
             return
         self._triggers, self._text = (), ""
         matched = text[min(starts) :]
-        for t in self.rt.tokenize(matched):
+        self._on_lane(lambda: self._take(self.rt.tokenize(matched)))
+        self._utf8 = utf8_tail(b"", matched.encode()) or b""
+
+    def _take(self, tokens: list[int]) -> None:
+        """(on the lane) The trigger's text into the grammar, each token checked first."""
+        for t in tokens:
             if not self._allows(t):
                 raise GrammarDeadEnd
             llama_cpp.llama_sampler_accept(self.grammar, t)
-        self._utf8 = utf8_tail(b"", matched.encode()) or b""
 
     # -- log-probabilities --------------------------------------------------------------------
 
@@ -271,7 +320,7 @@ class SlotSampler:
         return TokenLogprobs(choice(token), top)
 
 
-def _start(m: re.Match[str]) -> int:
+def _start(m: Any) -> int:
     """Where a trigger's grammar text begins: its first capturing group, else the match."""
     for i in range(1, (m.re.groups or 0) + 1):
         if m.group(i):

@@ -30,7 +30,7 @@ from infer_service.events import (
     storage_problem,
 )
 from infer_service.facade import EngineFacade
-from infer_service.kv_view import CellRun, SlotPicture
+from infer_service.kv_view import CellRun, SlotPicture, SlotState
 from infer_service.ledger import ContextConfig
 from infer_service.media import (
     MediaLimits,
@@ -49,7 +49,7 @@ from infer_service.sampling import (
 from infer_service.scheduler import Reservation
 from infer_service.session_store import SessionIdError, check_session_id
 from infer_service.sessions import MAX_RECORDS, SessionView, public_id, scoped
-from infer_service.slots import EngineStoppedError, Job, prompt_items
+from infer_service.slots import EngineStoppedError, Job, TenantStats, prompt_items
 from infer_service.wire import (
     CELL_KIND_TO_PB,
     CODES,
@@ -176,6 +176,7 @@ class GenerateLimits:
     default_max_tokens: int = 1024
     max_tokens: int = 1 << 20
     max_stop_strings: int = 16
+    max_stop_chars: int = 1000  # of each (every token's text is searched for each)
 
 
 class InferServicer(infer_pb2_grpc.InferServiceServicer):
@@ -227,6 +228,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             await abort_problem(context, e.problem)
             return
         st = snap.stats
+        mine = st.by_tenant.get(current_tenant(), TenantStats())  # (others' hits are theirs)
         return infer_pb2.GetServerInfoResponse(
             fingerprint=rt.fingerprint.to_pb(),
             num_slots=rt.num_slots,
@@ -244,8 +246,8 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
                 num_media_decodes=st.num_media_decodes,
                 num_generated_tokens=st.num_generated_tokens,
                 num_shifts=st.num_shifts,
-                num_media_cache_hits=snap.cache_hits,
-                num_media_cache_misses=snap.cache_misses,
+                num_media_cache_hits=mine.num_media_cache_hits,
+                num_media_cache_misses=mine.num_media_cache_misses,
             ),
         )
 
@@ -401,6 +403,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             media, decoded = await asyncio.to_thread(
                 _borrowing, rt, verify_prompt, prompt, fingerprint=rt.fingerprint, mtmd=rt.mtmd,
                 limits=limits, cache=self.verified,
+                scope=f"{args['tenant']}\0{request.cache_salt}",
             )  # fmt: skip
         except StaleDescriptorError as e:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e),
@@ -597,6 +600,10 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             )
         if len(request.stop) > self.limits.max_stop_strings:
             raise RequestError(f"at most {self.limits.max_stop_strings} stop strings", "stop")
+        if any(len(s) > self.limits.max_stop_chars for s in request.stop):
+            raise RequestError(
+                f"a stop string has at most {self.limits.max_stop_chars} characters", "stop"
+            )
         if request.stream_tokens > 256:
             raise RequestError(
                 f"stream_tokens must be at most 256, got {request.stream_tokens}", "stream_tokens"
@@ -766,11 +773,14 @@ def _run_pb(r: CellRun) -> infer_pb2.CellRun:
 
 
 def slot_view(p: SlotPicture, tenant: str) -> infer_pb2.SlotView:
-    """A slot as `tenant` may see it: whole when the sequence is its own (or it holds
-    nothing); another tenant's as its state only (not even its size: a cell count a few times
-    a second would tell how long others' prompts and replies are)."""
+    """A slot as `tenant` may see it: whole when the sequence is its own; another tenant's as
+    its state only (not even its size: a cell count a few times a second would tell how long
+    others' prompts and replies are). Whose the slot is decides, never what it holds now: a
+    sequence between a REPREFILL and its decode, or waiting for its image, holds no cells
+    yet still has its session and its shifts."""
     state = SLOT_STATE_TO_PB[p.state]
-    if p.tenant != tenant and p.num_cells:
+    nobodys = not p.tenant and p.state is SlotState.FREE and not (p.runs or p.shifts)
+    if p.tenant != tenant and not nobodys:
         return infer_pb2.SlotView(slot=p.slot, state=state)
     return infer_pb2.SlotView(
         slot=p.slot,

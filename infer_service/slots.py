@@ -164,6 +164,8 @@ class TenantStats:
     num_requests: int = 0  # started in a slot
     num_generated_tokens: int = 0
     queue_wait_seconds: float = 0.0  # summed over its started requests
+    num_media_cache_hits: int = 0  # projector outputs found in its own part of the cache
+    num_media_cache_misses: int = 0
 
 
 @dataclass

@@ -39,10 +39,11 @@ class ImageCache(SizedLRU[bytes, ImageFacts]):
         return self.max_bytes > 0
 
     @staticmethod
-    def key(data: bytes, *, max_pixels: int, max_side: int) -> bytes:
+    def key(data: bytes, *, max_pixels: int, max_side: int, scope: str = "") -> bytes:
         """The file's digest with the limits that change what decoding it gives (max_side the
-        pixels, max_pixels whether it is refused)."""
-        h = hashlib.sha256(f"{max_pixels}:{max_side}:".encode())
+        pixels, max_pixels whether it is refused), within a scope (the caller's tenant: how
+        fast a Prepare went must not tell one tenant what another sent)."""
+        h = hashlib.sha256(f"{scope}\0{max_pixels}:{max_side}:".encode())
         h.update(data)
         return h.digest()
 

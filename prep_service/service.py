@@ -34,7 +34,7 @@ from slotwise_core.images import (
     image_facts,
     image_size,
 )
-from slotwise_core.serving import abort
+from slotwise_core.serving import abort, current_tenant
 
 log = logging.getLogger("slotwise.prep")
 
@@ -101,10 +101,14 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
         )
 
     async def Prepare(self, request, context):
+        tenant = current_tenant()  # (the pool's threads do not carry the call's context)
+
         def work() -> prep_pb2.PrepareResponse:
             tools = _tools(request)
             prompt, text = self.preparer.prepare(
-                self._request(request, sizes_allowed=False), request.first_message, tools
+                self._request(request, sizes_allowed=False, tenant=tenant),
+                request.first_message,
+                tools,
             )
             response = prep_pb2.PrepareResponse(prompt=prompt.to_pb(), rendered_text=text)
             g = self.preparer.tool_grammar(tools) if tools is not None else None
@@ -117,9 +121,13 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
         return await self._run(work, context)
 
     async def CountTokens(self, request, context):
+        tenant = current_tenant()
+
         def work() -> prep_pb2.CountTokensResponse:
             chunks = self.preparer.count(
-                self._request(request, sizes_allowed=True), request.first_message, _tools(request)
+                self._request(request, sizes_allowed=True, tenant=tenant),
+                request.first_message,
+                _tools(request),
             )
             return prep_pb2.CountTokensResponse(
                 num_cells=sum(c.num_cells for c in chunks),
@@ -185,7 +193,7 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                     f"pixels together (image {k} reaches {total}); send fewer or smaller images"
                 )
 
-    def _request(self, request, *, sizes_allowed: bool) -> list[Message] | RawPrompt:
+    def _request(self, request, *, sizes_allowed: bool, tenant: str) -> list[Message] | RawPrompt:
         which = request.WhichOneof("input")
         self._check_total_pixels(request)
         n_images = 0
@@ -218,7 +226,7 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
 
         def with_images(result: list[Message] | RawPrompt) -> list[Message] | RawPrompt:
             for (parts, k), (data, _), facts in zip(
-                holes, files, self._image_facts(files), strict=True
+                holes, files, self._image_facts(files, tenant), strict=True
             ):
                 parts[k] = ImageRef(
                     facts.width, facts.height, facts.media_id, facts.reencoded or data
@@ -255,7 +263,7 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
             return with_images(messages)
         raise InputError("request has neither chat nor raw input")
 
-    def _image_facts(self, files: list[tuple[bytes, str]]) -> list[ImageFacts]:
+    def _image_facts(self, files: list[tuple[bytes, str]], tenant: str) -> list[ImageFacts]:
         """Each file's facts, in order: from the cache, or decoded (a file sent twice, once).
         The first file that does not decode is the error, named by where it was.
 
@@ -268,7 +276,9 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
         for n, (data, _) in enumerate(files):
             key = None
             if cache.enabled:
-                key = cache.key(data, max_pixels=limits.max_pixels, max_side=limits.max_side)
+                key = cache.key(
+                    data, max_pixels=limits.max_pixels, max_side=limits.max_side, scope=tenant
+                )
             if key is not None and key in todo:
                 todo[key].append(n)  # (the same file again in this request)
             elif (facts := cache.find(key)) is not None:

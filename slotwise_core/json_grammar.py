@@ -13,6 +13,8 @@ from typing import Any
 
 from llama_cpp.llama_grammar import BuiltinRule, SchemaConverter
 
+from slotwise_core.grammar_limits import check_schema, check_schema_text
+
 _HEX = "[0-9a-fA-F]"
 _JSON_CHAR = BuiltinRule(
     r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" ' + " ".join([_HEX] * 4) + ")", []
@@ -21,7 +23,9 @@ _MAX_DIGITS = 16  # what the converter allows an unbounded integer
 
 
 def json_schema_to_gbnf(schema: str) -> str:
-    """Raises ValueError (or what the converter raises) for a schema it cannot follow."""
+    """Raises ValueError (or what the converter raises) for a schema it cannot follow, and
+    LimitError (a ValueError) for one past the bounds of slotwise_core/grammar_limits.py."""
+    check_schema_text(schema)
     return json_schema_rules([json.loads(schema)], root=True)[0]
 
 
@@ -30,6 +34,8 @@ def json_schema_rules(schemas: list[Any], *, root: bool = False) -> tuple[str, l
     grammar (a tool call's arguments inside its format's markers). root: the one schema's
     rule is `root`. Each schema's definitions get names of their own (the converter names
     a definition's rule by its last path part: two tools' `$defs/Unit` would be one)."""
+    for schema in schemas:
+        check_schema(schema)
     converter = _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     names = []
     for i, schema in enumerate(schemas):

@@ -5,7 +5,7 @@ generated text is gibberish. What *is* real is everything llama.cpp / libmtmd co
 architecture: image token counts and positions, M-RoPE vs. plain RoPE, K-shift support, the
 non-causal image decode, KV-cache cell usage and the chat template / special tokens.
 
-Pairs (all tensors F32, text n_embd 64, 2 layers, context_length 4096, ~268-token vocab):
+Pairs (all tensors F32, text n_embd 64, 2 layers, context_length 4096, ~271-token vocab):
 
 * ``mrope``     -- text ``qwen2vl`` + projector ``qwen2vl_merger`` (M-RoPE, dynamic resolution:
   a 1288x784 image is 1288 cells / 46 positions; ``llama_memory_can_shift`` is false).
@@ -64,6 +64,11 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|image_pad|>",
     "<start_of_image>",
     "<end_of_image>",
+    # the tool-call markers of Qwen (Hermes) and Mistral templates, single tokens there too:
+    # a test's logit_bias can make a random model open a call with one
+    "<tool_call>",
+    "</tool_call>",
+    "[TOOL_CALLS]",
 )
 
 # BPE merges (each result is also a vocab token). At least one merge is required: gguf drops an
@@ -150,6 +155,14 @@ def _vocab() -> tuple[list[str], list[int]]:
 
 _TOKENS, _TOKEN_TYPES = _vocab()
 _N_VOCAB = len(_TOKENS)
+
+
+def token_id(piece: str) -> int:
+    """The id of a whole token of the tiny vocabulary (a byte's character, a merge or a
+    special token): for a test's logit_bias."""
+    if len(piece) == 1 and ord(piece) < 128:
+        return ord(piece)  # (the first 256 ids are the bytes; ASCII prints as itself)
+    return _TOKENS.index(piece)
 
 
 def _add_tokenizer(w, pre: str) -> None:

@@ -73,7 +73,7 @@ from infer_service.events import (
     Started,
     TokenDelta,
 )
-from infer_service.executor import Ending, Executor
+from infer_service.executor import Ending, Executor, media_cache_key
 from infer_service.ledger import (
     Admission,
     CannotFit,
@@ -718,7 +718,8 @@ class Oracle:
         pos = ledger.next_pos
         if item.is_media:
             assert item.media_id is not None
-            embd = self.executor.cache.get(item.media_id)
+            assert run.slot.job is not None
+            embd = self.executor.cache.get(media_cache_key(run.slot.job, item.media_id))
             if n_cells > rt.batch_size or embd is None:
                 return  # several llama_decode calls: the first ones would commit
             try:

@@ -38,7 +38,7 @@ LENGTH = infer_pb2.FINISH_REASON_LENGTH
 NAN, INF = float("nan"), float("inf")
 DEFAULT_MAX_TOKENS = 5  # the server's default, so that max_tokens 0 shows it is used
 MAX_MESSAGE = 1 << 20  # the infer server's receive limit here
-NUM_VOCAB = 268  # every tiny pair's vocabulary
+NUM_VOCAB = 271  # every tiny pair's vocabulary
 
 
 @dataclass(frozen=True)

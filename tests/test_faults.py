@@ -278,3 +278,45 @@ def test_a_sequence_llama_cpp_refuses_ends_alone(
     assert "llama_decode failed" in failed.value.details()
     assert other.reason == infer_pb2.FINISH_REASON_LENGTH and other.error == ""
     assert other.usage.num_generated_tokens == 300
+
+
+def test_a_bug_in_one_slot_s_step_ends_that_request_alone(
+    infer_server: Callable[..., Any], prep_servers: Callable[[str], int]
+) -> None:
+    """An unexpected exception while one slot's item is carried out (here its sampler
+    raises after the batch was decoded) ends that request with INTERNAL; the stream beside
+    it, in the same batch, goes on to its last token. Before, every active request failed."""
+    server = infer_server("rope", ctx_size=1024, parallel=2)
+    text = prepare(prep_servers("rope"), raw="Two streams side by side")
+
+    class Broken:  # a stand-in for a bug in one slot's sampling
+        def sample(self, index: int) -> Any:
+            raise RuntimeError("a bug in this slot's sampler")
+
+        def close(self) -> None:
+            pass
+
+    with channel(server.port) as ch:
+        stub = infer_pb2_grpc.InferServiceStub(ch)
+        calls = {}
+        for seed in (1, 2):
+            call = stub.Generate(make_request(text, max_tokens=300, seed=seed), timeout=60)
+            calls[next(call).started.slot] = call
+            assert next(call).HasField("prefill")
+
+        def break_one_sampler() -> tuple[int, int]:
+            active = [s for s in server.engine.slots if s.job is not None]
+            active[0].sampler.close()
+            active[0].sampler = Broken()
+            return active[0].seq, len(active)
+
+        broken, num_active = server.engine.call(break_one_sampler).result(10)
+        assert num_active == 2  # both in the step that meets the bug
+        with pytest.raises(grpc.RpcError) as failed:
+            list(calls[broken])
+        other = list(calls[1 - broken])[-1].finished
+    assert failed.value.code() == grpc.StatusCode.INTERNAL
+    assert "a bug in this slot's sampler" in failed.value.details()
+    assert other.reason == LENGTH and other.error == ""
+    assert other.usage.num_generated_tokens == 300
+    assert run(server.port, make_request(text, max_tokens=3)).finished.reason == LENGTH

@@ -25,7 +25,7 @@ from grpc_status import rpc_status
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prompt_pb2
 from slotwise_core import native
 from slotwise_core.images import decode_image, media_id
-from slotwise_core.tiny_models import TinyPair
+from slotwise_core.tiny_models import TinyPair, token_id
 from support.hold import PrefillHold
 from support.media import image_bytes
 from support.rpc import (
@@ -279,7 +279,10 @@ def test_stop_string_ends_generation_before_it(
 ) -> None:
     server = infer_server(pair, ctx_size=512)
     prompt = text_prompt(prep_servers(pair))
-    full = run(server.port, make_request(prompt, max_tokens=120, **VARIED))
+    no_end = {token_id(t): -100.0 for t in ("<|im_end|>", "<|endoftext|>")}  # 120 tokens, all
+    req = make_request(prompt, max_tokens=120, **VARIED)
+    req.logit_bias.update(no_end)
+    full = run(server.port, req)
     assert full.finished.reason == LENGTH and len(full.token_ids) == 120
     # random bytes, invalid UTF-8 included: the streamed text is what one decode would give
     assert full.text == detokenize(pair, full.token_ids)
@@ -287,7 +290,9 @@ def test_stop_string_ends_generation_before_it(
     stop = middle_substring(full.text)
     expected = full.text[: full.text.find(stop)]
 
-    s = run(server.port, make_request(prompt, max_tokens=120, stop=["\x00never", stop], **VARIED))
+    req = make_request(prompt, max_tokens=120, stop=["\x00never", stop], **VARIED)
+    req.logit_bias.update(no_end)
+    s = run(server.port, req)
 
     f = s.finished
     assert (f.reason, f.stop_string, f.error) == (STOP, stop, "")

@@ -276,7 +276,7 @@ def test_model_info(name: str, stub, tiny: dict[str, TinyPair]) -> None:
     assert info.uses_mrope == (name == "mrope")
     assert info.media_non_causal == (name == "noncausal")
     assert info.supports_vision and not info.supports_audio
-    assert (info.n_ctx_train, info.num_vocab) == (4096, 268)
+    assert (info.n_ctx_train, info.num_vocab) == (4096, 271)
     assert info.has_chat_template
     assert info.model_description.startswith("slotwise-tiny-")
 

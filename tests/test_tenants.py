@@ -59,6 +59,7 @@ class Tenancy:
     infer: str
     url: str  # the HTTP edge
     running: Any
+    prep_running: Any = None
 
     def client(self, key: str | None, **kw: Any) -> SlotwiseClient:
         return SlotwiseClient(self.prep, self.infer, token=key, retry=NO_RETRY, **kw)
@@ -94,7 +95,7 @@ def tenancy(
             start_gateway(GatewayConfig(*addresses, api_keys=keys), "127.0.0.1", 0)
         )
         started.extend([gateway, infer, prep])
-        return Tenancy(*addresses, f"http://127.0.0.1:{gateway.port}", infer)
+        return Tenancy(*addresses, f"http://127.0.0.1:{gateway.port}", infer, prep)
 
     yield start
     for s in started:

@@ -32,7 +32,7 @@ from clients.client import (
     collect,
 )
 from clients.tool_calls import ReplyStream, parse_reply
-from slotwise_core.tiny_models import TinyPair
+from slotwise_core.tiny_models import TinyPair, token_id
 from support.loop import LoopThread
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -177,13 +177,23 @@ def test_history_with_calls_and_results_renders_in_the_templates_own_form(family
     }[FAMILIES[template]]
     for marker in expect:
         assert marker in text, (marker, text)
-    # auto: the model may answer in text; whatever it writes reads back as content or calls
+    # auto: the model may answer in text. The bias makes even random weights open a call
+    # (the lazy grammar's trigger token; in the generic form, "tool_calls" over "response"),
+    # so the grammar takes over from the trigger and the call reads back, every time
+    opener = {
+        ToolFormat.HERMES: "<tool_call>",
+        ToolFormat.LLAMA3: "{",
+        ToolFormat.MISTRAL: "[TOOL_CALLS]",
+        ToolFormat.JSON: "t",
+    }[FAMILIES[template]]
     done = collect(
-        client.generate(prepared, constraint=prepared.tool_constraint, max_tokens=60, seed=1)
-    )
+        client.generate(
+            prepared, constraint=prepared.tool_constraint, max_tokens=600, seed=1,
+            logit_bias={token_id(opener): 100.0},
+        )
+    )  # fmt: skip
     reply = parse_reply(prepared.tool_format, done.text)
-    if reply.calls:
-        assert_valid(reply.calls, {"get_weather"})
+    assert_valid(reply.calls, {"get_weather"})
 
 
 def test_bad_tools_are_refused_naming_what_is_wrong(family) -> None:
