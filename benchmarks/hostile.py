@@ -34,6 +34,7 @@ from clients.client import (
 )
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
+ENDS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "</s>", "<|eot_id|>")
 AMBIGUOUS = "root ::= " + " ".join(['("a" | "a" "a")?'] * 400) + ' "b"'
 
 
@@ -60,7 +61,11 @@ async def measure(model: Path, *, tokens: int, grammar_ms: int, threads: int) ->
     try:
         async with AsyncSlotwiseClient(*addresses, retry=NO_RETRY) as c:
             prepared = await c.prepare(PROMPT)
-            x_id, a_id = (await _token(c, "X")), (await _token(c, "a"))
+            x_id, a_id = await _token(c, "X"), await _token(c, "a")
+            if x_id is None or a_id is None:
+                raise SystemExit("'X' and 'a' must be single tokens of the model")
+            # the hostile stream runs as long as the victim (its worst case): no end token
+            no_end = {t: -100.0 for t in [await _token(c, e) for e in ENDS] if t is not None}
 
             async def victim() -> tuple[float, int]:
                 times: list[float] = []
@@ -76,7 +81,7 @@ async def measure(model: Path, *, tokens: int, grammar_ms: int, threads: int) ->
                 if case == "pattern":
                     options = {
                         "constraint": Constraint('root ::= "X"', trigger_patterns=("(.*.*)*X",)),
-                        "logit_bias": {x_id: -100.0},
+                        "logit_bias": {x_id: -100.0, **no_end},
                     }
                 else:
                     options = {"constraint": Constraint(AMBIGUOUS), "logit_bias": {a_id: 100.0}}
@@ -85,7 +90,7 @@ async def measure(model: Path, *, tokens: int, grammar_ms: int, threads: int) ->
                         prepared, max_tokens=tokens, temperature=1.0, timeout=300, **options
                     ):
                         if isinstance(e, Finished):
-                            return e.reason.value, time.monotonic() - t0
+                            return f"{e.reason.value} {e.error}".strip(), time.monotonic() - t0
                 except SlotwiseError as e:
                     return f"{e.code().name} {e.reason}", time.monotonic() - t0
                 return "no end", time.monotonic() - t0
@@ -102,13 +107,11 @@ async def measure(model: Path, *, tokens: int, grammar_ms: int, threads: int) ->
         await prep.stop(0)
 
 
-async def _token(c: AsyncSlotwiseClient, text: str) -> int:
-    """The id of the one token `text` is in the model's vocabulary."""
+async def _token(c: AsyncSlotwiseClient, text: str) -> int | None:
+    """The id of the one token `text` is in the model's vocabulary (None: it is several)."""
     prepared = await c.prepare(text, add_special=False)
     ids = [t for chunk in prepared.prompt.chunks for t in chunk.text.token_ids]
-    if len(ids) != 1:
-        raise SystemExit(f"{text!r} is not one token in this model")
-    return ids[0]
+    return ids[0] if len(ids) == 1 else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
