@@ -49,7 +49,15 @@ from clients.channels import (
     channel_options,
     service_config,
 )
-from clients.enums import FinishReason, Persistence, Policy, ToolChoice, ToolFormat, Unit
+from clients.enums import (
+    FinishReason,
+    Persistence,
+    Policy,
+    SpecType,
+    ToolChoice,
+    ToolFormat,
+    Unit,
+)
 from clients.errors import SlotwiseError
 from clients.events import (
     Completion,
@@ -92,6 +100,7 @@ from clients.types import (
     PromptInput,
     ServerInfo,
     SessionInfo,
+    Speculative,
     Tool,
     ToolCall,
     TurnRecord,
@@ -129,6 +138,8 @@ __all__ = [
     "Shift",
     "SlotwiseClient",
     "SlotwiseError",
+    "SpecType",
+    "Speculative",
     "Started",
     "Tls",
     "TokenLogprob",

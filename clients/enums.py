@@ -19,6 +19,7 @@ __all__ = [
     "FinishReason",
     "Persistence",
     "Policy",
+    "SpecType",
     "ToolChoice",
     "ToolFormat",
     "Unit",
@@ -62,6 +63,15 @@ class Persistence(enum.StrEnum):
     NOT_SAVED = "not_saved"  # completed and kept in memory, but not on disk (error says why)
 
 
+class SpecType(enum.StrEnum):
+    """Where speculative drafts come from (the names are llama-server's --spec-type)."""
+
+    UNSPECIFIED = "unspecified"  # the server's default
+    NONE = "none"
+    NGRAM_SIMPLE = "ngram-simple"
+    NGRAM_MAP_K = "ngram-map-k"
+
+
 class ToolChoice(enum.StrEnum):
     AUTO = "auto"  # the model answers in text or calls tools
     NONE = "none"  # no calls (the tools are not shown)
@@ -87,6 +97,7 @@ _PAIRS: dict[type[enum.Enum], tuple[EnumTypeWrapper, str, enum.Enum]] = {
     Unit: (infer_pb2.EvictionUnit, "EVICTION_UNIT_", Unit.TOKEN),
     FinishReason: (infer_pb2.FinishReason, "FINISH_REASON_", FinishReason.UNSPECIFIED),
     Persistence: (infer_pb2.Persistence, "PERSISTENCE_", Persistence.UNSPECIFIED),
+    SpecType: (infer_pb2.SpecType, "SPEC_TYPE_", SpecType.UNSPECIFIED),
     ToolChoice: (prep_pb2.ToolChoice, "TOOL_CHOICE_", ToolChoice.AUTO),
     ToolFormat: (prep_pb2.ToolFormat, "TOOL_FORMAT_", ToolFormat.UNSPECIFIED),
 }

@@ -88,6 +88,8 @@ class Usage:
     num_reused_cells: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    num_draft_tokens: int = 0  # speculative: drafted and verified
+    num_accepted_tokens: int = 0  # ... of which the model sampled the same
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,8 @@ def event_from_pb(pb: infer_pb2.GenerateResponse) -> Event | None:
                 num_reused_cells=u.num_reused_cells,
                 prefill_seconds=u.prefill_seconds,
                 decode_seconds=u.decode_seconds,
+                num_draft_tokens=u.num_draft_tokens,
+                num_accepted_tokens=u.num_accepted_tokens,
             ),
             stop_string=f.stop_string,
             error=f.error,

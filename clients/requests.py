@@ -22,6 +22,7 @@ from clients.types import (
     ImageSize,
     Message,
     PromptInput,
+    Speculative,
     Tool,
     is_pil_image,
     is_size,
@@ -256,6 +257,7 @@ def generate_request(
     turn_note: bytes = b"",
     cache_salt: str = "",
     expect_turns: int | None = None,
+    speculative: Speculative | None = None,
     **options: Any,
 ) -> infer_pb2.GenerateRequest:
     """The GenerateRequest for these options.
@@ -268,7 +270,8 @@ def generate_request(
     logprobs / top_logprobs: each Delta carries its tokens' log-probabilities (and the top
     alternatives); turn_note: kept with a session turn's record; cache_salt: KV is reused
     only between requests of the same salt (and tenant); expect_turns: a session turn runs
-    only if the session has completed that many turns (else FAILED_PRECONDITION).
+    only if the session has completed that many turns (else FAILED_PRECONDITION);
+    speculative: drafts verified in the batch (the server's --spec-* where unset).
     """
     if isinstance(stop, str):
         stop = (stop,)
@@ -287,6 +290,8 @@ def generate_request(
     )
     if constraint is not None:
         request.constraint.CopyFrom(constraint.to_pb())
+    if speculative is not None:
+        request.speculative.CopyFrom(speculative.to_pb())
     if expect_turns is not None:
         request.expect_turns = expect_turns
     ctx = context_pb(**context)

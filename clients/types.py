@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 
-from clients.enums import FinishReason, Policy, ToolFormat, Unit, from_pb
+from clients.enums import FinishReason, Policy, SpecType, ToolFormat, Unit, from_pb, to_pb
 from slotwise.v1 import infer_pb2, prep_pb2, prompt_pb2
 
 if TYPE_CHECKING:
@@ -118,6 +118,28 @@ class Constraint:
     @classmethod
     def from_pb(cls, pb: prompt_pb2.Constraint) -> Constraint:
         return cls(pb.grammar, pb.json_schema, tuple(pb.trigger_patterns))
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """Speculative decoding for Generate (None fields: the server's --spec-* flags). The text
+    is what it would be without drafts; only copy-heavy replies come faster."""
+
+    type: SpecType | str = SpecType.UNSPECIFIED
+    n_max: int | None = None
+    n_min: int | None = None
+    p_min: float | None = None
+    ngram_size_n: int | None = None
+    ngram_size_m: int | None = None
+    ngram_min_hits: int | None = None
+
+    def to_pb(self) -> infer_pb2.SpeculativeOptions:
+        pb = infer_pb2.SpeculativeOptions(type=to_pb(SpecType, self.type))  # type: ignore[arg-type]
+        for name in ("n_max", "n_min", "p_min", "ngram_size_n", "ngram_size_m", "ngram_min_hits"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(pb, name, value)
+        return pb
 
 
 @dataclass(frozen=True)

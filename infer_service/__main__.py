@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infer_service.drafting import SpecConfig, SpecType
 from infer_service.embedder import Embedder
 from infer_service.engine import Engine
 from infer_service.facade import EngineFacade
@@ -187,7 +188,18 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
     return config, {
         "max_queue": s["max_queue"],
         "cache_bytes": s["media_cache_mb"] << 20,
-        "limits": GenerateLimits(default_max_tokens=s["default_max_tokens"]),
+        "limits": GenerateLimits(
+            default_max_tokens=s["default_max_tokens"],
+            speculative=SpecConfig(
+                SpecType(s["spec_type"]),
+                s["spec_draft_n_max"],
+                s["spec_draft_n_min"],
+                s["spec_draft_p_min"],
+                s["spec_ngram_size_n"],
+                s["spec_ngram_size_m"],
+                s["spec_ngram_min_hits"],
+            ),
+        ),
         "max_message_bytes": s["max_message_mb"] << 20,
         "sessions_dir": s["sessions_dir"],
         "state_cache_bytes": s["state_cache_mb"] << 20,

@@ -163,6 +163,7 @@ class Engine:
             stats=replace(
                 self.stats,
                 shifts_by_policy=dict(self.stats.shifts_by_policy),
+                drafts_by_type={k: list(v) for k, v in self.stats.drafts_by_type.items()},
                 by_tenant={t: replace(v) for t, v in self.stats.by_tenant.items()},
             ),
             session_bytes_written=self.sessions.bytes_written,

@@ -209,6 +209,8 @@ class Usage:
     num_reused_cells: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    num_draft_tokens: int = 0  # speculative: drafted and verified
+    num_accepted_tokens: int = 0  # ... of which the target sampled the same
 
 
 @dataclass(frozen=True)

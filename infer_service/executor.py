@@ -33,11 +33,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 from llama_cpp import mtmd_cpp
 
+from infer_service.drafting import NO_TOKEN, Speculation
 from infer_service.events import (
     ContextShift,
     ErrorKind,
@@ -62,6 +63,7 @@ from infer_service.ledger import (
     Plan,
     Policy,
     Reprefill,
+    Segment,
     Shift,
 )
 from infer_service.media import MediaHandle
@@ -98,6 +100,15 @@ class StepOutcome:
     endings: list[Ending] = field(default_factory=list)
     shifted: list[Slot] = field(default_factory=list)  # one entry per shift carried out
     first_tokens: list[float] = field(default_factory=list)  # seconds from start (TTFT)
+
+
+class Taken(NamedTuple):
+    """A slot's text in the step's batch."""
+
+    slot: Slot
+    item: Item  # a generating slot's: its last token, then its drafts
+    logits_at: int | None  # batch index of the first logits (None: a prompt piece)
+    drafts: tuple[int, ...] = ()
 
 
 class StepObserver(Protocol):
@@ -298,6 +309,11 @@ class Executor:
         slot.ledger = ledger
         slot.pending = deque([*restore, *kept])
         slot.sampler = sampler
+        slot.spec = (
+            Speculation(job.speculative, history(ledger.segments, slot.pending))
+            if job.speculative.enabled
+            else None
+        )
         slot.reply = []
         slot.text = TextStream(job.stop)
         slot.num_prefill_total = sum(i.num_cells for i in slot.pending)
@@ -336,6 +352,7 @@ class Executor:
             slot.sampler.close()
             slot.sampler = None
         slot.job = None
+        slot.spec = None
         slot.pending.clear()
         if reason is FinishReason.ERROR and job.session_id is None:
             self.rt.seq_clear(slot.seq)
@@ -539,7 +556,7 @@ class Executor:
         batch = self.rt.batch
         batch.clear()
         budget = self.rt.batch_size
-        taken: list[tuple[Slot, Item, int | None]] = []
+        taken: list[Taken] = []
         # short work first: a generating slot's one token always gets in, prefill fills the rest
         ready = sorted(
             (s for s in slots if s.job and s.pending and not s.pending[0].media_id),
@@ -555,13 +572,13 @@ class Executor:
                 continue
             if took is not None:
                 taken.append(took)
-                budget -= took[1].num_cells
+                budget -= took.item.num_cells
         if not taken:
             return
         t0 = time.perf_counter()
         rc = self.rt.decode()
         self.stats.num_decodes += 1
-        if len({slot.seq for slot, _, _ in taken}) > 1:
+        if len({t.slot.seq for t in taken}) > 1:
             self.stats.num_multi_seq_decodes += 1
         if rc != 0:
             self.stats.num_failed_decodes += 1
@@ -569,22 +586,24 @@ class Executor:
             self._decode_alone(taken)  # a failed decode changes nothing: find the culprit
             return
         elapsed = time.perf_counter() - t0
-        for slot, item, logits_at in taken:
+        for t in taken:
+            slot = t.slot
             try:
                 assert slot.ledger is not None
-                slot.ledger.append(item)
+                slot.ledger.append(t.item)  # (drafts too: their cells are held until verified)
                 if slot.prefilling:
-                    self._progress(slot, item.num_cells)
+                    self._progress(slot, t.item.num_cells)
                 else:
                     slot.usage.decode_seconds += elapsed
-                if logits_at is not None:
-                    self._sample(slot, logits_at)
+                if t.logits_at is not None:
+                    self._sample(slot, t.logits_at, t.drafts)
             except Exception as e:
                 self._fail(slot, e)
 
-    def _take_text(self, slot: Slot, budget: int) -> tuple[Slot, Item, int | None] | None:
-        """The slot's next text into the batch, after the ledger's plan made room for it:
-        (slot, item, its logits' index or None); None when it takes nothing this step."""
+    def _take_text(self, slot: Slot, budget: int) -> Taken | None:
+        """The slot's next text into the batch, after the ledger's plan made room for it (a
+        generating slot's token with its drafts, if it has any); None when it takes nothing
+        this step."""
         allowed = budget
         if slot.prefilling:  # (grouped text of less than a batch goes whole)
             head = slot.pending[0]
@@ -601,8 +620,33 @@ class Executor:
         item = take_text(slot.pending, n)
         assert slot.ledger is not None
         last = not slot.pending
-        end = self.rt.batch.add(item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=last)
-        return slot, item, end if last else None
+        drafts = self._drafts(slot, n, budget - n) if last and item.generated else ()
+        if drafts:
+            tokens = item.token_ids + drafts
+            item = replace(item, num_cells=len(tokens), num_positions=len(tokens), token_ids=tokens)
+        end = self.rt.batch.add(
+            item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=last,
+            num_logits=1 + len(drafts),
+        )  # fmt: skip
+        return Taken(slot, item, end - len(drafts) if last else None, drafts)
+
+    def _drafts(self, slot: Slot, num_taken: int, budget: int) -> tuple[int, ...]:
+        """Tokens to verify after the slot's last one, in the cells left once the ledger made
+        room for the `num_taken` it decodes: drafts never make a shift of their own (where
+        the room is short, fewer), nor pass max_tokens, nor take more of the step's batch
+        than is left."""
+        spec, ledger, job = slot.spec, slot.ledger, slot.job
+        if spec is None or ledger is None or job is None:
+            return ()
+        room = min(
+            budget,
+            ledger.num_free_cells - num_taken,
+            ledger.n_ctx_train - ledger.next_pos - num_taken,  # (positions too, under GAP)
+            job.max_tokens - slot.usage.num_generated_tokens - 1,
+        )
+        drafts = spec.drafts(room) if room > 0 else ()
+        slot.usage.num_draft_tokens += len(drafts)
+        return drafts
 
     def _fail(self, slot: Slot, e: Exception) -> None:
         """A bug met while carrying out one slot's item: that request ends (INTERNAL, its
@@ -612,13 +656,16 @@ class Executor:
         if slot.job is not None:
             self._end(slot, FinishReason.ERROR, error=why.message, problem=why)
 
-    def _decode_alone(self, taken: list[tuple[Slot, Item, int | None]]) -> None:
+    def _decode_alone(self, taken: list[Taken]) -> None:
         """Decode each sequence of a failed batch on its own: only those that fail again end."""
         batch = self.rt.batch
-        for slot, item, logits_at in taken:
+        for slot, item, logits_at, drafts in taken:
             assert slot.ledger is not None
             batch.clear()
-            end = batch.add(item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=True)
+            end = batch.add(
+                item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=True,
+                num_logits=1 + len(drafts),
+            )  # fmt: skip
             rc = self.rt.decode()
             self.stats.num_decodes += 1
             if rc != 0:
@@ -631,49 +678,84 @@ class Executor:
             try:
                 slot.ledger.append(item)
                 self._progress(slot, item.num_cells)
-                if logits_at is not None:
-                    self._sample(slot, end)  # before the next decode wipes these logits
+                if logits_at is not None:  # (before the next decode wipes these logits)
+                    self._sample(slot, end - len(drafts), drafts)
             except Exception as e:
                 self._fail(slot, e)
 
-    def _sample(self, slot: Slot, index: int) -> None:
-        job = slot.job
-        assert job is not None
+    def _sample(self, slot: Slot, index: int, drafts: tuple[int, ...] = ()) -> None:
+        """The slot's next token from the logits at batch index `index`; after drafts (each
+        decoded with logits, from index + 1 on), the next ones while the target's sample
+        equals the draft: each token is the target's own sample given its real prefix (its
+        sampler chain, grammar and penalties advance on what is emitted only). The cells of
+        drafts past the last one confirmed are given back, in the ledger and in llama.cpp."""
         if slot.prefilling:
             slot.prefilling = False
             slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
             self._outcome.first_tokens.append(slot.usage.prefill_seconds)
-        assert slot.sampler is not None
+        spec = slot.spec  # (an ending below lets go of it)
+        confirmed = 0  # drafts whose sample matched: their cells hold the right input
+        for i in range(len(drafts) + 1):
+            token = self._emit_next(slot, index + i)
+            if token is None:  # the request ended here (the token that ended it is no input)
+                break
+            if i < len(drafts) and token == drafts[i]:
+                confirmed += 1
+                continue
+            slot.pending.append(Item(1, 1, slot.reply_index, token_ids=(token,), generated=True))
+            break
+        if drafts and spec is not None:
+            slot.usage.num_accepted_tokens += confirmed
+            self.stats.count_drafts(spec.config.type.value, len(drafts), confirmed)
+            spec.verified(len(drafts), confirmed)
+            self._give_back(slot, len(drafts) - confirmed)
+
+    def _give_back(self, slot: Slot, num_cells: int) -> None:
+        """The last cells of the sequence's newest segment leave it (rejected drafts)."""
+        ledger = slot.ledger
+        if num_cells <= 0 or ledger is None or not ledger.segments:
+            return  # (a request that failed without a session: its sequence is cleared)
+        newest = len(ledger.segments) - 1
+        keep = ledger.segments[newest].num_cells - num_cells
+        self.rt.seq_rm(slot.seq, ledger.truncate(newest, keep), -1)
+
+    def _emit_next(self, slot: Slot, index: int) -> int | None:
+        """Sample at `index` and hand the token on (text, stop strings, max_tokens); the
+        token, or None when the request ended."""
+        job = slot.job
+        assert job is not None and slot.sampler is not None
         try:
             token, logprobs = slot.sampler.sample(index)
         except GrammarDeadEnd:
             self._end(slot, FinishReason.GRAMMAR)
-            return
+            return None
         except GrammarTooCostly as e:
             why = Problem(
                 ErrorKind.RESOURCE_EXHAUSTED, str(e), Reason.GRAMMAR_TOO_COSTLY,
                 field="constraint.grammar",
             )  # fmt: skip
             self._end(slot, FinishReason.ERROR, error=why.message, problem=why)
-            return
+            return None
         if self.rt.is_eog(token):
             self._end(slot, FinishReason.STOP)
-            return
+            return None
         slot.usage.num_generated_tokens += 1
         self.stats.num_generated_tokens += 1
+        if slot.spec is not None:
+            slot.spec.took(token)
         text = slot.text.push(self.rt.piece(token))
         delta = TokenDelta((token,), text, (logprobs,) if logprobs else ())
         slot.unsent = slot.unsent.merged(delta) if slot.unsent else delta
         if slot.text.stopped_by is not None:
             self._end(slot, FinishReason.STOP, stop_string=slot.text.stopped_by)
-            return
+            return None
         if slot.usage.num_generated_tokens >= job.max_tokens:
             self._end(slot, FinishReason.LENGTH)
-            return
+            return None
         n = len(slot.unsent.token_ids)
         if n >= job.stream_tokens or slot.usage.num_generated_tokens == 1:
             self.send_delta(slot)
-        slot.pending.append(Item(1, 1, slot.reply_index, token_ids=(token,), generated=True))
+        return token
 
     def send_delta(self, slot: Slot, tail: str = "") -> None:
         delta, slot.unsent = slot.unsent, None
@@ -841,6 +923,14 @@ def take_text(pending: deque[Item], n: int) -> Item:
             rest = item.token_ids[k:]
             pending[0] = replace(item, num_cells=len(rest), num_positions=len(rest), token_ids=rest)
     return replace(first, num_cells=n, num_positions=n, token_ids=tuple(tokens))
+
+
+def history(segments: Iterable[Segment | Item], pending: Iterable[Item]) -> list[int]:
+    """A sequence's tokens in order, for drafts to be looked up in (a media chunk breaks it)."""
+    out: list[int] = []
+    for x in itertools.chain(segments, pending):
+        out.extend(x.token_ids if x.media_id is None else (NO_TOKEN,))
+    return out
 
 
 def policy_of(plan: Plan) -> Policy:

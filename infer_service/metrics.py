@@ -54,6 +54,14 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
             shifts.add_metric([policy], n)
         yield shifts
         st = snap.stats
+        for i, (name, help_) in enumerate((
+            ("draft_tokens", "speculative drafts verified, by type"),
+            ("accepted_tokens", "speculative drafts the model sampled the same, by type"),
+        )):  # fmt: skip
+            drafts = CounterMetricFamily(f"slotwise_infer_{name}", help_, labels=["type"])
+            for kind, counts in sorted(st.drafts_by_type.items()):
+                drafts.add_metric([kind], counts[i])
+            yield drafts
         yield CounterMetricFamily(
             "slotwise_infer_evicted_cells", "cells evicted", value=st.num_evicted_cells
         )

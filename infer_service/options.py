@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from infer_service.drafting import SpecConfig, SpecType
 from infer_service.runtime import RuntimeConfig
 from infer_service.service import GenerateLimits
 from infer_service.sessions import SessionLimits
@@ -13,6 +14,7 @@ from slotwise_core.options import option, positive_int
 from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
 
 _d = RuntimeConfig(model=Path())
+_spec = SpecConfig()
 _life = SessionLimits()
 
 
@@ -45,6 +47,22 @@ OPTIONS = (
     option("--extra-bufts", choices=["auto", "on", "off"], default="auto",
            help="llama.cpp's repacked weight buffers (AMX among them); auto: off where the CPU "
            "reports AMX and the kernel refuses it"),
+    option("--spec-type", choices=[t.value for t in SpecType], default=_spec.type.value,
+           help="speculative decoding: drafts from the sequence's own tokens, verified in the "
+           "step's batch (the output does not change; copy-heavy replies come faster); a "
+           "request's `speculative` overrides it"),
+    option("--spec-draft-n-max", type=int, default=_spec.n_max,
+           help="drafts per step at most (a slot drafts fewer while its drafts miss)"),
+    option("--spec-draft-n-min", type=int, default=_spec.n_min,
+           help="fewer drafts than this: none that step"),
+    option("--spec-draft-p-min", type=float, default=_spec.p_min,
+           help="a draft model's confidence floor (n-gram drafts have none)"),
+    option("--spec-ngram-size-n", type=positive_int, default=_spec.size_n,
+           help="tokens of the n-gram looked up in the sequence"),
+    option("--spec-ngram-size-m", type=positive_int, default=_spec.size_m,
+           help="tokens drafted from one match at most"),
+    option("--spec-ngram-min-hits", type=positive_int, default=_spec.min_hits,
+           help="ngram-map-k: occurrences of the n-gram before it drafts"),
     option("--max-grammar-ms", type=positive_int, default=_d.grammar_ms,
            help="the most one token's grammar work may take on the engine thread; a request "
            "whose grammar takes longer ends (RESOURCE_EXHAUSTED GRAMMAR_TOO_COSTLY)"),

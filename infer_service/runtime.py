@@ -384,9 +384,16 @@ class TokenBatch:
         self.native.n_tokens = 0
 
     def add(
-        self, tokens: tuple[int, ...] | list[int], pos: int, seq: int, logits_last: bool
+        self,
+        tokens: tuple[int, ...] | list[int],
+        pos: int,
+        seq: int,
+        logits_last: bool,
+        *,
+        num_logits: int = 1,
     ) -> int:
-        """Append tokens of one sequence at consecutive positions; returns the last index."""
+        """Append tokens of one sequence at consecutive positions; returns the last index.
+        logits_last: the last `num_logits` tokens get logits (a drafted run: each of them)."""
         i, n = self.size, len(tokens)
         self.tokens[i : i + n] = tokens
         self.pos[i : i + n] = np.arange(pos, pos + n)
@@ -394,7 +401,7 @@ class TokenBatch:
         for k in range(i, i + n):
             self._seq_ids[k][0] = seq
         if logits_last:
-            self.logits[i + n - 1] = 1
+            self.logits[i + n - min(n, num_logits) : i + n] = 1
         self.size = i + n
         self.native.n_tokens = self.size
         return i + n - 1

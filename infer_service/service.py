@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from infer_service.drafting import SpecConfig
 from infer_service.embedder import Embedder, EmbedError
 from infer_service.events import (
     ContextShift,
@@ -56,6 +57,7 @@ from infer_service.wire import (
     POLICIES,
     POLICY_TO_PB,
     SLOT_STATE_TO_PB,
+    SPEC_TYPES,
     UNIT_TO_PB,
     UNITS,
     event_pb,
@@ -177,6 +179,7 @@ class GenerateLimits:
     max_tokens: int = 1 << 20
     max_stop_strings: int = 16
     max_stop_chars: int = 1000  # of each (every token's text is searched for each)
+    speculative: SpecConfig = SpecConfig()  # what a request leaves unset (--spec-*)
 
 
 class InferServicer(infer_pb2_grpc.InferServiceServicer):
@@ -616,6 +619,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             "max_tokens": max_tokens,
             "stop": tuple(request.stop),
             "stream_tokens": max(1, request.stream_tokens),
+            "speculative": speculative(request.speculative, self.limits.speculative),
         }
 
 
@@ -666,6 +670,44 @@ def _sampler_fields(
         "logit_bias": spec.logit_bias,
         "top_logprobs": spec.top_logprobs,
     }
+
+
+MAX_DRAFTS = 64  # per step: a slot's drafts take that much of the step's batch at most
+MAX_NGRAM = 64
+
+
+def speculative(pb: infer_pb2.SpeculativeOptions, d: SpecConfig) -> SpecConfig:
+    """The request's speculative options over the server's (RequestError names a bad one)."""
+    if pb.type and pb.type not in SPEC_TYPES:
+        raise RequestError(f"speculative.type {pb.type} is not a known type", "speculative.type")
+
+    def get(name: str, default: float) -> float:
+        return getattr(pb, name) if pb.HasField(name) else default
+
+    s = SpecConfig(
+        type=SPEC_TYPES[pb.type] if pb.type else d.type,
+        n_max=int(get("n_max", d.n_max)),
+        n_min=int(get("n_min", d.n_min)),
+        p_min=get("p_min", d.p_min),
+        size_n=int(get("ngram_size_n", d.size_n)),
+        size_m=int(get("ngram_size_m", d.size_m)),
+        min_hits=int(get("ngram_min_hits", d.min_hits)),
+    )
+    checks = [
+        ("n_max", s.n_max, 0, MAX_DRAFTS),
+        ("n_min", s.n_min, 0, s.n_max),
+        ("p_min", s.p_min, 0.0, 1.0),
+        ("ngram_size_n", s.size_n, 1, MAX_NGRAM),
+        ("ngram_size_m", s.size_m, 1, 1024),
+        ("ngram_min_hits", s.min_hits, 1, 1 << 16),
+    ]
+    for name, value, lo, hi in checks:
+        if not lo <= value <= hi:  # NaN fails too
+            raise RequestError(
+                f"speculative.{name} must be within [{lo}, {hi}], got {value}",
+                f"speculative.{name}",
+            )
+    return s
 
 
 def _context(c: infer_pb2.ContextOptions, base: ContextConfig) -> ContextConfig:

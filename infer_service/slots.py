@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
+from infer_service.drafting import SpecConfig, Speculation
 from infer_service.events import (
     ErrorKind,
     Event,
@@ -75,6 +76,7 @@ class Job:
     note: bytes = b""  # a session turn's, kept with its record
     tenant: str = DEFAULT_TENANT
     cache_salt: str = ""  # narrows reuse further: only requests with the same salt share KV
+    speculative: SpecConfig = SpecConfig()  # drafts verified in the step's batch
     submitted: float = field(default_factory=time.monotonic)  # (queue wait)
 
     def cancel(self) -> None:
@@ -139,6 +141,7 @@ class Slot:
     reuse_key: ReuseKey | None = None  # whose stateless sequence it holds (None: nobody's)
     pending: deque[Item] = field(default_factory=deque)
     sampler: SlotSampler | None = None
+    spec: Speculation | None = None  # the request's drafting, when it speculates
     reply: list[str] = field(default_factory=list)  # a session turn's text, for its record
     text: TextStream = field(default_factory=TextStream)
     unsent: TokenDelta | None = None  # tokens held for the next TokenDelta (stream_tokens > 1)
@@ -181,7 +184,14 @@ class EngineStats:
     num_session_reprefill_cells: int = 0  # decoded again: what a swap-in's state lacked
     num_evicted_cells: int = 0
     shifts_by_policy: dict[str, int] = field(default_factory=dict)
+    # speculative decoding, by type: [tokens drafted, tokens accepted]
+    drafts_by_type: dict[str, list[int]] = field(default_factory=dict)
     by_tenant: dict[str, TenantStats] = field(default_factory=dict)  # (tenants: the keys file's)
+
+    def count_drafts(self, spec_type: str, num_drafted: int, num_accepted: int) -> None:
+        counts = self.drafts_by_type.setdefault(spec_type, [0, 0])
+        counts[0] += num_drafted
+        counts[1] += num_accepted
 
     def tenant(self, name: str) -> TenantStats:
         stats = self.by_tenant.get(name)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
+from infer_service.drafting import SpecType
 from infer_service.events import (
     ContextShift,
     ErrorKind,
@@ -45,6 +46,8 @@ FINISH_REASON_TO_PB = by_name(FinishReason, infer_pb2.FinishReason, "FINISH_REAS
 PERSISTENCE_TO_PB = by_name(Persistence, infer_pb2.Persistence, "PERSISTENCE_")
 CELL_KIND_TO_PB = by_name(CellKind, infer_pb2.CellKind, "CELL_KIND_")
 SLOT_STATE_TO_PB = by_name(SlotState, infer_pb2.SlotState, "SLOT_STATE_")
+SPEC_TYPE_TO_PB = by_name(SpecType, infer_pb2.SpecType, "SPEC_TYPE_")
+SPEC_TYPES: Mapping[int, SpecType] = {v: k for k, v in SPEC_TYPE_TO_PB.items()}
 # requests: an unset policy or unit means the default
 POLICIES: Mapping[int, Policy] = {
     infer_pb2.SHIFT_POLICY_UNSPECIFIED: Policy.AUTO,

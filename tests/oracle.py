@@ -64,6 +64,7 @@ import numpy as np
 from llama_cpp import mtmd_cpp
 from PIL import Image, ImageDraw
 
+from infer_service.drafting import SpecConfig, SpecType
 from infer_service.events import (
     ContextShift,
     Event,
@@ -302,6 +303,8 @@ class RunSpec:
     unit: EvictionUnit
     n_ctx_train: int | None  # None: the model's own
     steps: tuple[Step, ...]
+    spec: SpecConfig = SpecConfig()  # drafts verified in the batch: accepted and rejected
+    temperature: float = 0.0  # (seeded: a run samples the same tokens every time)
 
     def describe(self) -> str:
         parts = []
@@ -323,6 +326,12 @@ class RunSpec:
             f"seed={self.seed} pair={self.pair} shape={SHAPES[self.pair][self.shape]} "
             f"policy={self.policy.name} keep={self.keep} discard={self.discard_fraction:.2f} "
             f"unit={self.unit.name} n_ctx_train={self.n_ctx_train} steps=[{' '.join(parts)}]"
+            + (
+                f" spec={self.spec.type.value}(n_max={self.spec.n_max}, n={self.spec.size_n})"
+                f" temperature={self.temperature}"
+                if self.spec.enabled
+                else ""
+            )
         )
 
 
@@ -357,7 +366,16 @@ def make_spec(pair: str, seed: int) -> RunSpec:
         steps.append(Generate(r.choice([0, r.randint(1, 20), r.randint(1, 80)])))
     if policy is Policy.STOP and r.random() < 0.7:
         steps[-1] = Generate(UNTIL_FULL)  # reach the boundary: CannotFit, probed in llama.cpp
-    return RunSpec(seed, pair, shape, policy, keep, discard, unit, n_ctx_train, tuple(steps))
+    spec = SpecConfig()  # (drawn last: the scripts of the seeds before drafts are unchanged)
+    if r.random() < 0.5:  # greedy random weights repeat themselves: drafts land, and miss
+        kind = r.choice([SpecType.NGRAM_SIMPLE, SpecType.NGRAM_MAP_K])
+        spec = SpecConfig(kind, n_max=r.randint(1, 16), size_n=r.randint(1, 4), size_m=48)
+    # sampled text repeats itself less: drafts that miss, their cells given back
+    temperature = 1.0 if spec.enabled and r.random() < 0.5 else 0.0
+    return RunSpec(
+        seed, pair, shape, policy, keep, discard, unit, n_ctx_train, tuple(steps), spec,
+        temperature,
+    )  # fmt: skip
 
 
 def _text(r: random.Random) -> tuple[int, ...]:
@@ -627,10 +645,11 @@ class Oracle:
             list(items),
             MappingProxyType(run.media),  # (the run's: the job ends, they stay)
             run.emit,
-            sampling=SamplingConfig(temperature=0),
+            sampling=SamplingConfig(temperature=spec.temperature, seed=spec.seed),
             context=context,
             max_tokens=max_tokens,
             session_id="run" if session else None,
+            speculative=spec.spec,
         )
         shapes = [(i.num_cells, i.num_positions) for i in items[:8]]
         run.trail.append(
@@ -661,6 +680,8 @@ class Oracle:
     def _ended(self, ending: Ending) -> None:
         run = self._runs[ending.slot.seq]
         run.counts["generated"] += ending.usage.num_generated_tokens
+        run.counts["drafted"] += ending.usage.num_draft_tokens
+        run.counts["accepted"] += ending.usage.num_accepted_tokens
         run.trail.append(f"finished: {ending.reason.name} {ending.error}")
         if ending.reason is FinishReason.ERROR:
             run.fail(OracleError(f"the executor failed the request: {ending.error}"))
@@ -1060,6 +1081,7 @@ class Sweep:
             f"{c['prompts_rejected']} rejected); CannotFit probes {c['full_probes']} "
             f"(all failed in llama.cpp as they must; {c['stop_boundaries']} STOP boundaries "
             f"at exactly capacity)",
+            f"  drafts {c['drafted']} verified, {c['accepted']} accepted (the rest given back)",
         ]
         for seed, msg in self.failures[:5]:
             lines.append(f"  FAILED seed {seed}: {msg.splitlines()[0]}")

@@ -213,3 +213,21 @@ def test_unauthenticated_calls_are_counted(
         wait_until(lambda: calls() == (2, 1), what="the refused and the good call counted")
     finally:
         loop_thread.run(prep.stop(0))
+
+
+def test_speculative_drafts_are_counted_by_type(services) -> None:
+    before = scrape(services["infer_metrics"])
+    prompt = prepare(services["prep"], raw="again and again and again and again")
+    req = make_request(prompt, max_tokens=200)
+    req.speculative.type = infer_pb2.SPEC_TYPE_NGRAM_SIMPLE
+    req.speculative.ngram_size_n = 2
+    u = run(services["infer"], req).finished.usage
+    assert u.num_draft_tokens > 0
+    after = scrape(services["infer_metrics"])
+
+    def grew(name: str) -> float:
+        key = (name, (("type", "ngram-simple"),))
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("slotwise_infer_draft_tokens_total") == u.num_draft_tokens
+    assert grew("slotwise_infer_accepted_tokens_total") == u.num_accepted_tokens

@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
 from clients.client import (
     AsyncSlotwiseClient,
@@ -27,6 +28,8 @@ from clients.client import (
     Message,
     Prepared,
     SlotwiseError,
+    SpecType,
+    Speculative,
     TokenLogprobs,
     Tool,
     ToolCall,
@@ -166,6 +169,23 @@ def context_of(body: SamplingRequest) -> dict[str, Any]:
     }
 
 
+def speculative_of(body: SamplingRequest) -> Speculative | None:
+    try:
+        o = body.speculative_options()
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise bad_request(
+            f"speculative.{where}: {first.get('msg')}", f"speculative.{where}"
+        ) from None
+    if o is None:
+        return None
+    return Speculative(
+        o.type or SpecType.UNSPECIFIED, o.n_max, o.n_min, o.p_min, o.ngram_size_n, o.ngram_size_m,
+        o.ngram_min_hits,
+    )  # fmt: skip
+
+
 def check_body(body: SamplingRequest) -> None:
     name = body.unsupported()
     if name is not None:
@@ -225,6 +245,7 @@ async def chat_completion(
         top_logprobs=body.top_logprobs or 0,
         session_id=body.slotwise.session_id,
         cache_salt=body.salt,
+        speculative=speculative_of(body),
         note=_note(body.slotwise.note),
     )
     turns = await start_all(client, choices(req, body.n))
@@ -250,6 +271,7 @@ async def completion(client: AsyncSlotwiseClient, body: CompletionRequest, model
         logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0,
         cache_salt=body.salt,
+        speculative=speculative_of(body),
     )
     if body.slotwise.session_id:
         raise refuse("slotwise.session_id", "goes with chat completions")

@@ -109,6 +109,20 @@ class ResponseFormat(_Open):
     json_schema: JsonSchemaFormat | None = None
 
 
+class SpeculativeOptions(BaseModel):
+    """llama-server's `speculative` body options (also as its flat `speculative.n_max` keys)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["none", "ngram-simple", "ngram-map-k"] | None = None
+    n_max: int | None = Field(default=None, ge=0, le=64)
+    n_min: int | None = Field(default=None, ge=0, le=64)
+    p_min: float | None = Field(default=None, ge=0.0, le=1.0)
+    ngram_size_n: int | None = Field(default=None, ge=1, le=64)
+    ngram_size_m: int | None = Field(default=None, ge=1, le=1024)
+    ngram_min_hits: int | None = Field(default=None, ge=1, lt=1 << 16)
+
+
 class SamplingRequest(_Open):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
@@ -130,11 +144,24 @@ class SamplingRequest(_Open):
     grammar: str | None = None  # llama-server's: GBNF
     json_schema: dict[str, Any] | None = None  # llama-server's
     cache_salt: str | None = Field(default=None, max_length=256)  # vLLM's
+    speculative: SpeculativeOptions | None = None
     slotwise: SlotwiseOptions = Field(default_factory=SlotwiseOptions)
 
     @property
     def salt(self) -> str:
         return self.cache_salt or self.slotwise.cache_salt
+
+    def speculative_options(self) -> SpeculativeOptions | None:
+        """`speculative` with llama-server's flat keys (`"speculative.n_max": 16`) over it."""
+        flat = {
+            k.removeprefix("speculative."): v
+            for k, v in (self.model_extra or {}).items()
+            if k.startswith("speculative.")
+        }
+        if not flat:
+            return self.speculative
+        nested = self.speculative.model_dump(exclude_none=True) if self.speculative else {}
+        return SpeculativeOptions.model_validate({**nested, **flat})
 
     def unsupported(self) -> str | None:
         """The first parameter given that slotwise cannot honour."""

@@ -25,6 +25,7 @@ from clients.client import (
     Prepared,
     Shift,
     SlotwiseError,
+    Speculative,
     Started,
     TokenLogprobs,
     ToolCall,
@@ -63,6 +64,7 @@ class TurnRequest:
     create_session: bool = False  # the session is new: create it first
     expect_turns: int | None = None  # a session turn: only if it has this many turns
     cache_salt: str = ""  # KV reused only between requests of the same salt (and tenant)
+    speculative: Speculative | None = None  # drafts verified in the batch (None: the server's)
     note: Callable[[Prepared], bytes] | None = None  # a session turn's note, once prepared
 
 
@@ -122,6 +124,8 @@ class TurnEnd:
             "truncated_cells": s.num_truncated_cells if s else 0,
             "truncated_images": len(set(s.truncated_media_ids)) if s else 0,
             "saved": _SAVED.get(self.finished.persistence) if self.finished else None,
+            "draft_tokens": u.num_draft_tokens if u else 0,
+            "accepted_tokens": u.num_accepted_tokens if u else 0,
             "finish": self.finished.reason.value if self.finished else "unspecified",
         }
 
@@ -243,6 +247,7 @@ async def start_turn(client: AsyncSlotwiseClient, req: TurnRequest) -> tuple[Tur
             top_logprobs=req.top_logprobs,
             turn_note=req.note(prepared) if req.note is not None else b"",
             cache_salt=req.cache_salt,
+            speculative=req.speculative,
             **options,
         )
         try:

@@ -156,6 +156,8 @@ def events(media_id: str) -> dict[str, object]:
                 num_reused_cells=7,
                 prefill_seconds=0.25,  # exactly representable: JSON and binary agree
                 decode_seconds=1.5,
+                num_draft_tokens=9,
+                num_accepted_tokens=6,
             ),
             stop_string="\n\n",
             persistence=Persistence.SAVED,

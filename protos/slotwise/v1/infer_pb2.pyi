@@ -23,6 +23,13 @@ class EvictionUnit(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVICTION_UNIT_TOKEN: _ClassVar[EvictionUnit]
     EVICTION_UNIT_MESSAGE: _ClassVar[EvictionUnit]
 
+class SpecType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPEC_TYPE_UNSPECIFIED: _ClassVar[SpecType]
+    SPEC_TYPE_NONE: _ClassVar[SpecType]
+    SPEC_TYPE_NGRAM_SIMPLE: _ClassVar[SpecType]
+    SPEC_TYPE_NGRAM_MAP_K: _ClassVar[SpecType]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -62,6 +69,10 @@ SHIFT_POLICY_STOP: ShiftPolicy
 EVICTION_UNIT_UNSPECIFIED: EvictionUnit
 EVICTION_UNIT_TOKEN: EvictionUnit
 EVICTION_UNIT_MESSAGE: EvictionUnit
+SPEC_TYPE_UNSPECIFIED: SpecType
+SPEC_TYPE_NONE: SpecType
+SPEC_TYPE_NGRAM_SIMPLE: SpecType
+SPEC_TYPE_NGRAM_MAP_K: SpecType
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -167,7 +178,7 @@ class ContextOptions(_message.Message):
     def __init__(self, policy: _Optional[_Union[ShiftPolicy, str]] = ..., keep: _Optional[int] = ..., discard_fraction: _Optional[float] = ..., unit: _Optional[_Union[EvictionUnit, str]] = ..., truncate_prompt: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "sampling", "max_tokens", "stop", "context", "session_id", "stream_tokens", "constraint", "logit_bias", "logprobs", "top_logprobs", "turn_note", "cache_salt", "expect_turns")
+    __slots__ = ("prompt", "sampling", "max_tokens", "stop", "context", "session_id", "stream_tokens", "constraint", "logit_bias", "logprobs", "top_logprobs", "turn_note", "cache_salt", "expect_turns", "speculative")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +200,7 @@ class GenerateRequest(_message.Message):
     TURN_NOTE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     EXPECT_TURNS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     prompt: _prompt_pb2.PreparedPrompt
     sampling: SamplingParams
     max_tokens: int
@@ -203,7 +215,26 @@ class GenerateRequest(_message.Message):
     turn_note: bytes
     cache_salt: str
     expect_turns: int
-    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., session_id: _Optional[str] = ..., stream_tokens: _Optional[int] = ..., constraint: _Optional[_Union[_prompt_pb2.Constraint, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., turn_note: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., expect_turns: _Optional[int] = ...) -> None: ...
+    speculative: SpeculativeOptions
+    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., session_id: _Optional[str] = ..., stream_tokens: _Optional[int] = ..., constraint: _Optional[_Union[_prompt_pb2.Constraint, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., turn_note: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., expect_turns: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeOptions, _Mapping]] = ...) -> None: ...
+
+class SpeculativeOptions(_message.Message):
+    __slots__ = ("type", "n_max", "n_min", "p_min", "ngram_size_n", "ngram_size_m", "ngram_min_hits")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    N_MAX_FIELD_NUMBER: _ClassVar[int]
+    N_MIN_FIELD_NUMBER: _ClassVar[int]
+    P_MIN_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_SIZE_N_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_SIZE_M_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_MIN_HITS_FIELD_NUMBER: _ClassVar[int]
+    type: SpecType
+    n_max: int
+    n_min: int
+    p_min: float
+    ngram_size_n: int
+    ngram_size_m: int
+    ngram_min_hits: int
+    def __init__(self, type: _Optional[_Union[SpecType, str]] = ..., n_max: _Optional[int] = ..., n_min: _Optional[int] = ..., p_min: _Optional[float] = ..., ngram_size_n: _Optional[int] = ..., ngram_size_m: _Optional[int] = ..., ngram_min_hits: _Optional[int] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("slot", "num_prompt_cells", "num_prompt_positions", "num_capacity_cells", "num_truncated_cells", "truncated_media_ids", "num_truncated_chunks", "num_reused_cells")
@@ -278,7 +309,7 @@ class ContextShift(_message.Message):
     def __init__(self, policy: _Optional[_Union[ShiftPolicy, str]] = ..., num_cells_evicted: _Optional[int] = ..., num_positions_evicted: _Optional[int] = ..., media_ids_evicted: _Optional[_Iterable[str]] = ..., num_cells_used_after: _Optional[int] = ..., next_position_after: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("num_prompt_cells", "num_prompt_positions", "num_generated_tokens", "num_shifts", "num_evicted_cells", "num_reused_cells", "prefill_seconds", "decode_seconds")
+    __slots__ = ("num_prompt_cells", "num_prompt_positions", "num_generated_tokens", "num_shifts", "num_evicted_cells", "num_reused_cells", "prefill_seconds", "decode_seconds", "num_draft_tokens", "num_accepted_tokens")
     NUM_PROMPT_CELLS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +318,8 @@ class Usage(_message.Message):
     NUM_REUSED_CELLS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_prompt_cells: int
     num_prompt_positions: int
     num_generated_tokens: int
@@ -295,7 +328,9 @@ class Usage(_message.Message):
     num_reused_cells: int
     prefill_seconds: float
     decode_seconds: float
-    def __init__(self, num_prompt_cells: _Optional[int] = ..., num_prompt_positions: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_shifts: _Optional[int] = ..., num_evicted_cells: _Optional[int] = ..., num_reused_cells: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    def __init__(self, num_prompt_cells: _Optional[int] = ..., num_prompt_positions: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_shifts: _Optional[int] = ..., num_evicted_cells: _Optional[int] = ..., num_reused_cells: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("reason", "usage", "stop_string", "error", "persistence")

@@ -1,0 +1,81 @@
+"""The n-gram drafter and the draft length (pure): drafts equal a brute-force search of the
+history, whatever it holds and however often it was cut; the length adapts as it says."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infer_service.drafting import NO_TOKEN, DraftLength, NgramIndex
+
+
+def reference(tokens: list[int], n: int, limit: int, min_hits: int = 1) -> list[int]:
+    """The continuation of the last n tokens' latest earlier occurrence (a scan)."""
+    end = len(tokens) - 1
+    gram = tokens[end - n + 1 : end + 1]
+    if end - n + 1 < 0 or NO_TOKEN in gram or limit <= 0:
+        return []
+    ends = [e for e in range(n - 1, end) if tokens[e - n + 1 : e + 1] == gram]
+    if len(ends) < min_hits:
+        return []
+    out = []
+    for t in tokens[ends[-1] + 1 : ends[-1] + 1 + limit]:
+        if t == NO_TOKEN:
+            break
+        out.append(t)
+    return out
+
+
+@given(
+    st.lists(st.integers(-1, 3), max_size=300),
+    st.integers(1, 4),
+    st.integers(0, 20),
+    st.integers(1, 3),
+)
+@settings(max_examples=400, deadline=None)
+def test_drafts_equal_a_scan_of_the_history(tokens, n, limit, min_hits) -> None:
+    index = NgramIndex(n, max_tokens=1 << 12)
+    for i, t in enumerate(tokens):
+        index.append(t)
+        seen = tokens[: i + 1]
+        assert index.draft(limit, min_hits=min_hits) == reference(seen, n, limit, min_hits)
+
+
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=400), st.integers(1, 3))
+@settings(max_examples=200, deadline=None)
+def test_a_bounded_history_drafts_from_what_it_kept(tokens, n) -> None:
+    index = NgramIndex(n, max_tokens=2 * n + 8)
+    for i, t in enumerate(tokens):
+        index.append(t)
+        assert len(index) <= index.max_tokens
+        kept = list(index.tokens)
+        assert kept == tokens[i + 1 - len(kept) : i + 1]  # the newest tokens
+        assert index.draft(5) == reference(kept, n, 5)
+
+
+def test_a_copy_task_drafts_the_rest_of_what_it_copies() -> None:
+    text = list(range(100, 160))
+    index = NgramIndex(4)
+    index.extend(text)  # the document
+    index.extend([7, 8])  # "copy it:"
+    index.extend(text[:4])  # the reply begins the copy
+    assert index.draft(16) == text[4:20]
+
+
+def test_the_draft_length_grows_on_hits_shrinks_and_pauses_on_misses() -> None:
+    length = DraftLength(16, start=4)
+    assert length.limit() == 4
+    length.update(4, 4)
+    assert length.limit() == 8
+    length.update(8, 8)
+    length.update(16, 16)
+    assert length.limit() == 16  # (at most n_max)
+    length.update(16, 5)
+    assert length.limit() == 6  # what was accepted, and one more
+    length.update(6, 0)
+    assert length.limit() == 0  # a miss at the first: a step without drafts
+    assert length.limit() == 3
+    length.update(3, 0)
+    assert [length.limit() for _ in range(3)] == [0, 0, 1]
+    length.update(1, 1)
+    assert length.limit() == 2

@@ -1,0 +1,180 @@
+"""Speculative decoding over gRPC: with temperature 0 the tokens are the same with and
+without drafts, through shifts of every policy, with images in context, with a grammar and
+in sessions, on both tiny pairs; the usage counts the drafts; bad options are refused.
+
+(tests/oracle.py drives the same executor with drafts through accepts and rejects and checks
+every cell against llama.cpp after every step.)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from slotwise.v1 import infer_pb2, infer_pb2_grpc
+from slotwise_core.tiny_models import token_id
+from support.media import image_bytes
+from support.rpc import Stream, channel, media_marker, prepare, rpc_error, run
+from support.rpc import request as make_request
+
+SIMPLE, MAP_K = infer_pb2.SPEC_TYPE_NGRAM_SIMPLE, infer_pb2.SPEC_TYPE_NGRAM_MAP_K
+NO_END = {token_id(t): -100.0 for t in ("<|im_end|>", "<|endoftext|>")}
+POLICIES = {
+    "shift": infer_pb2.SHIFT_POLICY_SHIFT,
+    "gap": infer_pb2.SHIFT_POLICY_GAP,
+    "reprefill": infer_pb2.SHIFT_POLICY_REPREFILL,
+    "auto": infer_pb2.SHIFT_POLICY_AUTO,
+}
+
+
+def speculating(req: infer_pb2.GenerateRequest, kind: int = SIMPLE, **options: int) -> Any:
+    out = infer_pb2.GenerateRequest()
+    out.CopyFrom(req)
+    out.speculative.type = kind
+    out.speculative.ngram_size_n = options.pop("ngram_size_n", 2)
+    for name, value in options.items():
+        setattr(out.speculative, name, value)
+    return out
+
+
+def both(port: int, req: infer_pb2.GenerateRequest, **options: int) -> tuple[Stream, Stream]:
+    plain = run(port, req)
+    return plain, run(port, speculating(req, **options))
+
+
+def assert_same(plain: Stream, drafted: Stream) -> None:
+    assert drafted.token_ids == plain.token_ids
+    assert drafted.text == plain.text
+    assert drafted.finished.reason == plain.finished.reason
+    u = drafted.finished.usage
+    assert u.num_generated_tokens == plain.finished.usage.num_generated_tokens
+    assert 0 < u.num_accepted_tokens <= u.num_draft_tokens  # drafts were made, and landed
+    assert plain.finished.usage.num_draft_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("pair", "policy"),
+    [(pair, p) for pair in ("mrope", "rope") for p in POLICIES if (pair, p) != ("mrope", "shift")],
+)  # (an M-RoPE memory cannot shift)
+def test_greedy_tokens_are_the_same_with_drafts_through_shifts_and_images(
+    pair: str, policy: str, prep_servers: Callable[[str], int], infer_server: Callable[..., Any]
+) -> None:
+    server = infer_server(pair, ctx_size=256)
+    marker = media_marker(prep_servers(pair))
+    prompt = prepare(
+        prep_servers(pair),
+        raw=f"Look: {marker} and copy a b c d a b c d",
+        images=[image_bytes(64, 48, seed=5)],
+    )
+    req = make_request(prompt, max_tokens=600, policy=POLICIES[policy], keep=1)
+    req.logit_bias.update(NO_END)
+    plain, drafted = both(server.port, req)
+    assert len(plain.shifts) > 0  # 600 tokens in 256 cells
+    assert [s.num_cells_evicted for s in drafted.shifts] == [
+        s.num_cells_evicted for s in plain.shifts
+    ]
+    assert_same(plain, drafted)
+
+
+@pytest.mark.parametrize("kind", [SIMPLE, MAP_K])
+def test_seeded_sampling_and_a_grammar_keep_their_tokens_with_drafts(
+    kind: int, prep_servers: Callable[[str], int], infer_server: Callable[..., Any]
+) -> None:
+    """Drafts pass through the slot's own sampler chain position by position: its grammar
+    and its seeded sampler advance on what is emitted only."""
+    server = infer_server("rope", ctx_size=1024)
+    prompt = prepare(prep_servers("rope"), raw="A list: [1, 1, 1, 1, 1, 1, 1, 1,")
+    schema = {"type": "array", "items": {"enum": [1, 2]}, "minItems": 40, "maxItems": 40}
+    req = make_request(prompt, max_tokens=400, temperature=0.0)
+    req.constraint.json_schema = json.dumps(schema)
+    plain, drafted = both(server.port, req, kind=kind, ngram_min_hits=1)
+    assert len(json.loads(plain.text)) == 40
+    assert_same(plain, drafted)
+    # sampled: each token is the target's own sample at its real prefix, so the text has the
+    # same distribution (not always the same tokens: a batch's sums differ from a single
+    # token's in the last bits, enough to tip a sample that lands on a boundary)
+    sampled = make_request(prompt, max_tokens=300, temperature=0.7, seed=11)
+    sampled.logit_bias.update(NO_END)
+    drafted = run(server.port, speculating(sampled, kind=kind, ngram_size_n=1))
+    u = drafted.finished.usage
+    assert drafted.finished.reason == infer_pb2.FINISH_REASON_LENGTH
+    assert len(drafted.token_ids) == u.num_generated_tokens == 300
+    assert 0 < u.num_accepted_tokens < u.num_draft_tokens  # landed, and given back
+
+
+def test_session_turns_are_the_same_with_drafts(
+    prep_servers: Callable[[str], int], infer_server: Callable[..., Any]
+) -> None:
+    server = infer_server("mrope", ctx_size=512)
+    port = prep_servers("mrope")
+    marker = media_marker(port)
+    turns: dict[str, list[list[int]]] = {}
+    for name, spec in (("plain", None), ("drafted", SIMPLE)):
+        create = infer_pb2.CreateSessionRequest(session_id=name)
+        create.context.policy = infer_pb2.SHIFT_POLICY_GAP
+        with channel(server.port) as ch:
+            infer_pb2_grpc.InferServiceStub(ch).CreateSession(create, timeout=10)
+        for turn in range(4):
+            prompt = prepare(port, raw=f"turn {turn}: {marker} say it again", add_special=False,
+                             images=[image_bytes(40, 40, seed=turn)])  # fmt: skip
+            req = make_request(prompt, max_tokens=150)
+            req.session_id = name
+            req.logit_bias.update(NO_END)
+            if spec is not None:
+                req = speculating(req, spec)
+            s = run(server.port, req)
+            assert s.finished.reason == infer_pb2.FINISH_REASON_LENGTH
+            turns.setdefault(name, []).append(s.token_ids)
+    assert turns["drafted"] == turns["plain"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("n_max", 65), ("ngram_size_n", 0), ("ngram_size_m", 5000), ("p_min", 2.0), ("type", 99)],
+)
+def test_bad_speculative_options_are_invalid_argument(
+    field: str, value: Any, prep_servers: Callable[[str], int], infer_server: Callable[..., Any]
+) -> None:
+    server = infer_server("rope", ctx_size=256)
+    req = make_request(prepare(prep_servers("rope"), raw="hi"), max_tokens=2)
+    setattr(req.speculative, field, value)
+    e = rpc_error(lambda: run(server.port, req))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
+    assert f"speculative.{field}" in e.details()
+
+
+def test_the_openai_edge_takes_llama_server_s_speculative_fields(
+    loop_thread: Any, tiny: Any, prep_servers: Callable[[str], int]
+) -> None:
+    """`speculative` (and llama-server's flat `speculative.n_max` keys) through the real
+    openai client: the same reply, with the drafts in `usage.slotwise`; a bad value is a 400
+    naming it; the metrics count drafts by type."""
+    import openai
+
+    from support.http_stack import Stacks
+
+    stacks = Stacks(loop_thread, tiny, prep_servers)
+    try:
+        stack = stacks.start("rope")
+        client = stack.client()
+        messages = [{"role": "user", "content": "Repeat: a b c d a b c d a b c d"}]
+        common = {"model": "m", "messages": messages, "max_tokens": 200, "temperature": 0,
+                  "logit_bias": {str(t): -100 for t in NO_END}}  # fmt: skip
+        plain = client.chat.completions.create(**common)
+        drafted = client.chat.completions.create(
+            **common,
+            extra_body={"speculative": {"type": "ngram-simple"}, "speculative.ngram_size_n": 2},
+        )
+        assert drafted.choices[0].message.content == plain.choices[0].message.content
+        extra = drafted.usage.model_extra["slotwise"]  # type: ignore[union-attr]
+        assert 0 < extra["accepted_tokens"] <= extra["draft_tokens"]
+        assert plain.usage.model_extra["slotwise"]["draft_tokens"] == 0  # type: ignore[union-attr]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**common, extra_body={"speculative.n_max": 1000})
+        assert e.value.body["param"] == "speculative.n_max"  # type: ignore[index]
+    finally:
+        stacks.close()
