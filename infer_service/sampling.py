@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import ctypes
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -126,14 +127,56 @@ def check_spec(rt: Runtime, spec: SamplerSpec) -> None:
         check_grammar(c.grammar)
     except LimitError as e:
         raise ConstraintError(str(e), "constraint.grammar") from None
-    grammar = rt.grammar_sampler(c.grammar)
-    if not grammar:
+    if not _PARSES.parses(rt, c.grammar, rt.config.grammar_ms / 1000):
         raise ConstraintError(
             "grammar: llama.cpp could not parse it (see its GBNF format), or it has no "
             "`root` rule, or a rule is left-recursive",
             "constraint.grammar",
         )
-    rt.free_sampler(grammar)
+
+
+class _Parses:
+    """Grammars parsed before their request is queued, each on a thread of its own under the
+    budget: llama.cpp expands a grammar's first parse stacks as it builds it, and an
+    ambiguous one of a few hundred bytes takes seconds to hours (18 s for 414 bytes). A parse
+    past the budget is GrammarTooCostly, and its thread frees what it made once done; while
+    `max_late` such threads run, new grammars are refused at once."""
+
+    def __init__(self, max_late: int = 4):
+        self.max_late = max_late
+        self._lock = threading.Lock()
+        self._late = 0
+
+    def parses(self, rt: Runtime, gbnf: str, budget: float) -> bool:
+        with self._lock:
+            if self._late >= self.max_late:
+                raise GrammarTooCostly(budget)
+        made = _Made()
+        done = threading.Event()
+        late = False
+
+        def parse() -> None:
+            nonlocal late
+            with contextlib.suppress(NativeError), rt.borrowed():
+                made.keep(rt.grammar_sampler(gbnf))
+            with self._lock:
+                done.set()
+                if late:
+                    self._late -= 1
+            if made.made:
+                made.free_with(rt)()
+
+        threading.Thread(target=parse, name="grammar-check", daemon=True).start()
+        if not done.wait(budget):
+            with self._lock:
+                if not done.is_set():
+                    late = True
+                    self._late += 1
+                    raise GrammarTooCostly(budget)
+        return bool(made.made)
+
+
+_PARSES = _Parses()
 
 
 def _compile(pattern: str) -> Any:
@@ -161,7 +204,9 @@ class SlotSampler:
     budget; the engine thread hands them copies of the logits, never the context's own.
     """
 
-    def __init__(self, rt: Runtime, spec: SamplerSpec, lane: GrammarLane | None = None):
+    def __init__(
+        self, rt: Runtime, spec: SamplerSpec, lane: GrammarLane | None = None, owner: str = ""
+    ):
         self.rt = rt
         c = spec.constraint
         # (the patterns first: a refusal then leaves nothing native behind)
@@ -169,18 +214,28 @@ class SlotSampler:
         self.chain: Any = rt.sampler(spec.sampling, spec.logit_bias)  # a llama_sampler pointer
         self.grammar: Any = None  # a llama_sampler pointer
         self.top_logprobs = spec.top_logprobs
+        self._own_lane = lane is None
         self._lane = lane or GrammarLane()
+        self._owner = owner  # whose calls these are (the lane counts stuck ones per owner)
         self._budget = rt.config.grammar_ms / 1000
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._text = ""  # a lazy grammar's text before its trigger
         if c is not None:
-            self.grammar = rt.grammar_sampler(c.grammar)
+            # llama.cpp expands a grammar's first parse stacks as it builds it: on the lane too
+            made = _Made()
+            try:
+                self.grammar = self._lane.run(
+                    _borrowing(rt, lambda: made.keep(rt.grammar_sampler(c.grammar))),
+                    self._budget, made.free_with(rt), owner=owner,
+                )  # fmt: skip
+            except GrammarTooCostly:
+                self.close()
+                raise
             if not self.grammar:  # (checked before queueing: only if llama.cpp changed its mind)
                 self.close()
                 raise ConstraintError("grammar: llama.cpp refused it", "constraint.grammar")
             self._cur = np.zeros(rt.num_vocab, dtype=_TOKEN_DATA)
             self._ids = np.arange(rt.num_vocab, dtype=np.int32)  # cur's index is the token id
-            self._one = np.zeros(1, dtype=_TOKEN_DATA)
             self._utf8 = b""  # the unfinished character at the end of the text
 
     def close(self) -> None:
@@ -188,6 +243,8 @@ class SlotSampler:
             if s:
                 self.rt.free_sampler(s)
         self.chain = self.grammar = None
+        if self._own_lane:
+            self._lane.close()
 
     @property
     def awaiting_trigger(self) -> bool:
@@ -204,71 +261,30 @@ class SlotSampler:
         else:
             cur = self._cur
             cur["id"], cur["logit"], cur["p"] = self._ids, self.rt.logits(index), 0.0
-            token = self._on_lane(lambda: self._constrained(cur))
+            follow = _Following(self.rt, self.chain, self.grammar, self._utf8)
+            token = self._on_lane(lambda: follow.constrained(cur), follow)
+            self._utf8 = follow.utf8
         return token, self._logprobs(index, token) if self.top_logprobs is not None else None
 
     # -- grammar ------------------------------------------------------------------------------
 
-    def _on_lane(self, fn: Callable[[], T]) -> T:
+    def _on_lane(self, fn: Callable[[], T], follow: _Following) -> T:
         """fn on the grammar lane, the runtime borrowed (a call left running past the budget
-        keeps the model from being freed under it); past the budget this sampler is the
-        lane's to free."""
-        natives, rt = (self.chain, self.grammar), self.rt
-
-        def borrowing() -> T:
-            with rt.borrowed():
-                return fn()
+        keeps the model from being freed under it). fn reads only `follow`, never this
+        sampler: past the budget the engine lets go of it while fn goes on, and the lane
+        frees the native samplers once fn is done."""
+        rt = self.rt
 
         def abandon() -> None:
             with contextlib.suppress(NativeError), rt.borrowed():  # (closed: nothing to free)
-                for s in natives:
+                for s in (follow.chain, follow.grammar):
                     rt.free_sampler(s)
 
         try:
-            return self._lane.run(borrowing, self._budget, abandon)
+            return self._lane.run(_borrowing(rt, fn), self._budget, abandon, owner=self._owner)
         except GrammarTooCostly:
-            self.chain = self.grammar = None  # (close must not free them under the call)
+            self.chain = self.grammar = None  # (the lane's to free now)
             raise
-
-    def _constrained(self, cur: np.ndarray) -> int:
-        """(on the lane) The chain's choice if the grammar allows it, else the chain's choice
-        among what the grammar allows."""
-        work = cur.copy()  # the chain sorts and cuts (top-k) what it is given
-        arr = _array(work)
-        llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(arr))
-        token = int(arr.data[arr.selected].id)
-        if not (self._allows(token) and self._utf8_ok(token)):  # choose again, allowed only
-            llama_cpp.llama_sampler_apply(self.grammar, ctypes.byref(_array(cur)))
-            while True:
-                if not np.isfinite(cur["logit"]).any():
-                    raise GrammarDeadEnd
-                work = cur.copy()
-                arr = _array(work)
-                llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(arr))
-                token = int(arr.data[arr.selected].id)
-                # (what the grammar refused is -inf: a chain that picked one anyway must not
-                # reach the grammar's accept, which would throw)
-                if np.isfinite(cur["logit"][token]) and self._utf8_ok(token):
-                    break
-                cur["logit"][token] = -np.inf
-        llama_cpp.llama_sampler_accept(self.grammar, token)
-        llama_cpp.llama_sampler_accept(self.chain, token)
-        if not self.rt.is_eog(token):
-            self._utf8 = utf8_tail(self._utf8, self.rt.piece(token)) or b""
-        return token
-
-    def _utf8_ok(self, token: int) -> bool:
-        """Whether the token keeps the text well-formed UTF-8. The grammar sees code points:
-        bytes that make none (an overlong form, a lone surrogate) would pass it, yet read as
-        something else to every client."""
-        return self.rt.is_eog(token) or utf8_tail(self._utf8, self.rt.piece(token)) is not None
-
-    def _allows(self, token: int) -> bool:
-        one = self._one
-        one["id"], one["logit"], one["p"] = token, 0.0, 0.0
-        arr = _array(one)
-        llama_cpp.llama_sampler_apply(self.grammar, ctypes.byref(arr))
-        return bool(np.isfinite(one["logit"][0]))
 
     def _watch_for_trigger(self, token: int) -> None:
         """A lazy grammar: once a trigger is found in the text, the grammar takes over from
@@ -292,15 +308,9 @@ class SlotSampler:
             return
         self._triggers, self._text = (), ""
         matched = text[min(starts) :]
-        self._on_lane(lambda: self._take(self.rt.tokenize(matched)))
+        follow = _Following(self.rt, self.chain, self.grammar, b"")
+        self._on_lane(lambda: follow.take(self.rt.tokenize(matched)), follow)
         self._utf8 = utf8_tail(b"", matched.encode()) or b""
-
-    def _take(self, tokens: list[int]) -> None:
-        """(on the lane) The trigger's text into the grammar, each token checked first."""
-        for t in tokens:
-            if not self._allows(t):
-                raise GrammarDeadEnd
-            llama_cpp.llama_sampler_accept(self.grammar, t)
 
     # -- log-probabilities --------------------------------------------------------------------
 
@@ -318,6 +328,90 @@ class SlotSampler:
             best = np.argpartition(-logits, k - 1)[:k]
             top = tuple(choice(int(t)) for t in best[np.argsort(-logits[best], kind="stable")])
         return TokenLogprobs(choice(token), top)
+
+
+class _Following:
+    """What one grammar call on the lane works with: the natives and the text's unfinished
+    character as the call began (the sampler may be gone by the time it ends)."""
+
+    def __init__(self, rt: Runtime, chain: Any, grammar: Any, utf8: bytes):
+        self.rt, self.chain, self.grammar, self.utf8 = rt, chain, grammar, utf8
+        self._one = np.zeros(1, dtype=_TOKEN_DATA)
+
+    def constrained(self, cur: np.ndarray) -> int:
+        """The chain's choice if the grammar allows it, else the chain's choice among what
+        the grammar allows."""
+        token = self._chosen(cur.copy())  # (the chain sorts and cuts what it is given)
+        if not (self.allows(token) and self._utf8_ok(token)):  # choose again, allowed only
+            llama_cpp.llama_sampler_apply(self.grammar, ctypes.byref(_array(cur)))
+            while True:
+                if not np.isfinite(cur["logit"]).any():
+                    raise GrammarDeadEnd
+                token = self._chosen(cur.copy())
+                # (what the grammar refused is -inf: a chain that picked one anyway must not
+                # reach the grammar's accept, which would throw)
+                if np.isfinite(cur["logit"][token]) and self._utf8_ok(token):
+                    break
+                cur["logit"][token] = -np.inf
+        llama_cpp.llama_sampler_accept(self.grammar, token)
+        llama_cpp.llama_sampler_accept(self.chain, token)
+        if not self.rt.is_eog(token):
+            self.utf8 = utf8_tail(self.utf8, self.rt.piece(token)) or b""
+        return token
+
+    def _chosen(self, work: np.ndarray) -> int:
+        arr = _array(work)
+        llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(arr))
+        if not 0 <= arr.selected < len(work):
+            raise RuntimeError(f"the sampler chain selected no token ({arr.selected})")
+        return int(arr.data[arr.selected].id)
+
+    def _utf8_ok(self, token: int) -> bool:
+        """Whether the token keeps the text well-formed UTF-8. The grammar sees code points:
+        bytes that make none (an overlong form, a lone surrogate) would pass it, yet read as
+        something else to every client."""
+        return self.rt.is_eog(token) or utf8_tail(self.utf8, self.rt.piece(token)) is not None
+
+    def allows(self, token: int) -> bool:
+        one = self._one
+        one["id"], one["logit"], one["p"] = token, 0.0, 0.0
+        llama_cpp.llama_sampler_apply(self.grammar, ctypes.byref(_array(one)))
+        return bool(np.isfinite(one["logit"][0]))
+
+    def take(self, tokens: list[int]) -> None:
+        """The trigger's text into the grammar, each token checked first."""
+        for t in tokens:
+            if not self.allows(t):
+                raise GrammarDeadEnd
+            llama_cpp.llama_sampler_accept(self.grammar, t)
+
+
+class _Made:
+    """A grammar sampler built on the lane: the engine's once built in time, the lane's to
+    free when the build ran past the budget."""
+
+    def __init__(self) -> None:
+        self.made: Any = None
+
+    def keep(self, made: Any) -> Any:
+        self.made = made
+        return made
+
+    def free_with(self, rt: Runtime) -> Callable[[], None]:
+        def free() -> None:
+            with contextlib.suppress(NativeError), rt.borrowed():
+                if self.made:
+                    rt.free_sampler(self.made)
+
+        return free
+
+
+def _borrowing(rt: Runtime, fn: Callable[[], T]) -> Callable[[], T]:
+    def borrowing() -> T:
+        with rt.borrowed():
+            return fn()
+
+    return borrowing
 
 
 def _start(m: Any) -> int:

@@ -15,6 +15,8 @@ from typing import Any
 
 MAX_GRAMMAR_BYTES = 256 << 10
 MAX_GRAMMAR_NESTING = 2000  # a tenth of what overflowed an 8 MiB stack
+# what `{m,n}` repetitions expand to in llama.cpp's parser (`"a"{0,2000}` 4,000 times: 1.8 GB)
+MAX_GRAMMAR_ELEMENTS = 100_000
 MAX_SCHEMA_BYTES = 256 << 10
 MAX_SCHEMA_DEPTH = 64
 MAX_SCHEMA_REPEAT = 1000  # each count the converter writes out (llama.cpp's own cap is 2000)
@@ -31,20 +33,25 @@ class LimitError(ValueError):
 
 
 def check_grammar(text: str) -> None:
-    """Refuse a GBNF text over MAX_GRAMMAR_BYTES or nested deeper than MAX_GRAMMAR_NESTING
-    (groups counted outside strings, character classes and comments, as llama.cpp reads them)."""
+    """Refuse a GBNF text over MAX_GRAMMAR_BYTES, nested deeper than MAX_GRAMMAR_NESTING, or
+    whose repetitions llama.cpp would write out past MAX_GRAMMAR_ELEMENTS (groups and `{m,n}`
+    read as llama.cpp reads them: outside strings, character classes, `<...>` tokens and
+    comments; a repeated literal is copied once per repetition, anything else referenced)."""
     size = len(text.encode())
     if size > MAX_GRAMMAR_BYTES:
         raise LimitError(f"grammar: {size} bytes, over the limit of {MAX_GRAMMAR_BYTES}")
-    depth = deepest = 0
+    depth = deepest = elements = 0
+    last = 1  # elements of the symbol a repetition would copy
     i, n = 0, len(text)
     while i < n:
         c = text[i]
-        if c in '"[':  # a string or a character class: to its unescaped end
-            close = '"' if c == '"' else "]"
+        if c in '"[<':  # a string, a character class or a token: to its unescaped end
+            close = {'"': '"', "[": "]", "<": ">"}[c]
+            start = i
             i += 1
             while i < n and text[i] != close:
                 i += 2 if text[i] == "\\" else 1
+            last = max(1, i - start - 1) if c == '"' else 1
         elif c == "#":
             while i < n and text[i] not in "\r\n":
                 i += 1
@@ -53,10 +60,24 @@ def check_grammar(text: str) -> None:
             deepest = max(deepest, depth)
         elif c == ")":
             depth -= 1
+            last = 1  # (a group becomes a rule: repeating it repeats a reference)
+        elif c == "{":
+            end = text.find("}", i)
+            counts = [x.strip() for x in text[i + 1 : end if end > 0 else n].split(",")]
+            copies = sum(int(x) if x.isdigit() and len(x) <= 9 else 1 for x in counts)
+            elements += last * max(1, copies)
+            i = end if end > 0 else n
+        elif not c.isspace():
+            last = 1
         i += 1
     if deepest > MAX_GRAMMAR_NESTING:
         raise LimitError(
             f"grammar: groups nested {deepest} deep, over the limit of {MAX_GRAMMAR_NESTING}"
+        )
+    if elements > MAX_GRAMMAR_ELEMENTS:
+        raise LimitError(
+            f"grammar: its repetitions write out {elements} elements, over the limit of "
+            f"{MAX_GRAMMAR_ELEMENTS}"
         )
 
 
