@@ -21,6 +21,7 @@ without drafts.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ class SpecConfig:
     """How a request drafts (llama-server's names and defaults where they mean the same)."""
 
     type: SpecType = SpecType.NONE
-    n_max: int = 16  # drafts per step at most
+    n_max: int = 48  # drafts per step at most (the slot verifies as many as pay their way)
     n_min: int = 0  # fewer than this: draft none
     p_min: float = 0.0  # (a draft model's confidence floor; n-gram drafts have none)
     size_n: int = 12  # the n-gram looked up (--spec-ngram-size-n)
@@ -129,53 +130,87 @@ class NgramIndex:
         return found
 
 
+class StepCost:
+    """What verifying one more token costs, as a share of a step that decodes one token,
+    measured on this machine from the engine's own generation steps (moving averages): on a
+    GPU a few more tokens in a batch cost next to nothing, on two CPU cores about half a
+    step (Gemma 3 270M: 20.5 ms for one token, 9.5 ms for each more with its logits)."""
+
+    def __init__(self, prior: float = 0.5, weight: float = 0.1):
+        self.prior, self.weight = prior, weight
+        self._one: float | None = None  # seconds of a step of one token
+        self._more: float | None = None  # seconds each further token adds
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens == 1:
+            self._one = _moved(self._one, seconds, self.weight)
+        elif num_tokens > 1 and self._one is not None:
+            more = max(0.0, seconds - self._one) / (num_tokens - 1)
+            self._more = _moved(self._more, more, self.weight)
+
+    @property
+    def ratio(self) -> float:
+        if self._one is None or self._more is None or self._one <= 0:
+            return self.prior
+        return min(1.0, max(0.01, self._more / self._one))
+
+
+def _moved(average: float | None, value: float, weight: float) -> float:
+    return value if average is None else average + weight * (value - average)
+
+
 class DraftLength:
-    """How many drafts a slot asks for next: doubled after a step whose drafts were all
-    accepted, halved after one that missed at the first; after misses in a row the slot
-    pauses drafting for as many steps as it missed (at most `max_pause`), so free text costs
-    next to nothing."""
+    """How many drafts a slot verifies next: as many as are worth their cost. The draft at
+    position j (from 1) lands with probability a^j, a being the slot's recent acceptance per
+    position (a moving average); verifying it costs `ratio` of a one-token step, which an
+    accepted draft saves: drafts are asked for while a^j > ratio. A slot whose drafts keep
+    missing (a <= ratio) tries one draft now and then, the pause doubling while it misses, so
+    free text costs next to nothing and a copy that begins later is still found."""
 
-    def __init__(self, n_max: int, *, start: int = 4, max_pause: int = 16):
+    def __init__(self, n_max: int, *, prior: float = 0.9, weight: float = 0.1, max_pause: int = 32):
         self.n_max = n_max
-        self.k = min(start, n_max)
+        self.a = prior
+        self.weight = weight
         self.max_pause = max_pause
-        self._misses = 0
-        self._pause = 0
+        self._pause = 1
+        self._wait = 0
 
-    def limit(self) -> int:
+    def limit(self, ratio: float) -> int:
         """The drafts to ask for this step (0: draft none)."""
-        if self._pause > 0:
-            self._pause -= 1
+        if self.a > ratio:
+            k = math.floor(math.log(ratio) / math.log(self.a)) if self.a < 1 else self.n_max
+            return max(1, min(self.n_max, k))
+        if self._wait > 0:
+            self._wait -= 1
             return 0
-        return self.k
+        self._wait = self._pause
+        return min(1, self.n_max)
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:
             return
-        if num_accepted == num_drafted:
-            self.k = min(self.n_max, max(1, 2 * self.k))
-            self._misses = 0
-        elif num_accepted == 0:
-            self.k = max(1, self.k // 2)
-            self._misses += 1
-            self._pause = min(self.max_pause, self._misses)
-        else:
-            self.k = max(1, min(self.n_max, num_accepted + 1))
-            self._misses = 0
+        missed = num_accepted < num_drafted
+        for landed in [True] * num_accepted + [False] * missed:
+            self.a += self.weight * (float(landed) - self.a)
+        if num_accepted:
+            self._pause, self._wait = 1, 0
+        elif missed:
+            self._pause = min(self.max_pause, 2 * self._pause)
 
 
 class Speculation:
     """One request's drafting: the sequence's tokens so far (indexed), and its draft length."""
 
-    def __init__(self, config: SpecConfig, history: Iterable[int]):
+    def __init__(self, config: SpecConfig, history: Iterable[int], cost: StepCost):
         self.config = config
         self.index = NgramIndex(config.size_n, max_tokens=max(HISTORY_TOKENS, 4 * config.size_n))
         self.index.extend(history)
         self.length = DraftLength(config.n_max)
+        self.cost = cost
 
     def drafts(self, room: int) -> tuple[int, ...]:
         """The drafts to verify after the sequence's last token, at most `room` of them."""
-        k = min(self.length.limit(), room, self.config.size_m)
+        k = min(self.length.limit(self.cost.ratio), room, self.config.size_m)
         if k < max(1, self.config.n_min):
             return ()
         min_hits = self.config.min_hits if self.config.type is SpecType.NGRAM_MAP_K else 1

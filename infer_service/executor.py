@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 from llama_cpp import mtmd_cpp
 
-from infer_service.drafting import NO_TOKEN, Speculation
+from infer_service.drafting import NO_TOKEN, Speculation, StepCost
 from infer_service.events import (
     ContextShift,
     ErrorKind,
@@ -143,6 +143,7 @@ class Executor:
         self._encoded: dict[str, np.ndarray] = {}  # finished, until their slot decodes them
         self._observer = observer
         self.grammars = GrammarLane()  # every slot's grammar work, each call under a budget
+        self.step_cost = StepCost()  # what a draft costs to verify, for slots to weigh it by
         self._outcome = StepOutcome()  # what the step under way did so far
         self._num_generating = 0  # slots of the step under way that generate (not prefilling)
 
@@ -215,18 +216,19 @@ class Executor:
         `reprefill`: the sequence holds only the ledger's segments before this one (a
         checkpoint older than the ledger; 0: its saved state did not load); those the ledger
         keeps after it are decoded again. A refused prompt raises ProblemError."""
-        if job.sampler_spec.constraint is not None and self.grammars.full:
+        if job.sampler_spec.constraint is not None and self.grammars.full(job.tenant):
             raise ProblemError(
                 Problem(
                     ErrorKind.RESOURCE_EXHAUSTED,
-                    "grammars of earlier requests that ran past their budget are still being "
+                    "this tenant's grammars that ran past their budget are still being "
                     "followed; retry shortly",
                     Reason.GRAMMAR_TOO_COSTLY,
                     retry_after=1.0,
+                    field="constraint.grammar",
                 )
             )
         try:  # first: a refusal here changes nothing
-            sampler = SlotSampler(self.rt, job.sampler_spec, self.grammars)
+            sampler = SlotSampler(self.rt, job.sampler_spec, self.grammars, owner=job.tenant)
         except ConstraintError as e:
             raise SessionError(ErrorKind.INVALID_ARGUMENT, str(e), Reason.BAD_REQUEST) from e
         try:
@@ -310,7 +312,7 @@ class Executor:
         slot.pending = deque([*restore, *kept])
         slot.sampler = sampler
         slot.spec = (
-            Speculation(job.speculative, history(ledger.segments, slot.pending))
+            Speculation(job.speculative, history(ledger.segments, slot.pending), self.step_cost)
             if job.speculative.enabled
             else None
         )
@@ -586,6 +588,8 @@ class Executor:
             self._decode_alone(taken)  # a failed decode changes nothing: find the culprit
             return
         elapsed = time.perf_counter() - t0
+        if not any(t.slot.prefilling for t in taken):  # (generation only: a logit per token)
+            self.step_cost.observe(sum(t.item.num_cells for t in taken), elapsed)
         for t in taken:
             slot = t.slot
             try:
@@ -730,11 +734,7 @@ class Executor:
             self._end(slot, FinishReason.GRAMMAR)
             return None
         except GrammarTooCostly as e:
-            why = Problem(
-                ErrorKind.RESOURCE_EXHAUSTED, str(e), Reason.GRAMMAR_TOO_COSTLY,
-                field="constraint.grammar",
-            )  # fmt: skip
-            self._end(slot, FinishReason.ERROR, error=why.message, problem=why)
+            self._end(slot, FinishReason.ERROR, error=e.problem.message, problem=e.problem)
             return None
         if self.rt.is_eog(token):
             self._end(slot, FinishReason.STOP)

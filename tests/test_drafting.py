@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infer_service.drafting import NO_TOKEN, DraftLength, NgramIndex
+from infer_service.drafting import NO_TOKEN, DraftLength, NgramIndex, StepCost
 
 
 def reference(tokens: list[int], n: int, limit: int, min_hits: int = 1) -> list[int]:
@@ -62,20 +62,34 @@ def test_a_copy_task_drafts_the_rest_of_what_it_copies() -> None:
     assert index.draft(16) == text[4:20]
 
 
-def test_the_draft_length_grows_on_hits_shrinks_and_pauses_on_misses() -> None:
-    length = DraftLength(16, start=4)
-    assert length.limit() == 4
-    length.update(4, 4)
-    assert length.limit() == 8
-    length.update(8, 8)
-    length.update(16, 16)
-    assert length.limit() == 16  # (at most n_max)
-    length.update(16, 5)
-    assert length.limit() == 6  # what was accepted, and one more
-    length.update(6, 0)
-    assert length.limit() == 0  # a miss at the first: a step without drafts
-    assert length.limit() == 3
-    length.update(3, 0)
-    assert [length.limit() for _ in range(3)] == [0, 0, 1]
-    length.update(1, 1)
-    assert length.limit() == 2
+def test_the_draft_length_weighs_acceptance_against_cost() -> None:
+    length = DraftLength(48, prior=0.9)
+    assert length.limit(0.5) == 6  # 0.9^6 = 0.53 > 0.5 >= 0.9^7
+    assert length.limit(0.05) == 28  # drafts are cheap (a GPU): more of them
+    for _ in range(20):
+        length.update(10, 10)  # every draft lands
+    assert length.limit(0.5) > 6
+    for _ in range(30):
+        length.update(2, 0)  # every first draft misses
+    assert length.a <= 0.5
+    # a slot whose drafts miss tries one now and then, the pause doubling while it misses
+    tries = [length.limit(0.5) for _ in range(8)]
+    assert tries[0] == 1 and sum(tries) < 8
+    length.update(1, 0)
+    assert [length.limit(0.5) for _ in range(3)].count(1) <= 1
+    length.update(1, 1)  # a hit: tried again soon
+    assert 1 in [length.limit(0.5) for _ in range(2)]
+
+
+def test_the_step_cost_is_what_one_more_token_adds_to_a_one_token_step() -> None:
+    cost = StepCost(prior=0.5)
+    assert cost.ratio == 0.5
+    cost.observe(3, 0.05)  # (nothing to compare with yet)
+    assert cost.ratio == 0.5
+    cost.observe(1, 0.020)
+    cost.observe(5, 0.060)  # 10 ms per further token
+    assert abs(cost.ratio - 0.5) < 1e-9
+    for _ in range(100):
+        cost.observe(1, 0.010)
+        cost.observe(11, 0.012)  # a GPU: 0.2 ms per further token
+    assert cost.ratio < 0.05
