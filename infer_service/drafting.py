@@ -131,28 +131,40 @@ class NgramIndex:
 
 
 class StepCost:
-    """What verifying one more token costs, as a share of a step that decodes one token,
-    measured on this machine from the engine's own generation steps (moving averages): on a
-    GPU a few more tokens in a batch cost next to nothing, on two CPU cores about half a
-    step (Gemma 3 270M: 20.5 ms for one token, 9.5 ms for each more with its logits)."""
+    """What verifying one more token costs, against what a token costs when no slot drafts,
+    measured on this machine from the engine's own generation steps: a step of n tokens
+    takes about t0 + c*n (a least-squares line through moving averages). A slot among g that
+    generate saves (t0 + c*g) / g per accepted draft and pays c per draft: on a GPU c is next
+    to nothing, on two CPU cores (Gemma 3 270M: t0 11 ms, c 9.5 ms) about half a token alone,
+    and more than three quarters of one in a batch of four."""
 
-    def __init__(self, prior: float = 0.5, weight: float = 0.1):
+    def __init__(self, prior: float = 0.5, weight: float = 0.05):
         self.prior, self.weight = prior, weight
-        self._one: float | None = None  # seconds of a step of one token
-        self._more: float | None = None  # seconds each further token adds
+        # moving averages of n, t, n*n and n*t
+        self._n: float | None = None
+        self._t: float | None = None
+        self._nn: float | None = None
+        self._nt: float | None = None
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens == 1:
-            self._one = _moved(self._one, seconds, self.weight)
-        elif num_tokens > 1 and self._one is not None:
-            more = max(0.0, seconds - self._one) / (num_tokens - 1)
-            self._more = _moved(self._more, more, self.weight)
+        n, t, w = float(num_tokens), seconds, self.weight
+        self._n = _moved(self._n, n, w)
+        self._t = _moved(self._t, t, w)
+        self._nn = _moved(self._nn, n * n, w)
+        self._nt = _moved(self._nt, n * t, w)
 
-    @property
-    def ratio(self) -> float:
-        if self._one is None or self._more is None or self._one <= 0:
+    def ratio(self, num_generating: int = 1) -> float:
+        """c / ((t0 + c*g) / g): a draft's cost over the token it may save."""
+        if self._n is None or self._t is None or self._nn is None or self._nt is None:
             return self.prior
-        return min(1.0, max(0.01, self._more / self._one))
+        spread = self._nn - self._n * self._n
+        if spread < 0.25:  # (steps all of one size so far: no line to draw)
+            return self.prior
+        c = max(0.0, (self._nt - self._n * self._t) / spread)
+        t0 = max(0.0, self._t - c * self._n)
+        g = max(1, num_generating)
+        per_token = (t0 + c * g) / g
+        return min(1.0, max(0.01, c / per_token)) if per_token > 0 else self.prior
 
 
 def _moved(average: float | None, value: float, weight: float) -> float:
@@ -208,9 +220,11 @@ class Speculation:
         self.length = DraftLength(config.n_max)
         self.cost = cost
 
-    def drafts(self, room: int) -> tuple[int, ...]:
-        """The drafts to verify after the sequence's last token, at most `room` of them."""
-        k = min(self.length.limit(self.cost.ratio), room, self.config.size_m)
+    def drafts(self, room: int, num_generating: int = 1) -> tuple[int, ...]:
+        """The drafts to verify after the sequence's last token, at most `room` of them, in a
+        step where `num_generating` slots generate."""
+        ratio = self.cost.ratio(num_generating)
+        k = min(self.length.limit(ratio), room, self.config.size_m)
         if k < max(1, self.config.n_min):
             return ()
         min_hits = self.config.min_hits if self.config.type is SpecType.NGRAM_MAP_K else 1

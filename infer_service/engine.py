@@ -373,8 +373,11 @@ class Engine:
             self._finish(slot, FinishReason.CANCELLED, error=why, problem=cancelled(deadline, why))
 
     def _apply(self, outcome: StepOutcome) -> None:
-        """What a step did, told: shifts to their sessions, first tokens to the metrics, and
-        every request it ended to its caller (each on its own: one failing is not another's)."""
+        """What a step did, told: its events to their callers, in order, shifts to their
+        sessions, first tokens to the metrics, and every request it ended to its caller (each
+        on its own: one failing is not another's)."""
+        for job, event in outcome.events:
+            safely(job.emit, event)
         for slot in outcome.shifted:
             try:
                 self.sessions.on_shift(slot)
@@ -389,7 +392,9 @@ class Engine:
             self._settle_safely(ending)
 
     def _finish(self, slot: Slot, reason: FinishReason, **why: Any) -> None:
-        self._settle_safely(self.executor.ending(slot, reason, **why))
+        ending = self.executor.ending(slot, reason, **why)
+        self._apply(self.executor.take_outcome())  # (its last tokens go before its end)
+        self._settle_safely(ending)
 
     def _settle_safely(self, ending: Ending) -> None:
         try:

@@ -42,6 +42,7 @@ from infer_service.drafting import NO_TOKEN, Speculation, StepCost
 from infer_service.events import (
     ContextShift,
     ErrorKind,
+    Event,
     FinishReason,
     PrefillProgress,
     Problem,
@@ -97,6 +98,10 @@ class Ending:
 
 @dataclass
 class StepOutcome:
+    """What a step (or a start, or an ending) did, for the engine to tell: the events for each
+    request in the order they happened, then the requests it ended."""
+
+    events: list[tuple[Job, Event]] = field(default_factory=list)
     endings: list[Ending] = field(default_factory=list)
     shifted: list[Slot] = field(default_factory=list)  # one entry per shift carried out
     first_tokens: list[float] = field(default_factory=list)  # seconds from start (TTFT)
@@ -328,7 +333,8 @@ class Executor:
             num_reused_cells=num_reused,
         )
         slot.t_start = time.perf_counter()
-        job.emit(
+        self._tell(
+            job,
             Started(
                 slot=slot.seq,
                 num_prompt_cells=slot.usage.num_prompt_cells,
@@ -338,7 +344,7 @@ class Executor:
                 num_truncated_chunks=len(dropped),
                 truncated_media_ids=tuple(i.media_id for i in dropped if i.media_id),
                 num_reused_cells=num_reused,
-            )
+            ),
         )
 
     def end(self, slot: Slot, reason: FinishReason) -> Job:
@@ -378,6 +384,11 @@ class Executor:
 
     def _end(self, slot: Slot, reason: FinishReason, **why: Any) -> None:
         self._outcome.endings.append(self.ending(slot, reason, **why))
+
+    def _tell(self, job: Job, event: Event) -> None:
+        """An event for the job's caller, sent by the engine once the step is over (the
+        executor itself tells nobody anything)."""
+        self._outcome.events.append((job, event))
 
     def take_outcome(self) -> StepOutcome:
         """What happened since the last take (all of a step; part of one that raised)."""
@@ -648,7 +659,7 @@ class Executor:
             ledger.n_ctx_train - ledger.next_pos - num_taken,  # (positions too, under GAP)
             job.max_tokens - slot.usage.num_generated_tokens - 1,
         )
-        drafts = spec.drafts(room) if room > 0 else ()
+        drafts = spec.drafts(room, self._num_generating) if room > 0 else ()
         slot.usage.num_draft_tokens += len(drafts)
         return drafts
 
@@ -764,7 +775,7 @@ class Executor:
         if delta is not None and slot.job is not None:
             if slot.job.session_id is not None:
                 slot.reply.append(delta.text)
-            slot.job.emit(delta)
+            self._tell(slot.job, delta)
 
     # -- the ledger's plans -------------------------------------------------------------------
 
@@ -832,7 +843,7 @@ class Executor:
                 sequence=ledger.serial,
             )
         )
-        slot.job.emit(shift)
+        self._tell(slot.job, shift)
         return not isinstance(plan, Reprefill)
 
     def read(self, token_ids: Sequence[int]) -> str:
@@ -843,7 +854,7 @@ class Executor:
         if not slot.prefilling or slot.job is None:
             return
         slot.num_prefill_done += num_cells
-        slot.job.emit(PrefillProgress(slot.num_prefill_done, slot.num_prefill_total))
+        self._tell(slot.job, PrefillProgress(slot.num_prefill_done, slot.num_prefill_total))
 
 
 def _niced(nice: int) -> None:

@@ -705,7 +705,10 @@ class Oracle:
         before = self._progress()
         failed = self.stats.num_failed_decodes
         self._woken.clear()
-        for ending in self.executor.step(self.slots).endings:
+        outcome = self.executor.step(self.slots)
+        for job, event in outcome.events:  # (the engine tells them the same way)
+            job.emit(event)
+        for ending in outcome.endings:
             self._ended(ending)
         if self.stats.num_failed_decodes != failed:  # (the executor retries each alone)
             for run in self._runs.values():

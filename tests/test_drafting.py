@@ -81,15 +81,16 @@ def test_the_draft_length_weighs_acceptance_against_cost() -> None:
     assert 1 in [length.limit(0.5) for _ in range(2)]
 
 
-def test_the_step_cost_is_what_one_more_token_adds_to_a_one_token_step() -> None:
+def test_the_step_cost_weighs_a_draft_against_the_token_it_may_save() -> None:
     cost = StepCost(prior=0.5)
-    assert cost.ratio == 0.5
-    cost.observe(3, 0.05)  # (nothing to compare with yet)
-    assert cost.ratio == 0.5
-    cost.observe(1, 0.020)
-    cost.observe(5, 0.060)  # 10 ms per further token
-    assert abs(cost.ratio - 0.5) < 1e-9
-    for _ in range(100):
-        cost.observe(1, 0.010)
-        cost.observe(11, 0.012)  # a GPU: 0.2 ms per further token
-    assert cost.ratio < 0.05
+    assert cost.ratio() == 0.5
+    for _ in range(3):
+        cost.observe(4, 0.049)
+    assert cost.ratio() == 0.5  # steps of one size: no line yet
+    for n in (1, 2, 4, 8, 17) * 40:  # two CPU cores: t = 11 ms + 9.5 ms a token
+        cost.observe(n, 0.011 + 0.0095 * n)
+    assert abs(cost.ratio(1) - 9.5 / 20.5) < 0.01
+    assert abs(cost.ratio(4) - 9.5 / ((11 + 38) / 4)) < 0.01  # a batch of four: dearer
+    for n in (1, 4, 16) * 200:  # a GPU: a step costs about the same whatever it holds
+        cost.observe(n, 0.010 + 0.0001 * n)
+    assert cost.ratio(1) < 0.05
