@@ -27,6 +27,13 @@ never read too, found by a sweep now and then). Its age counts from its last use
 replica's `clock` (wall time) says, or from its files' last write: what a restart or another
 replica sees. An expired session is gone for every call at once, whether or not the periodic
 work (`periodic`) has deleted it yet.
+
+Another replica sharing the directory may be using a session this one finds unused: a turn
+touches its session's files as it begins, and a checkpoint of the same state keeps the
+generation. So an expiry, an eviction or a sweep deletes a session's files only if they
+still say nobody used it (store.Unused): the generation this replica holds, and no write or
+touch since the cutoff but this replica's own, the cutoff never later than `in_use_seconds`
+ago (another replica's turn under way, and the replicas' clocks apart).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from infer_service.events import ErrorKind, Problem, ProblemError, Reason, probl
 from infer_service.executor import Executor
 from infer_service.ledger import ContextConfig, Ledger
 from infer_service.runtime import SamplingConfig
-from infer_service.session_persistence import Changed, Persistence
+from infer_service.session_persistence import Changed, Persistence, Used
 from infer_service.session_store import SessionStore
 from infer_service.session_swap import Swapper
 from infer_service.session_table import SessionTable, busy, not_found
@@ -63,6 +70,8 @@ log = logging.getLogger("slotwise.engine")
 
 IDLE_CHECKPOINT_SECONDS = 30.0  # a resident session this long without a turn is checkpointed
 SWEEP_SECONDS = 3600.0  # how often the directory is looked through for unused files
+# another replica's write or touch of a session this recent may be its turn still under way
+IN_USE_SECONDS = 600.0
 _NOT_IN_A_TURN = (Lifecycle.STORED, Lifecycle.RESIDENT, Lifecycle.BROKEN)  # may expire or go
 
 Call = Callable[[Callable[[], Any]], Future[Any]]  # run on the engine thread (Engine.call)
@@ -90,6 +99,7 @@ class SessionManager:
         self.limits = SessionLimits()
         self.clock: Callable[[], float] = time.time  # what a session's age is counted in
         self.sweep_seconds = SWEEP_SECONDS
+        self.in_use_seconds = IN_USE_SECONDS
         self._oldest = math.inf  # no session last used before this has been looked at
         self._next_sweep = self.clock() + self.sweep_seconds
         self.expired: dict[str, int] = {}  # per tenant (metrics)
@@ -177,11 +187,10 @@ class SessionManager:
         session_id: str,
         missing: Exception | None = None,
         *,
-        unused: bool = False,
         unused_before: float | None = None,
     ) -> Future[bool] | None:
         """Forget a session that is not in a turn and delete its files (see
-        Persistence.delete for `unused`)."""
+        Persistence.delete for `unused_before`)."""
         session = self.table.live(session_id)
         if session is not None:
             if session.slot is not None:
@@ -199,7 +208,7 @@ class SessionManager:
         self.table.mark(session_id, Lifecycle.DELETING)
         deleted = self.persistence.delete(
             session_id, self._in_memory(), bool(self.table.broken()), missing,
-            unused=unused, unused_before=unused_before,
+            unused_before=unused_before,
         )  # fmt: skip
         deleted.add_done_callback(lambda _: self._call_quietly(lambda: self._gone(session_id)))
         return deleted
@@ -263,11 +272,14 @@ class SessionManager:
             done.set_result(None)
             return done
 
-        def landed(read: Future[Changed | None]) -> None:  # an io lane
+        def landed(read: Future[Changed | Used | None]) -> None:  # an io lane
             try:
                 change = read.result()
                 if change is None:
                     resolve(done, None)
+                elif isinstance(change, Used):
+                    at = change.at
+                    self._on_engine(lambda: self._used_elsewhere(session_id, at, done), done)
                 elif change.damaged:
                     found = change.header
                     self._on_engine(lambda: self._keep_or_report(session_id, found, done), done)
@@ -301,6 +313,14 @@ class SessionManager:
             self.persistence.hold_later(session_id, held)
         finally:
             resolve(done, None)
+
+    def _used_elsewhere(self, session_id: str, at: float, done: Future[None]) -> None:
+        """(Engine thread) Another replica used the session at `at` (its files say so): its
+        age counts from then here too."""
+        session = self.table.live(session_id)
+        if session is not None and at > session.touched:
+            session.touched = at
+        resolve(done, None)
 
     def _keep_or_report(self, session_id: str, error: Any, done: Future[None]) -> None:
         """A file this replica cannot read: never another replica's newer state (writes are
@@ -351,6 +371,8 @@ class SessionManager:
         self._lapse(session_id)
         session = self.table.idle(session_id)
         self.table.move(session, Lifecycle.IN_TURN)
+        # (a session this replica has not written for long looks unused to the others)
+        self.persistence.touch(session_id)
         return session
 
     def abort_turn(self, session_id: str) -> None:
@@ -581,7 +603,7 @@ class SessionManager:
         if self.store is not None:
             if now >= self._next_sweep:
                 self._next_sweep = now + self.sweep_seconds
-                self._sweep(now - ttl)
+                self._sweep(self._unused_before(now))
             wait = min(wait, self._next_sweep - now)
         return max(0.0, wait) if wait < math.inf else None
 
@@ -631,7 +653,11 @@ class SessionManager:
         tenant = owner_of(session_id)
         self.expired[tenant] = self.expired.get(tenant, 0) + 1
         log.info("session %r expired: unused for longer than %.0f s", session_id, self.limits.ttl)
-        self._remove(session_id, unused=True, unused_before=now - self.limits.ttl)
+        self._remove(session_id, unused_before=self._unused_before(now))
+
+    def _unused_before(self, now: float) -> float:
+        """Files last written or touched before this are unused past the TTL, by whoever."""
+        return now - max(self.limits.ttl, self.in_use_seconds)
 
     def _sweep(self, before: float) -> None:
         """Expire the directory's session files last written before `before` that this
@@ -654,7 +680,7 @@ class SessionManager:
         for session_id in unread:
             self.table.mark(session_id, Lifecycle.DELETING)
             deleted = self.persistence.delete(
-                session_id, in_memory, broken, None, unused=True, unused_before=before
+                session_id, in_memory, broken, None, unused_before=before
             )
             deleted.add_done_callback(self._unread_gone(session_id))
 
@@ -731,7 +757,8 @@ class SessionManager:
         tenant = owner_of(session_id)
         self.evicted[tenant] = self.evicted.get(tenant, 0) + 1
         log.info("session %r evicted: %s", session_id, why)
-        self._remove(session_id, unused=True)
+        # (this replica's own last write goes whatever its age: the store knows it for its own)
+        self._remove(session_id, unused_before=self.clock() - self.in_use_seconds)
 
     def _quota_refusal(self, count: int, used: int) -> Problem:
         limits = self.limits

@@ -32,6 +32,7 @@ from infer_service.session_store import (
     Generation,
     SessionStore,
     StaleSessionError,
+    Unused,
     ledger_digest,
 )
 from infer_service.sessions import Session
@@ -56,6 +57,15 @@ class Changed:
 
     header: dict[str, Any] | BaseException | None
     damaged: bool = False
+
+
+@dataclass(frozen=True)
+class Used:
+    """What a sync found: the generation this replica holds, its files written or touched
+    since this replica last looked at them (another replica's turn under way, or a checkpoint
+    of the same state)."""
+
+    at: float  # when (time.time(), the files' clock)
 
 
 class Persistence:
@@ -246,6 +256,24 @@ class Persistence:
         with self._counting:
             self._footprints.pop(session_id, None)
 
+    def touch(self, session_id: str) -> None:
+        """(Engine thread) A turn takes the session: its files say so to other replicas (on
+        its io lane, so before the turn's read and write), whose expiry, eviction or sweep
+        would otherwise find it unused by its files' last write and delete it under the
+        turn."""
+        store = self.store
+        if store is None:
+            return
+
+        def touch() -> None:
+            # (a mark only: a file gone meanwhile, or a failing disk, is the turn's write's
+            # to report)
+            with contextlib.suppress(OSError):
+                store.touch(session_id)
+
+        with contextlib.suppress(RuntimeError):  # (the io lanes are shut down: stopping)
+            self.lanes.submit(session_id, touch)
+
     def unused(self, before: float) -> Future[list[str]]:
         """The sessions in the directory (every replica's) whose files were last written
         before `before` (time.time()), listed on a lane of its own."""
@@ -261,23 +289,25 @@ class Persistence:
         broken: bool,
         missing: Exception | None,
         *,
-        unused: bool = False,
         unused_before: float | None = None,
     ) -> Future[bool]:
         """Remove the session's files, after its pending writes (on its lane), and collect
         the pixels nobody needs then; the future says whether a file was there (without one,
-        it raises `missing` if given). unused: only if nobody wrote them since this replica
-        did (or read them; without such a generation, only if last written before
-        unused_before): an expiry or an eviction never deletes a session another replica
-        has just used."""
+        it raises `missing` if given). unused_before: a deletion because the session looks
+        unused (expiry, eviction, a sweep), made only if its files still say so: the
+        generation this replica holds, and no write or touch since unused_before but this
+        replica's own (store.Unused). It never deletes a session under another replica that
+        has used it since, in a turn or with a checkpoint that kept the generation."""
         assert self.store is not None
         store, collect = self.store, self.pixel_collector(in_memory, broken)
 
         def delete() -> bool:
-            since = self._generations.get(session_id) if unused else None
+            unused = None
+            if unused_before is not None:
+                unused = Unused(unused_before, self._generations.get(session_id))
             # the pixels of a file this replica never read are collected too
             pixels = self._pixels_in(session_id) if session_id not in self._written else set()
-            found = store.delete(session_id, unless_written_since=since or unused_before)
+            found = store.delete(session_id, unused=unused)
             if found and pixels:
                 with self._collecting:
                     self._io_orphans |= pixels
@@ -356,19 +386,23 @@ class Persistence:
         if generation is None or header is None:
             self._generations.pop(session_id, None)
             self._written.pop(session_id, None)
+            if self.store is not None:
+                self.store.forget(session_id)
         else:
             self._generations[session_id] = generation
             self._written[session_id] = header
 
-    def changes(self, session_id: str) -> Future[Changed | None]:
+    def changes(self, session_id: str) -> Future[Changed | Used | None]:
         """(Any thread) What another replica sharing the directory did to the session since
         this one last read or wrote it, read on its io lane: None when the generation on disk
-        is the one this replica holds (then nothing is read but the checkpoint's first bytes
-        and the journal, MAX_JOURNAL_TURNS entries at most)."""
+        is the one this replica holds (then nothing is read but the checkpoint's first bytes,
+        the journal, MAX_JOURNAL_TURNS entries at most, and the files' times), Used when its
+        files were written or touched since all the same (a turn elsewhere under way, a
+        checkpoint of the same state)."""
         store = self.store
         assert store is not None
 
-        def read() -> Changed | None:
+        def read() -> Changed | Used | None:
             try:
                 found = store.generation(session_id)
             except CorruptSessionError as e:
@@ -376,7 +410,7 @@ class Persistence:
             except OSError as e:
                 raise ProblemError(storage_problem(e, "the sessions directory")) from e
             if found == self._generations.get(session_id):
-                return None
+                return self._used_since(session_id)
             if found is None:
                 self._forget_footprint(session_id)
                 return Changed(None)
@@ -385,11 +419,23 @@ class Persistence:
         try:
             return self.lanes.submit(session_id, read)
         except RuntimeError:  # the io lanes are shut down: the engine is stopping
-            stopped: Future[Changed | None] = Future()
+            stopped: Future[Changed | Used | None] = Future()
             stopped.set_exception(EngineStoppedError(problem(
                 ErrorKind.UNAVAILABLE, Reason.SHUTTING_DOWN, "server shutting down",
             )))  # fmt: skip
             return stopped
+
+    def _used_since(self, session_id: str) -> Used | None:
+        """(Its session's io lane) The session's files' last write, if it is later than this
+        replica last measured: the generation it holds is still there, so it was a touch (or
+        a checkpoint of the same state)."""
+        before = self.footprint(session_id)
+        header = self._written.get(session_id)
+        if before is None or header is None:
+            return None
+        self._measure(session_id, header)
+        after = self.footprint(session_id)
+        return Used(after[1]) if after is not None and after[1] > before[1] else None
 
     def hold_later(self, session_id: str, header: dict[str, Any] | None) -> None:
         """(Engine thread) after this replica's writes queued so far (those of a dropped copy

@@ -16,9 +16,12 @@ refused (StaleSessionError) and never writes over a newer file. A generation nam
 lineage too, random for every session file created: a session deleted and created again
 elsewhere never matches an old copy's number.
 Session writes hold the pixels' lock shared, pixel collection exclusive: pixels are written
-before the file that refers to them, and never deleted between. POSIX locks belong to the
-process, so this process's threads take each lock file's turns in memory first (`_FileLock`):
-a session's slow write holds up no other session's (only one sharing its lock file's stripe).
+before the file that refers to them, and never deleted between. A lock is taken on a
+descriptor of the lock file of its own, as an open file description lock (Linux): threads of
+one process exclude each other as other processes do, and a session's slow write holds up no
+other session's (only one sharing its lock file's stripe). Without OFD locks, POSIX record
+locks, which belong to the process: its threads take each lock file's turns in memory first
+(`_FileLock`).
 
 The header holds the format version, the model fingerprint, the context configuration the KV
 state was saved from (a state only loads into a context with the same stream layout), the
@@ -35,11 +38,17 @@ a crash between the rename and the removal) skipped. A turn writes bytes in prop
 it added; the KV bytes are written when the session manager decides a checkpoint is due. A
 journal of MAX_JOURNAL_ENTRIES is folded into its checkpoint by the store itself.
 Pixels are hashed again when they are read: a damaged file is never encoded.
+
+A session's files' last write (mtime) is its last use as other replicas see it: a turn touches
+them as it begins (`touch`), and a checkpoint of the same state, which keeps the generation,
+writes them. A replica that finds a session unused by its own account deletes it only if its
+files still say so (`Unused`): its generation, and no write or touch since but its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -91,6 +100,17 @@ class Generation(NamedTuple):
 
     def next(self) -> Generation:
         return Generation(self.lineage, self.number + 1)
+
+
+class Unused(NamedTuple):
+    """What lets a deletion of a session nobody seems to use (expiry, eviction, a sweep) go
+    ahead: the files must still say so when it runs, under the session's lock. A replica that
+    takes a session into a turn touches its files (`touch`), and its writes that keep the
+    generation (a checkpoint of the same state) write them, so neither alone says "unused"."""
+
+    before: float  # files written or touched before this (time.time()) by anyone are unused
+    # the generation the deleting replica holds: another one on disk was written since
+    generation: Generation | None = None
 
 
 class StaleSessionError(Exception):
@@ -149,6 +169,9 @@ class SessionStore:
         (root / ".locks").mkdir(exist_ok=True)
         # per session file (inode, mtime, size): the media ids it refers to (pixel collection)
         self._referred: dict[str, tuple[tuple[int, ...], frozenset[str]]] = {}
+        # per session, its files as this store last wrote or touched them (`_stamp`): still
+        # so, nobody else has used the session since (each changed under the session's lock)
+        self._seen: dict[str, tuple[int, ...]] = {}
         old = time.time() - _STALE_TMP_SECONDS
         for tmp in [*root.glob(".tmp-*"), *(root / "media").glob(".tmp-*")]:
             with contextlib.suppress(FileNotFoundError):
@@ -189,6 +212,7 @@ class SessionStore:
             else:
                 generation = found if same_state else found.next()
             self._put_checkpoint(session_id, header, kv_state, generation)
+            self._saw(session_id)
         return generation
 
     def _put_checkpoint(
@@ -252,7 +276,55 @@ class SessionStore:
                 _fsync_dir(self.root)  # a journal just (re)started survives a power cut
             if len(journal.entries) + 1 >= MAX_JOURNAL_ENTRIES:
                 self._fold(session_id, generation)
+            self._saw(session_id)
         return generation, len(entry) + len(body)
+
+    def touch(self, session_id: str) -> bool:
+        """Say that the session is in use now (a turn takes it): its files' last write (mtime)
+        moves on, so a replica that finds the session unused by its own account keeps it
+        (`Unused`). False: there is no file (deleted meanwhile)."""
+        with self._session_lock(session_id):
+            found = self._stamp(session_id)
+            if found is None:
+                return False
+            # later than any write before it, even one within the clock's last tick: a replica
+            # that saw the files just before must see them changed
+            now = max(time.time_ns(), found[1] + 1000, found[4] + 1000)
+            try:
+                try:
+                    os.utime(self.path(session_id), ns=(now, now))
+                except PermissionError:  # another user's file: only "now" is ours to set
+                    os.utime(self.path(session_id))
+            except FileNotFoundError:
+                return False
+            self._saw(session_id)
+        return True
+
+    def _saw(self, session_id: str) -> None:
+        """(Under the session's lock, after this store wrote or touched its files.)"""
+        found = self._stamp(session_id)
+        if found is None:
+            self._seen.pop(session_id, None)
+        else:
+            self._seen[session_id] = found
+
+    def forget(self, session_id: str) -> None:
+        """This replica holds no copy of the session any more (what it saw of it goes)."""
+        self._seen.pop(session_id, None)
+
+    def _stamp(self, session_id: str) -> tuple[int, ...] | None:
+        """The session's files as they are: (inode, mtime, size) of the checkpoint and of the
+        journal (zeros: none); any write or touch changes it. None: no checkpoint."""
+        try:
+            st = self.path(session_id).stat()
+        except FileNotFoundError:
+            return None
+        try:
+            jt = self._journal_path(session_id).stat()
+            journal = (jt.st_ino, jt.st_mtime_ns, jt.st_size)
+        except FileNotFoundError:
+            journal = (0, 0, 0)
+        return (st.st_ino, st.st_mtime_ns, st.st_size, *journal)
 
     def generation(self, session_id: str) -> Generation | None:
         """The generation on disk (None: no file): the checkpoint's, or its journal's last."""
@@ -329,17 +401,12 @@ class SessionStore:
             header["journal"] = header.get("journal", 0) + 1
         return SavedSession(header, kv_state, kv_ledger)
 
-    def delete(
-        self, session_id: str, *, unless_written_since: Generation | float | None = None
-    ) -> bool:
-        """Remove the session's files; returns whether there were any. unless_written_since:
-        keep them if another generation than this one is on disk, or (a time) if they were
-        written since then: a replica that found the session unused never deletes it under
-        another one that just used it."""
+    def delete(self, session_id: str, *, unused: Unused | None = None) -> bool:
+        """Remove the session's files; returns whether there were any. unused: only if they
+        still say nobody uses the session (`_in_use`): a replica that found the session unused
+        never deletes it under another one that has used it since."""
         with self._session_lock(session_id):
-            if unless_written_since is not None and self._written_since(
-                session_id, unless_written_since
-            ):
+            if unused is not None and self._in_use(session_id, unused):
                 return False
             try:
                 self.path(session_id).unlink()
@@ -349,19 +416,29 @@ class SessionStore:
                 found = True
             # without its checkpoint a journal is nobody's (kept when the unlink failed)
             self._journal_path(session_id).unlink(missing_ok=True)
+            self._seen.pop(session_id, None)
             if not found:
                 return False
         _fsync_dir(self.root)
         return True
 
-    def _written_since(self, session_id: str, since: Generation | float) -> bool:
-        if isinstance(since, Generation):
-            try:
-                return self.generation(session_id) not in (None, since)
-            except CorruptSessionError:
-                return False  # (damaged: never a newer write, which would be whole)
-        found = self.footprint(session_id)
-        return found is not None and found[1] >= since
+    def _in_use(self, session_id: str, unused: Unused) -> bool:
+        """(Under the session's lock) Whether the files say that someone used the session
+        since: another generation than the one the deleting replica holds (a turn saved), or
+        a write or touch at or after unused.before (a turn under way, a checkpoint of the same
+        state) that was not this store's own last one. Both are needed: the generation alone
+        misses what keeps it, the time alone misses what this store cannot date (its files'
+        mtime is a file server's clock, the caller's time its own)."""
+        try:  # (the read opens the files: on NFS, their attributes are fetched anew)
+            found = self.generation(session_id)
+        except CorruptSessionError:
+            found = None  # (damaged: never a newer write, which would be whole)
+        if unused.generation is not None and found not in (None, unused.generation):
+            return True
+        stamp = self._stamp(session_id)
+        if stamp is None or stamp == self._seen.get(session_id):
+            return False  # as this store left them: nobody else wrote or touched them since
+        return max(stamp[1], stamp[4]) >= unused.before * 1e9
 
     def footprint(self, session_id: str) -> tuple[int, float] | None:
         """The bytes of the session's checkpoint and journal, and when either was last
@@ -399,13 +476,9 @@ class SessionStore:
             unreadable = False
             for session_id in self.ids():
                 try:
-                    st = self.path(session_id).stat()
-                    try:
-                        jt = self._journal_path(session_id).stat()
-                        journal = (jt.st_ino, jt.st_mtime_ns, jt.st_size)
-                    except FileNotFoundError:
-                        journal = (0, 0, 0)
-                    key = (st.st_ino, st.st_mtime_ns, st.st_size, *journal)
+                    key = self._stamp(session_id)
+                    if key is None:
+                        continue  # deleted meanwhile: it needs nothing
                     hit = self._referred.get(session_id)
                     if hit is None or hit[0] != key:  # parsed again only when it changed
                         pixels = self.load_header(session_id).get("pixels", {})
@@ -453,15 +526,119 @@ class SessionStore:
         return rgb
 
 
+# Linux's open file description locks: a lock belongs to the descriptor that took it, not to
+# the process, so each thread takes its own and the kernel makes them take turns. POSIX record
+# locks (lockf) would make every thread of a process one owner, and a deadlock check per owner
+# then takes two processes with threads waiting on each other's locks for a cycle (EDEADLK)
+# where none exists. OFD locks and record locks exclude each other, across machines too (NFSv4,
+# CephFS: an OFD lock is one more lock owner).
+_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLKW")
+_FLOCK = struct.Struct("hhqqi")  # struct flock: type, whence, start, length (0: all), pid (0)
+_FLOCK_BYTES = _FLOCK.size + (-_FLOCK.size) % 8  # (with the struct's padding)
+_DEADLOCK_PATIENCE = 60.0  # lockf's EDEADLK is retried this long before it is believed
+
+
+def _flock(kind: int) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, 0, 0, 0).ljust(_FLOCK_BYTES, b"\0")
+
+
+class _WritersFirst:
+    """This process's threads waiting to hold a lock file exclusive: its new sharers wait
+    for them, so pixel collection is not starved by a stream of writes (the kernel lets a
+    sharer in whenever the lock is shared)."""
+
+    def __init__(self) -> None:
+        self._turns = threading.Condition()
+        self._waiting: dict[str, int] = {}
+
+    def share(self, path: Path) -> None:
+        with self._turns:
+            self._turns.wait_for(lambda: str(path) not in self._waiting)
+
+    @contextlib.contextmanager
+    def exclusive(self, path: Path) -> Iterator[None]:
+        key = str(path)
+        with self._turns:
+            self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._turns:
+                self._waiting[key] -= 1
+                if not self._waiting[key]:
+                    del self._waiting[key]
+                    self._turns.notify_all()
+
+
+_WRITERS_FIRST = _WritersFirst()
+
+
+@contextlib.contextmanager
+def _locked(path: Path, *, shared: bool = False) -> Iterator[None]:
+    fd = _ofd_lock(path, shared) if _OFD_LOCKS else None
+    if fd is None:
+        with _process_locked(path, shared=shared):
+            yield
+        return
+    try:
+        yield
+    finally:
+        try:  # let go before the close: a child forked meanwhile shares the descriptor
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK))
+        finally:
+            os.close(fd)
+
+
+def _ofd_lock(path: Path, shared: bool) -> int | None:
+    """A new descriptor of the lock file holding its OFD lock; None where there are none."""
+    global _OFD_LOCKS
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if shared:
+            _WRITERS_FIRST.share(path)
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _flock(fcntl.F_RDLCK))
+        else:
+            with _WRITERS_FIRST.exclusive(path):
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _flock(fcntl.F_WRLCK))
+    except OSError as e:
+        os.close(fd)
+        if e.errno != errno.EINVAL:
+            raise
+        # a kernel before 3.15, or a filesystem without them: record locks from now on (an
+        # OFD lock still held elsewhere excludes them all the same)
+        _OFD_LOCKS = False
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lockf(fd: int, cmd: int) -> None:
+    """lockf, where a deadlock it reports is retried: its check takes this process's threads
+    for one owner (see _OFD_LOCKS), and the locks here are always taken in one order (a
+    session's stripe, then the pixels), so a reported cycle is one that other threads will
+    undo by letting go."""
+    deadline, delay = time.monotonic() + _DEADLOCK_PATIENCE, 0.001
+    while True:
+        try:
+            fcntl.lockf(fd, cmd)
+            return
+        except OSError as e:
+            if e.errno != errno.EDEADLK or time.monotonic() > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+
+
 class _FileLock:
-    """A lock file as this process holds it. POSIX record locks (fcntl) work across processes
-    and, on NFSv4/EFS/CephFS, machines, but they are the process's: its threads do not
-    exclude each other, and closing any descriptor of the file drops all of them. So a lock
-    file in use has one descriptor here, closed only once no thread holds or waits for it,
-    and its threads take turns at its POSIX lock in memory first: exclusive by one thread at
-    a time, shared by any number together (taken by the first, let go by the last). A thread
-    waiting to hold it exclusive goes before new sharers: pixel collection is not starved by a
-    stream of writes."""
+    """A lock file as this process holds it with POSIX record locks (where there are no OFD
+    locks). They are the process's: its threads do not exclude each other, and closing any
+    descriptor of the file drops all of them. So a lock file in use has one descriptor here,
+    closed only once no thread holds or waits for it, and its threads take turns at its lock
+    in memory first: exclusive by one thread at a time, shared by any number together (taken
+    by the first, let go by the last). A thread waiting to hold it exclusive goes before new
+    sharers: pixel collection is not starved by a stream of writes."""
 
     def __init__(self, key: tuple[int, int], fd: int):
         self.key, self.fd = key, fd
@@ -479,7 +656,7 @@ class _FileLock:
             self._waiting -= 1
             self._exclusive = True
         try:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX)  # (other processes: waits for theirs)
+            _lockf(self.fd, fcntl.LOCK_EX)  # (other processes: waits for theirs)
             try:
                 yield
             finally:
@@ -494,7 +671,7 @@ class _FileLock:
         with self._turns:
             self._turns.wait_for(lambda: not self._exclusive and not self._waiting)
             if not self._sharers:  # (under _turns: no sharer goes on before it is held)
-                fcntl.lockf(self.fd, fcntl.LOCK_SH)
+                _lockf(self.fd, fcntl.LOCK_SH)
             self._sharers += 1
         try:
             yield
@@ -512,7 +689,7 @@ _FILE_LOCKS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _locked(path: Path, *, shared: bool = False) -> Iterator[None]:
+def _process_locked(path: Path, *, shared: bool = False) -> Iterator[None]:
     with _FILE_LOCKS_LOCK:
         try:
             st = path.stat()  # (a stat, unlike an open and close, drops no lock)

@@ -117,7 +117,8 @@ class Session:
     rollback: tuple[list[dict[str, Any]], int] | None = None
     last_used: float = field(default_factory=time.monotonic)
     # when it was last used, in wall-clock time (its files' mtime says the same to another
-    # replica or a restart): what its TTL and its tenant's quota count from
+    # replica or a restart: a turn touches them as it begins and writes them as it ends):
+    # what its TTL and its tenant's quota count from
     touched: float = field(default_factory=time.time)
     records: deque[TurnRecord] = field(default_factory=lambda: deque(maxlen=MAX_RECORDS))
     title: str = ""

@@ -20,11 +20,13 @@ from test_metrics import scrape, value
 from clients.client import NO_RETRY, Constraint, Message, SlotwiseClient, SlotwiseError, collect
 from infer_service.__main__ import start
 from infer_service.runtime import RuntimeConfig
+from infer_service.session_persistence import _SWEEP as SWEEP_LANE
 from infer_service.session_store import SessionStore
 from infer_service.sessions import SessionLimits, TenantSessions
 from slotwise_core.keys import Keys
 from slotwise_core.serving import Security
 from slotwise_core.tiny_models import TinyPair
+from support.hold import PrefillHold
 from support.http_stack import Stacks, stacks_fixture
 from support.loop import LoopThread
 from support.media import image_bytes
@@ -315,6 +317,116 @@ def test_a_restart_expires_what_went_unused_while_it_was_down(
     wait_until(lambda: not on_disk(tmp_path, "old"), what="the old session deleted")
     with second.client() as c:
         assert c.get_session("new").num_turns == 1 and missing(c, "old")
+
+
+# -- a session another replica is using --------------------------------------------------------
+
+
+def backdate(root: Path, key: str, when: float) -> None:
+    """The session's files as if last written at `when` (nobody used it since)."""
+    for name in (f"{key}.session", f"{key}.turns"):
+        if (root / name).exists():
+            os.utime(root / name, (when, when))
+
+
+def settled(infer: Infer, session_id: str) -> None:
+    """The replica's periodic work done, with what it asked of the disk: the sweep's listing,
+    the deletions that follow it, and whatever is queued on the session's io lane."""
+    lanes = infer.sessions.persistence.lanes
+    infer.on_engine()
+    lanes.submit(SWEEP_LANE, lambda: None).result(30)
+    infer.on_engine()
+    lanes.submit(session_id, lambda: None).result(30)
+
+
+def finds_unused(a: Infer, ca: SlotwiseClient, how: str) -> None:
+    """The replica `a` deletes session "s" as unused, if its files let it: by expiry (a holds
+    it, its clock past the TTL), by eviction (a's quota of one, and a new session), or by the
+    sweep of the directory (a never read it). A call (a holds it, its clock past the TTL): a
+    sync finds the files touched since, so a counts the session's age from then."""
+    if how == "expiry":
+        a.clock.advance(20)
+    elif how == "call":
+        a.clock.advance(20)
+        assert ca.get_session("s").num_turns == 1
+    elif how == "eviction":
+        ca.create_session("new")
+    else:
+        a.clock.advance(20)
+        a.on_engine(lambda: setattr(a.sessions, "_next_sweep", a.clock.now))
+    settled(a, "s")
+    # an expiry or an eviction did run (a let its copy go); a call or the sweep found it used
+    counted = {"expiry": (1, 0), "eviction": (0, 1)}.get(how, (0, 0))
+    held = a.usage()
+    assert (held.num_expired, held.num_evicted) == counted
+
+
+@pytest.mark.parametrize("how", ["expiry", "eviction"])
+def test_a_checkpoint_of_the_same_state_elsewhere_keeps_a_session_from_deletion(
+    serve: Callable[..., Infer], tmp_path: Path, how: str
+) -> None:
+    """b served the session last and checkpoints it (idle, its slot wanted, a drain): the
+    same state, so the same generation, the one a holds too. a finds the session unused by
+    its own account, but b's checkpoint is recent: its files stay, and b goes on."""
+    a = serve(tmp_path, SessionLimits(max_sessions=1 if how == "eviction" else 1000, ttl=TTL))
+    b = serve(tmp_path, SessionLimits(ttl=TTL))
+    b.sessions.idle_checkpoint_seconds = 1e9  # (the test says when b checkpoints)
+    store = SessionStore(tmp_path)
+    with a.client() as ca, b.client() as cb:
+        cb.create_session("s")
+        turn(cb, "s")  # in b's slot; the turn in its journal only
+        a.clock.now = time.time()
+        backdate(tmp_path, "s", a.clock.now - TTL + 10)  # b's last turn, long ago
+        assert ca.get_session("s").num_turns == 1  # a holds the generation b wrote
+        held = store.generation("s")
+        b.on_engine(b.sessions.checkpoint_resident)
+        wait_until(lambda: not (tmp_path / "s.turns").exists(), what="b's checkpoint")
+        assert store.generation("s") == held and store.load("s").kv_state
+        finds_unused(a, ca, how)
+        assert on_disk(tmp_path, "s")
+        done = turn(cb, "s", 1)
+        assert done.finished.persistence.name == "SAVED"
+        assert store.load_header("s")["num_turns"] == 2
+        assert ca.get_session("s").num_turns == 2  # (a forgot its copy, and reads it again)
+
+
+@pytest.mark.parametrize("how", ["expiry", "eviction", "sweep", "call"])
+def test_a_session_in_a_turn_elsewhere_is_kept_however_old_its_last_write(
+    serve: Callable[..., Infer], tmp_path: Path, how: str
+) -> None:
+    """b's turn of a session whose last write is old (nearly the TTL): the turn reads no
+    file and writes only as it ends. a finds the session unused by its files' last write;
+    but the turn touched them as it began: they stay, and the turn is saved."""
+    a = serve(tmp_path, SessionLimits(max_sessions=1 if how == "eviction" else 1000, ttl=TTL))
+    b = serve(tmp_path, SessionLimits(ttl=TTL))
+    store = SessionStore(tmp_path)
+    with a.client() as ca, b.client() as cb:
+        cb.create_session("s")
+        turn(cb, "s")
+        a.clock.now = time.time()
+        backdate(tmp_path, "s", a.clock.now - TTL + 10)
+        if how != "sweep":
+            assert ca.get_session("s").num_turns == 1  # (a holds it; reading is no use)
+        outcome: list[Any] = []
+
+        def second_turn() -> None:
+            try:
+                outcome.append(turn(cb, "s", 1))
+            except SlotwiseError as e:
+                outcome.append(e)
+
+        with PrefillHold(b.running.engine.rt, at=1) as hold:
+            runner = threading.Thread(target=second_turn, daemon=True)
+            runner.start()
+            assert hold.held.wait(60), "b's turn never began"
+            b.sessions.persistence.lanes.submit("s", lambda: None).result(30)
+            finds_unused(a, ca, how)
+            assert on_disk(tmp_path, "s")
+        runner.join(60)
+        assert outcome and not isinstance(outcome[0], Exception), outcome
+        assert outcome[0].finished.persistence.name == "SAVED"
+        assert store.load_header("s")["num_turns"] == 2
+        assert ca.get_session("s").num_turns == 2
 
 
 # -- stored Responses are sessions ------------------------------------------------------------
