@@ -66,6 +66,7 @@ from slotwise_core.tiny_models import Vision, write_tiny_models
 
 SECTIONS = (
     "stream1", "stream4", "shift", "prep", "ttft", "stall", "textstall", "resent", "session",
+    "spec",
 )  # fmt: skip
 
 # Row names (the table's first column); the smoke test checks that each one is printed.
@@ -224,6 +225,8 @@ class Stream:
     finish: str = ""
     t_sent: float = 0.0
     decode_seconds: float = 0.0  # server side: time inside llama_decode (slotwise only)
+    drafted: int = 0  # speculative: drafts verified
+    accepted: int = 0  # ... and accepted
 
     @property
     def num_tokens(self) -> int:
@@ -490,12 +493,13 @@ class LlamaServer(Process):
         threads: int,
         log_dir: Path,
         mmproj: Path | None = None,
+        extra: Sequence[str] = (),
     ):
         port = free_port()
         # like infer_service: a budget of cells per slot, full-size SWA cache
         flags = f"-c {ctx} -np {parallel} -t {threads} -tb {threads} -b 512 -ub 512 --host"
         flags += f" 127.0.0.1 --port {port} --no-kv-unified --swa-full --no-webui"
-        argv = [binary, "-m", str(model), *flags.split()]
+        argv = [binary, "-m", str(model), *flags.split(), *extra]
         if mmproj is not None:
             argv += ["--mmproj", str(mmproj)]
         from slotwise_core import native
@@ -520,7 +524,7 @@ class LlamaServer(Process):
             time.sleep(0.2)
         raise BenchError(f"llama-server not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
-    def generate(self, text: str, max_tokens: int) -> Stream:
+    def generate(self, text: str, max_tokens: int, **fields: Any) -> Stream:
         body = json.dumps(
             {
                 "prompt": text,
@@ -528,6 +532,8 @@ class LlamaServer(Process):
                 "temperature": 0,
                 "stream": True,
                 "cache_prompt": False,
+                "return_tokens": True,
+                **fields,
             }
         )
         s = Stream()
@@ -546,12 +552,17 @@ class LlamaServer(Process):
             if not line.startswith(b"data: "):
                 continue
             event = json.loads(line[6:])
+            tokens = event.get("tokens") or ()
+            s.token_ids.extend(tokens)
             if event.get("stop"):
-                n = int(event.get("tokens_predicted", n_seen))
+                n = int(event.get("tokens_predicted", n_seen + len(tokens)))
                 s.add(t, n - n_seen)
                 s.finish = str(event.get("stop_type", "stop"))
+                timings = event.get("timings") or {}
+                s.drafted = int(timings.get("draft_n") or 0)
+                s.accepted = int(timings.get("draft_n_accepted") or 0)
                 break
-            k = len(event.get("tokens") or ()) or 1
+            k = len(tokens) or 1
             s.add(t, k)
             n_seen += k
         conn.close()
@@ -586,6 +597,7 @@ def generate(
     t_sent: float | None = None,
     on_token: Callable[[], None] = lambda: None,
     until: Callable[[], bool] = lambda: False,
+    speculative: Any = None,
 ) -> Stream:
     ctx = infer_pb2.ContextOptions(policy=policy, keep=keep)
     if discard_fraction is not None:
@@ -596,6 +608,7 @@ def generate(
         max_tokens=max_tokens,
         context=ctx,
         stream_tokens=STREAM_TOKENS[0],
+        speculative=speculative,
     )
     s = Stream(t_sent=time.perf_counter() if t_sent is None else t_sent)
     call = infer.Generate(req, timeout=600)
@@ -614,6 +627,8 @@ def generate(
         elif kind == "finished":
             s.finish = infer_pb2.FinishReason.Name(r.finished.reason)
             s.decode_seconds = r.finished.usage.decode_seconds
+            s.drafted = r.finished.usage.num_draft_tokens
+            s.accepted = r.finished.usage.num_accepted_tokens
             if r.finished.reason == infer_pb2.FINISH_REASON_ERROR:
                 raise BenchError(f"generation failed: {r.finished.error}")
     return s
@@ -777,6 +792,7 @@ class Options:
     textstall_ctx: int = 0  # KV cells per slot; 0: B's prompt + 2048, rounded up to 256
     resent_turns: int = 20
     resent_tokens: int = 8
+    spec_tokens: int = 300
 
 
 def round_up(n: int, step: int = 256) -> int:
@@ -873,13 +889,14 @@ class Bench:
         wanted: bool = True,
         model: Path | None = None,
         mmproj: Path | None = None,
+        extra: Sequence[str] = (),
     ) -> Iterator[LlamaServer | None]:
         if not (wanted and self.o.llama_server):
             yield None
             return
         srv = LlamaServer(
             self.o.llama_server, model or self.model, ctx=ctx, parallel=parallel,
-            threads=self.o.threads, log_dir=self.log_dir, mmproj=mmproj,
+            threads=self.o.threads, log_dir=self.log_dir, mmproj=mmproj, extra=extra,
         )  # fmt: skip
         try:
             srv.wait_serving()
@@ -921,6 +938,10 @@ class Bench:
                 self.bench_resent()
             if "session" in only:
                 self.bench_session()
+            if "spec" in only:
+                from benchmarks.spec import bench_spec  # (it builds on this module)
+
+                bench_spec(self)
         finally:
             if self._prep:
                 self._prep.stop()
@@ -1774,6 +1795,9 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--resent-turns", type=int, default=20, help="resent: turns per conversation")
     p.add_argument("--resent-tokens", type=int, default=8, help="resent: max_tokens of each reply")
+    p.add_argument(
+        "--spec-tokens", type=int, default=300, help="spec: tokens per reply (a copy needs room)"
+    )
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("-v", "--verbose", action="store_true", help="per-repeat figures on stderr")
     return p
@@ -1825,6 +1849,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             textstall_ctx=args.textstall_ctx,
             resent_turns=args.resent_turns,
             resent_tokens=args.resent_tokens,
+            spec_tokens=args.spec_tokens,
         )
         t0 = time.monotonic()
         load0 = os.getloadavg()[0]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench
+from benchmarks import bench, spec
 from benchmarks.stall import ROOM_KEPT, StallRun, _Reader, _time_alone
 from slotwise_core.tiny_models import TinyPair
 
@@ -39,6 +39,9 @@ EXPECTED = [
     bench.ROW_RESENT_SESSION,
     bench.ROW_SESSION_BYTES,
     bench.ROW_SESSION_GAP,
+    *(spec.row_drafts(task) for task in spec.tasks()),
+    spec.ROW_BESIDE,
+    spec.ROW_STREAMS4,
 ]
 STALL_SERVER_ROWS = (
     bench.ROW_STALL_SERVER,
@@ -61,6 +64,7 @@ def test_bench_smoke_on_tiny_rope(
     argv += ["--vision-width", "32", "--vision-layers", "1", "--stall-alone", "0.5"]
     # the text stall's B and the long TTFT prompt: a few hundred tokens; a short resent chat
     argv += ["--long-tokens", "600", "--resent-turns", "6", "--resent-tokens", "4"]
+    argv += ["--spec-tokens", "64"]
     assert bench.main(argv) == 0
 
     printed = capsys.readouterr().out
@@ -73,7 +77,7 @@ def test_bench_smoke_on_tiny_rope(
             v = r[key]
             if v is not None:
                 assert math.isfinite(v) and v > 0, (name, key, v)
-        if name not in (bench.ROW_COUNT, bench.ROW_PREPARE):
+        if name not in (bench.ROW_COUNT, bench.ROW_PREPARE, spec.ROW_BESIDE):
             assert r["ratio"] is not None, name
     # the image travels once, as its file
     assert rows[bench.ROW_PREPARE_BYTES]["ratio"] <= 1.25
@@ -86,6 +90,11 @@ def test_bench_smoke_on_tiny_rope(
     assert "text prompt" in rows[bench.ROW_TEXTSTALL_GAP]["note"]
     # the resent chat fitted infer's context: its turns were not shifted
     assert "it fits, no shift" in rows[bench.ROW_RESENT]["note"], rows[bench.ROW_RESENT]["note"]
+    # the tiny F32 pair: the same greedy tokens with and without drafts, alone and beside
+    # another stream; and its greedy replies repeat themselves: drafts land
+    assert rows[spec.ROW_BESIDE]["ours"] == 64, rows[spec.ROW_BESIDE]["note"]
+    copy = rows[spec.row_drafts("copy")]
+    assert "first difference none (the same tokens)" in copy["note"], copy["note"]
     # the shift rows really shifted, with the policy they asked for
     for name, row in bench.ROW_SHIFT.items():
         assert "shifts by " + name in rows[row]["note"], rows[row]["note"]
