@@ -70,6 +70,7 @@ class SpecType(enum.StrEnum):
     NONE = "none"
     NGRAM_SIMPLE = "ngram-simple"
     NGRAM_MAP_K = "ngram-map-k"
+    DRAFT_SIMPLE = "draft-simple"  # a draft model (infer --model-draft)
 
 
 class ToolChoice(enum.StrEnum):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import sys
 from collections.abc import Mapping
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infer_service.draft_model import DraftModel
 from infer_service.drafting import SpecConfig, SpecType
 from infer_service.embedder import Embedder
 from infer_service.engine import Engine
@@ -88,6 +90,7 @@ async def start(
     tenant_limits: TenantLimits = TenantLimits(),
     fair: bool = True,
     session_limits: SessionLimits = SessionLimits(),
+    model_draft: Path | None = None,
 ) -> RunningInfer:
     """Listen first (health NOT_SERVING), load the model, then report SERVING."""
     metrics = ServiceMetrics("infer")
@@ -115,6 +118,18 @@ async def start(
             runtime.close()
             await server.stop(0)
             raise
+    draft = None
+    if model_draft is not None:  # (its own context: a sequence per slot, as many cells)
+        draft_config = dataclasses.replace(config, model=model_draft, mmproj=None)
+        try:
+            draft = await asyncio.to_thread(DraftModel, draft_config, runtime)
+        except BaseException:
+            if embedder is not None:
+                embedder.close()
+            runtime.close()
+            await server.stop(0)
+            raise
+        limits = dataclasses.replace(limits, draft_model=True)
     store = SessionStore(sessions_dir) if sessions_dir else None
     # the media budget: checked images (decoded, preprocessed) and the projector's outputs
     verified_bytes = cache_bytes // VERIFIED_SHARE
@@ -127,6 +142,7 @@ async def start(
         state_cache_bytes=state_cache_bytes,
         tenant_limits=tenant_limits,
         fair=fair,
+        draft_model=draft,
     )
     engine.sessions.limits = session_limits  # (before the engine's first periodic work)
     metrics.collect_from(engine_metrics(engine, metrics))
@@ -206,6 +222,7 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
         "embeddings_ctx": s["embeddings_ctx"] if s["embeddings"] else 0,
         "tenant_limits": TenantLimits(s["tenant_max_active"], s["tenant_max_queued"]),
         "fair": s["queue"] == "fair",
+        "model_draft": s["model_draft"],
         "session_limits": SessionLimits(
             s["tenant_max_sessions"], s["tenant_max_session_mb"] << 20, float(s["session_ttl"])
         ),

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 NO_TOKEN = -1  # in the history: a media chunk, which no n-gram spans
@@ -33,6 +33,7 @@ class SpecType(enum.Enum):
     NONE = "none"
     NGRAM_SIMPLE = "ngram-simple"  # the latest earlier occurrence of the last n tokens
     NGRAM_MAP_K = "ngram-map-k"  # the same, once the n-gram occurred min_hits times
+    DRAFT_SIMPLE = "draft-simple"  # a draft model's greedy guesses (--model-draft)
 
 
 @dataclass(frozen=True)
@@ -153,18 +154,19 @@ class StepCost:
         self._nn = _moved(self._nn, n * n, w)
         self._nt = _moved(self._nt, n * t, w)
 
-    def ratio(self, num_generating: int = 1) -> float:
-        """c / ((t0 + c*g) / g): a draft's cost over the token it may save."""
+    def ratio(self, num_generating: int = 1, extra: float = 0.0) -> float:
+        """(c + extra) / ((t0 + c*g) / g): a draft's cost (and `extra` seconds of drafting it)
+        over the token it may save."""
         if self._n is None or self._t is None or self._nn is None or self._nt is None:
             return self.prior
         spread = self._nn - self._n * self._n
         if spread < 0.25:  # (steps all of one size so far: no line to draw)
-            return self.prior
+            return min(1.0, self.prior + (extra / self._t if self._t > 0 else 0.0))
         c = max(0.0, (self._nt - self._n * self._t) / spread)
         t0 = max(0.0, self._t - c * self._n)
         g = max(1, num_generating)
         per_token = (t0 + c * g) / g
-        return min(1.0, max(0.01, c / per_token)) if per_token > 0 else self.prior
+        return min(1.0, max(0.01, (c + extra) / per_token)) if per_token > 0 else self.prior
 
 
 def _moved(average: float | None, value: float, weight: float) -> float:
@@ -215,25 +217,40 @@ class Speculation:
 
     def __init__(self, config: SpecConfig, history: Iterable[int], cost: StepCost):
         self.config = config
-        self.index = NgramIndex(config.size_n, max_tokens=max(HISTORY_TOKENS, 4 * config.size_n))
-        self.index.extend(history)
+        self.index: NgramIndex | None = None  # (a draft model draws from its own context)
+        if config.type is not SpecType.DRAFT_SIMPLE:
+            self.index = NgramIndex(
+                config.size_n, max_tokens=max(HISTORY_TOKENS, 4 * config.size_n)
+            )
+            self.index.extend(history)
         self.length = DraftLength(config.n_max)
         self.cost = cost
 
-    def drafts(self, room: int, num_generating: int = 1) -> tuple[int, ...]:
+    def drafts(
+        self,
+        room: int,
+        num_generating: int = 1,
+        draw: Callable[[int], list[int]] | None = None,
+        draw_seconds: float = 0.0,
+    ) -> tuple[int, ...]:
         """The drafts to verify after the sequence's last token, at most `room` of them, in a
-        step where `num_generating` slots generate."""
-        ratio = self.cost.ratio(num_generating)
+        step where `num_generating` slots generate; `draw(k)`: a draft model's k guesses, at
+        `draw_seconds` each."""
+        ratio = self.cost.ratio(num_generating, extra=draw_seconds)
         k = min(self.length.limit(ratio), room, self.config.size_m)
         if k < max(1, self.config.n_min):
             return ()
-        min_hits = self.config.min_hits if self.config.type is SpecType.NGRAM_MAP_K else 1
-        found = self.index.draft(k, min_hits=min_hits)
+        if self.index is not None:
+            min_hits = self.config.min_hits if self.config.type is SpecType.NGRAM_MAP_K else 1
+            found = self.index.draft(k, min_hits=min_hits)
+        else:
+            found = draw(k) if draw is not None else []
         return tuple(found) if len(found) >= self.config.n_min else ()
 
     def took(self, token: int) -> None:
         """A token the target sampled: the history's newest."""
-        self.index.append(token)
+        if self.index is not None:
+            self.index.append(token)
 
     def verified(self, num_drafted: int, num_accepted: int) -> None:
         self.length.update(num_drafted, num_accepted)

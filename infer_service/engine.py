@@ -21,6 +21,7 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
+from infer_service.draft_model import DraftModel
 from infer_service.events import (
     ErrorKind,
     Finished,
@@ -96,6 +97,7 @@ class Engine:
         state_cache_bytes: int = 256 << 20,
         tenant_limits: TenantLimits = TenantLimits(),
         fair: bool = True,
+        draft_model: DraftModel | None = None,
     ):
         self.rt = runtime
         self.slots = [Slot(seq) for seq in range(runtime.num_slots)]
@@ -111,6 +113,7 @@ class Engine:
             cache_bytes=cache_bytes,
             state_cache_bytes=state_cache_bytes,
             notify=self._notify,
+            draft_model=draft_model,
         )
         self.sessions = SessionManager(
             self.executor, self.slots, store, self.stats, call=self.call, notify=self._notify

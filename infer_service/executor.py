@@ -38,6 +38,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 from llama_cpp import mtmd_cpp
 
+from infer_service.draft_model import DraftModel
 from infer_service.drafting import NO_TOKEN, Speculation, StepCost
 from infer_service.events import (
     ContextShift,
@@ -134,8 +135,10 @@ class Executor:
         state_cache_bytes: int = 256 << 20,
         notify: Callable[[], None] = lambda: None,
         observer: StepObserver | None = None,
+        draft_model: DraftModel | None = None,
     ):
         self.rt = rt
+        self.draft_model = draft_model  # speculative's draft-simple: guesses of a small model
         self.stats = stats
         self.cache = EmbeddingCache(cache_bytes)
         self.states = StateCache(state_cache_bytes)  # stateless conversations that lost a slot
@@ -155,6 +158,8 @@ class Executor:
     def close(self) -> None:
         self._encoder.shutdown(wait=True, cancel_futures=True)
         self.grammars.close()
+        if self.draft_model is not None:
+            self.draft_model.close()
 
     def new_ledger(self, ctx: ContextConfig) -> Ledger:
         return Ledger(
@@ -659,7 +664,18 @@ class Executor:
             ledger.n_ctx_train - ledger.next_pos - num_taken,  # (positions too, under GAP)
             job.max_tokens - slot.usage.num_generated_tokens - 1,
         )
-        drafts = spec.drafts(room, self._num_generating) if room > 0 else ()
+        draw, cost = None, 0.0
+        model = self.draft_model
+        if model is not None and spec.index is None:
+            tokens = text_tokens(ledger.segments, slot.pending)  # (None: it holds media)
+            if tokens is not None:
+                p_min = spec.config.p_min
+
+                def draw(k: int) -> list[int]:
+                    return model.draft(slot.seq, tokens, k, p_min)
+
+                cost = model.seconds_per_draft
+        drafts = spec.drafts(room, self._num_generating, draw, cost) if room > 0 else ()
         slot.usage.num_draft_tokens += len(drafts)
         return drafts
 
@@ -934,6 +950,16 @@ def take_text(pending: deque[Item], n: int) -> Item:
             rest = item.token_ids[k:]
             pending[0] = replace(item, num_cells=len(rest), num_positions=len(rest), token_ids=rest)
     return replace(first, num_cells=n, num_positions=n, token_ids=tuple(tokens))
+
+
+def text_tokens(segments: Iterable[Segment | Item], pending: Iterable[Item]) -> list[int] | None:
+    """A sequence's tokens in order, if it holds text only (what a draft model can follow)."""
+    out: list[int] = []
+    for x in itertools.chain(segments, pending):
+        if x.media_id is not None:
+            return None
+        out.extend(x.token_ids)
+    return out
 
 
 def history(segments: Iterable[Segment | Item], pending: Iterable[Item]) -> list[int]:

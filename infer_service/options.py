@@ -51,6 +51,9 @@ OPTIONS = (
            help="speculative decoding: drafts from the sequence's own tokens, verified in the "
            "step's batch (the output does not change; copy-heavy replies come faster); a "
            "request's `speculative` overrides it"),
+    option("--model-draft", type=Path,
+           help="a draft model of the same vocabulary (speculative type draft-simple): its "
+           "greedy guesses are verified as n-gram drafts are"),
     option("--spec-draft-n-max", type=int, default=_spec.n_max,
            help="drafts per step at most (a slot drafts fewer while its drafts miss)"),
     option("--spec-draft-n-min", type=int, default=_spec.n_min,

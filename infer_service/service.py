@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from infer_service.drafting import SpecConfig
+from infer_service.drafting import SpecConfig, SpecType
 from infer_service.embedder import Embedder, EmbedError
 from infer_service.events import (
     ContextShift,
@@ -180,6 +180,7 @@ class GenerateLimits:
     max_stop_strings: int = 16
     max_stop_chars: int = 1000  # of each (every token's text is searched for each)
     speculative: SpecConfig = SpecConfig()  # what a request leaves unset (--spec-*)
+    draft_model: bool = False  # whether a draft model is loaded (--model-draft)
 
 
 class InferServicer(infer_pb2_grpc.InferServiceServicer):
@@ -619,7 +620,9 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             "max_tokens": max_tokens,
             "stop": tuple(request.stop),
             "stream_tokens": max(1, request.stream_tokens),
-            "speculative": speculative(request.speculative, self.limits.speculative),
+            "speculative": speculative(
+                request.speculative, self.limits.speculative, self.limits.draft_model
+            ),
         }
 
 
@@ -676,7 +679,9 @@ MAX_DRAFTS = 64  # per step: a slot's drafts take that much of the step's batch 
 MAX_NGRAM = 64
 
 
-def speculative(pb: infer_pb2.SpeculativeOptions, d: SpecConfig) -> SpecConfig:
+def speculative(
+    pb: infer_pb2.SpeculativeOptions, d: SpecConfig, draft_model: bool = False
+) -> SpecConfig:
     """The request's speculative options over the server's (RequestError names a bad one)."""
     if pb.type and pb.type not in SPEC_TYPES:
         raise RequestError(f"speculative.type {pb.type} is not a known type", "speculative.type")
@@ -707,6 +712,11 @@ def speculative(pb: infer_pb2.SpeculativeOptions, d: SpecConfig) -> SpecConfig:
                 f"speculative.{name} must be within [{lo}, {hi}], got {value}",
                 f"speculative.{name}",
             )
+    if s.type is SpecType.DRAFT_SIMPLE and not draft_model:
+        raise RequestError(
+            "speculative.type draft-simple needs a draft model: start infer_service with "
+            "--model-draft", "speculative.type",
+        )  # fmt: skip
     return s
 
 

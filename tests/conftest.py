@@ -85,6 +85,7 @@ def infer_server(
         "max_message_bytes",
         "sessions_dir",
         "embeddings_ctx",
+        "model_draft",
     }
 
     def start_one(name: str, **kwargs: Any) -> Any:

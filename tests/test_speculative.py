@@ -180,3 +180,56 @@ def test_the_openai_edge_takes_llama_server_s_speculative_fields(
         assert e.value.body["param"] == "speculative.n_max"  # type: ignore[index]
     finally:
         stacks.close()
+
+
+# -- a draft model -------------------------------------------------------------------------------
+
+DRAFT = infer_pb2.SPEC_TYPE_DRAFT_SIMPLE
+
+
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_a_draft_model_s_guesses_keep_the_tokens_through_shifts(
+    draft: str, tiny: Any, prep_servers: Callable[[str], int], infer_server: Callable[..., Any]
+) -> None:
+    """The model itself as its draft: every guess lands. Another model of the same
+    vocabulary (the gemma3 pair's text model): its guesses mostly miss. Either way the
+    tokens are the model's own, through SHIFTs (the draft's context follows the ledger)."""
+    model_draft = tiny["rope"].model if draft == "itself" else tiny["noncausal"].model
+    server = infer_server("rope", ctx_size=256, model_draft=model_draft)
+    prompt = prepare(prep_servers("rope"), raw="Tell me a long story about the sea")
+    req = make_request(prompt, max_tokens=500, policy=POLICIES["shift"], keep=1)
+    req.logit_bias.update(NO_END)
+    plain, drafted = both(server.port, req, kind=DRAFT, n_max=6)
+    assert len(plain.shifts) > 0
+    assert drafted.token_ids == plain.token_ids
+    u = drafted.finished.usage
+    assert u.num_draft_tokens > 0
+    if draft == "itself":
+        assert u.num_accepted_tokens == u.num_draft_tokens
+    else:
+        assert u.num_accepted_tokens < u.num_draft_tokens
+
+
+def test_a_draft_model_drafts_nothing_for_a_sequence_with_an_image(
+    tiny: Any, prep_servers: Callable[[str], int], infer_server: Callable[..., Any]
+) -> None:
+    """A text-only draft model cannot see an image: such a sequence is not drafted for."""
+    server = infer_server("rope", ctx_size=512, model_draft=tiny["rope"].model)
+    marker = media_marker(prep_servers("rope"))
+    prompt = prepare(
+        prep_servers("rope"), raw=f"Look: {marker} now", images=[image_bytes(40, 40, seed=2)]
+    )
+    plain, drafted = run(server.port, make_request(prompt, max_tokens=40)), None
+    drafted = run(server.port, speculating(make_request(prompt, max_tokens=40), DRAFT))
+    assert drafted.token_ids == plain.token_ids
+    assert drafted.finished.usage.num_draft_tokens == 0
+
+
+def test_draft_simple_without_a_draft_model_is_invalid_argument(
+    prep_servers: Callable[[str], int], infer_server: Callable[..., Any]
+) -> None:
+    server = infer_server("rope", ctx_size=256)
+    req = speculating(make_request(prepare(prep_servers("rope"), raw="hi"), max_tokens=2), DRAFT)
+    e = rpc_error(lambda: run(server.port, req))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--model-draft" in e.details()

@@ -114,7 +114,7 @@ class SpeculativeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["none", "ngram-simple", "ngram-map-k"] | None = None
+    type: Literal["none", "ngram-simple", "ngram-map-k", "draft-simple"] | None = None
     n_max: int | None = Field(default=None, ge=0, le=64)
     n_min: int | None = Field(default=None, ge=0, le=64)
     p_min: float | None = Field(default=None, ge=0.0, le=1.0)

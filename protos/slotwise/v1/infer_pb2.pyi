@@ -29,6 +29,7 @@ class SpecType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPEC_TYPE_NONE: _ClassVar[SpecType]
     SPEC_TYPE_NGRAM_SIMPLE: _ClassVar[SpecType]
     SPEC_TYPE_NGRAM_MAP_K: _ClassVar[SpecType]
+    SPEC_TYPE_DRAFT_SIMPLE: _ClassVar[SpecType]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -73,6 +74,7 @@ SPEC_TYPE_UNSPECIFIED: SpecType
 SPEC_TYPE_NONE: SpecType
 SPEC_TYPE_NGRAM_SIMPLE: SpecType
 SPEC_TYPE_NGRAM_MAP_K: SpecType
+SPEC_TYPE_DRAFT_SIMPLE: SpecType
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason

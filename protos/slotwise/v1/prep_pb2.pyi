@@ -39,7 +39,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("fingerprint", "media_marker", "uses_mrope", "media_non_causal", "supports_vision", "supports_audio", "n_ctx_train", "num_vocab", "bos_token_id", "eos_token_id", "has_chat_template", "model_description")
+    __slots__ = ("fingerprint", "media_marker", "uses_mrope", "media_non_causal", "supports_vision", "supports_audio", "n_ctx_train", "num_vocab", "bos_token_id", "eos_token_id", "has_chat_template", "model_description", "chat_template", "add_bos", "fim_pre_token_id", "fim_suf_token_id", "fim_mid_token_id", "fim_rep_token_id", "fim_sep_token_id")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MEDIA_MARKER_FIELD_NUMBER: _ClassVar[int]
     USES_MROPE_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,13 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    FIM_PRE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIM_SUF_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIM_MID_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIM_REP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIM_SEP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     fingerprint: _prompt_pb2.Fingerprint
     media_marker: str
     uses_mrope: bool
@@ -64,7 +71,14 @@ class ModelInfo(_message.Message):
     eos_token_id: int
     has_chat_template: bool
     model_description: str
-    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., media_marker: _Optional[str] = ..., uses_mrope: _Optional[bool] = ..., media_non_causal: _Optional[bool] = ..., supports_vision: _Optional[bool] = ..., supports_audio: _Optional[bool] = ..., n_ctx_train: _Optional[int] = ..., num_vocab: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., model_description: _Optional[str] = ...) -> None: ...
+    chat_template: str
+    add_bos: bool
+    fim_pre_token_id: int
+    fim_suf_token_id: int
+    fim_mid_token_id: int
+    fim_rep_token_id: int
+    fim_sep_token_id: int
+    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., media_marker: _Optional[str] = ..., uses_mrope: _Optional[bool] = ..., media_non_causal: _Optional[bool] = ..., supports_vision: _Optional[bool] = ..., supports_audio: _Optional[bool] = ..., n_ctx_train: _Optional[int] = ..., num_vocab: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., model_description: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., fim_pre_token_id: _Optional[int] = ..., fim_suf_token_id: _Optional[int] = ..., fim_mid_token_id: _Optional[int] = ..., fim_rep_token_id: _Optional[int] = ..., fim_sep_token_id: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
     __slots__ = ("info",)
@@ -215,3 +229,37 @@ class CountTokensResponse(_message.Message):
     num_positions: int
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkCount]
     def __init__(self, num_cells: _Optional[int] = ..., num_positions: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkCount, _Mapping]]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("text", "add_special", "parse_special", "with_pieces")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    WITH_PIECES_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    add_special: bool
+    parse_special: bool
+    with_pieces: bool
+    def __init__(self, text: _Optional[str] = ..., add_special: _Optional[bool] = ..., parse_special: _Optional[bool] = ..., with_pieces: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "pieces")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    pieces: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("pieces", "text")
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    pieces: _containers.RepeatedScalarFieldContainer[bytes]
+    text: str
+    def __init__(self, pieces: _Optional[_Iterable[bytes]] = ..., text: _Optional[str] = ...) -> None: ...

@@ -49,6 +49,16 @@ class PrepServiceStub:
                 request_serializer=slotwise_dot_v1_dot_prep__pb2.CountTokensRequest.SerializeToString,
                 response_deserializer=slotwise_dot_v1_dot_prep__pb2.CountTokensResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/slotwise.v1.PrepService/Tokenize',
+                request_serializer=slotwise_dot_v1_dot_prep__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=slotwise_dot_v1_dot_prep__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/slotwise.v1.PrepService/Detokenize',
+                request_serializer=slotwise_dot_v1_dot_prep__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=slotwise_dot_v1_dot_prep__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class PrepServiceServicer:
@@ -74,6 +84,20 @@ class PrepServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Text -> token ids, as it is (no chat template, no media): what llama-server's /tokenize does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids -> each token's bytes and the text they make.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrepServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +115,16 @@ def add_PrepServiceServicer_to_server(servicer, server):
                     servicer.CountTokens,
                     request_deserializer=slotwise_dot_v1_dot_prep__pb2.CountTokensRequest.FromString,
                     response_serializer=slotwise_dot_v1_dot_prep__pb2.CountTokensResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=slotwise_dot_v1_dot_prep__pb2.TokenizeRequest.FromString,
+                    response_serializer=slotwise_dot_v1_dot_prep__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=slotwise_dot_v1_dot_prep__pb2.DetokenizeRequest.FromString,
+                    response_serializer=slotwise_dot_v1_dot_prep__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +208,60 @@ class PrepService:
             '/slotwise.v1.PrepService/CountTokens',
             slotwise_dot_v1_dot_prep__pb2.CountTokensRequest.SerializeToString,
             slotwise_dot_v1_dot_prep__pb2.CountTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slotwise.v1.PrepService/Tokenize',
+            slotwise_dot_v1_dot_prep__pb2.TokenizeRequest.SerializeToString,
+            slotwise_dot_v1_dot_prep__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slotwise.v1.PrepService/Detokenize',
+            slotwise_dot_v1_dot_prep__pb2.DetokenizeRequest.SerializeToString,
+            slotwise_dot_v1_dot_prep__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
