@@ -23,9 +23,10 @@ from infer_service.metrics import engine_metrics
 from infer_service.options import OPTIONS
 from infer_service.runtime import Runtime, RuntimeConfig
 from infer_service.scheduler import TenantLimits
-from infer_service.service import GenerateLimits, InferServicer
+from infer_service.service import InferServicer
 from infer_service.session_store import SessionStore
 from infer_service.sessions import SessionLimits
+from infer_service.wire import GenerateLimits
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.metrics import ServiceMetrics
 from slotwise_core.model_files import ModelMismatchError

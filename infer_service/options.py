@@ -8,8 +8,8 @@ from pathlib import Path
 
 from infer_service.drafting import SpecConfig, SpecType
 from infer_service.runtime import RuntimeConfig
-from infer_service.service import GenerateLimits
 from infer_service.sessions import SessionLimits
+from infer_service.wire import GenerateLimits
 from slotwise_core.options import option, positive_int
 from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
 

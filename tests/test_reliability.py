@@ -41,7 +41,7 @@ from test_sessions import (
 )
 
 from infer_service.events import PrefillProgress, TokenDelta
-from infer_service.service import Mailbox
+from infer_service.mailbox import Mailbox
 from infer_service.session_store import SessionStore
 from infer_service.sessions import Lifecycle
 from slotwise.v1 import infer_pb2, prep_pb2, prompt_pb2

@@ -71,6 +71,12 @@ def start(ex: Executor, slot: Slot, tokens: list[int], events: list[Event]) -> J
     return job
 
 
+def step(ex: Executor, slots: list[Slot]) -> None:
+    """One step, its events told to their jobs (as the engine tells them after a step)."""
+    for job, event in ex.step(slots).events:
+        job.emit(event)
+
+
 def tokens_of(events: list[Event]) -> int:
     return sum(len(e.token_ids) for e in events if isinstance(e, TokenDelta))
 
@@ -85,14 +91,14 @@ def test_a_long_prompt_goes_in_pieces_while_another_slot_generates(executor: Exe
     a: list[Event] = []
     start(ex, slots[0], words[:8], a)
     while tokens_of(a) < 3:  # A generates
-        ex.step(slots)
+        step(ex, slots)
     b: list[Event] = []
     start(ex, slots[1], words, b)
     budget = prefill_budget(BATCH, 1, len(words))
     steps = 0
     while tokens_of(b) == 0:
         a_before, b_before = tokens_of(a), len(progress_of(b))
-        ex.step(slots)
+        step(ex, slots)
         steps += 1
         assert tokens_of(a) == a_before + 1, f"step {steps}: A got no token"
         assert len(progress_of(b)) == b_before + 1, f"step {steps}: B got not one piece in"
@@ -108,7 +114,7 @@ def test_a_prompt_alone_goes_in_whole_batches(executor: Executor) -> None:
     b: list[Event] = []
     start(ex, slots[1], words, b)
     while tokens_of(b) == 0:
-        ex.step(slots)
+        step(ex, slots)
     assert progress_of(b) == [512, 1024, 1500]
 
 
