@@ -17,6 +17,7 @@ from infer_service.draft_model import DraftModel
 from infer_service.drafting import SpecConfig, SpecType
 from infer_service.embedder import Embedder
 from infer_service.engine import Engine
+from infer_service.events import ProblemError
 from infer_service.facade import EngineFacade
 from infer_service.media import VerifiedMedia
 from infer_service.metrics import engine_metrics
@@ -26,7 +27,7 @@ from infer_service.scheduler import TenantLimits
 from infer_service.service import InferServicer
 from infer_service.session_store import SessionStore
 from infer_service.sessions import SessionLimits
-from infer_service.wire import GenerateLimits
+from infer_service.wire import GenerateLimits, speculative_of
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.metrics import ServiceMetrics
 from slotwise_core.model_files import ModelMismatchError
@@ -94,6 +95,10 @@ async def start(
     model_draft: Path | None = None,
 ) -> RunningInfer:
     """Listen first (health NOT_SERVING), load the model, then report SERVING."""
+    try:  # the server's own speculative defaults: wrong ones would refuse every request
+        speculative_of(infer_pb2.SpeculativeOptions(), limits.speculative, model_draft is not None)
+    except ProblemError as e:
+        raise ValueError(f"--spec-* options: {e.problem.message}") from None
     metrics = ServiceMetrics("infer")
     server = await create_server(
         address,

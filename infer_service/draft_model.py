@@ -9,6 +9,8 @@ re-prefill, a session swapped in, drafts given back), the pair never disagrees a
 context: the draft's cells are the ledger's, recomputed where they differ. A shift that keeps a
 sequence's tail moves only positions on the target; here it costs one decode of the tail, once.
 A sequence holding media is not drafted for (a text-only draft model cannot see the image).
+A draft sequence left by another tenant (or salt) is cleared, never continued from: how fast a
+shared prefix caught up would tell one tenant what another sent.
 
 Engine thread only; the draft context is the engine's own, beside the target's.
 """
@@ -19,6 +21,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+import llama_cpp
 import numpy as np
 
 from infer_service.runtime import Runtime, RuntimeConfig
@@ -40,35 +43,47 @@ class DraftModel:
             self.rt.close()
             raise
         self._held: list[list[int]] = [[] for _ in range(self.rt.num_slots)]
+        self._owner: list[object] = [None] * self.rt.num_slots
         self.num_decodes = 0
         self.seconds_per_draft = 0.0  # a moving average: what a drafted token costs here
 
     def close(self) -> None:
         self.rt.close()
 
-    def draft(self, seq: int, tokens: Sequence[int], k: int, p_min: float = 0.0) -> list[int]:
+    def draft(
+        self, seq: int, tokens: Sequence[int], k: int, p_min: float = 0.0, *, owner: object = None
+    ) -> list[int]:
         """Up to k tokens that the draft model's greedy choice adds after `tokens` (the
-        target's sequence, its last token not yet decoded there); fewer where its choice is
-        less likely than p_min, none where the draft's context cannot hold them."""
+        target's sequence, its last token decoded in this step); fewer where a guess is less
+        likely than p_min, none while the draft's context is still catching up (a batch a
+        step, as the target's own prefill goes), or where it cannot hold them. `owner`: whose
+        sequence it is (a tenant and its salt): another's is never continued from."""
         if k <= 0 or not tokens or len(tokens) + k > self.rt.num_cells_per_slot:
             return []
-        self._sync(seq, tokens[:-1])
+        if owner != self._owner[seq]:  # (how long a shared prefix took would tell)
+            self.rt.seq_rm(seq, 0, -1)
+            self._held[seq], self._owner[seq] = [], owner
+        if not self._caught_up(seq, tokens[:-1]):
+            return []
         held, out, feed = self._held[seq], [], tokens[-1]
-        t0 = time.perf_counter()
+        t0, decodes = time.perf_counter(), 0
         for _ in range(k):
             logits = self._decode(seq, [feed], len(held))
+            decodes += 1
             held.append(feed)
             token = int(np.argmax(logits))
             if p_min > 0 and _probability(logits, token) < p_min:
                 break
             out.append(token)
             feed = token
-        each = (time.perf_counter() - t0) / k
+        each = (time.perf_counter() - t0) / decodes
         self.seconds_per_draft += 0.1 * (each - self.seconds_per_draft)
         return out
 
-    def _sync(self, seq: int, tokens: Sequence[int]) -> None:
-        """Make the draft sequence hold exactly `tokens` at positions 0..n-1."""
+    def _caught_up(self, seq: int, tokens: Sequence[int]) -> bool:
+        """Bring the draft sequence toward holding exactly `tokens` at positions 0..n-1: their
+        common prefix stays, the rest goes, and at most a batch of what is missing is decoded
+        this step. Whether it holds them all now."""
         held = self._held[seq]
         same = 0
         for a, b in zip(held, tokens, strict=False):
@@ -78,11 +93,11 @@ class DraftModel:
         if same < len(held):
             self.rt.seq_rm(seq, same, -1)
             del held[same:]
-        batch = self.rt.batch_size
-        for start in range(same, len(tokens), batch):
-            piece = list(tokens[start : start + batch])
-            self._decode(seq, piece, start, logits=False)
-            held.extend(piece)
+        missing = list(tokens[same : same + self.rt.batch_size])
+        if missing:
+            self._decode(seq, missing, same, logits=False)
+            held.extend(missing)
+        return len(held) == len(tokens)
 
     def _decode(self, seq: int, tokens: list[int], pos: int, *, logits: bool = True) -> np.ndarray:
         b = self.rt.batch
@@ -99,16 +114,21 @@ class DraftModel:
 
 def check_vocabulary(draft: Runtime, target: Runtime) -> None:
     """The draft's token ids must mean the target's: the same size and the same pieces (of
-    every special token and a sample of the rest)."""
+    the special tokens and of a sample of the rest)."""
     if draft.num_vocab != target.num_vocab:
         raise DraftModelError(
             f"the draft model has {draft.num_vocab} tokens, the model {target.num_vocab}: "
             "drafts must be in the model's own token ids"
         )
     step = max(1, draft.num_vocab // 997)
-    sample = [*range(0, draft.num_vocab, step), draft.num_vocab - 1]
-    for t in sample:
-        if draft.piece(t) != target.piece(t):
+    special = [
+        f(target.vocab)
+        for f in (llama_cpp.llama_vocab_bos, llama_cpp.llama_vocab_eos, llama_cpp.llama_vocab_eot)
+    ]
+    sample = {*range(0, draft.num_vocab, step), draft.num_vocab - 1}
+    sample |= {t for t in special if 0 <= t < draft.num_vocab}
+    for t in sorted(sample):
+        if draft.piece(t) != target.piece(t) or draft.is_eog(t) != target.is_eog(t):
             raise DraftModelError(
                 f"token {t} is {draft.piece(t)!r} to the draft model but {target.piece(t)!r} "
                 "to the model: another vocabulary"

@@ -317,15 +317,17 @@ class Executor:
             and len(ledger.segments) == ledger.num_pinned_segments
         ):
             ledger.begin_history(dropped)  # truncated now: continued next turn
-        slot.job = job
-        slot.ledger = ledger
-        slot.pending = deque([*restore, *kept])
-        slot.sampler = sampler
-        slot.spec = (
-            Speculation(job.speculative, history(ledger.segments, slot.pending), self.step_cost)
+        pending = deque([*restore, *kept])
+        spec = (
+            Speculation(job.speculative, history(ledger.segments, pending), self.step_cost)
             if job.speculative.enabled
             else None
         )
+        slot.job = job
+        slot.ledger = ledger
+        slot.pending = pending
+        slot.sampler = sampler
+        slot.spec = spec
         slot.reply = []
         slot.text = TextStream(job.stop)
         slot.num_prefill_total = sum(i.num_cells for i in slot.pending)
@@ -580,11 +582,15 @@ class Executor:
             (s for s in slots if s.job and s.pending and not s.pending[0].media_id),
             key=lambda s: s.pending[0].num_cells,
         )
+        # what each slot takes at least (a token; a prompt's piece): no slot's drafts take it
+        owed = {s.seq: 1 if not s.prefilling else self._prefill_budget(s) for s in ready}
+        reserved = sum(owed.values())
         for slot in ready:
             if budget == 0:
                 break
+            reserved -= owed[slot.seq]
             try:
-                took = self._take_text(slot, budget)
+                took = self._take_text(slot, budget, max(0, budget - reserved))
             except Exception as e:  # this slot's item alone: the batch goes on without it
                 self._fail(slot, e)
                 continue
@@ -620,10 +626,11 @@ class Executor:
             except Exception as e:
                 self._fail(slot, e)
 
-    def _take_text(self, slot: Slot, budget: int) -> Taken | None:
+    def _take_text(self, slot: Slot, budget: int, spare: int | None = None) -> Taken | None:
         """The slot's next text into the batch, after the ledger's plan made room for it (a
-        generating slot's token with its drafts, if it has any); None when it takes nothing
-        this step."""
+        generating slot's token with its drafts, if it has any, in `spare`: what the batch
+        has left once every other slot has its share); None when it takes nothing this
+        step."""
         allowed = budget
         if slot.prefilling:  # (grouped text of less than a batch goes whole)
             head = slot.pending[0]
@@ -640,7 +647,10 @@ class Executor:
         item = take_text(slot.pending, n)
         assert slot.ledger is not None
         last = not slot.pending
-        drafts = self._drafts(slot, n, budget - n) if last and item.generated else ()
+        generating = last and item.generated and not slot.prefilling
+        drafts = (
+            self._drafts(slot, item, (budget if spare is None else spare) - n) if generating else ()
+        )
         if drafts:
             tokens = item.token_ids + drafts
             item = replace(item, num_cells=len(tokens), num_positions=len(tokens), token_ids=tokens)
@@ -650,9 +660,9 @@ class Executor:
         )  # fmt: skip
         return Taken(slot, item, end - len(drafts) if last else None, drafts)
 
-    def _drafts(self, slot: Slot, num_taken: int, budget: int) -> tuple[int, ...]:
-        """Tokens to verify after the slot's last one, in the cells left once the ledger made
-        room for the `num_taken` it decodes: drafts never make a shift of their own (where
+    def _drafts(self, slot: Slot, taken: Item, budget: int) -> tuple[int, ...]:
+        """Tokens to verify after the slot's last one (the end of `taken`), in the cells left
+        once the ledger made room for `taken`: drafts never make a shift of their own (where
         the room is short, fewer), nor pass max_tokens, nor take more of the step's batch
         than is left."""
         spec, ledger, job = slot.spec, slot.ledger, slot.job
@@ -660,24 +670,26 @@ class Executor:
             return ()
         room = min(
             budget,
-            ledger.num_free_cells - num_taken,
-            ledger.n_ctx_train - ledger.next_pos - num_taken,  # (positions too, under GAP)
+            ledger.num_free_cells - taken.num_cells,
+            ledger.n_ctx_train - ledger.next_pos - taken.num_cells,  # (positions, under GAP)
             job.max_tokens - slot.usage.num_generated_tokens - 1,
         )
         draw, cost = None, 0.0
         model = self.draft_model
         if model is not None and spec.index is None:
-            tokens = text_tokens(ledger.segments, slot.pending)  # (None: it holds media)
+            tokens = text_tokens(ledger.segments, [taken])  # (None: it holds media)
             if tokens is not None:
-                p_min = spec.config.p_min
+                p_min, owner = spec.config.p_min, job.reuse_key
 
                 def draw(k: int) -> list[int]:
-                    return model.draft(slot.seq, tokens, k, p_min)
+                    try:
+                        return model.draft(slot.seq, tokens, k, p_min, owner=owner)
+                    except native.NativeError:  # a guess that failed is no request's end
+                        log.warning("slot %d: the draft model failed", slot.seq, exc_info=True)
+                        return []
 
                 cost = model.seconds_per_draft
-        drafts = spec.drafts(room, self._num_generating, draw, cost) if room > 0 else ()
-        slot.usage.num_draft_tokens += len(drafts)
-        return drafts
+        return spec.drafts(room, self._num_generating, draw, cost) if room > 0 else ()
 
     def _fail(self, slot: Slot, e: Exception) -> None:
         """A bug met while carrying out one slot's item: that request ends (INTERNAL, its
@@ -735,10 +747,12 @@ class Executor:
                 continue
             slot.pending.append(Item(1, 1, slot.reply_index, token_ids=(token,), generated=True))
             break
-        if drafts and spec is not None:
+        if drafts:
+            slot.usage.num_draft_tokens += len(drafts)
             slot.usage.num_accepted_tokens += confirmed
-            self.stats.count_drafts(spec.config.type.value, len(drafts), confirmed)
-            spec.verified(len(drafts), confirmed)
+            if spec is not None:
+                self.stats.count_drafts(spec.config.type.value, len(drafts), confirmed)
+                spec.verified(len(drafts), confirmed)
             self._give_back(slot, len(drafts) - confirmed)
 
     def _give_back(self, slot: Slot, num_cells: int) -> None:
@@ -747,8 +761,9 @@ class Executor:
         if num_cells <= 0 or ledger is None or not ledger.segments:
             return  # (a request that failed without a session: its sequence is cleared)
         newest = len(ledger.segments) - 1
-        keep = ledger.segments[newest].num_cells - num_cells
-        self.rt.seq_rm(slot.seq, ledger.truncate(newest, keep), -1)
+        last = ledger.segments[newest]
+        self.rt.seq_rm(slot.seq, last.pos_start + last.num_cells - num_cells, -1)
+        ledger.truncate(newest, last.num_cells - num_cells)  # (once llama.cpp has let go)
 
     def _emit_next(self, slot: Slot, index: int) -> int | None:
         """Sample at `index` and hand the token on (text, stop strings, max_tokens); the
