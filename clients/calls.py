@@ -42,6 +42,7 @@ from clients.types import (
     PromptInput,
     ServerInfo,
     SessionInfo,
+    Tokens,
 )
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 
@@ -232,6 +233,24 @@ class Calls:
             prompt, images, add_special=add_special, first_message=first_message, tools=tools
         )
         return self._call("prep", PREP_SERVICE, "CountTokens", request, Count.from_pb, timeout)
+
+    def tokenize(
+        self, text: str, add_special: bool, parse_special: bool, with_pieces: bool,
+        timeout: float | None,
+    ) -> Call[Tokens]:  # fmt: skip
+        request = prep_pb2.TokenizeRequest(
+            text=text, add_special=add_special, parse_special=parse_special,
+            with_pieces=with_pieces,
+        )  # fmt: skip
+        return self._call("prep", PREP_SERVICE, "Tokenize", request, Tokens.from_pb, timeout)
+
+    def detokenize(self, token_ids: Sequence[int], timeout: float | None) -> Call[Tokens]:
+        request = prep_pb2.DetokenizeRequest(token_ids=list(token_ids))
+
+        def read(r: prep_pb2.DetokenizeResponse) -> Tokens:
+            return replace(Tokens.from_pb(r), token_ids=tuple(token_ids))
+
+        return self._call("prep", PREP_SERVICE, "Detokenize", request, read, timeout)
 
     # -- InferService -------------------------------------------------------------------------
 

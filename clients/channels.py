@@ -63,6 +63,8 @@ IDEMPOTENT_METHODS: frozenset[tuple[str, str]] = frozenset(
         (PREP_SERVICE, "GetModelInfo"),
         (PREP_SERVICE, "Prepare"),
         (PREP_SERVICE, "CountTokens"),
+        (PREP_SERVICE, "Tokenize"),
+        (PREP_SERVICE, "Detokenize"),
         (INFER_SERVICE, "GetServerInfo"),
         (INFER_SERVICE, "GetSession"),
         (INFER_SERVICE, "ListSessions"),

@@ -13,9 +13,9 @@ Inputs are small `Message`s whose parts are text (`str`) or images (encoded `byt
 `(width, height)` tuple). `generate` yields typed, frozen events: `Started`, `Prefill`,
 `Delta`, `Shift`, `Finished`.
 
-Calls that cannot change anything (GetModelInfo, Prepare, CountTokens, GetServerInfo,
-GetSession, ListSessions, health Check) have a default deadline and are retried by the gRPC
-channel itself while the server is UNAVAILABLE (its service config's retryPolicy, see
+Calls that cannot change anything (GetModelInfo, Prepare, CountTokens, Tokenize, Detokenize,
+GetServerInfo, GetSession, ListSessions, health Check) have a default deadline and are retried
+by the gRPC channel itself while the server is UNAVAILABLE (its service config's retryPolicy, see
 clients/channels.py). Generate is never retried and has no deadline unless one is asked for.
 Every gRPC failure is raised as `SlotwiseError` (a `grpc.RpcError` with `code()` and
 `details()`).
@@ -101,6 +101,7 @@ from clients.types import (
     ServerInfo,
     SessionInfo,
     Speculative,
+    Tokens,
     Tool,
     ToolCall,
     TurnRecord,
@@ -144,6 +145,7 @@ __all__ = [
     "Tls",
     "TokenLogprob",
     "TokenLogprobs",
+    "Tokens",
     "Tool",
     "ToolCall",
     "ToolChoice",
@@ -288,6 +290,24 @@ class SlotwiseClient(_Client):
         """Cells and positions without preparing; images may be ImageSize / (w, h) sizes."""
         call = self._calls.count(prompt, images, add_special, first_message, timeout, tools)
         return self._unary(call)
+
+    def tokenize(
+        self,
+        text: str,
+        *,
+        add_special: bool = False,
+        parse_special: bool = True,
+        with_pieces: bool = False,
+        timeout: float | None = None,
+    ) -> Tokens:
+        """The text's token ids as it is (no chat template, no media), as llama-server's
+        /tokenize; with_pieces: each token's bytes too."""
+        call = self._calls.tokenize(text, add_special, parse_special, with_pieces, timeout)
+        return self._unary(call)
+
+    def detokenize(self, token_ids: Sequence[int], *, timeout: float | None = None) -> Tokens:
+        """Each token's bytes and the text they make."""
+        return self._unary(self._calls.detokenize(token_ids, timeout))
 
     # -- InferService -------------------------------------------------------------------------
 
@@ -464,6 +484,23 @@ class AsyncSlotwiseClient(_Client):
             self._calls.count, prompt, images, add_special, first_message, timeout, tools
         )
         return await self._unary(call)
+
+    async def tokenize(
+        self,
+        text: str,
+        *,
+        add_special: bool = False,
+        parse_special: bool = True,
+        with_pieces: bool = False,
+        timeout: float | None = None,
+    ) -> Tokens:
+        """See SlotwiseClient.tokenize."""
+        call = self._calls.tokenize(text, add_special, parse_special, with_pieces, timeout)
+        return await self._unary(call)
+
+    async def detokenize(self, token_ids: Sequence[int], *, timeout: float | None = None) -> Tokens:
+        """See SlotwiseClient.detokenize."""
+        return await self._unary(self._calls.detokenize(token_ids, timeout))
 
     # -- InferService -------------------------------------------------------------------------
 

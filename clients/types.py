@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 
 from clients.enums import FinishReason, Policy, SpecType, ToolFormat, Unit, from_pb, to_pb
@@ -35,6 +35,7 @@ __all__ = [
     "PromptInput",
     "ServerInfo",
     "SessionInfo",
+    "Tokens",
     "Tool",
     "ToolCall",
     "TurnRecord",
@@ -219,10 +220,13 @@ class ModelInfo:
     supports_audio: bool
     n_ctx_train: int
     num_vocab: int
-    bos_token_id: int
+    bos_token_id: int  # -1: the vocabulary has none
     eos_token_id: int
     has_chat_template: bool
     model_description: str
+    chat_template: str = ""  # a Jinja template's text, or a llama.cpp built-in's name
+    add_bos: bool = False
+    fim: dict[str, int] = field(default_factory=dict)  # pre, suf, mid, rep, sep -> token id
 
     @classmethod
     def from_pb(cls, pb: prep_pb2.ModelInfo) -> ModelInfo:
@@ -236,11 +240,34 @@ class ModelInfo:
             supports_audio=pb.supports_audio,
             n_ctx_train=pb.n_ctx_train,
             num_vocab=pb.num_vocab,
-            bos_token_id=pb.bos_token_id,
-            eos_token_id=pb.eos_token_id,
+            bos_token_id=pb.bos_token_id if pb.HasField("bos_token_id") else -1,
+            eos_token_id=pb.eos_token_id if pb.HasField("eos_token_id") else -1,
             has_chat_template=pb.has_chat_template,
             model_description=pb.model_description,
+            chat_template=pb.chat_template,
+            add_bos=pb.add_bos,
+            fim={
+                name: getattr(pb, f"fim_{name}_token_id")
+                for name in ("pre", "suf", "mid", "rep", "sep")
+                if pb.HasField(f"fim_{name}_token_id")
+            },
         )
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Token ids, with each one's bytes when asked for (always from detokenize, with the text
+    they make: bytes that are not UTF-8 become U+FFFD)."""
+
+    token_ids: tuple[int, ...]
+    pieces: tuple[bytes, ...] = ()
+    text: str = ""
+
+    @classmethod
+    def from_pb(cls, pb: prep_pb2.TokenizeResponse | prep_pb2.DetokenizeResponse) -> Tokens:
+        ids = tuple(pb.token_ids) if isinstance(pb, prep_pb2.TokenizeResponse) else ()
+        text = pb.text if isinstance(pb, prep_pb2.DetokenizeResponse) else ""
+        return cls(ids, tuple(pb.pieces), text)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import llama_cpp
 
-from prep_service.chat import ROLES, TemplateError, Turn, load_template
+from prep_service.chat import ROLES, BuiltinTemplate, TemplateError, Turn, load_template
 from prep_service.tools import (
     JSON,
     Choice,
@@ -93,6 +93,9 @@ class ModelInfo:
     eos_token_id: int
     has_chat_template: bool
     description: str
+    chat_template: str = ""  # a Jinja template's text, or a built-in template's name
+    add_bos: bool = False
+    fim: dict[str, int] = field(default_factory=dict)  # pre, suf, mid, rep, sep: token ids
 
 
 @dataclass
@@ -158,6 +161,9 @@ class Preparer:
             eos_token_id=eos,
             has_chat_template=self.template is not None,
             description=native.meta_string(self._model, "general.name") or model.name,
+            chat_template=_template_text(self.template),
+            add_bos=bool(llama_cpp.llama_vocab_get_add_bos(self._vocab)),
+            fim=_fim_tokens(self._vocab),
         )
 
     def close(self) -> None:
@@ -194,6 +200,22 @@ class Preparer:
         """Like prepare, but images may be sizes only; media chunks come back without pixels."""
         segments = _numbered_images(self._segments(request, first_message, tools))
         return [c for s in segments for c in self._tokenize(s)]
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        """Text as it is: no chat template, no media."""
+        return native.tokenize_text(
+            self._vocab, text, add_special=add_special, parse_special=parse_special
+        )
+
+    def pieces(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Each token's bytes (special tokens rendered); ids outside the vocabulary refused."""
+        n = self.info.num_vocab
+        for k, t in enumerate(token_ids):
+            if not 0 <= t < n:
+                raise InputError(
+                    f"token {k}: {t} is not a token id of this vocabulary (0..{n - 1})"
+                )
+        return [native.token_piece(self._vocab, t) for t in token_ids]
 
     @property
     def tool_format(self) -> ToolFormat:
@@ -408,6 +430,20 @@ def _n_ctx_train(model: int) -> int:
     arch = native.meta_string(model, "general.architecture")
     value = native.meta_string(model, f"{arch}.context_length") if arch else None
     return int(value) if value and value.isdigit() else 0
+
+
+def _template_text(template: object) -> str:
+    if isinstance(template, BuiltinTemplate):
+        return template.name
+    return getattr(template, "source", None) or ""
+
+
+def _fim_tokens(vocab: int) -> dict[str, int]:
+    found = {
+        name: getattr(llama_cpp, f"llama_vocab_fim_{name}")(vocab)
+        for name in ("pre", "suf", "mid", "rep", "sep")
+    }
+    return {name: t for name, t in found.items() if t >= 0}  # (LLAMA_TOKEN_NULL is -1)
 
 
 def mtmd_default_marker() -> str:

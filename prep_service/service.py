@@ -97,8 +97,29 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                 eos_token_id=i.eos_token_id if i.eos_token_id >= 0 else None,
                 has_chat_template=i.has_chat_template,
                 model_description=i.description,
+                chat_template=i.chat_template,
+                add_bos=i.add_bos,
+                **{f"fim_{name}_token_id": t for name, t in i.fim.items()},
             )
         )
+
+    async def Tokenize(self, request, context):
+        def work() -> prep_pb2.TokenizeResponse:
+            ids = self.preparer.tokenize(
+                request.text, add_special=request.add_special, parse_special=request.parse_special
+            )
+            pieces = self.preparer.pieces(ids) if request.with_pieces else []
+            return prep_pb2.TokenizeResponse(token_ids=ids, pieces=pieces)
+
+        return await self._run(work, context)
+
+    async def Detokenize(self, request, context):
+        def work() -> prep_pb2.DetokenizeResponse:
+            pieces = self.preparer.pieces(request.token_ids)
+            text = b"".join(pieces).decode("utf-8", errors="replace")
+            return prep_pb2.DetokenizeResponse(pieces=pieces, text=text)
+
+        return await self._run(work, context)
 
     async def Prepare(self, request, context):
         tenant = current_tenant()  # (the pool's threads do not carry the call's context)

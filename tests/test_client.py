@@ -442,6 +442,8 @@ def test_the_service_config_names_only_idempotent_methods() -> None:
         ("slotwise.v1.PrepService", "GetModelInfo"),
         ("slotwise.v1.PrepService", "Prepare"),
         ("slotwise.v1.PrepService", "CountTokens"),
+        ("slotwise.v1.PrepService", "Tokenize"),
+        ("slotwise.v1.PrepService", "Detokenize"),
         ("slotwise.v1.InferService", "GetServerInfo"),
         ("slotwise.v1.InferService", "GetSession"),
         ("slotwise.v1.InferService", "ListSessions"),

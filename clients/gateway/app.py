@@ -1,6 +1,6 @@
 """The HTTP edge over AsyncSlotwiseClient: OpenAI's Chat Completions, Completions, Responses
-and Embeddings, Anthropic's Messages, and models, health, readiness and metrics; the web page
-at / and its API (ui_api.py).
+and Embeddings, Anthropic's Messages, llama-server's native API (llama_server_api.py), and
+models, health, readiness and metrics; the web page at / and its API (ui_api.py).
 
 The routes are one-liners: each API's module (openai_api, responses_api, anthropic_api)
 translates its shapes onto one generation (turns.py). Every route answers with and without
@@ -29,9 +29,12 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
 from clients.client import AsyncSlotwiseClient
-from clients.gateway import anthropic_api, media, openai_api
+from clients.gateway import anthropic_api, llama_server_api, media, openai_api
 from clients.gateway.anthropic_api import CountRequest, Messages, MessagesRequest
 from clients.gateway.errors import ApiError, bad_request
+from clients.gateway.llama_options import native_error, read_body
+from clients.gateway.llama_server_api import LlamaServer
+from clients.gateway.llama_slots import Slots
 from clients.gateway.media import MediaPolicy
 from clients.gateway.responses_api import Responses, ResponsesRequest
 from clients.gateway.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -124,7 +127,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return path.removeprefix("/v1").startswith("/messages")
 
     def error(path: str, e: ApiError) -> JSONResponse:
-        return anthropic_api.error_response(e) if anthropic(path) else e.response()
+        if anthropic(path):
+            return anthropic_api.error_response(e)
+        if llama_server_api.is_native(path):
+            return llama_server_api.error_response(e)
+        return e.response()
 
     too_big = ApiError(
         413,
@@ -251,8 +258,105 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def count_tokens(body: CountRequest) -> dict[str, int]:
         return await Messages(client(), config.media, model_name(body.model)).count_tokens(body)
 
+    add_llama_server(app, route, client, config)
     add_ui(app, client, page=config.ui, model_name=config.model_name, closing=closing)
     return app
+
+
+def add_llama_server(
+    app: FastAPI,
+    route: Callable[[str, str], Callable[[Any], Any]],
+    client: Callable[[], AsyncSlotwiseClient],
+    config: GatewayConfig,
+) -> None:
+    """llama-server's native endpoints (llama_server_api.py), at its paths."""
+    slots = Slots()
+
+    def native() -> LlamaServer:
+        return LlamaServer(
+            client(), model=config.model_name, media=config.media, slots=slots, ui=config.ui,
+            cors=bool(config.cors_origins),
+        )  # fmt: skip
+
+    def post(*paths: str) -> Callable[[Any], Any]:
+        def register(fn: Any) -> Any:
+            for p in paths:
+                app.add_api_route(p, fn, methods=["POST"], response_model=None)
+            return fn
+
+        return register
+
+    @post("/completion")
+    async def completion(request: Request) -> Response:
+        return await native().completion(await read_body(request))
+
+    @post("/infill")
+    async def infill(request: Request) -> Response:
+        return await native().infill(await read_body(request))
+
+    @post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return await native().tokenize(await read_body(request))
+
+    @post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return await native().detokenize(await read_body(request))
+
+    @post("/apply-template")
+    async def apply_template(request: Request) -> dict[str, Any]:
+        return await native().apply_template(await read_body(request))
+
+    @post("/embedding")
+    async def embedding(request: Request) -> Response:
+        return await native().embedding(await read_body(request))
+
+    @post("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")
+    async def rerank() -> Response:
+        raise native_error(501, "This server does not support reranking (no reranking model)")
+
+    @app.get("/props")
+    async def props() -> dict[str, Any]:
+        return await native().props()
+
+    @post("/props")
+    async def set_props() -> Response:
+        raise native_error(501, "This server does not support changing global properties")
+
+    @app.get("/v1/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/slots")
+    async def get_slots(request: Request) -> Response:
+        return await native().get_slots(bool(request.query_params.get("fail_on_no_slot")))
+
+    @post("/slots/{id_slot}")
+    async def slot_action(id_slot: str, request: Request) -> dict[str, Any]:
+        server = native()
+        try:
+            k = int(id_slot)
+        except ValueError:
+            raise native_error(400, "Invalid slot ID") from None
+        action = request.query_params.get("action", "")
+        if action not in ("save", "restore", "erase"):
+            raise native_error(400, "Invalid action")
+        if not 0 <= k < (await server.server()).num_slots:
+            raise native_error(400, "Invalid slot ID")
+        body = await read_body(request)
+        if action == "erase":
+            return await slots.erase(server.client, k)
+        if "filename" not in body:
+            raise native_error(400, '"filename" is required')
+        act = slots.save if action == "save" else slots.restore
+        return await act(server.client, k, body["filename"])
+
+    @route("POST", "/chat/completions/input_tokens")
+    async def chat_input_tokens(request: Request) -> dict[str, Any]:
+        return await native().input_tokens(await read_body(request), responses=False)
+
+    @route("POST", "/responses/input_tokens")
+    async def responses_input_tokens(request: Request) -> dict[str, Any]:
+        return await native().input_tokens(await read_body(request), responses=True)
 
 
 _CALLER_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar("caller", default=None)

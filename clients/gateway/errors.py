@@ -27,10 +27,12 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         retry_after: float | None = None,
+        metadata: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.code, self.param, self.retry_after = code, param, retry_after
+        self.metadata = metadata or {}  # the service's numbers (ErrorInfo), where shown
 
     def body(self) -> dict[str, object]:
         return {
@@ -80,4 +82,5 @@ def from_slotwise(e: SlotwiseError) -> ApiError:
     elif e.reason in ("STORAGE_FULL", "STORAGE_FAILED", "SESSION_NOT_SAVED"):
         status, kind = 503, "server_error"
     return ApiError(status, e.message, type=kind, code=code, param=param,
-                    retry_after=e.retry_delay if status == 429 else None)  # fmt: skip
+                    retry_after=e.retry_delay if status == 429 else None,
+                    metadata=dict(e.metadata))  # fmt: skip

@@ -5,6 +5,11 @@ has a KV stream of its own, so a choice costs its prefill wherever it runs, and 
 runs them side by side in as many slots). Tools go to prep, which shows them as the chat
 template does and returns the grammar of a valid call; `response_format`, and llama-server's
 `grammar` and `json_schema` body fields, constrain the reply in the engine's sampler chain.
+
+As llama-server answers them: replies carry `system_fingerprint` and `timings`, streams
+`timings_per_token` and `return_progress` when asked; a chat that ends with an assistant
+message continues that message (llama-server's prefill), and the bodies llama-server refuses
+are refused with its words.
 """
 
 from __future__ import annotations
@@ -48,7 +53,23 @@ from clients.gateway.schema import (
     SamplingRequest,
     ToolDef,
 )
-from clients.gateway.turns import Keep, Text, Turn, TurnEnd, TurnRequest, refuse, start_turn
+from clients.gateway.turns import (
+    Keep,
+    Progress,
+    StreamClock,
+    Text,
+    Turn,
+    TurnEnd,
+    TurnRequest,
+    per_token,
+    refuse,
+    start_turn,
+    system_cells,
+)
+from slotwise.v1 import prompt_pb2
+
+# what llama-server calls build_info, and sends as system_fingerprint
+SYSTEM_FINGERPRINT = "slotwise-0.1.0"
 
 
 def sse(body: object) -> str:
@@ -222,6 +243,84 @@ async def start_all(client: AsyncSlotwiseClient, reqs: list[TurnRequest]) -> lis
     return turns
 
 
+# -- a chat as llama-server takes it ------------------------------------------------------------
+
+
+def check_messages(messages: Sequence[ChatMessage]) -> None:
+    """llama-server's refusals of a chat's messages (oaicompat_chat_params_parse)."""
+    for m in messages:
+        given = "content" in m.model_fields_set
+        if m.role != "assistant" and not given:
+            raise bad_request("All non-assistant messages must contain 'content'", "messages")
+        if m.role == "assistant" and not given and m.tool_calls is None:
+            raise bad_request(
+                "Assistant message must contain either 'content' or 'tool_calls'!", "messages"
+            )
+
+
+def continuation(
+    messages: Sequence[ChatMessage], continue_final: Any = None, add_generation_prompt: Any = True
+) -> bool:
+    """Whether the final assistant message is continued (llama-server's prefill, on unless
+    started with --no-prefill-assistant), and the combinations it refuses."""
+    last = messages[-1] if messages else None
+    if continue_final is None:
+        if last is None or last.role != "assistant":
+            return False
+        if len(messages) >= 2 and messages[-2].role == "assistant":
+            raise bad_request(
+                "Cannot have 2 or more assistant messages at the end of the list.", "messages"
+            )
+    elif not continue_final:
+        return False
+    elif add_generation_prompt is not False:
+        raise bad_request(
+            "Cannot set both add_generation_prompt and continue_final_message to true.",
+            "continue_final_message",
+        )
+    if last is None or last.role != "assistant":
+        raise bad_request(
+            "continue_final_message: the last message is not the assistant's", "messages"
+        )
+    if last.tool_calls:
+        raise bad_request(
+            "Cannot continue an assistant message that contains tool calls.", "messages"
+        )
+    return True
+
+
+def with_tokens(prepared: Prepared, ids: Sequence[int], message_index: int) -> Prepared:
+    """prepared, followed by these tokens (a continued message's text)."""
+    if not ids:
+        return prepared
+    pb = prompt_pb2.PreparedPrompt()
+    pb.CopyFrom(prepared.prompt)
+    pb.chunks.append(
+        prompt_pb2.Chunk(
+            message_index=message_index, text=prompt_pb2.TextChunk(token_ids=list(ids))
+        )
+    )
+    pb.num_cells += len(ids)
+    pb.num_positions += len(ids)
+    return replace(prepared, prompt=pb)
+
+
+async def prefilled(
+    client: AsyncSlotwiseClient, messages: Sequence[Message], tools: ToolOptions | None = None
+) -> Prepared:
+    """The chat up to its last message, as the template writes it with the generation prompt,
+    and then the last (assistant) message's text: the reply goes on from there."""
+    try:
+        head = await client.prepare(list(messages[:-1]), tools=tools)
+        text = messages[-1].text
+        ids = (await client.tokenize(text)).token_ids if text else ()
+    except SlotwiseError as e:
+        raise from_slotwise(e) from None
+    return replace(
+        with_tokens(head, ids, len(messages) - 1), rendered_text=head.rendered_text + text
+    )
+
+
 # -- Chat Completions -------------------------------------------------------------------------
 
 
@@ -229,16 +328,32 @@ async def chat_completion(
     client: AsyncSlotwiseClient, body: ChatCompletionRequest, media: MediaPolicy, model: str
 ) -> Response:
     check_body(body)
+    check_messages(body.messages)
+    extra = body.model_extra or {}
+    continued = not body.slotwise.session_id and continuation(
+        body.messages, extra.get("continue_final_message"), extra.get("add_generation_prompt")
+    )
+    if not continued and extra.get("add_generation_prompt") is False:
+        raise refuse("add_generation_prompt", "false is supported only with a final assistant "
+                     "message to continue")  # fmt: skip
     messages = await chat_messages(body.messages, media)
-    keep = body.slotwise.keep
+    tools = tool_options(body.tools, body.tool_choice, body.parallel_tool_calls)
+    keep: int | None = body.slotwise.keep if isinstance(body.slotwise.keep, int) else None
+    prompt: list[Message] | Prepared = messages
+    prefix = ""
+    if continued:
+        prompt = await prefilled(client, messages, tools)
+        prefix = messages[-1].text
+        if keep is None and messages[0].role == "system":
+            keep = system_cells(prompt)
     req = TurnRequest(
-        messages,
+        prompt,
         max_tokens=body.max_completion_tokens or body.max_tokens,
         stop=[body.stop] if isinstance(body.stop, str) else body.stop or (),
         sampling=sampling_of(body),
         context=context_of(body),
-        keep=Keep(keep if isinstance(keep, int) else None),
-        tools=tool_options(body.tools, body.tool_choice, body.parallel_tool_calls),
+        keep=Keep(keep),
+        tools=tools,
         constraint=constraint_of(body),
         logit_bias=logit_bias_of(body),
         logprobs=body.logprobs,
@@ -249,7 +364,7 @@ async def chat_completion(
         note=_note(body.slotwise.note),
     )
     turns = await start_all(client, choices(req, body.n))
-    reply = _Chat(model, chat=True, include_usage=_include_usage(body))
+    reply = _Chat(client, model, chat=True, body=body, prefix=prefix)
     if body.stream:
         return StreamingResponse(reply.stream(turns), media_type="text/event-stream")
     ends = await _wholes(turns)
@@ -276,7 +391,7 @@ async def completion(client: AsyncSlotwiseClient, body: CompletionRequest, model
     if body.slotwise.session_id:
         raise refuse("slotwise.session_id", "goes with chat completions")
     turns = await start_all(client, choices(req, body.n))
-    reply = _Chat(model, chat=False, include_usage=_include_usage(body))
+    reply = _Chat(client, model, chat=False, body=body)
     if body.stream:
         return StreamingResponse(reply.stream(turns), media_type="text/event-stream")
     ends = await _wholes(turns)
@@ -305,10 +420,23 @@ def _json(body: dict[str, Any], ends: list[TurnEnd]) -> JSONResponse:
 
 
 class _Chat:
-    """One response (of n choices) in the Chat Completions or Completions shape."""
+    """One response (of n choices) in the Chat Completions or Completions shape.
 
-    def __init__(self, model: str, *, chat: bool, include_usage: bool):
-        self.model, self.chat, self.include_usage = model, chat, include_usage
+    prefix: the assistant message a chat continued, which the whole reply's content begins
+    with (a stream sends only what was generated), as llama-server shows it."""
+
+    def __init__(
+        self,
+        client: AsyncSlotwiseClient,
+        model: str,
+        *,
+        chat: bool,
+        body: SamplingRequest,
+        prefix: str = "",
+    ):
+        self.client, self.model, self.chat, self.prefix = client, model, chat, prefix
+        self.include_usage = _include_usage(body)
+        self.per_token, self.progress = body.timings_per_token, body.return_progress
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -318,6 +446,7 @@ class _Chat:
             "object": kind,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices,
         }
 
@@ -338,9 +467,10 @@ class _Chat:
         for i, end in enumerate(ends):
             choice: dict[str, Any] = {"index": i, "finish_reason": end.finish_reason}
             if self.chat:
+                content = self.prefix + end.content
                 message: dict[str, Any] = {
                     "role": "assistant",
-                    "content": end.content if end.content or not end.calls else None,
+                    "content": content if content or not end.calls else None,
                     "refusal": None,
                 }
                 if end.calls:
@@ -352,7 +482,8 @@ class _Chat:
                 choice["logprobs"] = _completion_logprobs(end.logprobs) if end.logprobs else None
             choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._frame(kind, choices), "usage": self.usage(ends)}
+        out = {**self._frame(kind, choices), "usage": self.usage(ends)}
+        return {**out, "timings": ends[0].timings()} if ends else out
 
     def _chunk(
         self,
@@ -368,16 +499,38 @@ class _Chat:
         choice["text"] = (delta or {}).get("content", "")
         return self._frame("text_completion", [choice])
 
+    def _progress(
+        self, i: int, cache: int, total: int, done: int, clock: StreamClock
+    ) -> dict[str, Any]:
+        """llama-server's return_progress chunk: a role delta (or empty text) with the prompt's
+        cells, those from the cache and those done."""
+        chunk = self._chunk(i, {"role": "assistant", "content": None} if self.chat else {})
+        chunk["prompt_progress"] = {
+            "total": total,
+            "cache": cache,
+            "processed": done,
+            "time_ms": int(clock.ms()),
+        }
+        if self.per_token:
+            chunk["timings"] = clock.timings(cache, done - cache, 0)
+        return chunk
+
     async def stream(self, turns: list[Turn]) -> AsyncIterator[str]:
         """Per choice: the role delta, content deltas, tool call deltas, the finishing chunk;
         then the usage chunk when asked, and [DONE]. A client that goes away cancels every
         choice's generation."""
-        queue: asyncio.Queue[tuple[int, Text | TurnEnd | ApiError]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Text | Progress | TurnEnd | ApiError]] = asyncio.Queue()
+        clocks = [StreamClock() for _ in turns]
+        generated = [0] * len(turns)
 
         async def run(i: int, turn: Turn) -> None:
             try:
-                async for event in turn.events():
-                    await queue.put((i, event))
+                async for event in turn.all_events():
+                    # a chunk a token, as llama-server streams them
+                    for one in (
+                        await per_token(self.client, event) if isinstance(event, Text) else [event]
+                    ):
+                        await queue.put((i, one))
             except ApiError as e:
                 await queue.put((i, e))
             except Exception as e:  # never leave the stream waiting for a choice that died
@@ -385,8 +538,11 @@ class _Chat:
 
         tasks = [asyncio.ensure_future(run(i, t)) for i, t in enumerate(turns)]
         ends: list[TurnEnd] = []
+        shown = [-1] * len(turns)  # the prompt's cells a progress chunk showed done
         try:
-            if self.chat:
+            # with return_progress the role comes after the progress (llama-server's order)
+            waiting = list(range(len(turns))) if self.chat and self.progress else []
+            if self.chat and not self.progress:
                 for i in range(len(turns)):
                     yield sse(self._chunk(i, {"role": "assistant", "content": ""}))
             while len(ends) < len(turns):
@@ -394,14 +550,33 @@ class _Chat:
                 if isinstance(event, ApiError):  # the headers are out: the error goes as data
                     yield sse(event.body())
                     return
+                started = turns[i].end.started
+                cache = started.num_reused_cells if started else 0
+                total = started.num_prompt_cells if started else 0
+                if self.progress and shown[i] < total:
+                    done = cache + event.done if isinstance(event, Progress) else total
+                    steps = [cache, done] if shown[i] < 0 and done > cache else [done]
+                    for k in steps:
+                        yield sse(self._progress(i, cache, total, k, clocks[i]))
+                    shown[i] = done
+                if isinstance(event, Progress):
+                    continue
+                if i in waiting:
+                    waiting.remove(i)
+                    yield sse(self._chunk(i, {"role": "assistant", "content": None}))
                 if isinstance(event, Text):
+                    clocks[i].token()
+                    generated[i] += len(event.token_ids)
                     lp = None
                     if event.logprobs:
                         lp = (_chat_logprobs if self.chat else _completion_logprobs)(
                             list(event.logprobs)
                         )
                     if event.text or lp:
-                        yield sse(self._chunk(i, {"content": event.text}, logprobs=lp))
+                        chunk = self._chunk(i, {"content": event.text}, logprobs=lp)
+                        if self.per_token:
+                            chunk["timings"] = clocks[i].timings(cache, total - cache, generated[i])
+                        yield sse(chunk)
                     continue
                 ends.append(event)
                 if self.chat:
@@ -421,10 +596,14 @@ class _Chat:
                                 },
                             )
                         )
-                yield sse(self._chunk(i, None, event.finish_reason))
+                last = self._chunk(i, None, event.finish_reason)
+                if len(ends) == len(turns) and not self.include_usage:
+                    last["timings"] = ends[0].timings()
+                yield sse(last)
             if self.include_usage:
                 kind = "chat.completion.chunk" if self.chat else "text_completion"
-                yield sse({**self._frame(kind, []), "usage": self.usage(ends)})
+                usage = {**self._frame(kind, []), "usage": self.usage(ends)}
+                yield sse({**usage, "timings": ends[0].timings()})
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:

@@ -145,6 +145,8 @@ class SamplingRequest(_Open):
     json_schema: dict[str, Any] | None = None  # llama-server's
     cache_salt: str | None = Field(default=None, max_length=256)  # vLLM's
     speculative: SpeculativeOptions | None = None
+    timings_per_token: bool = False  # llama-server's: timings in every streamed chunk
+    return_progress: bool = False  # llama-server's: the prompt's progress in the stream
     slotwise: SlotwiseOptions = Field(default_factory=SlotwiseOptions)
 
     @property

@@ -9,8 +9,10 @@ the content and tool calls read back in the template's format, the finish reason
 
 from __future__ import annotations
 
+import codecs
 import hashlib
-from collections.abc import AsyncIterator, Callable, Sequence
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,7 @@ from clients.client import (
     FinishReason,
     Message,
     Persistence,
+    Prefill,
     Prepared,
     Shift,
     SlotwiseError,
@@ -47,7 +50,7 @@ class Keep:
 
 @dataclass
 class TurnRequest:
-    prompt: Sequence[Message] | str  # a chat, or a raw completion prompt
+    prompt: Sequence[Message] | str | Prepared  # a chat, a raw prompt, or one prepared already
     max_tokens: int | None = None
     stop: Sequence[str] = ()
     sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, seed, ...
@@ -74,6 +77,15 @@ class Text:
 
     text: str
     logprobs: tuple[TokenLogprobs, ...] = ()
+    token_ids: tuple[int, ...] = ()  # the tokens sampled (without tools: this text's)
+
+
+@dataclass
+class Progress:
+    """The prompt's cells decoded so far (Turn.all_events)."""
+
+    done: int
+    total: int
 
 
 @dataclass
@@ -87,6 +99,7 @@ class TurnEnd:
     evicted_media: set[str] = field(default_factory=set)
     warning: str = ""  # a completed session turn that was not saved
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # every token sampled
 
     @property
     def finish_reason(self) -> str:
@@ -108,6 +121,22 @@ class TurnEnd:
     @property
     def num_completion_tokens(self) -> int:
         return self.finished.usage.num_generated_tokens if self.finished else 0
+
+    def timings(self) -> dict[str, Any]:
+        """llama-server's `timings` of the turn, by the engine's clock."""
+        u = self.finished.usage if self.finished else None
+        if u is None:
+            return llama_timings(0, 0, 0.0, 0, 0.0)
+        out = llama_timings(
+            u.num_reused_cells,
+            u.num_prompt_cells - u.num_reused_cells,
+            u.prefill_seconds * 1000,
+            u.num_generated_tokens,
+            u.decode_seconds * 1000,
+        )
+        if u.num_draft_tokens:
+            out |= {"draft_n": u.num_draft_tokens, "draft_n_accepted": u.num_accepted_tokens}
+        return out
 
     def slotwise_usage(self) -> dict[str, object]:
         """slotwise's own numbers beside an API's usage."""
@@ -141,6 +170,16 @@ class Turn:
         self._shown: list[str] = []  # what of it was shown as content (joined at the end)
 
     async def events(self) -> AsyncIterator[Text | TurnEnd]:
+        every = self.all_events()
+        try:
+            async for event in every:
+                if not isinstance(event, Progress):
+                    yield event
+        finally:
+            await every.aclose()
+
+    async def all_events(self) -> AsyncGenerator[Text | Progress | TurnEnd, None]:
+        """events(), and the prompt's Progress while it is decoded."""
         try:
             event: object | None = self._first
             while event is not None:
@@ -177,18 +216,21 @@ class Turn:
         """End the generation if it still runs (a client gone, another choice refused)."""
         await self._events.aclose()  # type: ignore[attr-defined]
 
-    def _take(self, event: object) -> Text | None:
+    def _take(self, event: object) -> Text | Progress | None:
         end = self.end
         if isinstance(event, Started):
             end.started = event
+        elif isinstance(event, Prefill):
+            return Progress(event.num_cells_done, event.num_cells_total)
         elif isinstance(event, Delta):
             self._pieces.append(event.text)
             end.logprobs.extend(event.logprobs)
+            end.token_ids.extend(event.token_ids)
             shown = self._reply.push(event.text) if self._reply is not None else event.text
             if self._reply is not None:
                 self._shown.append(shown)
-            if shown or event.logprobs:
-                return Text(shown, event.logprobs)
+            if shown or event.logprobs or (self._reply is None and event.token_ids):
+                return Text(shown, event.logprobs, event.token_ids)
         elif isinstance(event, Shift):
             end.num_shifts += 1
             end.evicted_media.update(event.media_ids_evicted)
@@ -211,7 +253,8 @@ async def start_turn(client: AsyncSlotwiseClient, req: TurnRequest) -> tuple[Tur
     ApiError before any byte of the reply is sent."""
     try:
         first = 0
-        messages = req.prompt if not isinstance(req.prompt, str) else None
+        given = req.prompt if isinstance(req.prompt, Prepared) else None
+        messages = req.prompt if not isinstance(req.prompt, str | Prepared) else None
         if req.session_id and messages is not None:
             first = (
                 req.first_message
@@ -219,7 +262,11 @@ async def start_turn(client: AsyncSlotwiseClient, req: TurnRequest) -> tuple[Tur
                 else await _session_first_message(client, req.session_id, messages)
             )
         tools = req.tools if messages is not None else None
-        prepared = await client.prepare(req.prompt, first_message=first, tools=tools)
+        prepared = given or await client.prepare(
+            req.prompt,  # type: ignore[arg-type]
+            first_message=first,
+            tools=tools,
+        )
         constraint = req.constraint
         if prepared.tool_constraint is not None:
             if constraint is not None:
@@ -232,7 +279,7 @@ async def start_turn(client: AsyncSlotwiseClient, req: TurnRequest) -> tuple[Tur
         options = _options(req, prepared, first, messages)
         if req.expect_turns is not None:
             options["expect_turns"] = req.expect_turns
-        if req.session_id and (req.create_session or first == 0):
+        if req.session_id and (req.create_session or (first == 0 and messages is not None)):
             await _create_session(client, req.session_id, options, required=req.create_session)
         if req.session_id and first > 0:
             options.pop("keep")  # a session keeps its own pins
@@ -272,7 +319,7 @@ def _options(
     keep = req.keep.cells
     if keep is None:
         system = first == 0 and messages is not None and messages[0].role == "system"
-        keep = _system_cells(prepared) if system else 0
+        keep = system_cells(prepared) if system else 0
     return {
         "max_tokens": req.max_tokens or 0,
         "stop": tuple(req.stop),
@@ -282,7 +329,7 @@ def _options(
     }
 
 
-def _system_cells(prepared: Prepared) -> int:
+def system_cells(prepared: Prepared) -> int:
     """The cells that hold the system message: its own, or, where the chat template renders it
     inside the first user message (Gemma's has no system turn), that message's whole."""
     own = prepared.num_cells_of(0)
@@ -322,13 +369,81 @@ async def _create_session(
             raise
 
 
-def conversation_key(prompt: Sequence[Message] | str) -> str:
+async def per_token(client: AsyncSlotwiseClient, text: Text) -> list[Text]:
+    """A Text of several tokens (the engine sends them together when the reader falls behind)
+    as one Text per token, the way llama-server streams them. Where the tokens' pieces do not
+    add up to the text (a stop string held back, a tool call, a character cut between two
+    Texts), the text stays whole, with the last token."""
+    ids = text.token_ids
+    if len(ids) < 2:
+        return [text]
+    parts: list[str] = []
+    try:
+        if len(text.logprobs) == len(ids):  # (the pieces came with them)
+            pieces: Sequence[bytes] = [lp.chosen.piece for lp in text.logprobs]
+        else:
+            pieces = (await client.detokenize(ids)).pieces
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        parts = [decoder.decode(p) for p in pieces]
+    except (SlotwiseError, UnicodeDecodeError):
+        parts = []
+    if len(parts) != len(ids) or "".join(parts) != text.text:
+        parts = [""] * (len(ids) - 1) + [text.text]
+    lps = text.logprobs
+    return [Text(parts[k], lps[k : k + 1], (t,)) for k, t in enumerate(ids)]
+
+
+def llama_timings(
+    cache: int, prompt_n: int, prompt_ms: float, gen: int, gen_ms: float
+) -> dict[str, Any]:
+    """llama-server's timings object (server_slot_stats): per token and per second over the
+    prompt's decoded cells, and over the decode steps (the first token comes with the prompt)."""
+    steps = max(gen - 1, 0)
+    return {
+        "cache_n": cache,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": 1e3 / prompt_ms * prompt_n if prompt_ms > 0 else 0.0,
+        "predicted_n": gen,
+        "predicted_ms": gen_ms,
+        "predicted_per_token_ms": gen_ms / steps if steps else 0.0,
+        "predicted_per_second": 1e3 / gen_ms * steps if gen_ms > 0 else 0.0,
+    }
+
+
+class StreamClock:
+    """llama-server's timings mid-stream (timings_per_token), by the gateway's clock: the
+    engine's own come with the end of the turn."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.first = 0.0  # when the first token came
+
+    def token(self) -> None:
+        self.first = self.first or time.perf_counter()
+
+    def ms(self) -> float:
+        """Since the stream began."""
+        return (time.perf_counter() - self.t0) * 1000
+
+    def timings(self, cache: int, prompt_n: int, gen: int) -> dict[str, Any]:
+        now = time.perf_counter()
+        prompt_ms = ((self.first or now) - self.t0) * 1000
+        gen_ms = (now - self.first) * 1000 if self.first else 0.0
+        return llama_timings(cache, prompt_n, prompt_ms, gen, gen_ms)
+
+
+def conversation_key(prompt: Sequence[Message] | str | Prepared) -> str:
     """The replica a stateless conversation is routed to (x-slotwise-session behind a proxy):
     a digest of how it begins -- its messages up to and including the first user message, or a
-    completion prompt's first 512 characters -- which every continuation resends unchanged, so
-    that they land where their cache is."""
+    completion prompt's first 512 characters (or tokens) -- which every continuation resends
+    unchanged, so that they land where their cache is."""
     h = hashlib.blake2b(digest_size=12)
-    if isinstance(prompt, str):
+    if isinstance(prompt, Prepared):
+        ids = [t for c in prompt.prompt.chunks for t in c.text.token_ids][:512]
+        h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in ids))
+    elif isinstance(prompt, str):
         h.update(prompt[:512].encode())
     else:
         for message in prompt:
