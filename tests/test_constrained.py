@@ -16,12 +16,11 @@ from typing import Any
 import grpc
 import jsonschema
 import pytest
-from grpc_status import rpc_status
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slotwise.v1 import infer_pb2, prompt_pb2
-from support.rpc import prepare, rpc_error, run
+from support.rpc import fields_of, prepare, rpc_error, run
 from support.rpc import request as make_request
 
 GRAMMAR = infer_pb2.FINISH_REASON_GRAMMAR
@@ -216,16 +215,7 @@ def test_bad_constraints_are_invalid_argument_naming_the_field(
     mutate(req)
     e = rpc_error(lambda: run(servers["rope"].port, req))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
-    status = rpc_status.from_call(e)
-    assert status is not None
-    from google.rpc import error_details_pb2
-
-    fields = []
-    for detail in status.details:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            fields += [v.field for v in bad.field_violations]
+    fields = fields_of(e)
     assert fields == [field], (fields, e.details())
     # and the server goes on serving
     assert run(servers["rope"].port, make_request(prompt, max_tokens=2)).finished.reason

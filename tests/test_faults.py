@@ -29,7 +29,7 @@ from slotwise_core import native, serving
 from slotwise_core.tiny_models import TinyPair
 from support.loop import LoopThread
 from support.procs import free_port
-from support.rpc import channel, prepare, rpc_error, run, server_info
+from support.rpc import channel, prepare, rpc_error, run, server_info, streams_under_way
 from support.rpc import request as make_request
 from support.wait import assert_nothing_runs_on, wait_until
 
@@ -250,11 +250,7 @@ def test_a_sequence_llama_cpp_refuses_ends_alone(
     text = prepare(prep_servers("rope"), raw="Two streams side by side")
     with channel(server.port) as ch:
         stub = infer_pb2_grpc.InferServiceStub(ch)
-        calls = {}
-        for seed in (1, 2):
-            call = stub.Generate(make_request(text, max_tokens=300, seed=seed), timeout=60)
-            calls[next(call).started.slot] = call
-            assert next(call).HasField("prefill")
+        calls = streams_under_way(stub, text, (1, 2), max_tokens=300)
 
         def break_one_ledger() -> tuple[int, int]:
             # the ledger now promises 3 cells llama.cpp never received: the next position it
@@ -298,11 +294,7 @@ def test_a_bug_in_one_slot_s_step_ends_that_request_alone(
 
     with channel(server.port) as ch:
         stub = infer_pb2_grpc.InferServiceStub(ch)
-        calls = {}
-        for seed in (1, 2):
-            call = stub.Generate(make_request(text, max_tokens=300, seed=seed), timeout=60)
-            calls[next(call).started.slot] = call
-            assert next(call).HasField("prefill")
+        calls = streams_under_way(stub, text, (1, 2), max_tokens=300)
 
         def break_one_sampler() -> tuple[int, int]:
             active = [s for s in server.engine.slots if s.job is not None]

@@ -20,13 +20,11 @@ from typing import Any
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from infer_service.sampling import _PARSES
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.tiny_models import token_id
-from support.rpc import channel, prepare, rpc_error, run
+from support.rpc import channel, fields_of, prepare, reason_of, rpc_error, run
 from support.rpc import request as make_request
 from support.wait import wait_until
 
@@ -48,29 +46,6 @@ def server(loop_thread, tiny) -> Any:
 @pytest.fixture(scope="module")
 def prompt(prep_servers: Callable[[str], int]) -> Any:
     return prepare(prep_servers("rope"), raw="Write something:")
-
-
-def _field_of(e: grpc.RpcError) -> list[str]:
-    status = rpc_status.from_call(e)
-    assert status is not None, e.details()
-    fields = []
-    for detail in status.details:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            fields += [v.field for v in bad.field_violations]
-    return fields
-
-
-def _reason_of(e: grpc.RpcError) -> str:
-    status = rpc_status.from_call(e)
-    assert status is not None, e.details()
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            return info.reason
-    return ""
 
 
 class Beside:
@@ -131,7 +106,7 @@ def test_a_pattern_re2_cannot_take_is_invalid_argument(server, prompt, pattern) 
     req.constraint.trigger_patterns.append(pattern)
     e = rpc_error(lambda: run(server.port, req))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
-    assert _field_of(e) == ["constraint.trigger_patterns"], e.details()
+    assert fields_of(e) == ["constraint.trigger_patterns"], e.details()
 
 
 def _nested(depth: int) -> str:
@@ -163,7 +138,7 @@ def test_grammars_and_schemas_past_their_bounds_are_refused(server, prompt, muta
     mutate(req.constraint)
     e = rpc_error(lambda: run(server.port, req))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
-    assert _field_of(e) == [field], e.details()
+    assert fields_of(e) == [field], e.details()
     # and the server is still there
     assert run(server.port, make_request(prompt, max_tokens=2)).finished.reason
 
@@ -182,7 +157,7 @@ def test_a_stop_string_past_its_bound_is_refused(server, prompt) -> None:
     req = make_request(prompt, max_tokens=4, stop=["x" * 1001])
     e = rpc_error(lambda: run(server.port, req))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert _field_of(e) == ["stop"]
+    assert fields_of(e) == ["stop"]
 
 
 AMBIGUOUS = " ".join(['("a" | "a" "a")?'] * 400) + ' "b"'
@@ -213,8 +188,8 @@ def test_an_ambiguous_grammar_past_its_budget_ends_its_own_request(
     e = rpc_error(lambda: run(server.port, req, timeout=300))
     other.join()
     assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
-    assert _reason_of(e) == "GRAMMAR_TOO_COSTLY"
-    assert _field_of(e) == ["constraint.grammar"]
+    assert reason_of(e) == "GRAMMAR_TOO_COSTLY"
+    assert fields_of(e) == ["constraint.grammar"]
     assert other.finished is not None, "the stream beside it failed"
     assert other.finished.reason in (infer_pb2.FINISH_REASON_STOP, infer_pb2.FINISH_REASON_LENGTH)
     print(

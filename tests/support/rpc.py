@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -176,3 +177,45 @@ def rgb_of(media: prompt_pb2.MediaChunk) -> bytes:
     from slotwise_core.images import decode_image
 
     return decode_image(media.encoded).rgb
+
+
+def fields_of(e: grpc.RpcError) -> list[str]:
+    """The request fields a failed call's BadRequest detail names."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(e)
+    assert status is not None, e.details()
+    fields: list[str] = []
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            fields += [v.field for v in bad.field_violations]
+    return fields
+
+
+def reason_of(e: grpc.RpcError) -> str:
+    """The ErrorInfo reason of a failed call ("" without one)."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(e)
+    assert status is not None, e.details()
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info.reason
+    return ""
+
+
+def streams_under_way(stub: infer_pb2_grpc.InferServiceStub, prompt: prompt_pb2.PreparedPrompt,
+                      seeds: Iterable[int], max_tokens: int) -> dict[int, Any]:  # fmt: skip
+    """Generate calls past their Started and first PrefillProgress, by the slot each took."""
+    calls = {}
+    for seed in seeds:
+        call = stub.Generate(request(prompt, max_tokens=max_tokens, seed=seed), timeout=60)
+        calls[next(call).started.slot] = call
+        assert next(call).HasField("prefill")
+    return calls
