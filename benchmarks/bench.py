@@ -272,7 +272,7 @@ class RawModel:
 
     _log_callback: Any = None
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, gpu_layers: int = 0):
         import llama_cpp
 
         self.ll = llama_cpp
@@ -287,6 +287,7 @@ class RawModel:
         params.use_extra_bufts, _ = native.extra_bufts_decision(
             native.cpu_flags(), native.amx_tile_permission
         )
+        params.n_gpu_layers = gpu_layers
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise BenchError(f"llama.cpp could not load {path}")
@@ -402,6 +403,19 @@ class RawContext:
             self.ll.llama_memory_seq_rm(self.memory, seq, -1, -1)
         return streams
 
+    def tokens(self, prompt: Sequence[int], max_tokens: int) -> Iterator[int]:
+        """Sequence 0's greedy tokens as they come, one llama_decode each."""
+        self.ll.llama_memory_seq_rm(self.memory, 0, -1, -1)
+        token, pos = self._prefill(0, prompt), len(prompt)
+        for _ in range(max_tokens):
+            if token < 0:
+                return
+            yield token
+            self._decode([(token, pos, 0, True)])
+            pos += 1
+            token, eog = self._sample(0)
+            token = -1 if eog else token
+
     def time_to_first_token(self, text: str) -> float:
         """Tokenize, prefill and sample one token, in process."""
         t0 = time.perf_counter()
@@ -494,11 +508,12 @@ class LlamaServer(Process):
         log_dir: Path,
         mmproj: Path | None = None,
         extra: Sequence[str] = (),
+        gpu_layers: int = 0,
     ):
         port = free_port()
         # like infer_service: a budget of cells per slot, full-size SWA cache
         flags = f"-c {ctx} -np {parallel} -t {threads} -tb {threads} -b 512 -ub 512 --host"
-        flags += f" 127.0.0.1 --port {port} --no-kv-unified --swa-full --no-webui"
+        flags += f" 127.0.0.1 --port {port} --no-kv-unified --swa-full --no-webui -ngl {gpu_layers}"
         argv = [binary, "-m", str(model), *flags.split(), *extra]
         if mmproj is not None:
             argv += ["--mmproj", str(mmproj)]
@@ -793,6 +808,7 @@ class Options:
     resent_turns: int = 20
     resent_tokens: int = 8
     spec_tokens: int = 300
+    gpu_layers: int = 0  # layers offloaded, every side alike (CUDA builds)
 
 
 def round_up(n: int, step: int = 256) -> int:
@@ -824,7 +840,7 @@ class Bench:
     @property
     def raw_model(self) -> RawModel:
         if self._raw_model is None:
-            self._raw_model = RawModel(self.model)
+            self._raw_model = RawModel(self.model, self.o.gpu_layers)
         return self._raw_model
 
     @property
@@ -862,6 +878,7 @@ class Bench:
         if threads:
             args += ["--threads", str(self.o.threads), "--threads-batch", str(self.o.threads)]
         args += ["--ctx-size", str(ctx), "--parallel", str(parallel), *extra]
+        args += ["--gpu-layers", str(self.o.gpu_layers)]
         svc = self.service("infer_service", args)
         try:
             stub = infer_pb2_grpc.InferServiceStub(svc.channel)
@@ -897,6 +914,7 @@ class Bench:
         srv = LlamaServer(
             self.o.llama_server, model or self.model, ctx=ctx, parallel=parallel,
             threads=self.o.threads, log_dir=self.log_dir, mmproj=mmproj, extra=extra,
+            gpu_layers=self.o.gpu_layers,
         )  # fmt: skip
         try:
             srv.wait_serving()
@@ -1755,6 +1773,9 @@ def parser() -> argparse.ArgumentParser:
         "--mmproj", type=Path, help="projector for the Prepare rows (default: tiny mrope)"
     )
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads, both sides")
+    p.add_argument(
+        "--gpu-layers", type=int, default=0, help="layers offloaded on every side (CUDA builds)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians reported")
     p.add_argument("--tokens", type=int, default=128, help="tokens per stream (max_tokens)")
     p.add_argument(
@@ -1850,6 +1871,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             resent_turns=args.resent_turns,
             resent_tokens=args.resent_tokens,
             spec_tokens=args.spec_tokens,
+            gpu_layers=args.gpu_layers,
         )
         t0 = time.monotonic()
         load0 = os.getloadavg()[0]

@@ -78,14 +78,28 @@ _MERGES: tuple[tuple[str, str], ...] = (("Ä ", "t"), ("h", "e"), ("i", "n"), ("Ä
 _SEEDS = {"mrope": 1001, "rope": 1002, "noncausal": 1003}
 _STD = 0.02
 
-# Text model size (shared by all pairs).
-_N_EMBD = 64
-_N_FF = 128
-_N_LAYER = 2
-_N_HEAD = 4
-_N_HEAD_KV = 2
-_HEAD_DIM = _N_EMBD // _N_HEAD  # 16
 _RMS_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Text:
+    """The text model's size. The default is the tiny pairs' (their projectors write into its
+    width); a wider, deeper one (``write_text_model``) makes a decode step cost what a real
+    model's does on a GPU, for figures there, with the same vocabulary."""
+
+    width: int = 64
+    ff: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+
+TINY = Text()
+_N_EMBD = TINY.width  # (the projectors' output)
 
 
 @dataclass(frozen=True)
@@ -226,15 +240,15 @@ def _write(path: Path, arch: str, add_kv: Callable[[object], None], t: _Tensors)
 # text models
 
 
-def _text_kv(arch: str, pre: str, extra: Callable[[object], None] | None = None):
+def _text_kv(arch: str, pre: str, extra: Callable[[object], None] | None = None, size: Text = TINY):
     def add(w) -> None:
         w.add_string("general.name", f"slotwise-tiny-{arch}")
         w.add_uint32(f"{arch}.context_length", CONTEXT_LENGTH)
-        w.add_uint32(f"{arch}.embedding_length", _N_EMBD)
-        w.add_uint32(f"{arch}.block_count", _N_LAYER)
-        w.add_uint32(f"{arch}.feed_forward_length", _N_FF)
-        w.add_uint32(f"{arch}.attention.head_count", _N_HEAD)
-        w.add_uint32(f"{arch}.attention.head_count_kv", _N_HEAD_KV)
+        w.add_uint32(f"{arch}.embedding_length", size.width)
+        w.add_uint32(f"{arch}.block_count", size.layers)
+        w.add_uint32(f"{arch}.feed_forward_length", size.ff)
+        w.add_uint32(f"{arch}.attention.head_count", size.heads)
+        w.add_uint32(f"{arch}.attention.head_count_kv", size.kv_heads)
         w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", _RMS_EPS)
         w.add_float32(f"{arch}.rope.freq_base", 10000.0)
         w.add_uint32(f"{arch}.vocab_size", _N_VOCAB)
@@ -245,28 +259,36 @@ def _text_kv(arch: str, pre: str, extra: Callable[[object], None] | None = None)
     return add
 
 
-def _text_tensors(seed: int, gemma: bool = False) -> _Tensors:
+def _text_tensors(seed: int, gemma: bool = False, size: Text = TINY) -> _Tensors:
     t = _Tensors(seed)
-    n_kv = _HEAD_DIM * _N_HEAD_KV
-    t.rand("token_embd.weight", _N_EMBD, _N_VOCAB)  # output.weight is tied to it
-    t.ones("output_norm.weight", _N_EMBD)
-    for i in range(_N_LAYER):
+    n, n_kv = size.width, size.head_dim * size.kv_heads
+    t.rand("token_embd.weight", n, _N_VOCAB)  # output.weight is tied to it
+    t.ones("output_norm.weight", n)
+    for i in range(size.layers):
         p = f"blk.{i}"
-        t.ones(f"{p}.attn_norm.weight", _N_EMBD)
-        t.linear(f"{p}.attn_q", _N_EMBD, _N_EMBD)
-        t.linear(f"{p}.attn_k", _N_EMBD, n_kv)
-        t.linear(f"{p}.attn_v", _N_EMBD, n_kv)
-        t.linear(f"{p}.attn_output", _N_EMBD, _N_EMBD)
-        t.ones(f"{p}.ffn_norm.weight", _N_EMBD)
-        t.linear(f"{p}.ffn_gate", _N_EMBD, _N_FF)
-        t.linear(f"{p}.ffn_up", _N_EMBD, _N_FF)
-        t.linear(f"{p}.ffn_down", _N_FF, _N_EMBD)
+        t.ones(f"{p}.attn_norm.weight", n)
+        t.linear(f"{p}.attn_q", n, n)
+        t.linear(f"{p}.attn_k", n, n_kv)
+        t.linear(f"{p}.attn_v", n, n_kv)
+        t.linear(f"{p}.attn_output", n, n)
+        t.ones(f"{p}.ffn_norm.weight", n)
+        t.linear(f"{p}.ffn_gate", n, size.ff)
+        t.linear(f"{p}.ffn_up", n, size.ff)
+        t.linear(f"{p}.ffn_down", size.ff, n)
         if gemma:
-            t.ones(f"{p}.attn_q_norm.weight", _HEAD_DIM)
-            t.ones(f"{p}.attn_k_norm.weight", _HEAD_DIM)
-            t.ones(f"{p}.post_attention_norm.weight", _N_EMBD)
-            t.ones(f"{p}.post_ffw_norm.weight", _N_EMBD)
+            t.ones(f"{p}.attn_q_norm.weight", size.head_dim)
+            t.ones(f"{p}.attn_k_norm.weight", size.head_dim)
+            t.ones(f"{p}.post_attention_norm.weight", n)
+            t.ones(f"{p}.post_ffw_norm.weight", n)
     return t
+
+
+def write_text_model(path: Path, size: Text, seed: int = 7) -> Path:
+    """A llama-architecture text model of ``size`` with the tiny vocabulary (no projector)."""
+    _write(
+        Path(path), "llama", _text_kv("llama", "gpt-2", size=size), _text_tensors(seed, size=size)
+    )
+    return Path(path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,15 @@ from llama_cpp import mtmd_cpp as M
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from PIL import Image
 
-from slotwise_core.tiny_models import ALL, CONTEXT_LENGTH, TinyPair, main, write_tiny_models
+from slotwise_core.tiny_models import (
+    ALL,
+    CONTEXT_LENGTH,
+    Text,
+    TinyPair,
+    main,
+    write_text_model,
+    write_tiny_models,
+)
 
 # read by ggml when it aborts: an abort must not start gdb
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")
@@ -141,6 +149,36 @@ def test_deterministic(tmp_path: Path) -> None:
         assert a[name].mmproj == tmp_path / "a" / name / "mmproj.gguf"
         assert a[name].model.read_bytes() == b[name].model.read_bytes()
         assert a[name].mmproj.read_bytes() == b[name].mmproj.read_bytes()
+
+
+def test_a_wider_text_model_has_its_size_and_decodes(tmp_path: Path) -> None:
+    size = Text(width=128, ff=384, layers=3, heads=8, kv_heads=2)
+    path = write_text_model(tmp_path / "wide.gguf", size)
+    model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+    assert model, "llama_model_load_from_file failed"
+    try:
+        got = (
+            L.llama_model_n_embd(model),
+            L.llama_model_n_layer(model),
+            L.llama_model_n_head(model),
+        )
+        assert got == (size.width, size.layers, size.heads)
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_threads, cp.n_threads_batch = 64, 1, 1
+        ctx = L.llama_init_from_model(model, cp)
+        assert ctx
+        try:
+            tokens = (L.llama_token * 3)(104, 105, 33)
+            assert L.llama_decode(ctx, L.llama_batch_get_one(tokens, 3)) == 0
+            logits = np.ctypeslib.as_array(
+                L.llama_get_logits_ith(ctx, -1),
+                shape=(L.llama_vocab_n_tokens(L.llama_model_get_vocab(model)),),
+            )
+            assert np.isfinite(logits).all() and logits.std() > 0
+        finally:
+            L.llama_free(ctx)
+    finally:
+        L.llama_model_free(model)
 
 
 def test_only_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
