@@ -1,7 +1,8 @@
 """The client's enums and the one table between them and the proto's enums.
 
 Each Python enum is paired with its proto enum and the prefix of that enum's value names; a
-member maps to the proto value of the same name (Policy.GAP <-> SHIFT_POLICY_GAP). Every
+member maps to the proto value of the same name (Policy.GAP <-> SHIFT_POLICY_GAP, by
+slotwise_core.enum_names, the rule every side uses). Every
 member must have its proto twin (checked on import); a proto value the client does not know
 (a newer server), or an unset one, reads as the enum's default.
 """
@@ -11,9 +12,8 @@ from __future__ import annotations
 import enum
 from typing import Any, TypeVar
 
-from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
-
 from slotwise.v1 import infer_pb2, prep_pb2
+from slotwise_core.enum_names import ProtoEnum, from_numbers, to_numbers
 
 __all__ = [
     "FinishReason",
@@ -93,7 +93,7 @@ class ToolFormat(enum.StrEnum):
 E = TypeVar("E", bound=enum.Enum)
 
 # enum -> (its proto enum, the prefix of the proto's value names, what unknown values read as)
-_PAIRS: dict[type[enum.Enum], tuple[EnumTypeWrapper, str, enum.Enum]] = {
+_PAIRS: dict[type[enum.Enum], tuple[ProtoEnum, str, enum.Enum]] = {
     Policy: (infer_pb2.ShiftPolicy, "SHIFT_POLICY_", Policy.AUTO),
     Unit: (infer_pb2.EvictionUnit, "EVICTION_UNIT_", Unit.TOKEN),
     FinishReason: (infer_pb2.FinishReason, "FINISH_REASON_", FinishReason.UNSPECIFIED),
@@ -103,12 +103,12 @@ _PAIRS: dict[type[enum.Enum], tuple[EnumTypeWrapper, str, enum.Enum]] = {
     ToolFormat: (prep_pb2.ToolFormat, "TOOL_FORMAT_", ToolFormat.UNSPECIFIED),
 }
 
+# (ValueError here: a member lost its twin)
 _TO_PB: dict[type[enum.Enum], dict[Any, int]] = {
-    kind: {m: proto.Value(prefix + m.name) for m in kind}  # ValueError here: a member lost
-    for kind, (proto, prefix, _) in _PAIRS.items()
+    kind: to_numbers(kind, proto, prefix) for kind, (proto, prefix, _) in _PAIRS.items()
 }
 _FROM_PB: dict[type[enum.Enum], dict[int, Any]] = {
-    kind: {number: member for member, number in table.items()} for kind, table in _TO_PB.items()
+    kind: from_numbers(kind, proto, prefix) for kind, (proto, prefix, _) in _PAIRS.items()
 }
 
 

@@ -34,7 +34,7 @@ from infer_service.events import (
     storage_problem,
 )
 from infer_service.executor import Ending, Executor, StepOutcome
-from infer_service.io_lanes import run_into
+from infer_service.io_lanes import run_unless_cancelled
 from infer_service.kv_view import SlotPicture, SlotState
 from infer_service.runtime import Runtime
 from infer_service.scheduler import Reservation, Scheduler, TenantLimits
@@ -49,8 +49,8 @@ from infer_service.slots import (
     SessionError,
     Slot,
     cancelled,
+    emit_best_effort,
     prompt_items,
-    safely,
     too_long,
 )
 
@@ -172,7 +172,7 @@ class Engine:
             session_bytes_written=self.sessions.bytes_written,
         )
 
-    def pictures(self) -> list[SlotPicture]:
+    def slot_pictures(self) -> list[SlotPicture]:
         """Every slot's cells as runs, and its sequence's latest shifts (on the engine thread,
         like `snapshot`); whose each slot is, for the caller to show only its own."""
         out = []
@@ -263,12 +263,14 @@ class Engine:
         for slot in self.slots:
             if slot.job:
                 job, slot.job = slot.job, None
-                safely(job.emit, Finished(FinishReason.CANCELLED, error=why.message, problem=why))
+                emit_best_effort(
+                    job.emit, Finished(FinishReason.CANCELLED, error=why.message, problem=why)
+                )
         waiting = self.scheduler.take_all()
         with self._wake:
             calls, self._calls = list(self._calls), deque()
         for job in waiting:
-            safely(job.emit, Rejected(why))
+            emit_best_effort(job.emit, Rejected(why))
         for _, future in calls:
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineStoppedError(why))
@@ -291,7 +293,7 @@ class Engine:
                 calls = list(self._calls)
                 self._calls.clear()
             for fn, future in calls:  # (one whose caller went away is skipped, never run late)
-                run_into(future, fn)
+                run_unless_cancelled(future, fn)
             ended = False
             try:
                 self._admit_waiting()
@@ -380,7 +382,7 @@ class Engine:
         sessions, first tokens to the metrics, and every request it ended to its caller (each
         on its own: one failing is not another's)."""
         for job, event in outcome.events:
-            safely(job.emit, event)
+            emit_best_effort(job.emit, event)
         for slot in outcome.shifted:
             try:
                 self.sessions.on_shift(slot)
@@ -405,7 +407,9 @@ class Engine:
         except Exception as e:  # a bug: this request hears it, the others go on
             log.exception("ending a request failed")
             why = Problem(ErrorKind.INTERNAL, f"internal error: {e}")
-            safely(ending.job.emit, Finished(FinishReason.ERROR, error=why.message, problem=why))
+            emit_best_effort(
+                ending.job.emit, Finished(FinishReason.ERROR, error=why.message, problem=why)
+            )
 
     def _settle(self, ending: Ending) -> None:
         """Tell an ended request's caller, after its session took the turn in (or rolled it

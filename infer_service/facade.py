@@ -43,15 +43,15 @@ class EngineFacade:
     async def snapshot(self) -> EngineSnapshot:
         return await self._on_engine(self._engine.snapshot)
 
-    async def pictures(self) -> list[SlotPicture]:
-        return await self._on_engine(self._engine.pictures)
+    async def slot_pictures(self) -> list[SlotPicture]:
+        return await self._on_engine(self._engine.slot_pictures)
 
     # -- session turns ------------------------------------------------------------------------
 
     async def begin_turn(self, key: str) -> SessionView:
         """The session's turn is this caller's until `end_turn_later` or the job's end; if the
         caller goes away while the engine begins it, it is ended again."""
-        await _outlived(self._sessions.sync(key))
+        await _await_disk_work(self._sessions.sync(key))
         future = self._engine.call(lambda: self._sessions.begin_turn(key).view())
         try:
             return await asyncio.wrap_future(future)
@@ -76,31 +76,31 @@ class EngineFacade:
     async def create(
         self, key: str, context: ContextConfig, sampling: SamplingConfig, title: str
     ) -> SessionView:
-        return await self._written(
+        return await self._change_and_write(
             key, lambda: self._sessions.create(key, context, sampling, title)
         )
 
     async def get(self, key: str, num_records: int = 0) -> SessionView:
-        await _outlived(self._sessions.sync(key))
+        await _await_disk_work(self._sessions.sync(key))
         return await self._on_engine(lambda: self._sessions.get(key).view(num_records))
 
     async def rename(self, key: str, title: str) -> SessionView:
-        return await self._written(key, lambda: self._sessions.rename(key, title))
+        return await self._change_and_write(key, lambda: self._sessions.rename(key, title))
 
     async def save(self, key: str) -> SessionView:
-        return await self._written(key, lambda: self._sessions.save(key))
+        return await self._change_and_write(key, lambda: self._sessions.save(key))
 
     async def restore(self, key: str) -> SessionView:
-        await _outlived(self._sessions.sync(key))
+        await _await_disk_work(self._sessions.sync(key))
         reading = await self._on_engine(lambda: self._sessions.restore(key))
-        restored: Session = await _outlived(reading)
+        restored: Session = await _await_disk_work(reading)
         return await self._on_engine(restored.view)
 
     async def delete(self, key: str) -> None:
-        await _outlived(self._sessions.sync(key))
+        await _await_disk_work(self._sessions.sync(key))
         deleted = await self._on_engine(lambda: self._sessions.delete(key))
         if deleted is not None:
-            await _outlived(deleted)
+            await _await_disk_work(deleted)
 
     async def sessions_of(self, tenant: str) -> tuple[list[SessionView], dict[str, str]]:
         """A tenant's sessions, and its broken ones with why."""
@@ -114,11 +114,11 @@ class EngineFacade:
 
         return await self._on_engine(mine)
 
-    async def _written(
+    async def _change_and_write(
         self, key: str, fn: Callable[[], tuple[Session, Future[None] | None]]
     ) -> SessionView:
         """fn on the engine thread (after a sync), its write awaited, the session's view."""
-        await _outlived(self._sessions.sync(key))
+        await _await_disk_work(self._sessions.sync(key))
 
         def call() -> tuple[SessionView, Future[None] | None]:
             session, write = fn()
@@ -126,14 +126,14 @@ class EngineFacade:
 
         view, write = await self._on_engine(call)
         if write is not None:
-            await _outlived(write)
+            await _await_disk_work(write)
         return view
 
     async def _on_engine(self, fn: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self._engine.call(fn))
 
 
-async def _outlived(future: Future[T]) -> T:
+async def _await_disk_work(future: Future[T]) -> T:
     """Wait for disk work that goes on if this caller leaves (its outcome is then dropped)."""
     waited = asyncio.wrap_future(future)
     waited.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved either way

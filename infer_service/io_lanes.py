@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def run_into(future: Future[T], fn: Callable[[], T]) -> None:
+def run_unless_cancelled(future: Future[T], fn: Callable[[], T]) -> None:
     """Run fn for future's waiter, unless the waiter gave up first (cancelled it)."""
     if not future.set_running_or_notify_cancel():
         return
@@ -61,7 +61,7 @@ class Lanes:
                     del self._queued[key]  # (the next submit for key starts a new drain)
                     return
                 fn, future = queue.popleft()
-            run_into(future, fn)
+            run_unless_cancelled(future, fn)
 
     def shutdown(self) -> None:
         """Wait for what was submitted (every lane drains), then stop the threads."""

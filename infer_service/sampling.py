@@ -34,11 +34,11 @@ from infer_service.runtime import Runtime, SamplingConfig
 from infer_service.text_stream import utf8_tail
 from slotwise_core.grammar_limits import LimitError, check_grammar
 from slotwise_core.json_grammar import json_schema_to_gbnf
+from slotwise_core.limits import MAX_TOP_LOGPROBS
 from slotwise_core.native import NativeError
 
 T = TypeVar("T")
 
-MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries: OpenAI allows 300
 MAX_TRIGGER_PATTERNS = 16
 MAX_TRIGGER_LENGTH = 256  # characters of a pattern

@@ -58,6 +58,7 @@ from infer_service.wire import (
 )
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.descriptors import PreparedPrompt
+from slotwise_core.limits import DEFAULT_WATCH_MS, MIN_WATCH_MS
 from slotwise_core.native import NativeError
 from slotwise_core.serving import current_tenant
 
@@ -67,7 +68,6 @@ log = logging.getLogger("slotwise.infer")
 T = TypeVar("T")
 access = logging.getLogger("slotwise.access")
 
-DEFAULT_WATCH_MS, MIN_WATCH_MS = 250, 100
 MAX_WATCHES, MAX_WATCHES_PER_TENANT = 16, 4  # each costs a look between engine steps
 
 
@@ -354,7 +354,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             last = None
             while not self.draining.is_set():
                 try:
-                    view = slots_pb(self.rt, await self.engine.pictures(), tenant)
+                    view = slots_pb(self.rt, await self.engine.slot_pictures(), tenant)
                 except ProblemError:
                     raise
                 except Exception as e:  # a bug in the look: this watch ends, reported

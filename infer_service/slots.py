@@ -230,7 +230,7 @@ def resolve(future: Future[T], result: T | None = None, error: BaseException | N
     return True
 
 
-def safely(emit: Callable[[Event], None], event: Event) -> None:
+def emit_best_effort(emit: Callable[[Event], None], event: Event) -> None:
     """Tell a caller that may already be gone (its loop closed): that must not stop us."""
     try:
         emit(event)

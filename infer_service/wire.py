@@ -4,22 +4,21 @@ domain values (`GenerateParams.from_pb`, raising one ProblemError that names the
 values into answers, and a ProblemError raised anywhere in a handler into the call's status
 (`answering`), once.
 
-An enum maps by name: a domain member maps to the proto value of the same name after the
-enum's prefix (Policy.GAP <-> SHIFT_POLICY_GAP); a member without its twin fails at import.
+An enum maps by name (slotwise_core.enum_names): a domain member maps to the proto value of the
+same name after the enum's prefix (Policy.GAP <-> SHIFT_POLICY_GAP); a member without its twin
+fails at import.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import inspect
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import singledispatch
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
-from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from infer_service.drafting import SpecConfig, SpecType
 from infer_service.events import (
@@ -46,32 +45,31 @@ from infer_service.sessions import SessionView, public_id, scoped
 from infer_service.slots import TenantStats
 from slotwise.v1 import infer_pb2
 from slotwise_core.descriptors import DescriptorError, PreparedPrompt, TextChunk
+from slotwise_core.enum_names import from_numbers, to_numbers
+from slotwise_core.limits import (
+    MAX_CACHE_SALT,
+    MAX_DRAFTS,
+    MAX_NGRAM,
+    MAX_TITLE_CHARS,
+    MAX_TOKENS,
+    MAX_TURN_NOTE,
+)
 from slotwise_core.serving import abort
 
-E = TypeVar("E", bound=enum.Enum)
-
-
-def by_name(domain: type[E], proto: EnumTypeWrapper, prefix: str) -> dict[E, int]:
-    return {m: proto.Value(prefix + m.name) for m in domain}
-
-
-POLICY_TO_PB = by_name(Policy, infer_pb2.ShiftPolicy, "SHIFT_POLICY_")
-UNIT_TO_PB = by_name(EvictionUnit, infer_pb2.EvictionUnit, "EVICTION_UNIT_")
-FINISH_REASON_TO_PB = by_name(FinishReason, infer_pb2.FinishReason, "FINISH_REASON_")
-PERSISTENCE_TO_PB = by_name(Persistence, infer_pb2.Persistence, "PERSISTENCE_")
-CELL_KIND_TO_PB = by_name(CellKind, infer_pb2.CellKind, "CELL_KIND_")
-SLOT_STATE_TO_PB = by_name(SlotState, infer_pb2.SlotState, "SLOT_STATE_")
-SPEC_TYPE_TO_PB = by_name(SpecType, infer_pb2.SpecType, "SPEC_TYPE_")
-SPEC_TYPES: Mapping[int, SpecType] = {v: k for k, v in SPEC_TYPE_TO_PB.items()}
+POLICY_TO_PB = to_numbers(Policy, infer_pb2.ShiftPolicy, "SHIFT_POLICY_")
+UNIT_TO_PB = to_numbers(EvictionUnit, infer_pb2.EvictionUnit, "EVICTION_UNIT_")
+FINISH_REASON_TO_PB = to_numbers(FinishReason, infer_pb2.FinishReason, "FINISH_REASON_")
+PERSISTENCE_TO_PB = to_numbers(Persistence, infer_pb2.Persistence, "PERSISTENCE_")
+CELL_KIND_TO_PB = to_numbers(CellKind, infer_pb2.CellKind, "CELL_KIND_")
+SLOT_STATE_TO_PB = to_numbers(SlotState, infer_pb2.SlotState, "SLOT_STATE_")
+SPEC_TYPES: Mapping[int, SpecType] = from_numbers(SpecType, infer_pb2.SpecType, "SPEC_TYPE_")
 # requests: an unset policy or unit means the default
-POLICIES: Mapping[int, Policy] = {
-    infer_pb2.SHIFT_POLICY_UNSPECIFIED: Policy.AUTO,
-    **{v: k for k, v in POLICY_TO_PB.items()},
-}
-UNITS: Mapping[int, EvictionUnit] = {
-    infer_pb2.EVICTION_UNIT_UNSPECIFIED: EvictionUnit.TOKEN,
-    **{v: k for k, v in UNIT_TO_PB.items()},
-}
+POLICIES: Mapping[int, Policy] = from_numbers(
+    Policy, infer_pb2.ShiftPolicy, "SHIFT_POLICY_", unset=Policy.AUTO
+)
+UNITS: Mapping[int, EvictionUnit] = from_numbers(
+    EvictionUnit, infer_pb2.EvictionUnit, "EVICTION_UNIT_", unset=EvictionUnit.TOKEN
+)
 CODES = {kind: getattr(grpc.StatusCode, kind.value) for kind in ErrorKind}
 
 
@@ -162,19 +160,14 @@ def _logprobs_pb(lp: TokenLogprobs) -> infer_pb2.TokenLogprobs:
 @dataclass(frozen=True)
 class GenerateLimits:
     default_max_tokens: int = 1024
-    max_tokens: int = 1 << 20
+    max_tokens: int = MAX_TOKENS
     max_stop_strings: int = 16
     max_stop_chars: int = 1000  # of each (every token's text is searched for each)
     speculative: SpecConfig = SpecConfig()  # what a request leaves unset (--spec-*)
     draft_model: bool = False  # whether a draft model is loaded (--model-draft)
 
 
-MAX_TURN_NOTE = 64 << 10
-MAX_CACHE_SALT = 256
 MAX_STREAM_TOKENS = 256
-MAX_DRAFTS = 64  # per step: a slot's drafts take that much of the step's batch at most
-MAX_NGRAM = 64
-MAX_TITLE_CHARS = 200
 
 
 def bad_request(message: str, field: str = "") -> ProblemError:

@@ -22,7 +22,10 @@ class TemplateError(ValueError):
 
 
 @dataclass(frozen=True)
-class Turn:
+class TemplateMessage:
+    """One message as the chat template is given it (`as_message`): a chat message's text with
+    its media markers, and its tool calls and results in the template's own form."""
+
     role: str
     content: str  # text with media markers where the images go
     tool_calls: tuple[dict[str, Any], ...] = ()  # assistant: as templates read them
@@ -47,11 +50,13 @@ class _Template:
     source: str | None = None  # a Jinja template's text (its tool format is read from it)
 
     def render(
-        self, turns: Sequence[Turn], *, add_generation_prompt: bool, tools: Tools = None
+        self, turns: Sequence[TemplateMessage], *, add_generation_prompt: bool, tools: Tools = None
     ) -> str:
         raise NotImplementedError
 
-    def pieces(self, turns: Sequence[Turn], tools: Tools = None) -> tuple[list[str], list[int]]:
+    def pieces(
+        self, turns: Sequence[TemplateMessage], tools: Tools = None
+    ) -> tuple[list[str], list[int]]:
         """The rendered conversation cut at message boundaries, and who holds each message.
 
         Piece i is what message i adds to the prompt; the last piece is the generation prompt.
@@ -107,7 +112,7 @@ class ChatTemplate(_Template):
         self._eos = eos_token
 
     def render(
-        self, turns: Sequence[Turn], *, add_generation_prompt: bool, tools: Tools = None
+        self, turns: Sequence[TemplateMessage], *, add_generation_prompt: bool, tools: Tools = None
     ) -> str:
         extra = {"tools": tools} if tools else {}  # (absent, as without tools: `is defined`)
         try:
@@ -135,7 +140,7 @@ class BuiltinTemplate(_Template):
         self.name = name
 
     def render(
-        self, turns: Sequence[Turn], *, add_generation_prompt: bool, tools: Tools = None
+        self, turns: Sequence[TemplateMessage], *, add_generation_prompt: bool, tools: Tools = None
     ) -> str:
         assert not tools, "built-in templates show no tools (prep_service.tools writes them)"
         roles = [t.role.encode() for t in turns]

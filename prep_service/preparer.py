@@ -10,7 +10,7 @@ from typing import Any
 
 import llama_cpp
 
-from prep_service.chat import ROLES, BuiltinTemplate, TemplateError, Turn, load_template
+from prep_service.chat import ROLES, BuiltinTemplate, TemplateError, TemplateMessage, load_template
 from prep_service.tools import (
     JSON,
     Choice,
@@ -282,7 +282,7 @@ class Preparer:
                     text.append(part)
                 else:
                     text.append(self.marker)
-            turns.append(self._turn(message, "".join(text)))
+            turns.append(self._template_message(message, "".join(text)))
             images.append([p for p in message.parts if isinstance(p, ImageRef)])
         if self.template is None:
             raise UnsupportedError(
@@ -330,8 +330,8 @@ class Preparer:
         return [s for s in segments if s.text]
 
     def _render(
-        self, turns: list[Turn], tools: list[dict[str, Any]] | None, prompt: str
-    ) -> tuple[list[tuple[Turn, list[int]]], list[str], list[int]]:
+        self, turns: list[TemplateMessage], tools: list[dict[str, Any]] | None, prompt: str
+    ) -> tuple[list[tuple[TemplateMessage, list[int]]], list[str], list[int]]:
         """The turns as the template takes them, each with the messages it renders, and the
         pieces. A tool prompt (templates without tools) is a system message of its own, or the
         start of the first one; templates that refuse that, or consecutive messages of one role
@@ -345,7 +345,7 @@ class Preparer:
             ]
         elif prompt:
             first = replace(turns[0], content=f"{prompt}\n\n{turns[0].content}")
-            plans = [[(Turn("system", prompt), []), *plan], [(first, [0]), *plan[1:]]]
+            plans = [[(TemplateMessage("system", prompt), []), *plan], [(first, [0]), *plan[1:]]]
         plans += [merged for p in plans if (merged := _merge_runs(p)) != p]
         error: TemplateError | None = None
         for candidate in plans:
@@ -357,17 +357,19 @@ class Preparer:
         assert error is not None
         raise error
 
-    def _turn(self, message: Message, content: str) -> Turn:
+    def _template_message(self, message: Message, content: str) -> TemplateMessage:
         """A message as the template is given it: tool calls and results in the template's
         own form, or (templates without tools) as the JSON text the generic format uses."""
         fmt = self.tool_format
         if fmt is ToolFormat.JSON:
             if message.role == "tool":
-                return Turn("user", json_result_text(message.name, message.tool_call_id, content))
+                return TemplateMessage(
+                    "user", json_result_text(message.name, message.tool_call_id, content)
+                )
             if message.tool_calls:
                 written = json_call_text(message.tool_calls)
-                return Turn("assistant", f"{content}\n{written}" if content else written)
-            return Turn(message.role, content)
+                return TemplateMessage("assistant", f"{content}\n{written}" if content else written)
+            return TemplateMessage(message.role, content)
         calls: tuple[dict[str, Any], ...] = tuple(
             {
                 "id": call_id(fmt, c.id),
@@ -376,14 +378,16 @@ class Preparer:
             }
             for c in message.tool_calls
         )
-        return Turn(message.role, content, calls, call_id(fmt, message.tool_call_id), message.name)
+        return TemplateMessage(
+            message.role, content, calls, call_id(fmt, message.tool_call_id), message.name
+        )
 
     def _continuation(
         self,
-        turns: list[Turn],
+        turns: list[TemplateMessage],
         segments: list[_Segment],
         first: int,
-        head: list[Turn],
+        head: list[TemplateMessage],
         tools: list[dict] | None = None,
     ) -> list[_Segment]:
         """Segments of messages[first:], for a session that holds everything before (head:
@@ -530,9 +534,11 @@ def _media(c: native.RawChunk, image: ImageRef, msg: int, group: int) -> MediaCh
     )
 
 
-def _merge_runs(plan: list[tuple[Turn, list[int]]]) -> list[tuple[Turn, list[int]]]:
+def _merge_runs(
+    plan: list[tuple[TemplateMessage, list[int]]],
+) -> list[tuple[TemplateMessage, list[int]]]:
     """Consecutive user (or assistant) turns as one, their contents joined."""
-    out: list[tuple[Turn, list[int]]] = []
+    out: list[tuple[TemplateMessage, list[int]]] = []
     for turn, sources in plan:
         if out and out[-1][0].role == turn.role and turn.role in ("user", "assistant"):
             last, last_sources = out[-1]

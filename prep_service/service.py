@@ -26,6 +26,7 @@ from prep_service.tools import Choice, Tool, ToolCall, ToolFormat, Tools
 from slotwise.v1 import prep_pb2, prep_pb2_grpc
 from slotwise_core import native
 from slotwise_core.descriptors import MediaChunk
+from slotwise_core.enum_names import from_numbers, to_numbers
 from slotwise_core.images import (
     DEFAULT_MAX_PIXELS,
     DEFAULT_MAX_TOTAL_PIXELS,
@@ -38,19 +39,8 @@ from slotwise_core.serving import abort, current_tenant
 
 log = logging.getLogger("slotwise.prep")
 
-_FORMATS = {
-    ToolFormat.JSON: prep_pb2.TOOL_FORMAT_JSON,
-    ToolFormat.HERMES: prep_pb2.TOOL_FORMAT_HERMES,
-    ToolFormat.LLAMA3: prep_pb2.TOOL_FORMAT_LLAMA3,
-    ToolFormat.MISTRAL: prep_pb2.TOOL_FORMAT_MISTRAL,
-}
-_CHOICES = {
-    prep_pb2.TOOL_CHOICE_UNSPECIFIED: Choice.AUTO,
-    prep_pb2.TOOL_CHOICE_AUTO: Choice.AUTO,
-    prep_pb2.TOOL_CHOICE_NONE: Choice.NONE,
-    prep_pb2.TOOL_CHOICE_REQUIRED: Choice.REQUIRED,
-    prep_pb2.TOOL_CHOICE_FUNCTION: Choice.FUNCTION,
-}
+_FORMATS = to_numbers(ToolFormat, prep_pb2.ToolFormat, "TOOL_FORMAT_")
+_CHOICES = from_numbers(Choice, prep_pb2.ToolChoice, "TOOL_CHOICE_", unset=Choice.AUTO)
 
 T = TypeVar("T")
 

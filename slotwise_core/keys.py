@@ -112,6 +112,20 @@ class Keys:
         return True
 
 
+def callers(keys: Keys | None, token: str | None) -> Keys | None:
+    """Who may call: the keys file, else one token (tenant default), else anyone (None)."""
+    if keys is not None:
+        return keys
+    return Keys(text=token) if token else None
+
+
+def bearer(authorization: str) -> str | None:
+    """The key an `authorization: Bearer KEY` header presents (None for another scheme)."""
+    if not authorization.startswith("Bearer "):
+        return None
+    return authorization.removeprefix("Bearer ").strip()
+
+
 _WATCHED: list[Keys] = []
 
 

@@ -24,7 +24,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from slotwise_core.keys import DEFAULT_TENANT, Keys, reload_on_sighup
+from slotwise_core.keys import DEFAULT_TENANT, Keys, bearer, callers, reload_on_sighup
 from slotwise_core.metrics import ServiceMetrics
 
 log = logging.getLogger("slotwise")
@@ -122,7 +122,7 @@ async def create_server(
 
     Register servicers with `server.server` before calling `start()`; see `start_server`.
     """
-    keys = security.callers() if security else None
+    keys = callers(security.keys, security.token) if security else None
     edge = EdgeInterceptor(keys=keys, metrics=metrics)
     server = grpc.aio.server(
         interceptors=[edge],
@@ -332,8 +332,7 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
 def _bearer(details: grpc.HandlerCallDetails) -> str | None:
     for key, value in details.invocation_metadata or ():
         if key == "authorization":
-            text = value.decode(errors="replace") if isinstance(value, bytes) else value
-            return text.removeprefix("Bearer ").strip() if text.startswith("Bearer ") else None
+            return bearer(value.decode(errors="replace") if isinstance(value, bytes) else value)
     return None
 
 
@@ -406,11 +405,6 @@ class Security:
     client_ca: Path | None = None
     token: str | None = None
     keys: Keys | None = None
-
-    def callers(self) -> Keys | None:
-        if self.keys is not None:
-            return self.keys
-        return Keys(text=self.token) if self.token else None
 
     def credentials(self) -> grpc.ServerCredentials | None:
         if self.cert is None and self.key is None:

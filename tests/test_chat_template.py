@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from prep_service.chat import BuiltinTemplate, Turn, builtin_template_names
+from prep_service.chat import BuiltinTemplate, TemplateMessage, builtin_template_names
 from prep_service.preparer import Message, Preparer, UnsupportedError
 from slotwise_core.tiny_models import CHAT_TEMPLATE, TinyPair
 
@@ -51,7 +51,7 @@ def test_a_builtin_name_renders_as_llama_cpp_does(tiny: dict[str, TinyPair], unt
     finally:
         own.close()
         named.close()
-    gemma = BuiltinTemplate("gemma").pieces([Turn("user", "hi")])
+    gemma = BuiltinTemplate("gemma").pieces([TemplateMessage("user", "hi")])
     assert gemma == (["<start_of_turn>user\nhi<end_of_turn>\n", "<start_of_turn>model\n"], [0])
 
 

@@ -697,7 +697,9 @@ import sys
 from concurrent import futures
 
 BLOCKED = {"PIL", "numpy", "llama_cpp", "gguf", "prep_service", "infer_service", "slotwise_core"}
-SHARED = {"slotwise_core", "slotwise_core.keys", "slotwise_core.limits"}  # stdlib only
+SHARED = {
+    "slotwise_core", "slotwise_core.keys", "slotwise_core.limits", "slotwise_core.enum_names"
+}  # stdlib only
 
 
 class Absent:  # as if these were not installed

@@ -51,7 +51,7 @@ def test_another_tenant_sees_a_state_only_at_every_step(tenancy) -> None:  # noq
 
     def step(slots: Any) -> Any:  # (on the engine thread: where WatchSlots looks)
         outcome = real_step(slots)
-        for p in engine.pictures():
+        for p in engine.slot_pictures():
             other = "globex" if p.tenant == "acme" else "acme"
             seen.append((p, slot_view(p, other)))
         return outcome

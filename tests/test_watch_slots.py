@@ -234,10 +234,10 @@ def test_a_look_that_fails_ends_the_watch_as_internal(prep_servers, infer_server
     def broken() -> None:
         raise RuntimeError("a bug in the look")
 
-    server.engine.pictures = broken
+    server.engine.slot_pictures = broken
     with client_of(prep_servers("rope"), server.port) as c:
         with pytest.raises(SlotwiseError) as err:
             view_now(c)
         assert err.value.code() == grpc.StatusCode.INTERNAL and "a bug" in err.value.message
-        del server.engine.pictures  # the engine serves on
+        del server.engine.slot_pictures  # the engine serves on
         assert len(view_now(c).slots) == 1

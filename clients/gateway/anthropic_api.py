@@ -12,26 +12,27 @@ import base64
 import binascii
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from clients.client import (
     AsyncSlotwiseClient,
     Constraint,
     Message,
-    SlotwiseError,
     Tool,
     ToolCall,
     ToolChoice,
     ToolOptions,
 )
-from clients.gateway.errors import ApiError, bad_request, from_slotwise
-from clients.gateway.media import MediaPolicy, check_image_count, image_bytes
-from clients.gateway.schema import MAX_TOKENS, SlotwiseOptions
-from clients.gateway.turns import Keep, Text, TurnEnd, TurnRequest, refuse, start_turn
+from clients.gateway import options, sse
+from clients.gateway.errors import ApiError, bad_request, call
+from clients.gateway.media import MediaPolicy, check_images, image_bytes
+from clients.gateway.schema import SlotwiseOptions
+from clients.gateway.turns import Text, TurnEnd, TurnRequest, refuse, start_turn
+from slotwise_core.limits import MAX_TOKENS
 
 # Anthropic's error types by HTTP status
 _TYPES = {
@@ -110,13 +111,7 @@ def _system_text(system: str | list[dict[str, Any]] | None) -> str:
 async def _messages(
     body: MessagesRequest | CountRequest, media: MediaPolicy, *, sizes: bool = False
 ) -> list[Message]:
-    images = sum(
-        block.get("type") == "image"
-        for m in body.messages
-        if isinstance(m.content, list)
-        for block in m.content
-    )
-    check_image_count(images, media, "messages")
+    check_images((m.content for m in body.messages), _is_image, media, "messages")
     out: list[Message] = []
     system = _system_text(body.system)
     if system:
@@ -166,6 +161,10 @@ async def _messages(
     return out
 
 
+def _is_image(block: dict[str, Any]) -> bool:
+    return block.get("type") == "image"
+
+
 async def _image(source: dict[str, Any], media: MediaPolicy, where: str) -> bytes:
     kind = source.get("type")
     if kind == "base64":
@@ -181,26 +180,24 @@ async def _image(source: dict[str, Any], media: MediaPolicy, where: str) -> byte
     raise refuse(f"{where}.source.type", f"{kind!r} is not an image source served here")
 
 
+_CHOICES = {"auto": ToolChoice.AUTO, "none": ToolChoice.NONE, "any": ToolChoice.REQUIRED}
+
+
 def _tools(body: MessagesRequest | CountRequest) -> ToolOptions | None:
-    if not body.tools:
-        if body.tool_choice and body.tool_choice.get("type") not in ("auto", "none"):
-            raise bad_request("tool_choice needs tools", "tool_choice")
-        return None
-    for i, t in enumerate(body.tools):
+    for i, t in enumerate(body.tools or ()):
         if t.type not in (None, "custom"):
             raise refuse(f"tools.{i}", f"{t.type!r} (a server tool) is not served here")
-    defs = [Tool(t.name, t.description, t.input_schema) for t in body.tools]
+    defs = [Tool(t.name, t.description, t.input_schema) for t in body.tools or ()]
     choice = body.tool_choice or {"type": "auto"}
     # (disabling is Anthropic's only say: else as the format allows)
     parallel = False if choice.get("disable_parallel_tool_use") else None
-    kind = choice.get("type")
-    if kind in ("auto", "none"):
-        return ToolOptions(defs, ToolChoice(kind), parallel=parallel)
-    if kind == "any":
-        return ToolOptions(defs, ToolChoice.REQUIRED, parallel=parallel)
-    if kind == "tool" and choice.get("name"):
-        return ToolOptions(defs, ToolChoice.FUNCTION, str(choice["name"]), parallel)
-    raise bad_request(f"tool_choice {choice!r} is not one this server knows", "tool_choice")
+    kind, name = choice.get("type"), choice.get("name")
+    if kind == "tool" and name:
+        return options.tool_options(
+            defs, ToolChoice.FUNCTION, choice, name=str(name), parallel=parallel
+        )
+    known = _CHOICES.get(kind) if isinstance(kind, str) else None
+    return options.tool_options(defs, known, choice, parallel=parallel)
 
 
 class Messages:
@@ -224,13 +221,8 @@ class Messages:
             max_tokens=body.max_tokens,
             stop=body.stop_sequences or (),
             sampling={"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k},
-            context={
-                "policy": o.policy,
-                "discard_fraction": o.discard_fraction,
-                "unit": o.unit,
-                "truncate_prompt": o.truncate,
-            },
-            keep=Keep(o.keep if isinstance(o.keep, int) else None),
+            context=options.context_of(o),
+            keep=options.keep_of(o),
             tools=_tools(body),
             constraint=Constraint(json_schema=fmt["schema"]) if fmt is not None else None,
             constraint_param="output_config.format",
@@ -240,16 +232,12 @@ class Messages:
         turn, _ = await start_turn(self.client, req)
         mid = f"msg_{uuid.uuid4().hex}"
         if body.stream:
-            return StreamingResponse(
-                self._stream(turn.events(), mid), media_type="text/event-stream"
-            )
+            return sse.response(self._stream(turn.events(), mid))
         return JSONResponse(self._message(mid, await turn.whole()))
 
     async def count_tokens(self, body: CountRequest) -> dict[str, int]:
-        try:
-            counted = await self.client.count(await _messages(body, self.media), tools=_tools(body))
-        except SlotwiseError as e:
-            raise from_slotwise(e) from None
+        messages = await _messages(body, self.media)
+        counted = await call(self.client.count(messages, tools=_tools(body)))
         return {"input_tokens": counted.num_cells}
 
     def _message(self, mid: str, end: TurnEnd) -> dict[str, Any]:
@@ -269,10 +257,9 @@ class Messages:
             "usage": _usage(end),
         }
 
-    async def _stream(self, events: AsyncIterator[Text | TurnEnd], mid: str) -> AsyncIterator[str]:
-        def sse(kind: str, **data: Any) -> str:
-            return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
-
+    async def _stream(
+        self, events: AsyncIterator[Text | TurnEnd], mid: str
+    ) -> AsyncGenerator[str, None]:
         start: dict[str, Any] = {
             "id": mid,
             "type": "message",
@@ -283,7 +270,7 @@ class Messages:
             "stop_sequence": None,
             "usage": {"input_tokens": 0, "output_tokens": 0},
         }
-        yield sse("message_start", message=start)
+        yield sse.event("message_start", message=start)
         text_open = False
         index = 0
         try:
@@ -292,40 +279,40 @@ class Messages:
                     if not e.text:
                         continue
                     if not text_open:
-                        yield sse(
+                        yield sse.event(
                             "content_block_start",
                             index=index,
                             content_block={"type": "text", "text": ""},
                         )
                         text_open = True
-                    yield sse(
+                    yield sse.event(
                         "content_block_delta",
                         index=index,
                         delta={"type": "text_delta", "text": e.text},
                     )
                     continue
                 if text_open:
-                    yield sse("content_block_stop", index=index)
+                    yield sse.event("content_block_stop", index=index)
                     index += 1
                 for call in e.calls:
                     block = {**_tool_use(call), "input": {}}
-                    yield sse("content_block_start", index=index, content_block=block)
-                    yield sse(
+                    yield sse.event("content_block_start", index=index, content_block=block)
+                    yield sse.event(
                         "content_block_delta",
                         index=index,
                         delta={"type": "input_json_delta", "partial_json": call.arguments},
                     )
-                    yield sse("content_block_stop", index=index)
+                    yield sse.event("content_block_stop", index=index)
                     index += 1
                 stop_reason, stop_sequence = _stop(e)
-                yield sse(
+                yield sse.event(
                     "message_delta",
                     delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                     usage=_usage(e),
                 )
-                yield sse("message_stop")
+                yield sse.event("message_stop")
         except ApiError as err:
-            yield sse(
+            yield sse.event(
                 "error", error={"type": _TYPES.get(err.status, "api_error"), "message": err.message}
             )
 

@@ -31,7 +31,7 @@ from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from clients.client import AsyncSlotwiseClient
 from clients.gateway import anthropic_api, llama_server_api, media, openai_api
 from clients.gateway.anthropic_api import CountRequest, Messages, MessagesRequest
-from clients.gateway.errors import ApiError, bad_request
+from clients.gateway.errors import ApiError, invalid
 from clients.gateway.llama_options import native_error, read_body
 from clients.gateway.llama_server_api import LlamaServer
 from clients.gateway.llama_slots import Slots
@@ -40,7 +40,7 @@ from clients.gateway.responses_api import Responses, ResponsesRequest
 from clients.gateway.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from clients.gateway.turns import conversation_key
 from clients.gateway.ui_api import add_ui, is_open_path
-from slotwise_core.keys import Keys, reload_on_sighup
+from slotwise_core.keys import Keys, bearer, callers, reload_on_sighup
 
 __all__ = ["GatewayConfig", "conversation_key", "create_app"]
 
@@ -64,20 +64,15 @@ class GatewayConfig:
     ui: bool = True  # the web page at / (its API under /slotwise/ is there either way)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # 413 beyond: nothing larger is read in
 
-    def callers(self) -> Keys | None:
-        if self.api_keys is not None:
-            return self.api_keys
-        return Keys(text=self.api_key) if self.api_key else None
-
 
 def create_app(config: GatewayConfig) -> FastAPI:
-    keys = config.callers()
+    keys = callers(config.api_keys, config.api_key)
     clients: dict[str | None, AsyncSlotwiseClient] = {}  # by the caller's key (few: the file's)
     closing = asyncio.Event()  # set when the server stops: long streams end (ui_api)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if keys is not None and keys.path is not None:
+        if keys is not None:
             reload_on_sighup(keys)
         yield
         for c in clients.values():
@@ -176,12 +171,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return error(request.url.path, too_big)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        where = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(where) or None
-        message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
-        return error(request.url.path, bad_request(message, param))
+    async def unreadable(request: Request, e: RequestValidationError) -> JSONResponse:
+        return error(request.url.path, invalid(e.errors()))
 
     def route(method: str, path: str) -> Callable[[Any], Any]:
         """Both /v1{path} and {path}."""
@@ -364,10 +355,8 @@ _CALLER_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar("caller
 
 def _presented_key(request: Request) -> str | None:
     """`Authorization: Bearer KEY` or `x-api-key: KEY` (Keys compares in constant time)."""
-    bearer = request.headers.get("authorization", "")
-    if bearer.startswith("Bearer "):
-        return bearer.removeprefix("Bearer ").strip()
-    return request.headers.get("x-api-key") or None
+    key = bearer(request.headers.get("authorization", ""))
+    return key if key is not None else request.headers.get("x-api-key") or None
 
 
 def _model_card(name: str) -> dict[str, object]:

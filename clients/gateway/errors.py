@@ -9,12 +9,17 @@ full (with Retry-After), 503 while loading or draining. Bad input never gets a 5
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import grpc
 from fastapi.responses import JSONResponse
 
 from clients.client import SlotwiseError
+
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -55,6 +60,15 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
+def invalid(errors: Sequence[Mapping[str, Any]], *where: str) -> ApiError:
+    """A body's first validation error (pydantic's `errors()`), naming its field: `where` (the
+    part of the body that was validated), then pydantic's path within it."""
+    first = errors[0] if errors else {}
+    path = [*where, *(str(x) for x in first.get("loc", ()) if x != "body")]
+    param = ".".join(path) or None
+    return bad_request(f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
+
+
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
@@ -84,3 +98,18 @@ def from_slotwise(e: SlotwiseError) -> ApiError:
     return ApiError(status, e.message, type=kind, code=code, param=param,
                     retry_after=e.retry_delay if status == 429 else None,
                     metadata=dict(e.metadata))  # fmt: skip
+
+
+@contextlib.contextmanager
+def translated() -> Iterator[None]:
+    """The services' refusals within (SlotwiseError), raised as the API's errors."""
+    try:
+        yield
+    except SlotwiseError as e:
+        raise from_slotwise(e) from None
+
+
+async def call(awaitable: Awaitable[T]) -> T:
+    """A call of the services, a refusal raised as the API's error."""
+    with translated():
+        return await awaitable

@@ -17,9 +17,11 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from clients.client import SpecType, Speculative
-from clients.gateway.errors import ApiError
-from clients.gateway.schema import MAX_TOKENS, SlotwiseOptions, SpeculativeOptions
+from clients.client import Speculative
+from clients.gateway.errors import ApiError, invalid
+from clients.gateway.options import speculative_of
+from clients.gateway.schema import MAX_N, SlotwiseOptions
+from slotwise_core.limits import MAX_TOKENS, MAX_TOP_LOGPROBS
 
 # llama-server's error types by HTTP status (format_error_response)
 ERROR_TYPES = {
@@ -301,24 +303,6 @@ def bias_texts(value: Any) -> list[str]:
     return [p[0] for p in pairs if isinstance(p, list) and p and isinstance(p[0], str)]
 
 
-def _speculative(body: dict[str, Any]) -> Speculative | None:
-    nested = body.get("speculative")
-    flat = {
-        k.removeprefix("speculative."): v for k, v in body.items() if k.startswith("speculative.")
-    }
-    if nested is None and not flat:
-        return None
-    try:
-        o = SpeculativeOptions.model_validate({**(nested or {}), **flat})
-    except ValidationError as e:
-        first = e.errors()[0]
-        raise bad(f"speculative.{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
-    return Speculative(
-        o.type or SpecType.UNSPECIFIED, o.n_max, o.n_min, o.p_min, o.ngram_size_n, o.ngram_size_m,
-        o.ngram_min_hits,
-    )  # fmt: skip
-
-
 def settings_of(body: dict[str, Any], tokenized: dict[str, list[int]]) -> Settings:
     """A /completion body's options, with llama-server's defaults; refused by name when
     slotwise cannot honour them."""
@@ -366,8 +350,8 @@ def settings_of(body: dict[str, Any], tokenized: dict[str, list[int]]) -> Settin
     s.ignore_eos = get(body, "ignore_eos", "boolean", False)
     s.stream = get(body, "stream", "boolean", False)
     s.n_probs = get(body, "n_probs", "integer", 0)
-    if not 0 <= s.n_probs <= 20:
-        raise bad("n_probs: slotwise gives at most the 20 most likely tokens")
+    if not 0 <= s.n_probs <= MAX_TOP_LOGPROBS:
+        raise bad(f"n_probs: slotwise gives at most the {MAX_TOP_LOGPROBS} most likely tokens")
     s.grammar = get(body, "grammar", "string", "")
     s.json_schema = body.get("json_schema")
     if s.json_schema is not None and not isinstance(s.json_schema, dict):
@@ -380,15 +364,14 @@ def settings_of(body: dict[str, Any], tokenized: dict[str, list[int]]) -> Settin
     s.cache_prompt = get(body, "cache_prompt", "boolean", True)
     s.id_slot = get(body, "id_slot", "integer", -1)
     s.n_cmpl = get(body, "n_cmpl", "integer", get(body, "n", "integer", 1))
-    if not 1 <= s.n_cmpl <= 8:
-        raise bad("n_cmpl: 1 to 8 completions")
+    if not 1 <= s.n_cmpl <= MAX_N:
+        raise bad(f"n_cmpl: 1 to {MAX_N} completions")
     s.response_fields = get(body, "response_fields", "array", [])
     if "logit_bias" in body and body["logit_bias"] is not None:
         s.logit_bias = _logit_bias(body["logit_bias"], tokenized)
-    s.speculative = _speculative(body)
+    s.speculative = speculative_of(body.get("speculative"), body)
     try:
         s.slotwise = SlotwiseOptions.model_validate(body.get("slotwise") or {})
     except ValidationError as e:
-        first = e.errors()[0]
-        raise bad(f"slotwise.{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        raise invalid(e.errors(), "slotwise") from None
     return s

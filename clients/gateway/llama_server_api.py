@@ -16,19 +16,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
+import contextlib
 import math
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from clients.client import (
     AsyncSlotwiseClient,
-    Constraint,
     FinishReason,
     Message,
     ModelInfo,
@@ -37,7 +36,9 @@ from clients.client import (
     SlotwiseError,
     TokenLogprobs,
 )
-from clients.gateway.errors import ApiError, from_slotwise
+from clients.gateway import options, sse
+from clients.gateway.choices import choices, interleaved, start_all, wholes
+from clients.gateway.errors import ApiError, call, from_slotwise, invalid, translated
 from clients.gateway.llama_options import (
     ERROR_TYPES,
     Settings,
@@ -55,11 +56,9 @@ from clients.gateway.openai_api import (
     check_messages,
     continuation,
     prefilled,
-    start_all,
 )
 from clients.gateway.schema import ChatMessage
 from clients.gateway.turns import (
-    Keep,
     Progress,
     StreamClock,
     Text,
@@ -92,6 +91,11 @@ def is_native(path: str) -> bool:
 
 
 def error_response(e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, math.ceil(e.retry_after)))} if e.retry_after else None
+    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
     """An error in llama-server's shape: {"error": {"code", "message", "type"}}; a prompt that
     can never fit is its exceed_context_size_error, with the numbers."""
     error: dict[str, Any] = {"code": e.status, "message": e.message}
@@ -105,8 +109,7 @@ def error_response(e: ApiError) -> JSONResponse:
             )
             error.update(n_prompt_tokens=int(needed), n_ctx=int(capacity))
         error["type"] = "exceed_context_size_error"
-    headers = {"Retry-After": str(max(1, math.ceil(e.retry_after)))} if e.retry_after else None
-    return JSONResponse({"error": error}, status_code=e.status, headers=headers)
+    return {"error": error}
 
 
 # -- prompts ----------------------------------------------------------------------------------
@@ -171,17 +174,11 @@ class LlamaServer:
         self.client, self.model, self.media, self.slots = client, model, media, slots
         self.ui, self.cors = ui, cors
 
-    async def _call(self, coro: Any) -> Any:
-        try:
-            return await coro
-        except SlotwiseError as e:
-            raise from_slotwise(e) from None
-
     async def info(self) -> ModelInfo:
-        return await self._call(self.client.model_info())  # type: ignore[no-any-return]
+        return await call(self.client.model_info())
 
     async def server(self) -> ServerInfo:
-        return await self._call(self.client.server_info())  # type: ignore[no-any-return]
+        return await call(self.client.server_info())
 
     # -- tokens -----------------------------------------------------------------------------
 
@@ -192,7 +189,7 @@ class LlamaServer:
         out: list[int] = []
         for k, part in enumerate(parts):
             if isinstance(part, str):
-                got = await self._call(
+                got = await call(
                     self.client.tokenize(
                         part, add_special=add_special and k == 0, parse_special=parse_special
                     )
@@ -214,7 +211,7 @@ class LlamaServer:
         )
         if not get(body, "with_pieces", "boolean", False):
             return {"tokens": ids}
-        pieces = (await self._call(self.client.detokenize(ids))).pieces if ids else ()
+        pieces = (await call(self.client.detokenize(ids))).pieces if ids else ()
         return {"tokens": [{"id": t, "piece": _piece(p)} for t, p in zip(ids, pieces, strict=True)]}
 
     async def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -223,7 +220,7 @@ class LlamaServer:
             raise bad("Field 'tokens': type must be array of numbers")
         if not ids:
             return {"content": ""}
-        return {"content": (await self._call(self.client.detokenize(ids))).text}
+        return {"content": (await call(self.client.detokenize(ids))).text}
 
     # -- chat templates ---------------------------------------------------------------------
 
@@ -239,7 +236,7 @@ class LlamaServer:
             return await prefilled(self.client, chat)
         if body.get("add_generation_prompt") is False:
             raise bad("add_generation_prompt false: slotwise writes the generation prompt")
-        return await self._call(self.client.prepare(chat))  # type: ignore[no-any-return]
+        return await call(self.client.prepare(chat))
 
     async def apply_template(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"prompt": (await self.chat_prompt(body)).rendered_text}
@@ -264,12 +261,12 @@ class LlamaServer:
                 )
             check_image_count(len(data), self.media, "multimodal_data")
             images = [_base64(d, self.media) for d in data]
-            prepared = await self._call(self.client.prepare(text, images))
+            prepared = await call(self.client.prepare(text, images))
             return Prompt(prepared, await self.text_of(prepared))
         if isinstance(value, str):
             if not value:
                 raise bad('"prompt" must not be empty')
-            prepared = await self._call(self.client.prepare(value))
+            prepared = await call(self.client.prepare(value))
             return Prompt(prepared, await self.text_of(prepared))
         ids = await self.tokens_of(value, add_special=True, parse_special=True)
         if not ids:
@@ -281,7 +278,7 @@ class LlamaServer:
 
     async def text_of(self, prepared: Prepared) -> str:
         ids = [t for c in prepared.prompt.chunks for t in c.text.token_ids]
-        return (await self._call(self.client.detokenize(ids))).text if ids else ""
+        return (await call(self.client.detokenize(ids))).text if ids else ""
 
     async def completion(
         self, body: dict[str, Any], *, prompts: list[Prompt] | None = None
@@ -301,9 +298,9 @@ class LlamaServer:
         if s.ignore_eos and info.eos_token_id >= 0:
             s.logit_bias.append((info.eos_token_id, float("-inf")))
         runs = [
-            _Run(i * s.n_cmpl + j, p, s, replace(self._turn(p, s), sampling=_seeded(s, j)))
+            _Run(i * s.n_cmpl + j, p, s, req)
             for i, p in enumerate(prompts)
-            for j in range(s.n_cmpl)
+            for j, req in enumerate(choices(self._turn(p, s), s.n_cmpl))
         ]
         if len(runs) == 1 and s.id_slot >= 0:
             server = await self.server()
@@ -315,25 +312,17 @@ class LlamaServer:
         o = s.slotwise
         cells = p.prepared.num_cells
         keep = cells if s.n_keep < 0 else min(s.n_keep, cells)
+        # (llama-server never cuts a prompt: slotwise's truncate only when asked for)
         truncate = o.truncate if "truncate" in o.model_fields_set else False
-        constraint = None
-        if s.grammar:
-            constraint = Constraint(grammar=s.grammar)
-        elif s.json_schema is not None:
-            constraint = Constraint(json_schema=s.json_schema or {"type": "object"})
+        schema = (s.json_schema or {"type": "object"}) if s.json_schema is not None else None
         return TurnRequest(
             p.prepared,
             max_tokens=max(s.n_predict, 1) if s.n_predict >= 0 else None,
             stop=s.stop,
             sampling=s.sampling(),
-            context={
-                "policy": o.policy,
-                "discard_fraction": o.discard_fraction,
-                "unit": o.unit,
-                "truncate_prompt": truncate,
-            },
-            keep=Keep(o.keep if isinstance(o.keep, int) and "keep" in o.model_fields_set else keep),
-            constraint=constraint,
+            context=options.context_of(o, truncate),
+            keep=options.keep_of(o, keep),
+            constraint=options.grammar_constraint(s.grammar, schema),
             constraint_param="grammar" if s.grammar else "json_schema",
             logit_bias=dict(s.logit_bias),
             logprobs=s.n_probs > 0,
@@ -348,46 +337,20 @@ class LlamaServer:
         for r, t in zip(runs, turns, strict=True):
             r.turn = t
         if runs[0].settings.stream:
-            return StreamingResponse(self._stream(runs), media_type="text/event-stream")
-        results = await asyncio.gather(*(r.whole() for r in runs), return_exceptions=True)
-        failure = next((x for x in results if isinstance(x, BaseException)), None)
-        if failure is not None:
-            for r in runs:
-                await r.close()
-            raise failure
+            return sse.response(self._stream(runs))
+        await wholes(runs)
         out = [r.final(self.model) for r in runs]
         return JSONResponse(out[0] if len(out) == 1 else out)
 
-    async def _stream(self, runs: list[_Run]) -> AsyncIterator[str]:
-        queue: asyncio.Queue[tuple[_Run, dict[str, Any] | ApiError | None]] = asyncio.Queue()
-
-        async def run(r: _Run) -> None:
-            try:
-                async for chunk in r.chunks(self.model, self.client):
-                    await queue.put((r, chunk))
-                await queue.put((r, None))
-            except ApiError as e:
-                await queue.put((r, e))
-            except Exception as e:  # (never leave the stream waiting for a run that died)
-                await queue.put((r, native_error(500, f"internal error: {e!r}")))
-
-        tasks = [asyncio.ensure_future(run(r)) for r in runs]
+    async def _stream(self, runs: list[_Run]) -> AsyncGenerator[str, None]:
         try:
-            left = len(runs)
-            while left:
-                _, chunk = await queue.get()
-                if chunk is None:
-                    left -= 1
-                elif isinstance(chunk, ApiError):
-                    body = json.loads(bytes(error_response(chunk).body))
-                    yield f"data: {json.dumps(body)}\n\n"
-                    return
-                else:
-                    yield f"data: {json.dumps(chunk)}\n\n"
+            chunks = interleaved([r.chunks(self.model, self.client) for r in runs])
+            async with contextlib.aclosing(chunks):
+                async for _, chunk in chunks:
+                    yield sse.data(chunk)
+        except ApiError as e:  # the headers are out: the error goes as data
+            yield sse.data(error_body(e))
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             for r in runs:
                 await r.close()
 
@@ -459,7 +422,7 @@ class LlamaServer:
     async def props(self) -> dict[str, Any]:
         info, server = await asyncio.gather(self.info(), self.server())
         pieces = [t for t in (info.bos_token_id, info.eos_token_id) if t >= 0]
-        named = (await self._call(self.client.detokenize(pieces))).pieces if pieces else ()
+        named = (await call(self.client.detokenize(pieces))).pieces if pieces else ()
         token = dict(zip(pieces, (_text(p) for p in named), strict=True))
         return {
             "default_generation_settings": {
@@ -531,11 +494,9 @@ class LlamaServer:
     async def get_slots(self, fail_on_no_slot: bool) -> Response:
         server = await self.server()
         view = None
-        try:
+        with translated():
             async for v in self.client.watch_slots(once=True):
                 view = v
-        except SlotwiseError as e:
-            raise from_slotwise(e) from None
         busy = {3, 4}  # SLOT_STATE_PREFILLING, SLOT_STATE_DECODING
         states = {s.slot: s for s in view.slots} if view is not None else {}
         out = []
@@ -594,13 +555,6 @@ class LlamaServer:
 
 
 # -- one completion's answer ------------------------------------------------------------------
-
-
-def _seeded(s: Settings, j: int) -> dict[str, Any]:
-    sampling = s.sampling()
-    if sampling["seed"] is not None:
-        sampling["seed"] = (sampling["seed"] + j) & 0xFFFFFFFF  # n_cmpl: each its own seed
-    return sampling
 
 
 @dataclass
@@ -834,9 +788,7 @@ def chat_body(body: dict[str, Any]) -> list[ChatMessage]:
         try:
             out.append(ChatMessage.model_validate(m))
         except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(x) for x in first.get("loc", ()))
-            raise bad(f"messages.{i}.{where}: {first.get('msg')}") from None
+            raise invalid(e.errors(), f"messages.{i}") from None
     check_messages(out)
     return out
 

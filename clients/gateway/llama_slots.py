@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi.responses import Response, StreamingResponse
 
 from clients.client import AsyncSlotwiseClient, Prepared, SessionInfo, SlotwiseError
-from clients.gateway.errors import ApiError, from_slotwise
+from clients.gateway.errors import ApiError, call, from_slotwise, translated
 from slotwise.v1 import prompt_pb2
 
 if TYPE_CHECKING:
@@ -184,10 +184,7 @@ class Slots:
                     return session, rest, info.num_turns
             await self._let_go(client, session, info)
         session = f"lss-{uuid.uuid4().hex}"
-        try:
-            await client.create_session(session, title=TITLE)
-        except SlotwiseError as e:
-            raise from_slotwise(e) from None
+        await call(client.create_session(session, title=TITLE))
         self._held[key] = session
         return session, prompt, 0
 
@@ -221,14 +218,12 @@ class Slots:
             session = self._held.get(key)
             pointer = file_session(filename)
             cells = 0
-            try:
+            with translated():
                 await self._point(client, pointer, session or "")
                 await self._persisted(client, pointer)
                 if session is not None:
                     cells = (await client.save_session(session)).num_cells
                     await client.rename_session(session, SAVED)
-            except SlotwiseError as e:
-                raise from_slotwise(e) from None
         return {
             "id_slot": slot,
             "filename": filename,

@@ -19,7 +19,9 @@ import binascii
 import ipaddress
 import logging
 import socket
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import httpx
@@ -94,6 +96,15 @@ def check_image_count(count: int, policy: MediaPolicy, param: str) -> None:
             param,
             code="too_many_images",
         )
+
+
+def check_images(
+    contents: Iterable[object], is_image: Callable[[Any], bool], policy: MediaPolicy, param: str
+) -> None:
+    """check_image_count for a chat: its images are the parts (of the contents that are lists of
+    parts) that `is_image` says are."""
+    count = sum(is_image(part) for c in contents if isinstance(c, list) for part in c)
+    check_image_count(count, policy, param)
 
 
 class _Refused(Exception):

@@ -14,26 +14,22 @@ are refused with its words.
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import json
+import contextlib
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse, Response
 
 from clients.client import (
     AsyncSlotwiseClient,
     Constraint,
     Message,
     Prepared,
-    SlotwiseError,
-    SpecType,
     Speculative,
     TokenLogprobs,
     Tool,
@@ -41,8 +37,10 @@ from clients.client import (
     ToolChoice,
     ToolOptions,
 )
-from clients.gateway.errors import ApiError, bad_request, from_slotwise
-from clients.gateway.media import MediaPolicy, check_image_count, image_bytes
+from clients.gateway import options, sse
+from clients.gateway.choices import choices, interleaved, start_all, wholes
+from clients.gateway.errors import ApiError, bad_request, call, translated
+from clients.gateway.media import MediaPolicy, check_images, image_bytes
 from clients.gateway.schema import (
     ChatCompletionRequest,
     ChatMessage,
@@ -63,7 +61,6 @@ from clients.gateway.turns import (
     TurnRequest,
     per_token,
     refuse,
-    start_turn,
     system_cells,
 )
 from slotwise.v1 import prompt_pb2
@@ -72,22 +69,16 @@ from slotwise.v1 import prompt_pb2
 SYSTEM_FINGERPRINT = "slotwise-0.1.0"
 
 
-def sse(body: object) -> str:
-    return f"data: {json.dumps(body)}\n\n"
-
-
 # -- requests -> turns ------------------------------------------------------------------------
 
 
 async def chat_messages(messages: Sequence[ChatMessage], media: MediaPolicy) -> list[Message]:
-    images = sum(
-        isinstance(part, ImagePart)
-        for m in messages
-        if isinstance(m.content, list)
-        for part in m.content
-    )
-    check_image_count(images, media, "messages")
+    check_images((m.content for m in messages), _is_image, media, "messages")
     return [await _message(m, i, media) for i, m in enumerate(messages)]
+
+
+def _is_image(part: object) -> bool:
+    return isinstance(part, ImagePart)
 
 
 async def _message(m: ChatMessage, i: int, media: MediaPolicy) -> Message:
@@ -118,20 +109,12 @@ def tool_options(
 ) -> ToolOptions | None:
     """OpenAI's tools and tool_choice (auto, none, required, a named function, or the
     allowed_tools form) -> what prep takes."""
-    if not tools:
-        if choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice needs tools", "tool_choice")
-        return None
-    defs = [Tool(t.function.name, t.function.description, t.function.parameters) for t in tools]
-    if choice in (None, "auto"):
-        return ToolOptions(defs, ToolChoice.AUTO, parallel=parallel)
-    if choice == "none":
-        return ToolOptions(defs, ToolChoice.NONE, parallel=parallel)
-    if choice == "required":
-        return ToolOptions(defs, ToolChoice.REQUIRED, parallel=parallel)
+    defs = [Tool(t.function.name, t.function.description, t.function.parameters)
+            for t in tools or ()]  # fmt: skip
     if isinstance(choice, NamedToolChoice):
-        return ToolOptions(defs, ToolChoice.FUNCTION, choice.function.name, parallel)
-    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        name = choice.function.name
+        return options.tool_options(defs, ToolChoice.FUNCTION, choice, name=name, parallel=parallel)
+    if defs and isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         allowed = choice.get("allowed_tools") or {}
         names = {t.get("function", {}).get("name") for t in allowed.get("tools", [])}
         chosen = [t for t in defs if t.name in names]
@@ -140,24 +123,18 @@ def tool_options(
         mode = allowed.get("mode", "auto")
         if mode not in ("auto", "required"):
             raise bad_request(f"tool_choice.allowed_tools.mode {mode!r}", "tool_choice")
-        return ToolOptions(chosen, ToolChoice(mode), parallel=parallel)
-    raise bad_request(f"tool_choice {choice!r} is not one this server knows", "tool_choice")
+        return options.tool_options(chosen, ToolChoice(mode), choice, parallel=parallel)
+    return options.tool_options(defs, options.openai_choice(choice), choice, parallel=parallel)
 
 
 def constraint_of(body: SamplingRequest) -> Constraint | None:
     """response_format (json_object, json_schema), or llama-server's grammar / json_schema."""
     f = body.response_format
-    if f is not None and f.type == "json_object":
-        return Constraint(json_schema={"type": "object"})
-    if f is not None and f.type == "json_schema":
-        if f.json_schema is None or f.json_schema.schema_ is None:
-            raise bad_request("response_format.json_schema needs a schema", "response_format")
-        return Constraint(json_schema=f.json_schema.schema_)
-    if body.grammar:
-        return Constraint(grammar=body.grammar)
-    if body.json_schema is not None:
-        return Constraint(json_schema=body.json_schema)
-    return None
+    if f is not None and f.type != "text":
+        schema = f.json_schema.schema_ if f.json_schema is not None else None
+        missing = bad_request("response_format.json_schema needs a schema", "response_format")
+        return options.format_constraint(f.type, schema, missing)
+    return options.grammar_constraint(body.grammar, body.json_schema)
 
 
 def logit_bias_of(body: SamplingRequest) -> dict[int, float]:
@@ -180,33 +157,6 @@ def sampling_of(body: SamplingRequest) -> dict[str, Any]:
     }
 
 
-def context_of(body: SamplingRequest) -> dict[str, Any]:
-    o = body.slotwise
-    return {
-        "policy": o.policy,
-        "discard_fraction": o.discard_fraction,
-        "unit": o.unit,
-        "truncate_prompt": o.truncate,
-    }
-
-
-def speculative_of(body: SamplingRequest) -> Speculative | None:
-    try:
-        o = body.speculative_options()
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        raise bad_request(
-            f"speculative.{where}: {first.get('msg')}", f"speculative.{where}"
-        ) from None
-    if o is None:
-        return None
-    return Speculative(
-        o.type or SpecType.UNSPECIFIED, o.n_max, o.n_min, o.p_min, o.ngram_size_n, o.ngram_size_m,
-        o.ngram_min_hits,
-    )  # fmt: skip
-
-
 def check_body(body: SamplingRequest) -> None:
     name = body.unsupported()
     if name is not None:
@@ -221,26 +171,9 @@ def _note(note: str) -> Callable[[Prepared], bytes] | None:
     return (lambda _: note.encode()) if note else None
 
 
-def choices(req: TurnRequest, n: int) -> list[TurnRequest]:
-    """n choices: n turns, each with its own seed when one is given (the same seed would give
-    the same text n times)."""
-    seed = req.sampling.get("seed")
-    return [
-        replace(req, sampling={**req.sampling, "seed": None if seed is None else seed + i})
-        for i in range(n)
-    ]
-
-
-async def start_all(client: AsyncSlotwiseClient, reqs: list[TurnRequest]) -> list[Turn]:
-    """Start every choice; a refusal of one ends the others."""
-    started = await asyncio.gather(*(start_turn(client, r) for r in reqs), return_exceptions=True)
-    turns = [s[0] for s in started if not isinstance(s, BaseException)]
-    failure = next((s for s in started if isinstance(s, BaseException)), None)
-    if failure is not None:
-        for t in turns:
-            await t.close()
-        raise failure
-    return turns
+def speculative_of(body: SamplingRequest) -> Speculative | None:
+    nested = body.speculative.model_dump(exclude_none=True) if body.speculative else None
+    return options.speculative_of(nested, body.model_extra or {})  # (the flat keys are extra)
 
 
 # -- a chat as llama-server takes it ------------------------------------------------------------
@@ -310,12 +243,10 @@ async def prefilled(
 ) -> Prepared:
     """The chat up to its last message, as the template writes it with the generation prompt,
     and then the last (assistant) message's text: the reply goes on from there."""
-    try:
+    with translated():
         head = await client.prepare(list(messages[:-1]), tools=tools)
         text = messages[-1].text
         ids = (await client.tokenize(text)).token_ids if text else ()
-    except SlotwiseError as e:
-        raise from_slotwise(e) from None
     return replace(
         with_tokens(head, ids, len(messages) - 1), rendered_text=head.rendered_text + text
     )
@@ -338,21 +269,21 @@ async def chat_completion(
                      "message to continue")  # fmt: skip
     messages = await chat_messages(body.messages, media)
     tools = tool_options(body.tools, body.tool_choice, body.parallel_tool_calls)
-    keep: int | None = body.slotwise.keep if isinstance(body.slotwise.keep, int) else None
+    keep = options.keep_of(body.slotwise)
     prompt: list[Message] | Prepared = messages
     prefix = ""
     if continued:
         prompt = await prefilled(client, messages, tools)
         prefix = messages[-1].text
-        if keep is None and messages[0].role == "system":
-            keep = system_cells(prompt)
+        if keep.cells is None and messages[0].role == "system":
+            keep = Keep(system_cells(prompt))
     req = TurnRequest(
         prompt,
         max_tokens=body.max_completion_tokens or body.max_tokens,
         stop=[body.stop] if isinstance(body.stop, str) else body.stop or (),
         sampling=sampling_of(body),
-        context=context_of(body),
-        keep=Keep(keep),
+        context=options.context_of(body.slotwise),
+        keep=keep,
         tools=tools,
         constraint=constraint_of(body),
         logit_bias=logit_bias_of(body),
@@ -363,12 +294,8 @@ async def chat_completion(
         speculative=speculative_of(body),
         note=_note(body.slotwise.note),
     )
-    turns = await start_all(client, choices(req, body.n))
     reply = _Chat(client, model, chat=True, body=body, prefix=prefix)
-    if body.stream:
-        return StreamingResponse(reply.stream(turns), media_type="text/event-stream")
-    ends = await _wholes(turns)
-    return _json(reply.whole(ends), ends)
+    return await _respond(client, body, req, reply)
 
 
 async def completion(client: AsyncSlotwiseClient, body: CompletionRequest, model: str) -> Response:
@@ -379,8 +306,8 @@ async def completion(client: AsyncSlotwiseClient, body: CompletionRequest, model
         max_tokens=body.max_tokens,
         stop=[body.stop] if isinstance(body.stop, str) else body.stop or (),
         sampling=sampling_of(body),
-        context=context_of(body),
-        keep=Keep(body.slotwise.keep if isinstance(body.slotwise.keep, int) else 0),
+        context=options.context_of(body.slotwise),
+        keep=options.keep_of(body.slotwise, 0),
         constraint=constraint_of(body),
         logit_bias=logit_bias_of(body),
         logprobs=body.logprobs is not None,
@@ -390,27 +317,22 @@ async def completion(client: AsyncSlotwiseClient, body: CompletionRequest, model
     )
     if body.slotwise.session_id:
         raise refuse("slotwise.session_id", "goes with chat completions")
-    turns = await start_all(client, choices(req, body.n))
     reply = _Chat(client, model, chat=False, body=body)
+    return await _respond(client, body, req, reply)
+
+
+async def _respond(
+    client: AsyncSlotwiseClient, body: SamplingRequest, req: TurnRequest, reply: _Chat
+) -> Response:
+    turns = await start_all(client, choices(req, body.n))
     if body.stream:
-        return StreamingResponse(reply.stream(turns), media_type="text/event-stream")
-    ends = await _wholes(turns)
+        return sse.response(reply.stream(turns))
+    ends = await wholes(turns)
     return _json(reply.whole(ends), ends)
 
 
 def _include_usage(body: SamplingRequest) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
-
-
-async def _wholes(turns: list[Turn]) -> list[TurnEnd]:
-    """Every choice whole; one that fails ends the others (their generations stop)."""
-    ends = await asyncio.gather(*(t.whole() for t in turns), return_exceptions=True)
-    failure = next((e for e in ends if isinstance(e, BaseException)), None)
-    if failure is not None:
-        for t in turns:
-            await t.close()
-        raise failure
-    return [e for e in ends if isinstance(e, TurnEnd)]
 
 
 def _json(body: dict[str, Any], ends: list[TurnEnd]) -> JSONResponse:
@@ -515,28 +437,18 @@ class _Chat:
             chunk["timings"] = clock.timings(cache, done - cache, 0)
         return chunk
 
-    async def stream(self, turns: list[Turn]) -> AsyncIterator[str]:
+    async def _tokens(self, turn: Turn) -> AsyncIterator[Text | Progress | TurnEnd]:
+        """A choice's events, a Text a token (as llama-server streams them)."""
+        async for event in turn.all_events():
+            for one in await per_token(self.client, event) if isinstance(event, Text) else [event]:
+                yield one
+
+    async def stream(self, turns: list[Turn]) -> AsyncGenerator[str, None]:
         """Per choice: the role delta, content deltas, tool call deltas, the finishing chunk;
         then the usage chunk when asked, and [DONE]. A client that goes away cancels every
         choice's generation."""
-        queue: asyncio.Queue[tuple[int, Text | Progress | TurnEnd | ApiError]] = asyncio.Queue()
         clocks = [StreamClock() for _ in turns]
         generated = [0] * len(turns)
-
-        async def run(i: int, turn: Turn) -> None:
-            try:
-                async for event in turn.all_events():
-                    # a chunk a token, as llama-server streams them
-                    for one in (
-                        await per_token(self.client, event) if isinstance(event, Text) else [event]
-                    ):
-                        await queue.put((i, one))
-            except ApiError as e:
-                await queue.put((i, e))
-            except Exception as e:  # never leave the stream waiting for a choice that died
-                await queue.put((i, ApiError(500, f"internal error: {e!r}", type="server_error")))
-
-        tasks = [asyncio.ensure_future(run(i, t)) for i, t in enumerate(turns)]
         ends: list[TurnEnd] = []
         shown = [-1] * len(turns)  # the prompt's cells a progress chunk showed done
         try:
@@ -544,71 +456,59 @@ class _Chat:
             waiting = list(range(len(turns))) if self.chat and self.progress else []
             if self.chat and not self.progress:
                 for i in range(len(turns)):
-                    yield sse(self._chunk(i, {"role": "assistant", "content": ""}))
-            while len(ends) < len(turns):
-                i, event = await queue.get()
-                if isinstance(event, ApiError):  # the headers are out: the error goes as data
-                    yield sse(event.body())
-                    return
-                started = turns[i].end.started
-                cache = started.num_reused_cells if started else 0
-                total = started.num_prompt_cells if started else 0
-                if self.progress and shown[i] < total:
-                    done = cache + event.done if isinstance(event, Progress) else total
-                    steps = [cache, done] if shown[i] < 0 and done > cache else [done]
-                    for k in steps:
-                        yield sse(self._progress(i, cache, total, k, clocks[i]))
-                    shown[i] = done
-                if isinstance(event, Progress):
-                    continue
-                if i in waiting:
-                    waiting.remove(i)
-                    yield sse(self._chunk(i, {"role": "assistant", "content": None}))
-                if isinstance(event, Text):
-                    clocks[i].token()
-                    generated[i] += len(event.token_ids)
-                    lp = None
-                    if event.logprobs:
-                        lp = (_chat_logprobs if self.chat else _completion_logprobs)(
-                            list(event.logprobs)
-                        )
-                    if event.text or lp:
-                        chunk = self._chunk(i, {"content": event.text}, logprobs=lp)
-                        if self.per_token:
-                            chunk["timings"] = clocks[i].timings(cache, total - cache, generated[i])
-                        yield sse(chunk)
-                    continue
-                ends.append(event)
-                if self.chat:
-                    for k, call in enumerate(event.calls):
-                        yield sse(
-                            self._chunk(
-                                i, {"tool_calls": [{"index": k, **_tool_call(call, arguments="")}]}
+                    yield sse.data(self._chunk(i, {"role": "assistant", "content": ""}))
+            events = interleaved([self._tokens(t) for t in turns])
+            async with contextlib.aclosing(events):
+                async for i, event in events:
+                    started = turns[i].end.started
+                    cache = started.num_reused_cells if started else 0
+                    total = started.num_prompt_cells if started else 0
+                    if self.progress and shown[i] < total:
+                        done = cache + event.done if isinstance(event, Progress) else total
+                        steps = [cache, done] if shown[i] < 0 and done > cache else [done]
+                        for k in steps:
+                            yield sse.data(self._progress(i, cache, total, k, clocks[i]))
+                        shown[i] = done
+                    if isinstance(event, Progress):
+                        continue
+                    if i in waiting:
+                        waiting.remove(i)
+                        yield sse.data(self._chunk(i, {"role": "assistant", "content": None}))
+                    if isinstance(event, Text):
+                        clocks[i].token()
+                        generated[i] += len(event.token_ids)
+                        lp = None
+                        if event.logprobs:
+                            lp = (_chat_logprobs if self.chat else _completion_logprobs)(
+                                list(event.logprobs)
                             )
-                        )
-                        yield sse(
-                            self._chunk(
-                                i,
-                                {
-                                    "tool_calls": [
-                                        {"index": k, "function": {"arguments": call.arguments}}
-                                    ]
-                                },
-                            )
-                        )
-                last = self._chunk(i, None, event.finish_reason)
-                if len(ends) == len(turns) and not self.include_usage:
-                    last["timings"] = ends[0].timings()
-                yield sse(last)
+                        if event.text or lp:
+                            chunk = self._chunk(i, {"content": event.text}, logprobs=lp)
+                            if self.per_token:
+                                chunk["timings"] = clocks[i].timings(
+                                    cache, total - cache, generated[i]
+                                )
+                            yield sse.data(chunk)
+                        continue
+                    ends.append(event)
+                    if self.chat:
+                        for k, call in enumerate(event.calls):
+                            opened = {"index": k, **_tool_call(call, arguments="")}
+                            yield sse.data(self._chunk(i, {"tool_calls": [opened]}))
+                            arguments = {"index": k, "function": {"arguments": call.arguments}}
+                            yield sse.data(self._chunk(i, {"tool_calls": [arguments]}))
+                    last = self._chunk(i, None, event.finish_reason)
+                    if len(ends) == len(turns) and not self.include_usage:
+                        last["timings"] = ends[0].timings()
+                    yield sse.data(last)
             if self.include_usage:
                 kind = "chat.completion.chunk" if self.chat else "text_completion"
                 usage = {**self._frame(kind, []), "usage": self.usage(ends)}
-                yield sse({**usage, "timings": ends[0].timings()})
-            yield "data: [DONE]\n\n"
+                yield sse.data({**usage, "timings": ends[0].timings()})
+            yield sse.DONE
+        except ApiError as e:  # the headers are out: the error goes as data
+            yield sse.data(e.body())
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             for turn in turns:
                 await turn.close()
 
@@ -667,10 +567,7 @@ async def embeddings(
             "tokenizer's of another model)",
             "input",
         )
-    try:
-        out = await client.embed(texts, normalize=True)  # type: ignore[arg-type]
-    except SlotwiseError as e:
-        raise from_slotwise(e) from None
+    out = await call(client.embed(texts, normalize=True))  # type: ignore[arg-type]
     if body.dimensions is not None and out and body.dimensions != len(out[0].values):
         raise bad_request(
             f"dimensions: this model's embeddings have {len(out[0].values)}", "dimensions"

@@ -22,10 +22,10 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from clients.client import (
@@ -42,15 +42,17 @@ from clients.client import (
     ToolOptions,
     TurnRecord,
 )
-from clients.gateway.errors import ApiError, bad_request, from_slotwise
-from clients.gateway.media import MediaPolicy, check_image_count, image_bytes
+from clients.gateway import options, sse
+from clients.gateway.errors import ApiError, bad_request, call, from_slotwise
+from clients.gateway.media import MediaPolicy, check_images, image_bytes
 from clients.gateway.openai_api import token_logprobs
-from clients.gateway.schema import MAX_TOKENS, SlotwiseOptions
-from clients.gateway.turns import Keep, Text, TurnEnd, TurnRequest, refuse, start_turn
+from clients.gateway.schema import SlotwiseOptions
+from clients.gateway.turns import Text, TurnEnd, TurnRequest, refuse, start_turn
 from clients.tool_calls import parse_reply
+from slotwise_core.limits import MAX_TOKENS, MAX_TOP_LOGPROBS, MAX_TURN_NOTE
 
 _ID = re.compile(r"resp_([0-9a-f]{32})_([0-9]+)")
-_MAX_NOTE = 60 << 10  # GenerateRequest.turn_note holds 64 KiB
+_MAX_NOTE = MAX_TURN_NOTE - (4 << 10)  # (with room to spare)
 _CHAIN_FIXED = ("instructions", "tools")  # refused if a continuation changes them
 _CLEANUPS: set[asyncio.Task[None]] = set()
 log = logging.getLogger("slotwise.gateway.responses")
@@ -99,7 +101,7 @@ class ResponsesRequest(_Open):
     metadata: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     reasoning: Any = None
     background: bool | None = None
     conversation: Any = None
@@ -123,13 +125,7 @@ class ResponsesRequest(_Open):
 async def _messages(items: str | list[InputItem], media: MediaPolicy) -> list[Message]:
     if isinstance(items, str):
         return [Message.user(items)]
-    images = sum(
-        part.get("type") == "input_image"
-        for item in items
-        if isinstance(item.content, list)
-        for part in item.content
-    )
-    check_image_count(images, media, "input")
+    check_images((item.content for item in items), _is_image, media, "input")
     out: list[Message] = []
     for i, item in enumerate(items):
         kind = item.type or "message"
@@ -157,6 +153,10 @@ async def _messages(items: str | list[InputItem], media: MediaPolicy) -> list[Me
     if not out:
         raise bad_request("input is empty", "input")
     return out
+
+
+def _is_image(part: dict[str, Any]) -> bool:
+    return part.get("type") == "input_image"
 
 
 def _text_of(parts: list[dict[str, Any]] | None) -> str:
@@ -189,28 +189,19 @@ def _tools(body: ResponsesRequest) -> ToolOptions | None:
         if t.get("type") != "function" or not isinstance(t.get("name"), str):
             raise refuse(f"tools.{i}", "is not a function tool (the only kind served here)")
         defs.append(Tool(t["name"], t.get("description") or "", t.get("parameters")))
-    choice = body.tool_choice
-    if not defs:
-        if choice not in (None, "auto", "none"):
-            raise bad_request("tool_choice needs tools", "tool_choice")
-        return None
-    parallel = body.parallel_tool_calls
-    if choice in (None, "auto", "none", "required"):
-        return ToolOptions(defs, ToolChoice(choice or "auto"), parallel=parallel)
+    choice, parallel = body.tool_choice, body.parallel_tool_calls
     if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name"):
-        return ToolOptions(defs, ToolChoice.FUNCTION, str(choice["name"]), parallel)
-    raise bad_request(f"tool_choice {choice!r} is not one this server knows", "tool_choice")
+        name = str(choice["name"])
+        return options.tool_options(defs, ToolChoice.FUNCTION, choice, name=name, parallel=parallel)
+    return options.tool_options(defs, options.openai_choice(choice), choice, parallel=parallel)
 
 
 def _constraint(body: ResponsesRequest) -> Constraint | None:
     f = body.text.format if body.text else None
-    if f is None or f.type == "text":
+    if f is None:
         return None
-    if f.type == "json_object":
-        return Constraint(json_schema={"type": "object"})
-    if f.schema_ is None:
-        raise bad_request("text.format json_schema needs a schema", "text.format.schema")
-    return Constraint(json_schema=f.schema_)
+    missing = bad_request("text.format json_schema needs a schema", "text.format.schema")
+    return options.format_constraint(f.type, f.schema_, missing)
 
 
 def _digest(value: object) -> str:
@@ -278,13 +269,8 @@ class Responses:
             messages,
             max_tokens=body.max_output_tokens,
             sampling={"temperature": body.temperature, "top_p": body.top_p},
-            context={
-                "policy": o.policy,
-                "discard_fraction": o.discard_fraction,
-                "unit": o.unit,
-                "truncate_prompt": body.truncation != "disabled" and o.truncate,
-            },
-            keep=Keep(o.keep if isinstance(o.keep, int) else None),
+            context=options.context_of(o, body.truncation != "disabled" and o.truncate),
+            keep=options.keep_of(o),
             tools=_tools(body),
             constraint=_constraint(body),
             constraint_param="text.format",
@@ -308,8 +294,7 @@ class Responses:
                 e.param = "previous_response_id"
             raise
         if body.stream:
-            events = self._stream(started.events(), shell, rid, before, new_chain)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return sse.response(self._stream(started.events(), shell, rid, before, new_chain))
         try:
             end = await started.whole()
         except BaseException:
@@ -400,10 +385,7 @@ class Responses:
     async def delete(self, response_id: str) -> dict[str, Any]:
         """Deletes the whole chain: its responses are turns of one session."""
         await self._records(response_id)
-        try:
-            await self.client.delete_session(f"resp-{_named(response_id)[0]}")
-        except SlotwiseError as e:
-            raise from_slotwise(e) from None
+        await call(self.client.delete_session(f"resp-{_named(response_id)[0]}"))
         return {"id": response_id, "object": "response", "deleted": True}
 
     # -- shapes ---------------------------------------------------------------------------
@@ -464,14 +446,13 @@ class Responses:
         rid: str,
         before: int,
         new_chain: bool,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         n = 0
 
         def event(kind: str, **fields: Any) -> str:
             nonlocal n
             n += 1
-            data = json.dumps({"type": kind, "sequence_number": n - 1, **fields})
-            return f"event: {kind}\ndata: {data}\n\n"
+            return sse.event(kind, sequence_number=n - 1, **fields)
 
         msg_id = f"msg_{_hex(rid, 'message')}"
         at = {"item_id": msg_id, "output_index": 0, "content_index": 0}

@@ -11,7 +11,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_TOKENS = 1 << 20  # what infer accepts at most (GenerateLimits.max_tokens)
+from slotwise_core.limits import (
+    MAX_CACHE_SALT,
+    MAX_DRAFTS,
+    MAX_NGRAM,
+    MAX_TOKENS,
+    MAX_TOP_LOGPROBS,
+    MAX_TURN_NOTE,
+)
+
 MAX_N = 8  # choices per request
 
 
@@ -71,9 +79,10 @@ class SlotwiseOptions(BaseModel):
     unit: Literal["token", "message"] | None = None
     truncate: bool = True  # drop the oldest units of a prompt that cannot fit
     session_id: str | None = None
-    cache_salt: str = Field(default="", max_length=256)  # KV reused only with the same salt
+    # KV reused only with the same salt
+    cache_salt: str = Field(default="", max_length=MAX_CACHE_SALT)
     # a session turn's note, kept with the turn (GET /slotwise/sessions/{id} shows it again)
-    note: str = Field(default="", max_length=65536)
+    note: str = Field(default="", max_length=MAX_TURN_NOTE)
 
 
 class FunctionDef(_Open):
@@ -115,10 +124,10 @@ class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["none", "ngram-simple", "ngram-map-k", "draft-simple"] | None = None
-    n_max: int | None = Field(default=None, ge=0, le=64)
-    n_min: int | None = Field(default=None, ge=0, le=64)
+    n_max: int | None = Field(default=None, ge=0, le=MAX_DRAFTS)
+    n_min: int | None = Field(default=None, ge=0, le=MAX_DRAFTS)
     p_min: float | None = Field(default=None, ge=0.0, le=1.0)
-    ngram_size_n: int | None = Field(default=None, ge=1, le=64)
+    ngram_size_n: int | None = Field(default=None, ge=1, le=MAX_NGRAM)
     ngram_size_m: int | None = Field(default=None, ge=1, le=1024)
     ngram_min_hits: int | None = Field(default=None, ge=1, lt=1 << 16)
 
@@ -143,7 +152,7 @@ class SamplingRequest(_Open):
     response_format: ResponseFormat | None = None
     grammar: str | None = None  # llama-server's: GBNF
     json_schema: dict[str, Any] | None = None  # llama-server's
-    cache_salt: str | None = Field(default=None, max_length=256)  # vLLM's
+    cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT)  # vLLM's
     speculative: SpeculativeOptions | None = None
     timings_per_token: bool = False  # llama-server's: timings in every streamed chunk
     return_progress: bool = False  # llama-server's: the prompt's progress in the stream
@@ -152,18 +161,6 @@ class SamplingRequest(_Open):
     @property
     def salt(self) -> str:
         return self.cache_salt or self.slotwise.cache_salt
-
-    def speculative_options(self) -> SpeculativeOptions | None:
-        """`speculative` with llama-server's flat keys (`"speculative.n_max": 16`) over it."""
-        flat = {
-            k.removeprefix("speculative."): v
-            for k, v in (self.model_extra or {}).items()
-            if k.startswith("speculative.")
-        }
-        if not flat:
-            return self.speculative
-        nested = self.speculative.model_dump(exclude_none=True) if self.speculative else {}
-        return SpeculativeOptions.model_validate({**nested, **flat})
 
     def unsupported(self) -> str | None:
         """The first parameter given that slotwise cannot honour."""
@@ -184,7 +181,7 @@ class ChatCompletionRequest(SamplingRequest):
     functions: Any = None
     function_call: Any = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None

@@ -8,9 +8,7 @@ the caller's key like the rest of the API, so a tenant sees only its own session
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,22 +18,15 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
 from clients.client import AsyncSlotwiseClient, SessionInfo, SlotwiseError
-from clients.gateway.errors import from_slotwise
+from clients.gateway import sse
+from clients.gateway.errors import call, from_slotwise
 from slotwise.v1 import infer_pb2
+from slotwise_core.enum_names import short_name as _name  # CELL_KIND_MEDIA -> "media"
+from slotwise_core.limits import DEFAULT_WATCH_MS, MAX_TITLE_CHARS, MIN_WATCH_MS
 
 __all__ = ["UI_DIR", "add_ui", "is_open_path", "view_json"]
 
 UI_DIR = Path(__file__).with_name("ui")
-PING_SECONDS = 15.0  # a comment line keeps proxies from closing a quiet stream
-
-
-def _name(enum: Any, value: int, prefix: str) -> str:
-    """An enum value's contract name in the page's words: CELL_KIND_MEDIA -> "media" (a value
-    newer than these stubs: "unspecified", never an error)."""
-    try:
-        return str(enum.Name(value)).removeprefix(prefix).lower()
-    except ValueError:
-        return "unspecified"
 
 
 def is_open_path(path: str) -> bool:
@@ -45,7 +36,7 @@ def is_open_path(path: str) -> bool:
 class Title(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    title: str = Field(default="", max_length=200)
+    title: str = Field(default="", max_length=MAX_TITLE_CHARS)
 
 
 def add_ui(
@@ -68,7 +59,7 @@ def add_ui(
 
     @app.get("/slotwise/info")
     async def info() -> dict[str, Any]:
-        s = await _call(client().server_info())
+        s = await call(client().server_info())
         return {
             "model": model_name,
             "num_slots": s.num_slots,
@@ -79,16 +70,16 @@ def add_ui(
 
     @app.get("/slotwise/sessions")
     async def sessions() -> dict[str, Any]:
-        listed = await _call(client().list_sessions())
+        listed = await call(client().list_sessions())
         return {"sessions": [session_json(s) for s in reversed(listed) if s.session_id]}
 
     @app.post("/slotwise/sessions")
     async def create(body: Title) -> dict[str, Any]:
-        return session_json(await _call(client().create_session(title=body.title)))
+        return session_json(await call(client().create_session(title=body.title)))
 
     @app.get("/slotwise/sessions/{session_id}")
     async def get(session_id: str) -> dict[str, Any]:
-        s = await _call(client().get_session(session_id, num_records=256))
+        s = await call(client().get_session(session_id, num_records=256))
         turns = [
             {
                 "turn": r.turn,
@@ -108,25 +99,20 @@ def add_ui(
 
     @app.patch("/slotwise/sessions/{session_id}")
     async def rename(session_id: str, body: Title) -> dict[str, Any]:
-        return session_json(await _call(client().rename_session(session_id, body.title)))
+        return session_json(await call(client().rename_session(session_id, body.title)))
 
     @app.delete("/slotwise/sessions/{session_id}")
     async def delete(session_id: str) -> dict[str, Any]:
-        await _call(client().delete_session(session_id))
+        await call(client().delete_session(session_id))
         return {"id": session_id, "deleted": True}
 
     @app.get("/slotwise/kv")
-    async def kv(interval_ms: int = Query(250, ge=100, le=10_000)) -> StreamingResponse:
+    async def kv(
+        interval_ms: int = Query(DEFAULT_WATCH_MS, ge=MIN_WATCH_MS, le=10_000),
+    ) -> StreamingResponse:
         views = client().watch_slots(min_interval_ms=interval_ms)
         first = await _first(views)  # a refusal (a bad key, a server down) is an HTTP status
-        return StreamingResponse(_events(first, views, closing), media_type="text/event-stream")
-
-
-async def _call(awaitable: Any) -> Any:
-    try:
-        return await awaitable
-    except SlotwiseError as e:
-        raise from_slotwise(e) from None
+        return sse.response(_events(first, views), ping=sse.PING_SECONDS, closing=closing)
 
 
 async def _first(views: AsyncIterator[infer_pb2.WatchSlotsResponse]) -> Any:
@@ -138,48 +124,17 @@ async def _first(views: AsyncIterator[infer_pb2.WatchSlotsResponse]) -> Any:
 
 
 async def _events(
-    first: infer_pb2.WatchSlotsResponse,
-    views: AsyncIterator[infer_pb2.WatchSlotsResponse],
-    closing: asyncio.Event,
-) -> AsyncIterator[str]:
-    """Each view as an event; a ping while none comes; the end when the server closes. The
-    next view is awaited in a task of its own (a timeout must not cancel the watch under it);
-    a client that leaves ends it."""
-    yield _sse(view_json(first))
-    pending: asyncio.Task[Any] | None = None
-    closed = asyncio.ensure_future(closing.wait())
+    first: infer_pb2.WatchSlotsResponse, views: AsyncIterator[infer_pb2.WatchSlotsResponse]
+) -> AsyncGenerator[str, None]:
+    """Each view as an event (compact: many a second, each of every slot)."""
     try:
-        while True:
-            pending = pending or asyncio.ensure_future(anext(views))
-            done, _ = await asyncio.wait(
-                {pending, closed}, timeout=PING_SECONDS, return_when=asyncio.FIRST_COMPLETED
-            )
-            if closed in done:
-                return
-            if not done:
-                yield ": ping\n\n"
-                continue
-            task, pending = pending, None
-            try:
-                view = task.result()
-            except StopAsyncIteration:
-                return
-            except SlotwiseError as e:  # the headers are out: the error goes as data
-                yield _sse(from_slotwise(e).body())
-                return
-            yield _sse(view_json(view))
+        yield sse.data(view_json(first), compact=True)
+        async for view in views:
+            yield sse.data(view_json(view), compact=True)
+    except SlotwiseError as e:  # the headers are out: the error goes as data
+        yield sse.data(from_slotwise(e).body(), compact=True)
     finally:
-        closed.cancel()
-        if pending is not None:
-            pending.cancel()  # (the watch's own finally cancels its call)
-            with contextlib.suppress(BaseException):
-                await pending
-        if pending is None or pending.done():  # else it still runs the generator
-            await views.aclose()  # type: ignore[attr-defined]
-
-
-def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+        await views.aclose()  # type: ignore[attr-defined]  # (it cancels the watch's call)
 
 
 def session_json(s: SessionInfo) -> dict[str, Any]:
