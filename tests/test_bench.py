@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
 from pathlib import Path
@@ -176,3 +177,17 @@ def test_table_marks_targets() -> None:
     lines = bench.format_table(rows).splitlines()
     assert lines[2].endswith("ok") and lines[3].endswith("MISS")
     assert not lines[4].rstrip().endswith(("ok", "MISS"))
+
+
+def test_engine_process_prototype_streams_on_each_side(
+    tiny: dict[str, TinyPair], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import engine_process
+
+    argv = ["--model", str(tiny["rope"].model), "--threads", "1", "--repeats", "1"]
+    assert engine_process.main([*argv, "--tokens", "8"]) == 0
+    printed = capsys.readouterr().out
+    for side in ("raw loop", "thread", "process"):
+        rate = re.search(rf"^  {side} +([0-9.]+) tok/s", printed, re.M)
+        assert rate and math.isfinite(float(rate[1])) and float(rate[1]) > 0, printed
+    assert "process / thread" in printed
