@@ -11,7 +11,6 @@ difference that no longer occurs fails the test too.
 
 from __future__ import annotations
 
-import base64
 import fnmatch
 import json
 import re
@@ -21,17 +20,21 @@ from typing import Any
 
 import httpx
 import pytest
-from llama_server.cases import CASES, EMBEDDING_CASES, FIM_CASES, MARKER, NO_SLOT_PATH_CASES
+from llama_server.cases import (
+    CASES,
+    EMBEDDING_CASES,
+    FIM_CASES,
+    NO_SLOT_PATH_CASES,
+    answer,
+)
 from llama_server.fim import write_fim_model
 
 from slotwise_core.tiny_models import TinyPair
 from support.http_stack import Stack, Stacks
 from support.loop import LoopThread
-from support.media import image_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = json.loads((ROOT / "tests" / "llama_server" / "recorded.json").read_text())
-IMAGE = base64.b64encode(image_bytes(64, 48)).decode()
 
 # Values llama-server itself changes from run to run: compared by their JSON type only. (Which
 # slot serves a request is each server's own choice, but not where id_slot pins it: EXACT.)
@@ -131,20 +134,7 @@ def allowed(path: str, what: str) -> str | None:
 
 
 def request(stack: Stack, case: dict[str, Any]) -> dict[str, Any]:
-    body = case.get("body")
-    if isinstance(body, dict) and body.get("prompt") == "IMAGE":
-        body = {**body, "prompt": {"prompt_string": f"a {MARKER} b", "multimodal_data": [IMAGE]}}
-    r = httpx.request(case["method"], f"{stack.url}{case['path']}", json=body, timeout=120)
-    out: dict[str, Any] = {"status": r.status_code}
-    if r.headers.get("content-type", "").startswith("text/event-stream"):
-        out["events"] = [
-            json.loads(line[len("data: ") :])
-            for line in r.text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"
-        ]
-    else:
-        out["body"] = r.json()
-    return out
+    return answer(stack.url, case)
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,18 @@
 """The requests llama-server answered in recorded.json, in the order they were sent (the slot
 actions depend on the completions before them), and that the tests send slotwise again.
 
-"IMAGE" as a prompt is a multimodal prompt with one image (record.py and the tests build it).
+"IMAGE" as a prompt is a multimodal prompt with one image (`answer` builds it).
 """
 
 from __future__ import annotations
 
+import base64
+import json
 from typing import Any
+
+import httpx
+
+from support.media import image_bytes
 
 MARKER = "<__media__>"  # slotwise's; llama-server's is random unless LLAMA_MEDIA_MARKER pins it
 
@@ -193,3 +199,24 @@ FIM_CASES: dict[str, dict[str, Any]] = {
     ),
     "infill_no_suffix": post("/infill", {"input_prefix": "x"}),
 }
+
+
+IMAGE = base64.b64encode(image_bytes(64, 48)).decode()
+
+
+def answer(url: str, case: dict[str, Any]) -> dict[str, Any]:
+    """A server's answer to a case: its status and its body, or its stream's events."""
+    body = case.get("body")
+    if isinstance(body, dict) and body.get("prompt") == "IMAGE":
+        body = {**body, "prompt": {"prompt_string": f"a {MARKER} b", "multimodal_data": [IMAGE]}}
+    r = httpx.request(case["method"], f"{url}{case['path']}", json=body, timeout=120)
+    out: dict[str, Any] = {"status": r.status_code}
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        out["events"] = [
+            json.loads(line[len("data: ") :])
+            for line in r.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+    else:
+        out["body"] = r.json()
+    return out

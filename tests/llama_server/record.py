@@ -16,7 +16,6 @@ do not change from run to run.
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import json
 import os
@@ -39,13 +38,11 @@ from llama_server.cases import (  # noqa: E402
     FIM_CASES,
     MARKER,
     NO_SLOT_PATH_CASES,
+    answer,
 )
 from llama_server.fim import write_fim_model  # noqa: E402
 from slotwise_core.tiny_models import write_tiny_models  # noqa: E402
-from support.media import image_bytes  # noqa: E402
 from support.procs import free_port  # noqa: E402
-
-IMAGE = base64.b64encode(image_bytes(64, 48)).decode()
 
 
 @contextlib.contextmanager
@@ -68,23 +65,6 @@ def llama_server(binary: Path, *args: str) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def answer(url: str, case: dict[str, Any]) -> dict[str, Any]:
-    method, path, body = case["method"], case["path"], case.get("body")
-    if isinstance(body, dict) and body.get("prompt") == "IMAGE":
-        body = {**body, "prompt": {"prompt_string": f"a {MARKER} b", "multimodal_data": [IMAGE]}}
-    r = httpx.request(method, f"{url}{path}", json=body, timeout=120)
-    out: dict[str, Any] = {"status": r.status_code}
-    if r.headers.get("content-type", "").startswith("text/event-stream"):
-        out["events"] = [
-            json.loads(line[len("data: ") :])
-            for line in r.text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"
-        ]
-    else:
-        out["body"] = r.json()
-    return out
 
 
 def main() -> int:
