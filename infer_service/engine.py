@@ -114,6 +114,7 @@ class Engine:
             state_cache_bytes=state_cache_bytes,
             notify=self._notify,
             draft_model=draft_model,
+            slots=self.slots,
         )
         self.sessions = SessionManager(
             self.executor, self.slots, store, self.stats, call=self.call, notify=self._notify

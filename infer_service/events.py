@@ -53,6 +53,7 @@ class Reason(enum.Enum):
 
     PROMPT_TOO_LONG = "PROMPT_TOO_LONG"
     QUEUE_FULL = "QUEUE_FULL"
+    POOL_FULL = "POOL_FULL"  # the KV pool's cells are other prompts' now (kv_unified)
     STALE_DESCRIPTOR = "STALE_DESCRIPTOR"
     SESSION_NOT_SAVED = "SESSION_NOT_SAVED"
     SESSION_NOT_FOUND = "SESSION_NOT_FOUND"

@@ -54,6 +54,7 @@ from infer_service.events import (
     Usage,
 )
 from infer_service.grammar_lane import GrammarLane, GrammarTooCostly
+from infer_service.kv_pool import Pool, Share
 from infer_service.kv_view import ShiftMark, at_cell, runs
 from infer_service.ledger import (
     CannotFit,
@@ -67,6 +68,8 @@ from infer_service.ledger import (
     Reprefill,
     Segment,
     Shift,
+    atoms,
+    num_pinned,
 )
 from infer_service.media import MediaHandle
 from infer_service.runtime import EmbeddingCache, Runtime
@@ -81,6 +84,7 @@ from slotwise_core import native
 log = logging.getLogger("slotwise.engine")
 
 WORTH_KEEPING = 32  # cells: a displaced sequence smaller than this is not worth a cache entry
+WORTH_SHARING = 32  # cells: a pinned prefix smaller than this is decoded by each slot itself
 
 
 @dataclass
@@ -136,8 +140,13 @@ class Executor:
         notify: Callable[[], None] = lambda: None,
         observer: StepObserver | None = None,
         draft_model: DraftModel | None = None,
+        slots: Sequence[Slot] = (),
     ):
         self.rt = rt
+        self.slots = slots  # every slot: the pool counts their cells
+        # one pool of cells, where slots share pinned prefixes (None: a budget per slot)
+        self.pool = Pool(rt.num_cells, rt.holder_seqs) if rt.config.kv_unified else None
+        self._reserved = 0  # cells the step's batch takes before its decode (the pool's)
         self.draft_model = draft_model  # speculative's draft-simple: guesses of a small model
         self.stats = stats
         self.cache = EmbeddingCache(cache_bytes)
@@ -176,11 +185,24 @@ class Executor:
 
     def clear(self, slot: Slot) -> None:
         self.rt.seq_clear(slot.seq)
+        slot.share = None
+        if self.pool is not None:
+            self.pool.unshare(slot.seq)
+
+    def _cut(self, slot: Slot, pos: int) -> None:
+        """The sequence's cells from `pos` on leave it (its ledger was truncated to them)."""
+        self.rt.seq_rm(slot.seq, pos, -1)
+        if self.pool is not None and slot.ledger is not None:
+            self.pool.cut(slot.seq, slot.ledger.num_cells)
 
     def state_of(self, slot: Slot) -> memoryview:
+        """The sequence's whole state, shared prefix included: a restore gets its own copy
+        (a reference would break when the holder left the pool in between)."""
         return self.rt.state_get(slot.seq)
 
     def load_state(self, slot: Slot, state: bytes) -> bool:
+        if self.pool is not None:
+            self.pool.unshare(slot.seq)
         return self.rt.state_set(slot.seq, state)
 
     def stash(self, slot: Slot) -> None:
@@ -199,11 +221,11 @@ class Executor:
         if job.resume is not None:
             ledger, state = self.states.take(job.resume)
             self.stash(slot)
-            self.rt.seq_clear(slot.seq)
-            slot.ledger = ledger if self.rt.state_set(slot.seq, bytes(state)) else None
+            self.clear(slot)
+            slot.ledger = ledger if self.load_state(slot, bytes(state)) else None
         elif slot.ledger is not None and slot.reuse_key != job.reuse_key:
             self.stash(slot)
-            self.rt.seq_clear(slot.seq)
+            self.clear(slot)
             slot.ledger = None
         if slot.ledger is None:
             slot.ledger = self.new_ledger(job.context)
@@ -280,6 +302,14 @@ class Executor:
             if ledger.num_cells - reuse.num_cells >= WORTH_KEEPING and job.resume is None:
                 self.stash(slot)  # what the cut drops may be resumed later
         cut = ledger.truncate(si, so)
+        if self.pool is not None:
+            ledger.capacity = self.rt.num_cells_per_slot  # (admission: the most a slot holds)
+            shared = None
+            if start == 0 and reprefill is None:
+                shared = self._share_prefix(slot, job, ledger)
+            if shared is not None:
+                cut, rest, continued = ledger.next_pos, list(job.items[shared:]), False
+            self._pin_shared(slot, ledger)
         num_reused = ledger.num_cells - num_before
         # a reused M-RoPE image holds more cells than positions: count its positions
         num_reused_positions = sum(seg.num_positions for seg in ledger.segments[start:])
@@ -300,12 +330,12 @@ class Executor:
             # is decoded again; cells of the checkpoint the ledger no longer has go
             kept_segments = min(reprefill, len(ledger.segments))
             restore = [seg.item for seg in ledger.segments[kept_segments:]]
-            self.rt.seq_rm(slot.seq, ledger.truncate(kept_segments), -1)
+            self._cut(slot, ledger.truncate(kept_segments))
             if restore:
                 self.stats.num_session_reprefills += 1
                 self.stats.num_session_reprefill_cells += sum(i.num_cells for i in restore)
         elif reprefill is None:
-            self.rt.seq_rm(slot.seq, cut, -1)
+            self._cut(slot, cut)
         if error is not None:
             raise error
         assert not isinstance(admission, CannotFit)
@@ -354,6 +384,136 @@ class Executor:
             ),
         )
 
+    # -- the pool (kv_unified) ----------------------------------------------------------------
+
+    def _share_prefix(self, slot: Slot, job: Job, ledger: Ledger) -> int | None:
+        """The job's pinned prefix from the pool. A slot that lacks it gets the holder's cells
+        (their ids copied, nothing decoded): returns how many of the job's items that covers
+        (None: nothing shared now). A prefix nobody holds is held once the slot decoded it."""
+        pool = self.pool
+        assert pool is not None
+        pool.cut(slot.seq, ledger.num_cells)  # (what the reuse rule kept of it)
+        share = shareable(job)
+        if share is None:
+            return None
+        holder = pool.find(share.key)
+        if ledger.num_cells >= share.num_cells or holder is None:
+            slot.share = share  # (the slot holds it, or will: it is held from there)
+            self._hold(slot)
+            return None
+        self.clear(slot)
+        ledger.truncate(0)
+        ledger.adopt(holder.segments)
+        self.rt.seq_cp(holder.seq, slot.seq, 0, holder.next_pos)
+        pool.share(slot.seq, holder)
+        self.stats.num_shared_prefixes += 1
+        self.stats.num_shared_cells += holder.num_cells
+        return share.num_items
+
+    def _pin_shared(self, slot: Slot, ledger: Ledger) -> None:
+        """Shared cells stay pinned whatever the request keeps (and however its prompt went
+        in: a piece that starts past `keep` is not pinned by it): a shift would move them for
+        every sequence that has them."""
+        assert self.pool is not None
+        shared = self.pool.shared_cells(slot.seq)
+        if shared > ledger.num_pinned_cells:
+            ledger.reconfigure(
+                policy=ledger.policy, keep=max(ledger.keep, shared),
+                discard_fraction=ledger.discard_fraction, unit=ledger.unit,
+            )  # fmt: skip
+
+    def _hold(self, slot: Slot) -> None:
+        """Once the slot holds its job's pinned prefix, exactly, the pool keeps it in a holder
+        sequence (a copy of the cells' ids) for the slots that open with it next."""
+        share, ledger, pool = slot.share, slot.ledger, self.pool
+        if share is None or ledger is None or pool is None or slot.piece is not None:
+            return
+        if ledger.num_cells < share.num_cells:
+            return  # not decoded yet
+        slot.share = None
+        if pool.find(share.key) is not None or pool.holder_of(slot.seq) is not None:
+            return  # another slot was first; or some of its cells are another prefix's
+        segments, n = ledger.segments, 0
+        k = 0
+        while n < share.num_cells:
+            n += segments[k].num_cells
+            k += 1
+        if n != share.num_cells or k > ledger.num_exact_segments:
+            return  # (one of its segments goes on past it, or it is not a fresh prefill)
+        if atoms(segments[:k]) != share.key[1]:
+            return
+        holder, dropped = pool.hold(share.key, segments[:k])
+        if dropped is not None:
+            self.rt.seq_clear(dropped.seq)
+        if holder is not None:
+            self.rt.seq_cp(slot.seq, holder.seq, 0, holder.next_pos)
+            pool.share(slot.seq, holder)
+            self._pin_shared(slot, ledger)
+
+    def pool_free(self) -> int:
+        """(pool) Cells no sequence holds, less what the step's batch is taking."""
+        assert self.pool is not None
+        held = ((s.seq, s.ledger.num_cells) for s in self.slots if s.ledger is not None)
+        return self.pool.num_cells - self.pool.num_used(held) - self._reserved
+
+    def _fit(self, slot: Slot, num_cells: int) -> None:
+        """(pool) The slot's ledger may grow by what the pool has free, up to the most a slot
+        holds; what no request uses (idle holders, idle stateless slots) is taken first."""
+        ledger = slot.ledger
+        if self.pool is None or ledger is None:
+            return
+        room = self.rt.num_cells_per_slot - ledger.num_cells
+        free = self.pool_free()
+        if free < min(num_cells, room):
+            self._reclaim(min(num_cells, room) - free, slot)
+            free = self.pool_free()
+        ledger.capacity = ledger.num_cells + max(0, min(free, room))  # (0: it waits)
+
+    def _reclaim(self, num_cells: int, keeper: Slot) -> None:
+        """Free cells that no request uses: holders nobody shares (least recently used
+        first), then idle stateless slots' sequences (kept in the host cache)."""
+        pool = self.pool
+        assert pool is not None
+        while num_cells > 0:
+            idle = pool.idle()
+            if idle:
+                self.rt.seq_clear(idle[0].seq)
+                pool.drop(idle[0])
+                num_cells -= idle[0].num_cells
+                continue
+            others = [
+                s for s in self.slots
+                if s is not keeper and s.job is None and s.owner is None and s.num_cells
+            ]  # fmt: skip
+            if not others:
+                return
+            other = max(others, key=lambda s: s.num_cells - pool.shared_cells(s.seq))
+            num_cells -= other.num_cells - pool.shared_cells(other.seq)
+            self.stash(other)
+            self.clear(other)
+            other.ledger, other.reuse_key = None, None
+
+    def _waits_for_pool(self, slot: Slot, num_cells: int) -> bool:
+        """(pool) A prompt that would fit in a slot of its own, short of cells only because
+        other requests hold them, waits while some slot generates (its end frees room); when
+        none does, it ends, RESOURCE_EXHAUSTED: retried, it finds the pool less busy."""
+        ledger = slot.ledger
+        if self.pool is None or ledger is None or not slot.prefilling:
+            return False
+        if ledger.num_cells + num_cells > self.rt.num_cells_per_slot:
+            return False  # too long for any slot: its own policy decides
+        if any(s is not slot and s.job is not None and not s.prefilling for s in self.slots):
+            self.stats.num_pool_waits += 1
+            return True
+        why = Problem(
+            ErrorKind.RESOURCE_EXHAUSTED,
+            f"the KV pool's {self.pool.num_cells} cells are held by other prompts; retry shortly",
+            Reason.POOL_FULL,
+            retry_after=1.0,
+        )
+        self._end(slot, FinishReason.ERROR, error=why.message, problem=why)
+        return True
+
     def end(self, slot: Slot, reason: FinishReason) -> Job:
         """The slot's job leaves it (its last tokens sent). The sequence stays for the next
         request with the same prefix, unless the job failed without a session."""
@@ -368,9 +528,10 @@ class Executor:
             slot.sampler = None
         slot.job = None
         slot.spec = None
+        slot.share = None
         slot.pending.clear()
         if reason is FinishReason.ERROR and job.session_id is None:
-            self.rt.seq_clear(slot.seq)
+            self.clear(slot)
             slot.ledger = None
         job.release()
         return job
@@ -532,6 +693,7 @@ class Executor:
             slot.piece = None
             slot.pending.popleft()
             self.stats.num_media_decodes += 1
+            self._hold(slot)
 
     def _begin_media(self, slot: Slot) -> bool:
         item = slot.pending[0]
@@ -563,8 +725,7 @@ class Executor:
             return
         segments = slot.ledger.segments
         if segments and segments[-1].item is piece.item:  # (nothing follows it mid-chunk)
-            cut = slot.ledger.truncate(len(segments) - 1)
-            self.rt.seq_rm(slot.seq, cut, -1)
+            self._cut(slot, slot.ledger.truncate(len(segments) - 1))
 
     # -- text ---------------------------------------------------------------------------------
 
@@ -601,6 +762,7 @@ class Executor:
             return
         t0 = time.perf_counter()
         rc = self.rt.decode()
+        self._reserved = 0  # (in the ledgers below, or given back by a failed decode)
         self.stats.num_decodes += 1
         if len({t.slot.seq for t in taken}) > 1:
             self.stats.num_multi_seq_decodes += 1
@@ -619,6 +781,7 @@ class Executor:
                 slot.ledger.append(t.item)  # (drafts too: their cells are held until verified)
                 if slot.prefilling:
                     self._progress(slot, t.item.num_cells)
+                    self._hold(slot)
                 else:
                     slot.usage.decode_seconds += elapsed
                 if t.logits_at is not None:
@@ -641,6 +804,9 @@ class Executor:
             return None
         head = slot.pending[0]
         assert slot.ledger is not None
+        self._fit(slot, n)
+        if self.pool is not None and slot.prefilling and head.group is None:
+            n = min(n, max(1, slot.ledger.num_free_cells))  # (what the pool has, now)
         n = fitting_take(slot.ledger, n, head.group)
         if not self._make_room(slot, n, n, head.group):
             return None  # finished, or a reprefill put other items first
@@ -658,6 +824,7 @@ class Executor:
             item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=last,
             num_logits=1 + len(drafts),
         )  # fmt: skip
+        self._reserved += item.num_cells
         return Taken(slot, item, end - len(drafts) if last else None, drafts)
 
     def _drafts(self, slot: Slot, taken: Item, budget: int) -> tuple[int, ...]:
@@ -764,6 +931,8 @@ class Executor:
         last = ledger.segments[newest]
         self.rt.seq_rm(slot.seq, last.pos_start + last.num_cells - num_cells, -1)
         ledger.truncate(newest, last.num_cells - num_cells)  # (once llama.cpp has let go)
+        if self.pool is not None:
+            self.pool.cut(slot.seq, ledger.num_cells)
 
     def _emit_next(self, slot: Slot, index: int) -> int | None:
         """Sample at `index` and hand the token on (text, stop strings, max_tokens); the
@@ -814,9 +983,12 @@ class Executor:
         """Carry out the ledger's plan for the next decode; False when the slot cannot go on."""
         ledger = slot.ledger
         assert ledger is not None and slot.job is not None
+        self._fit(slot, num_cells)
         plan: Plan = ledger.ensure(num_cells, num_positions, group=group)
         if isinstance(plan, Fits):
             return True
+        if self._waits_for_pool(slot, num_cells):
+            return False
         if isinstance(plan, CannotFit):
             if self._observer is not None:
                 self._observer.on_cannot_fit(slot, plan, num_cells)
@@ -832,7 +1004,7 @@ class Executor:
         elif isinstance(plan, Gap):
             self.rt.seq_rm(slot.seq, plan.p0, plan.p1)
         elif isinstance(plan, Reprefill):
-            self.rt.seq_clear(slot.seq)
+            self.clear(slot)  # (a shared prefix too: it is decoded again, the slot's own)
         evicted_at = at_cell(ledger.segments, plan.evicted)
         ledger.apply(plan)
         if isinstance(plan, Reprefill):
@@ -886,6 +1058,18 @@ class Executor:
             return
         slot.num_prefill_done += num_cells
         self._tell(slot.job, PrefillProgress(slot.num_prefill_done, slot.num_prefill_total))
+
+
+def shareable(job: Job) -> Share | None:
+    """The job's pinned prefix as the pool shares it: keyed by tenant and salt and by what it
+    puts in the cache; None when it is too small to be worth it, or all there is."""
+    k = num_pinned(job.items, job.context.keep)
+    if k >= len(job.items):
+        return None  # (the prompt's last item is decoded by the slot itself: its logits)
+    num_cells = sum(i.num_cells for i in job.items[:k])
+    if num_cells < WORTH_SHARING:
+        return None
+    return Share((job.reuse_key, atoms(job.items[:k])), k, num_cells)
 
 
 def _niced(nice: int) -> None:

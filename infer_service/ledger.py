@@ -55,6 +55,8 @@ __all__ = [
     "Reprefill",
     "Segment",
     "Shift",
+    "atoms",
+    "num_pinned",
 ]
 
 
@@ -292,6 +294,27 @@ def _iter_atoms(seq: Sequence[Segment | Item]) -> Iterator[tuple[object, tuple[i
             yield (x.media_id, (i, 0))
         else:
             yield from ((t, (i, k)) for k, t in enumerate(x.token_ids))
+
+
+def atoms(seq: Sequence[Segment | Item]) -> tuple[object, ...]:
+    """What a run of items puts in the cache, atom by atom (a token id, or a media id): two
+    runs with the same atoms from position 0 hold the same KV."""
+    return tuple(a for a, _ in _iter_atoms(seq))
+
+
+def num_pinned(items: Sequence[Item], keep: int) -> int:
+    """How many of ``items``, appended to an empty ledger that keeps ``keep`` cells, are pinned
+    (the ledger's own rule: those that start inside ``keep``, and the rest of a pinned group)."""
+    num_cells, last = 0, None
+    for i, item in enumerate(items):
+        pinned = num_cells < keep or (
+            last is not None and item.group is not None and item.group == last.group
+        )
+        if not pinned:
+            return i
+        num_cells += item.num_cells
+        last = item
+    return len(items)
 
 
 def _num_atoms(seq: Sequence[Segment | Item]) -> int:
@@ -621,6 +644,21 @@ class Ledger:
         self._evicted.clear()
         self._num_evicted_atoms = 0
         self._history_complete = True
+
+    def adopt(self, segments: Sequence[Segment]) -> None:
+        """An empty ledger takes segments another sequence decoded from position 0 (a shared
+        prefix, given to this sequence by a copy of its cells): pinned, exact, no history."""
+        if self._segments:
+            raise ValueError("only an empty ledger adopts segments")
+        if segments and segments[0].pos_start != 0:
+            raise ValueError("adopted segments start at position 0")
+        num_cells = sum(s.num_cells for s in segments)
+        if num_cells > self.capacity:
+            raise ValueError(f"{num_cells} adopted cells do not fit in {self.capacity}")
+        self._segments = [replace(s, pinned=True) for s in segments]
+        self._num_exact = len(self._segments)
+        self._forget_history()
+        self._recount()
 
     def clone(self) -> Ledger:
         """An independent copy (segments and history), for a cache of sequence states."""

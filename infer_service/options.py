@@ -31,6 +31,16 @@ OPTIONS = (
     option("--ctx-size", type=positive_int, default=_d.ctx_size,
            help="KV cells for all slots together"),
     option("--parallel", type=positive_int, default=_d.parallel, help="slots (sequences)"),
+    option("--kv-unified", action="store_true",
+           help="one pool of --ctx-size cells for every slot (llama.cpp's unified cache): a "
+           "slot's sequence may grow to the pool (or --kv-unified-per-slot), and a pinned "
+           "prefix (the system message and its images) is stored once for every conversation "
+           "of a tenant that opens with it"),
+    option("--kv-unified-per-slot", type=int, default=_d.max_cells_per_slot,
+           help="with --kv-unified: the most cells one slot's sequence holds; 0: the pool"),
+    option("--shared-prefixes", type=positive_int, default=_d.shared_prefixes,
+           help="with --kv-unified: pinned prefixes kept in the pool at once (least recently "
+           "used out first, and only while no slot shares it)"),
     option("--batch-size", type=positive_int, default=_d.batch_size),
     option("--ubatch-size", type=positive_int, default=_d.ubatch_size),
     option("--gpu-layers", type=int, default=_d.gpu_layers, help="layers offloaded (CUDA builds)"),

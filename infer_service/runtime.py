@@ -53,6 +53,11 @@ class RuntimeConfig:
     mmproj: Path | None = None
     ctx_size: int = 4096  # all slots together; each gets llama_n_ctx_seq cells
     parallel: int = 1
+    # one pool of cells for every slot (llama.cpp's unified cache), where a pinned prefix
+    # (a system prompt and its images) is stored once for every conversation that opens with it
+    kv_unified: bool = False
+    shared_prefixes: int = 4  # (kv_unified) prefixes kept at once, each in a sequence of its own
+    max_cells_per_slot: int = 0  # (kv_unified) the most one slot's sequence may hold; 0: the pool
     batch_size: int = 512
     ubatch_size: int = 512
     gpu_layers: int = 0
@@ -106,10 +111,11 @@ class Runtime:
         params.n_ctx = config.ctx_size
         params.n_batch = config.batch_size
         params.n_ubatch = config.ubatch_size
-        params.n_seq_max = config.parallel
+        holders = config.shared_prefixes if config.kv_unified else 0
+        params.n_seq_max = config.parallel + holders
         params.n_threads = config.threads
         params.n_threads_batch = config.threads_batch
-        params.kv_unified = False  # every sequence gets its own budget of cells
+        params.kv_unified = config.kv_unified  # else every sequence has its own budget of cells
         params.no_perf = True
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         if not self.ctx:
@@ -133,7 +139,11 @@ class Runtime:
             self.close()
             raise
         self.num_slots = config.parallel
+        self.num_cells = llama_cpp.llama_n_ctx(self.ctx)
         self.num_cells_per_slot = llama_cpp.llama_n_ctx_seq(self.ctx)
+        if config.kv_unified and config.max_cells_per_slot > 0:
+            self.num_cells_per_slot = min(self.num_cells_per_slot, config.max_cells_per_slot)
+        self.holder_seqs = range(config.parallel, config.parallel + holders)
         self.batch_size = llama_cpp.llama_n_batch(self.ctx)
         self.ubatch_size = llama_cpp.llama_n_ubatch(self.ctx)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
@@ -191,6 +201,10 @@ class Runtime:
     def seq_add(self, seq: int, p0: int, delta: int) -> None:
         llama_cpp.llama_memory_seq_add(self.memory, seq, p0, -1, delta)
 
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """dst gets src's cells at positions [p0, p1): in a unified cache, the same cells."""
+        llama_cpp.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+
     def seq_clear(self, seq: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.memory, seq, -1, -1)
 
@@ -218,7 +232,11 @@ class Runtime:
     @property
     def layout(self) -> dict[str, int]:
         """What a saved sequence state depends on: it loads only into the same layout."""
-        return {"n_ctx_seq": self.num_cells_per_slot, "n_seq_max": self.num_slots, "kv_unified": 0}
+        return {
+            "n_ctx_seq": self.num_cells_per_slot,
+            "n_seq_max": self.num_slots,
+            "kv_unified": int(self.config.kv_unified),
+        }
 
     # -- decoding -------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from infer_service.events import (
     Usage,
     problem,
 )
+from infer_service.kv_pool import Share
 from infer_service.kv_view import MAX_SHIFT_MARKS, SequenceRuns, ShiftMark
 from infer_service.ledger import CannotFit, ContextConfig, Item, Ledger
 from infer_service.media import MediaHandle, media_key
@@ -146,6 +147,7 @@ class Slot:
     text: TextStream = field(default_factory=TextStream)
     unsent: TokenDelta | None = None  # tokens held for the next TokenDelta (stream_tokens > 1)
     piece: MediaPiece | None = None  # a media chunk being decoded, a piece per step
+    share: Share | None = None  # (pool) a pinned prefix to hold for others once decoded
     usage: Usage = field(default_factory=Usage)
     num_prefill_total: int = 0
     num_prefill_done: int = 0
@@ -183,6 +185,9 @@ class EngineStats:
     num_session_reprefills: int = 0
     num_session_reprefill_cells: int = 0  # decoded again: what a swap-in's state lacked
     num_evicted_cells: int = 0
+    num_pool_waits: int = 0  # (kv_unified) steps a prompt waited for the pool's cells
+    num_shared_prefixes: int = 0  # (kv_unified) requests given a pinned prefix from the pool
+    num_shared_cells: int = 0  # (kv_unified) the cells those requests did not decode
     shifts_by_policy: dict[str, int] = field(default_factory=dict)
     # speculative decoding, by type: [tokens drafted, tokens accepted]
     drafts_by_type: dict[str, list[int]] = field(default_factory=dict)

@@ -1,0 +1,143 @@
+"""Shared prefixes on real servers (prep and infer with --kv-unified, the tiny M-RoPE pair): a
+system message with an image, pinned, is decoded once and given to the next conversation
+that opens with it in another slot; never to another tenant or salt; and a prompt longer than
+ctx_size / parallel fits in the pool."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from PIL import Image, ImageDraw
+
+from clients.client import Message, SlotwiseClient, SlotwiseError, collect
+from clients.events import Delta
+from slotwise_core.tiny_models import TinyPair
+from support.loop import LoopThread
+from support.wait import wait_until
+
+SYSTEM = "You answer questions about the picture below, briefly and kindly. " * 4
+
+
+def picture() -> Image.Image:
+    img = Image.new("RGB", (96, 64), (30, 90, 160))
+    ImageDraw.Draw(img).rectangle((10, 10, 60, 40), fill=(240, 200, 20))
+    return img
+
+
+@pytest.fixture
+def servers(loop_thread: LoopThread, tiny: dict[str, TinyPair]) -> Iterator[Callable[..., Any]]:
+    """start(kv_unified, parallel, ctx_size) -> (prep address, infer address, infer)."""
+    from infer_service.__main__ import start as start_infer
+    from infer_service.runtime import RuntimeConfig
+    from prep_service.__main__ import start as start_prep
+
+    pair = tiny["mrope"]
+    started: list[Any] = []
+
+    def start(*, kv_unified: bool, parallel: int = 2, ctx_size: int = 2048) -> Any:
+        config = RuntimeConfig(
+            pair.model, pair.mmproj, ctx_size=ctx_size, parallel=parallel, threads=1,
+            kv_unified=kv_unified,
+        )  # fmt: skip
+        prep = loop_thread.run(start_prep(pair.model, pair.mmproj, threads=1))
+        infer = loop_thread.run(start_infer(config))
+        started.extend([infer, prep])
+        return f"127.0.0.1:{prep.port}", f"127.0.0.1:{infer.port}", infer
+
+    yield start
+    for s in started:
+        loop_thread.run(s.stop(0))
+
+
+def client(addresses: Any) -> SlotwiseClient:
+    return SlotwiseClient(addresses[0], addresses[1])
+
+
+def no_end(infer: Any) -> dict[int, float]:
+    """A logit_bias that bans the model's end tokens: a turn that runs to max_tokens."""
+    rt = infer.engine.rt
+    return {t: -100.0 for t in range(rt.num_vocab) if rt.is_eog(t)}
+
+
+def generating_beside(c: SlotwiseClient, prompt: Any, **options: Any) -> threading.Thread:
+    """A long turn in a thread of its own; returns once its first token came (it holds its
+    slot until the caller joins it)."""
+    holding = threading.Event()
+
+    def turn() -> None:
+        for event in c.generate(prompt, **options):
+            if isinstance(event, Delta):
+                holding.set()
+
+    runner = threading.Thread(target=turn)
+    runner.start()
+    wait_until(holding.is_set)
+    return runner
+
+
+def test_a_pinned_system_message_with_an_image_is_decoded_once(servers) -> None:
+    addresses = servers(kv_unified=True)
+    infer = addresses[2]
+    with client(addresses) as c:
+        first = c.prepare([Message.system(SYSTEM, picture()), Message.user("What is yellow?")])
+        second = c.prepare([Message.system(SYSTEM, picture()), Message.user("And the blue?")])
+        keep = first.num_cells_of(0)
+        assert keep == second.num_cells_of(0) and keep > 32
+        # the first conversation generates on while the second starts in the other slot
+        runner = generating_beside(c, first, keep=keep, max_tokens=300, logit_bias=no_end(infer))
+        try:
+            done = collect(c.generate(second, keep=keep, max_tokens=8, temperature=0))
+            # the same conversation decoded whole (a salt of its own shares nothing): the
+            # shared cells hold exactly what a fresh prefill does, so greedy tokens agree
+            fresh = collect(
+                c.generate(second, keep=keep, max_tokens=8, temperature=0, cache_salt="own")
+            )
+        finally:
+            runner.join()
+        assert done.token_ids == fresh.token_ids and fresh.usage.num_reused_cells == 0
+        assert done.started is not None and done.started.slot != 0
+        # the system message and its image came from the pool: nothing of it decoded again
+        assert done.started.num_reused_cells >= keep
+        stats = infer.engine.stats
+        assert stats.num_shared_prefixes == 1 and stats.num_shared_cells == keep
+        assert stats.num_failed_decodes == 0
+
+
+def test_the_pool_shares_within_a_tenant_and_salt_only(servers) -> None:
+    addresses = servers(kv_unified=True, parallel=3)
+    infer = addresses[2]
+    with client(addresses) as c:
+        prompt = c.prepare([Message.system(SYSTEM), Message.user("Hello there.")])
+        keep = prompt.num_cells_of(0)
+        runner = generating_beside(c, prompt, keep=keep, max_tokens=300, logit_bias=no_end(infer))
+        try:
+            salted = collect(c.generate(prompt, keep=keep, max_tokens=2, cache_salt="other"))
+            assert salted.started is not None and salted.started.num_reused_cells == 0
+            assert infer.engine.stats.num_shared_prefixes == 0
+            # the same tenant and salt as the first, in the third slot: shared
+            same = collect(c.generate(prompt, keep=keep, max_tokens=2))
+        finally:
+            runner.join()
+        assert same.started is not None and same.started.slot not in (0, salted.started.slot)
+        assert same.started.num_reused_cells >= keep
+        assert infer.engine.stats.num_shared_prefixes == 1
+
+
+def test_a_prompt_longer_than_a_slots_share_fits_in_the_pool(servers) -> None:
+    """ctx_size 1024 over 4 slots: 256 cells a slot without the pool; with it, the pool."""
+    text = "A long document, read whole, line after line after line. " * 10
+    per_slot = servers(kv_unified=False, parallel=4, ctx_size=1024)
+    with client(per_slot) as c:
+        prompt = c.prepare([Message.user(text)])
+        assert 256 < prompt.num_cells < 1024
+        with pytest.raises(SlotwiseError) as refused:
+            collect(c.generate(prompt, max_tokens=2))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    pooled = servers(kv_unified=True, parallel=4, ctx_size=1024)
+    with client(pooled) as c:
+        done = collect(c.generate(c.prepare([Message.user(text)]), max_tokens=2))
+        assert done.finished is not None and done.finished.usage.num_prompt_cells > 256
