@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import struct
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -228,6 +229,41 @@ class Runtime:
             self.seq_clear(seq)
             return False
         return True
+
+    def cells_in_use(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(position, sequences) of every cell in use, read from llama.cpp (the whole state:
+        a diagnostic for oracles and benchmarks, it copies every cell's K and V). As
+        llama_state_get_data writes it: a u32-sized arch name, u32 n_stream, then per stream u32
+        cell_count and per cell i32 pos, u32 n_seq_id, the cell ext on M-RoPE models (x, y,
+        token), the sequence ids; then u32 v_trans and u32 n_layer, checked here."""
+        size = int(llama_cpp.llama_state_get_size(self.ctx))
+        buf = bytearray(size)
+        n = llama_cpp.llama_state_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(buf), size)
+        data = memoryview(buf)[:n]
+        mrope = (
+            llama_cpp.LLAMA_ROPE_TYPE_MROPE,
+            llama_cpp.LLAMA_ROPE_TYPE_IMROPE,
+            llama_cpp.LLAMA_ROPE_TYPE_VISION,
+        )
+        ext = 12 if llama_cpp.llama_model_rope_type(self.model) in mrope else 0
+        at = 4 + struct.unpack_from("<I", data, 0)[0]
+        (num_streams,) = struct.unpack_from("<I", data, at)
+        at += 4
+        cells: list[tuple[int, tuple[int, ...]]] = []
+        for _ in range(num_streams):
+            (count,) = struct.unpack_from("<I", data, at)
+            at += 4
+            for _ in range(count):
+                pos, k = struct.unpack_from("<iI", data, at)
+                at += 8 + ext
+                cells.append((pos, tuple(sorted(struct.unpack_from(f"<{k}i", data, at)))))
+                at += 4 * k
+            if count:
+                v_trans, n_layer = struct.unpack_from("<II", data, at)
+                if v_trans > 1 or n_layer != llama_cpp.llama_model_n_layer(self.model):
+                    raise native.NativeError("the cache's state is not laid out as expected")
+                break  # (a stream's K and V follow: read no further; a pool has one stream)
+        return cells
 
     @property
     def layout(self) -> dict[str, int]:

@@ -24,16 +24,12 @@ Usage (tests/test_kv_pool.py runs a few seeds; sweep further with others)::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import random
-import struct
 import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-
-import llama_cpp
 
 from infer_service.events import FinishReason, ProblemError, Started
 from infer_service.executor import Executor
@@ -71,25 +67,8 @@ def open_pool(pair: TinyPair, *, cells: int = 224, holders: int = 2, batch: int 
 
 
 def pool_cells(rt: Runtime) -> list[tuple[int, tuple[int, ...]]]:
-    """(position, sequences) of every cell in use, as llama_state_get_data writes them: a
-    u32-sized arch name, u32 n_stream (1: unified), u32 cell_count, then per cell i32 pos,
-    u32 n_seq_id and the ids (models without M-RoPE: no cell ext)."""
-    size = int(llama_cpp.llama_state_get_size(rt.ctx))
-    buf = (ctypes.c_uint8 * size)()
-    n = int(llama_cpp.llama_state_get_data(rt.ctx, buf, size))
-    data = bytes(buf[:n])
-    (name_len,) = struct.unpack_from("<I", data, 0)
-    at = 4 + name_len
-    num_streams, count = struct.unpack_from("<II", data, at)
-    if num_streams != 1:
-        raise PoolError(f"a unified cache has one stream, not {num_streams}")
-    at += 8
-    cells = []
-    for _ in range(count):
-        pos, k = struct.unpack_from("<iI", data, at)
-        seqs = struct.unpack_from(f"<{k}i", data, at + 8)
-        at += 8 + 4 * k
-        cells.append((pos, tuple(sorted(seqs))))
+    """(position, sequences) of every cell in use, as llama.cpp writes its whole state."""
+    cells = rt.cells_in_use()
     return cells
 
 
