@@ -231,8 +231,9 @@ class Runtime:
         return True
 
     def cells_in_use(self) -> list[tuple[int, tuple[int, ...]]]:
-        """(position, sequences) of every cell in use, read from llama.cpp (the whole state:
-        a diagnostic for oracles and benchmarks, it copies every cell's K and V). As
+        """(position, sequences) of every cell in use in a unified cache (one stream), read
+        from llama.cpp's whole state: a diagnostic for oracles and benchmarks (it copies every
+        cell's K and V). As
         llama_state_get_data writes it: a u32-sized arch name, u32 n_stream, then per stream u32
         cell_count and per cell i32 pos, u32 n_seq_id, the cell ext on M-RoPE models (x, y,
         token), the sequence ids; then u32 v_trans and u32 n_layer, checked here."""
@@ -262,7 +263,7 @@ class Runtime:
                 v_trans, n_layer = struct.unpack_from("<II", data, at)
                 if v_trans > 1 or n_layer != llama_cpp.llama_model_n_layer(self.model):
                     raise native.NativeError("the cache's state is not laid out as expected")
-                break  # (a stream's K and V follow: read no further; a pool has one stream)
+                break  # (its K and V follow: read no further; a unified cache has one stream)
         return cells
 
     @property
