@@ -126,7 +126,8 @@ async def start(
             raise
     draft = None
     if model_draft is not None:  # (its own context: a sequence per slot, as many cells)
-        draft_config = dataclasses.replace(config, model=model_draft, mmproj=None)
+        # (a draft sequence mirrors its slot's: per-slot cells, no pool of its own to share)
+        draft_config = dataclasses.replace(config, model=model_draft, mmproj=None, kv_unified=False)
         try:
             draft = await asyncio.to_thread(DraftModel, draft_config, runtime)
         except BaseException:

@@ -304,6 +304,8 @@ class Executor:
         cut = ledger.truncate(si, so)
         if self.pool is not None:
             ledger.capacity = self.rt.num_cells_per_slot  # (admission: the most a slot holds)
+            self.pool.cut(slot.seq, ledger.num_cells)  # (what the reuse rule kept of it)
+            slot.share = None
             shared = None
             if start == 0 and reprefill is None:
                 shared = self._share_prefix(slot, job, ledger)
@@ -392,7 +394,6 @@ class Executor:
         (None: nothing shared now). A prefix nobody holds is held once the slot decoded it."""
         pool = self.pool
         assert pool is not None
-        pool.cut(slot.seq, ledger.num_cells)  # (what the reuse rule kept of it)
         share = shareable(job)
         if share is None:
             return None
@@ -736,6 +737,7 @@ class Executor:
     def _decode_text(self, slots: Iterable[Slot]) -> None:
         batch = self.rt.batch
         batch.clear()
+        self._reserved = 0
         budget = self.rt.batch_size
         taken: list[Taken] = []
         # short work first: a generating slot's one token always gets in, prefill fills the rest
