@@ -236,7 +236,9 @@ class Runtime:
         cell's K and V). As
         llama_state_get_data writes it: a u32-sized arch name, u32 n_stream, then per stream u32
         cell_count and per cell i32 pos, u32 n_seq_id, the cell ext on M-RoPE models (x, y,
-        token), the sequence ids; then u32 v_trans and u32 n_layer, checked here."""
+        token), the sequence ids; then u32 v_trans and u32 n_layer, checked here. Only the
+        first cache is read (a sliding-window model's full one: with swa_full, the window's
+        holds the same cells)."""
         size = int(llama_cpp.llama_state_get_size(self.ctx))
         buf = bytearray(size)
         n = llama_cpp.llama_state_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(buf), size)
@@ -261,7 +263,9 @@ class Runtime:
                 at += 4 * k
             if count:
                 v_trans, n_layer = struct.unpack_from("<II", data, at)
-                if v_trans > 1 or n_layer != llama_cpp.llama_model_n_layer(self.model):
+                # (n_layer: this cache's; a sliding-window model writes its full-attention
+                # cache first, with some of the layers, then the window's)
+                if v_trans > 1 or not 0 < n_layer <= llama_cpp.llama_model_n_layer(self.model):
                     raise native.NativeError("the cache's state is not laid out as expected")
                 break  # (its K and V follow: read no further; a unified cache has one stream)
         return cells
