@@ -66,12 +66,6 @@ def open_pool(pair: TinyPair, *, cells: int = 224, holders: int = 2, batch: int 
     )  # fmt: skip
 
 
-def pool_cells(rt: Runtime) -> list[tuple[int, tuple[int, ...]]]:
-    """(position, sequences) of every cell in use, as llama.cpp writes its whole state."""
-    cells = rt.cells_in_use()
-    return cells
-
-
 def ledger_positions(ledger: Ledger) -> list[int]:
     return sorted(p for s in ledger.segments for p in range(s.pos_start, s.pos_end))
 
@@ -93,7 +87,7 @@ class PoolOracle:
         assert pool is not None
         if self.stats.num_failed_decodes:
             raise PoolError("llama_decode failed on a batch the ledgers admitted")
-        cells = pool_cells(self.rt)
+        cells = self.rt.cells_in_use()
         by_seq: dict[int, list[int]] = {}
         for pos, seqs in cells:
             for s in seqs:

@@ -4,7 +4,6 @@ sequence's cells against llama.cpp's (tests/pool_oracle.py), and prefixes shared
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -153,17 +152,15 @@ def test_the_pool_against_llama_cpp(oracle: PoolOracle) -> None:
     assert total["shared"] > 0 and total["shifts"] > 0 and total["waited"] > 0, total
 
 
-def test_pool_cells_reads_what_llama_cpp_holds(tiny, tmp_path: Path) -> None:
+def test_cells_in_use_reads_what_llama_cpp_holds(tiny) -> None:
     """The oracle's reader, checked on a cache it did not fill through the executor."""
-    from pool_oracle import pool_cells
-
     rt = open_pool(tiny["rope"])
     try:
         rt.batch.clear()
         rt.batch.add([5, 6, 7], 0, 0, logits_last=True)
         assert rt.decode() == 0
         rt.seq_cp(0, 3, 0, 2)
-        assert pool_cells(rt) == [(0, (0, 3)), (1, (0, 3)), (2, (0,))]
+        assert rt.cells_in_use() == [(0, (0, 3)), (1, (0, 3)), (2, (0,))]
     finally:
         rt.close()
 
