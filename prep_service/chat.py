@@ -88,7 +88,26 @@ class _Template:
                 holders[j] = n - 1
         else:
             pieces[n] = full[len(done) :]
+        _unfold(turns, pieces, holders)
         return pieces, holders
+
+
+def _unfold(turns: Sequence[TemplateMessage], pieces: list[str], holders: list[int]) -> None:
+    """A message the template renders nothing for alone but folds into the next one's turn
+    (Gemma's system message, at the start of the first user turn) gets its own piece back:
+    the next piece up to the end of its content and the whitespace after it. Then it can be
+    pinned, and shared, apart from the turn it was folded into."""
+    for i in range(len(turns) - 1):
+        content = turns[i].content
+        if pieces[i] or holders[i] != i or not content or holders[i + 1] != i + 1:
+            continue
+        at = pieces[i + 1].find(content)
+        if at < 0 or content in pieces[i + 1][at + 1 :]:
+            continue  # (not there, or not once: where it ends is not known)
+        end = at + len(content)
+        end += len(pieces[i + 1][end:]) - len(pieces[i + 1][end:].lstrip())
+        if end < len(pieces[i + 1]):
+            pieces[i], pieces[i + 1] = pieces[i + 1][:end], pieces[i + 1][end:]
 
 
 class ChatTemplate(_Template):

@@ -67,3 +67,30 @@ def test_a_jinja_file_and_an_unknown_name(untemplated: Path, tmp_path: Path) -> 
     assert {"chatml", "gemma", "llama3"} <= set(builtin_template_names())
     with pytest.raises(ValueError, match="unknown chat template 'no-such'"):
         Preparer(untemplated, chat_template="no-such")
+
+
+def test_a_system_message_folded_into_the_first_turn_is_its_own_piece() -> None:
+    """Gemma renders the system message inside the first user turn: it is still a piece of
+    its own (so `keep` can pin it and the pool share it), and the turns read as before."""
+    gemma = BuiltinTemplate("gemma")
+    turns = [TemplateMessage("system", "Be brief."), TemplateMessage("user", "hi")]
+    pieces, holders = gemma.pieces(turns)
+    assert pieces == [
+        "<start_of_turn>user\nBe brief.\n\n", "hi<end_of_turn>\n", "<start_of_turn>model\n"
+    ]  # fmt: skip
+    assert holders == [0, 1]
+    assert "".join(pieces) == gemma.render(turns, add_generation_prompt=True)
+    # a system text the user turn repeats: where it ends is not known, so it stays folded
+    again = [TemplateMessage("system", "hi"), TemplateMessage("user", "hi")]
+    assert gemma.pieces(again)[0][0] == ""
+
+
+def test_a_folded_system_message_is_pinned_alike_whatever_follows(untemplated: Path) -> None:
+    p = Preparer(untemplated, chat_template="gemma")
+    try:
+        chats = [p.prepare([Message("system", ["Be brief."]), Message("user", [q])])[0]
+                 for q in ("hi", "what is this?")]  # fmt: skip
+        system = [[c for c in chat.chunks if c.message_index == 0] for chat in chats]
+        assert system[0] and system[0] == system[1]
+    finally:
+        p.close()
