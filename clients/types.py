@@ -279,6 +279,20 @@ class EngineStats:
     num_shifts: int = 0
     num_media_cache_hits: int = 0
     num_media_cache_misses: int = 0
+    num_shared_prefixes: int = 0
+    num_shared_cells: int = 0
+    num_pool_waits: int = 0
+
+
+@dataclass(frozen=True)
+class KvPool:
+    """(--kv-unified) One pool of cells, each counted once however many sequences share it."""
+
+    num_cells: int
+    num_cells_used: int
+    num_shared_cells: int  # held by shared prefixes, once
+    num_holders: int
+    num_holders_in_use: int
 
 
 @dataclass(frozen=True)
@@ -295,6 +309,7 @@ class ServerInfo:
     num_queued: int
     num_active: int
     stats: EngineStats
+    pool: KvPool | None = None  # (--kv-unified)
 
     @classmethod
     def from_pb(cls, pb: infer_pb2.GetServerInfoResponse) -> ServerInfo:
@@ -319,8 +334,15 @@ class ServerInfo:
                 num_shifts=s.num_shifts,
                 num_media_cache_hits=s.num_media_cache_hits,
                 num_media_cache_misses=s.num_media_cache_misses,
+                num_shared_prefixes=s.num_shared_prefixes,
+                num_shared_cells=s.num_shared_cells,
+                num_pool_waits=s.num_pool_waits,
             ),
-        )
+            pool=KvPool(
+                pb.pool.num_cells, pb.pool.num_cells_used, pb.pool.num_shared_cells,
+                pb.pool.num_holders, pb.pool.num_holders_in_use,
+            ) if pb.HasField("pool") else None,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

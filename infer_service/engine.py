@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
@@ -35,7 +35,9 @@ from infer_service.events import (
 )
 from infer_service.executor import Ending, Executor, StepOutcome
 from infer_service.io_lanes import run_unless_cancelled
-from infer_service.kv_view import SlotPicture, SlotState
+from infer_service.kv_pool import PoolFigures
+from infer_service.kv_view import SharedPicture, SlotPicture, SlotState, runs
+from infer_service.ledger import Segment
 from infer_service.runtime import Runtime
 from infer_service.scheduler import Reservation, Scheduler, TenantLimits
 from infer_service.session_manager import SessionManager
@@ -53,6 +55,7 @@ from infer_service.slots import (
     prompt_items,
     too_long,
 )
+from infer_service.state_cache import ReuseKey
 
 __all__ = [
     "Engine",
@@ -84,6 +87,7 @@ class EngineSnapshot:
     cache_misses: int
     stats: EngineStats
     session_bytes_written: int  # session checkpoints and journals
+    pool: PoolFigures | None  # (kv_unified)
 
 
 class Engine:
@@ -121,7 +125,7 @@ class Engine:
         )
         self.scheduler = Scheduler(
             self.slots, self.sessions, self.executor.states, self._wake, max_queue=max_queue,
-            tenant_limits=tenant_limits, fair=fair,
+            tenant_limits=tenant_limits, fair=fair, pooled=self.executor.pooled_cells,
         )  # fmt: skip
         self.cache = self.executor.cache
         self.states = self.executor.states
@@ -171,12 +175,16 @@ class Engine:
                 by_tenant={t: replace(v) for t, v in self.stats.by_tenant.items()},
             ),
             session_bytes_written=self.sessions.bytes_written,
+            pool=self.executor.pool_figures(),
         )
 
     def slot_pictures(self) -> list[SlotPicture]:
         """Every slot's cells as runs, and its sequence's latest shifts (on the engine thread,
-        like `snapshot`); whose each slot is, for the caller to show only its own."""
+        like `snapshot`); whose each slot is, for the caller to show only its own. A slot
+        that opens with a shared prefix shows the cells after it (`shared_pictures` shows the
+        prefix, once)."""
         out = []
+        pool = self.executor.pool
         for slot in self.slots:
             job, ledger = slot.job, slot.ledger
             if job is not None:
@@ -186,6 +194,9 @@ class Engine:
                 session = slot.owner
                 tenant = owner_of(session) if session else (slot.reuse_key or ("",))[0]
                 state = SlotState.IDLE if ledger and ledger.num_cells else SlotState.FREE
+            holder = pool.holder_of(slot.seq) if pool is not None else None
+            shared = pool.shared_cells(slot.seq) if pool is not None else 0
+            skip = _segments_covering(ledger.segments, shared) if ledger and shared else 0
             out.append(
                 SlotPicture(
                     slot=slot.seq,
@@ -194,15 +205,28 @@ class Engine:
                     state=state,
                     num_cells=slot.num_cells,
                     next_position=ledger.next_pos if ledger else 0,
-                    runs=slot.runs.of(ledger, self.executor.read),
+                    runs=slot.runs.of(ledger, self.executor.read, skip),
                     shifts=tuple(
                         m
                         for m in slot.shifts
                         if ledger is not None
                         and (m.sequence, m.tenant, m.session_id) == (ledger.serial, tenant, session)
                     ),
+                    shared_prefix=holder.seq if holder is not None and skip else -1,
+                    num_shared_cells=shared if skip else 0,
                 )
             )
+        return out
+
+    def shared_pictures(self) -> list[SharedPicture]:
+        """(pool) Each shared prefix the pool keeps, once (on the engine thread)."""
+        pool = self.executor.pool
+        out = []
+        for h in pool.holders if pool is not None else ():
+            whose: ReuseKey = h.key[0]  # type: ignore[assignment]  # (the executor's keys)
+            shown = runs(h.segments, self.executor.read)
+            users = tuple(sorted(h.users))
+            out.append(SharedPicture(h.seq, whose[0], h.num_cells, users, shown))
         return out
 
     def reserve(self, tenant: str) -> Reservation:
@@ -459,3 +483,13 @@ class Engine:
             )
 
         saved.add_done_callback(report)
+
+
+def _segments_covering(segments: Sequence[Segment], num_cells: int) -> int:
+    """How many leading segments hold exactly `num_cells` cells (0: no such boundary)."""
+    n = 0
+    for k, seg in enumerate(segments):
+        if n == num_cells:
+            return k
+        n += seg.num_cells
+    return len(segments) if n == num_cells else 0

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
@@ -54,7 +54,7 @@ from infer_service.events import (
     Usage,
 )
 from infer_service.grammar_lane import GrammarLane, GrammarTooCostly
-from infer_service.kv_pool import Pool, Share
+from infer_service.kv_pool import Pool, PoolFigures, Share
 from infer_service.kv_view import ShiftMark, at_cell, runs
 from infer_service.ledger import (
     CannotFit,
@@ -411,6 +411,13 @@ class Executor:
         self.stats.num_shared_cells += holder.num_cells
         return share.num_items
 
+    def pooled_cells(self, job: Job) -> int:
+        """(pool) The cells of the job's pinned prefix the pool holds: a slot that starts it
+        begins with them, whatever it held."""
+        share = shareable(job) if self.pool is not None else None
+        holder = self.pool.get(share.key) if self.pool is not None and share else None
+        return holder.num_cells if holder else 0
+
     def _pin_shared(self, slot: Slot, ledger: Ledger) -> None:
         """Shared cells stay pinned whatever the request keeps (and however its prompt went
         in: a piece that starts past `keep` is not pinned by it): a shift would move them for
@@ -451,11 +458,16 @@ class Executor:
             pool.share(slot.seq, holder)
             self._pin_shared(slot, ledger)
 
+    def _held(self) -> Iterator[tuple[int, int]]:
+        return ((s.seq, s.ledger.num_cells) for s in self.slots if s.ledger is not None)
+
     def pool_free(self) -> int:
         """(pool) Cells no sequence holds, less what the step's batch is taking."""
         assert self.pool is not None
-        held = ((s.seq, s.ledger.num_cells) for s in self.slots if s.ledger is not None)
-        return self.pool.num_cells - self.pool.num_used(held) - self._reserved
+        return self.pool.num_cells - self.pool.num_used(self._held()) - self._reserved
+
+    def pool_figures(self) -> PoolFigures | None:
+        return None if self.pool is None else self.pool.figures(self._held())
 
     def _fit(self, slot: Slot, num_cells: int) -> None:
         """(pool) The slot's ledger may grow by what the pool has free, up to the most a slot

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from infer_service.engine import Engine, EngineSnapshot
-from infer_service.kv_view import SlotPicture
+from infer_service.kv_view import SharedPicture, SlotPicture
 from infer_service.ledger import ContextConfig
 from infer_service.runtime import SamplingConfig
 from infer_service.scheduler import Reservation
@@ -43,8 +43,10 @@ class EngineFacade:
     async def snapshot(self) -> EngineSnapshot:
         return await self._on_engine(self._engine.snapshot)
 
-    async def slot_pictures(self) -> list[SlotPicture]:
-        return await self._on_engine(self._engine.slot_pictures)
+    async def slot_pictures(self) -> tuple[list[SlotPicture], list[SharedPicture]]:
+        """The slots and the pool's shared prefixes, as of one moment."""
+        engine = self._engine
+        return await self._on_engine(lambda: (engine.slot_pictures(), engine.shared_pictures()))
 
     # -- session turns ------------------------------------------------------------------------
 

@@ -54,6 +54,17 @@ class Holder:
         return self.segments[-1].pos_end if self.segments else 0
 
 
+@dataclass(frozen=True)
+class PoolFigures:
+    """The pool as metrics and GetServerInfo show it."""
+
+    num_cells: int
+    num_used: int  # each cell once
+    num_held: int  # the holders' cells: shared prefixes, stored once
+    num_holders: int
+    num_holders_in_use: int  # shared by a sequence now
+
+
 class Pool:
     """The cells of the unified cache: who holds which prefix, and how many cells are used."""
 
@@ -89,6 +100,17 @@ class Pool:
         """Cells in use, each counted once, given (sequence, cells it holds) of every sequence
         that is not a holder."""
         return self.num_held_cells + sum(n - self.shared_cells(seq) for seq, n in cells)
+
+    def figures(self, cells: Iterable[tuple[int, int]]) -> PoolFigures:
+        """``cells`` as for `num_used`."""
+        return PoolFigures(
+            self.num_cells, self.num_used(cells), self.num_held_cells, len(self._holders),
+            sum(1 for h in self._holders.values() if h.users),
+        )  # fmt: skip
+
+    def get(self, key: PrefixKey) -> Holder | None:
+        """The holder of the prefix, if one is kept (a look: not a use)."""
+        return self._holders.get(key)
 
     def find(self, key: PrefixKey) -> Holder | None:
         """The holder of the prefix, if one is kept (it counts as used now)."""

@@ -16,6 +16,7 @@ __all__ = [
     "CellKind",
     "CellRun",
     "SequenceRuns",
+    "SharedPicture",
     "ShiftMark",
     "SlotPicture",
     "SlotState",
@@ -73,8 +74,22 @@ class SlotPicture:
     state: SlotState
     num_cells: int
     next_position: int
-    runs: tuple[CellRun, ...] = ()
+    runs: tuple[CellRun, ...] = ()  # (after the shared prefix's cells, if any)
     shifts: tuple[ShiftMark, ...] = ()
+    shared_prefix: int = -1  # (pool) the holder of the shared prefix its sequence opens with
+    num_shared_cells: int = 0  # ... its first cells: that prefix's, stored once
+
+
+@dataclass(frozen=True)
+class SharedPicture:
+    """(pool) A shared prefix, shown once: its cells, and the slots whose sequences open with
+    it."""
+
+    holder: int  # the sequence that keeps it
+    tenant: str  # whose it is (a prefix is shared within one tenant and salt)
+    num_cells: int
+    slots: tuple[int, ...]
+    runs: tuple[CellRun, ...]
 
 
 def _kind(seg: Segment) -> CellKind:
@@ -142,22 +157,25 @@ class SequenceRuns:
 
     def __init__(self) -> None:
         self._ledger: object = None
+        self._skip = 0
         self._num_segments = 0
         self._last: Segment | None = None
         self._runs: list[_Run] = []
 
     def of(
-        self, ledger: Ledger | None, read: Callable[[Sequence[int]], str]
+        self, ledger: Ledger | None, read: Callable[[Sequence[int]], str], skip: int = 0
     ) -> tuple[CellRun, ...]:
-        segments = ledger.segments if ledger is not None else ()
+        """`skip`: leading segments not shown here (a shared prefix's, shown once)."""
+        segments = ledger.segments[skip:] if ledger is not None else ()
         n = self._num_segments
         appended_only = (
             ledger is self._ledger
+            and skip == self._skip
             and len(segments) >= n
             and (n == 0 or segments[n - 1] is self._last)
         )
         if not appended_only:
-            self._ledger, self._runs, n = ledger, [], 0
+            self._ledger, self._skip, self._runs, n = ledger, skip, [], 0
         _gather(self._runs, segments[n:])
         self._num_segments = len(segments)
         self._last = segments[-1] if segments else None

@@ -8,6 +8,8 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from infer_service.engine import Engine, EngineStoppedError
+from infer_service.kv_pool import PoolFigures
+from infer_service.slots import EngineStats
 from slotwise_core.metrics import ServiceMetrics
 
 
@@ -62,6 +64,7 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
             for kind, counts in sorted(st.drafts_by_type.items()):
                 drafts.add_metric([kind], counts[i])
             yield drafts
+        yield from pool_metrics(snap.pool, st)
         yield CounterMetricFamily(
             "slotwise_infer_evicted_cells", "cells evicted", value=st.num_evicted_cells
         )
@@ -114,3 +117,27 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
             yield per_tenant
 
     return collect
+
+
+def pool_metrics(pool: PoolFigures | None, st: EngineStats) -> Iterable[Metric]:
+    """(--kv-unified) The pool's cells, each counted once, and its shared prefixes."""
+    if pool is None:
+        return
+    for name, help_, value in (
+        ("pool_cells", "KV cells in the pool every sequence draws from", pool.num_cells),
+        ("pool_cells_used", "the pool's cells in use, each counted once", pool.num_used),
+        ("shared_cells", "cells of shared prefixes, stored once for every sequence sharing them",
+         pool.num_held),
+        ("shared_prefix_holders", "shared prefixes kept", pool.num_holders),
+        ("shared_prefix_holders_in_use", "shared prefixes a sequence shares now",
+         pool.num_holders_in_use),
+    ):  # fmt: skip
+        yield GaugeMetricFamily(f"slotwise_infer_{name}", help_, value=value)
+    for name, help_, value in (
+        ("shared_prefix_requests", "requests that began on a shared prefix",
+         st.num_shared_prefixes),
+        ("shared_prefix_cells_reused", "cells those requests did not decode",
+         st.num_shared_cells),
+        ("pool_waits", "steps a prompt waited for the pool's cells", st.num_pool_waits),
+    ):  # fmt: skip
+        yield CounterMetricFamily(f"slotwise_infer_{name}", help_, value=value)

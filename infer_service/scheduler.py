@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from infer_service.events import ErrorKind, Problem, Reason
@@ -47,6 +47,9 @@ class TenantLimits:
     max_queued: int = 0  # requests waiting (more are refused: RESOURCE_EXHAUSTED)
 
 
+LOAD_OVER_POOL = 32  # cells a cached sequence must bring beyond the pool's shared prefix
+
+
 class Scheduler:
     """The wait queue is one queue per tenant, served round robin: a tenant that queued a
     hundred requests delays another's one by about one slot's turn, not by a hundred (the
@@ -62,6 +65,7 @@ class Scheduler:
         max_queue: int,
         tenant_limits: TenantLimits = TenantLimits(),
         fair: bool = True,
+        pooled: Callable[[Job], int] = lambda job: 0,
     ):
         self.slots = slots
         self.sessions = sessions
@@ -69,6 +73,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.tenant_limits = tenant_limits
         self.fair = fair
+        self.pooled = pooled
         self._lock = lock
         # touched only under _lock: each tenant's waiting jobs, and the tenants in the order
         # they are served next (one that just started a job goes to the back)
@@ -224,14 +229,23 @@ class Scheduler:
         unowned = [s for s in free if s.owner is None]
         if unowned and job.session_id is None:  # (Executor.start matches the chosen one again)
             job.resume = None
+            # (the pool's shared prefix: any slot starts with it; a cached sequence that holds
+            # no more than it is not worth loading)
+            pooled = self.pooled(job)
             reuse = {
-                s.seq: reused_cells(s.ledger, job.items) if s.reuse_key == job.reuse_key else 0
+                s.seq: max(
+                    pooled,
+                    reused_cells(s.ledger, job.items) if s.reuse_key == job.reuse_key else 0,
+                )
                 for s in unowned
             }
             # the most reuse; on a tie, the slot whose content is worth least
             best = max(unowned, key=lambda s: (reuse[s.seq], -s.num_cells))
             cached = self.states.best(job.items, job.reuse_key)
-            if cached is not None and cached[1].num_cells > reuse[best.seq]:
+            # (a cached sequence loads whole, a copy of the pool's prefix with it: it must
+            # bring more than that copy costs)
+            margin = LOAD_OVER_POOL if pooled else 0
+            if cached is not None and cached[1].num_cells > reuse[best.seq] + margin:
                 job.resume = cached[0]  # a conversation that lost its slot: put it back
                 return min(unowned, key=lambda s: (reuse[s.seq], s.num_cells))
             return best

@@ -354,7 +354,8 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             last = None
             while not self.draining.is_set():
                 try:
-                    view = slots_pb(self.rt, await self.engine.slot_pictures(), tenant)
+                    pictures, shared = await self.engine.slot_pictures()
+                    view = slots_pb(self.rt, pictures, tenant, shared)
                 except ProblemError:
                     raise
                 except Exception as e:  # a bug in the look: this watch ends, reported

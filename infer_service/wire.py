@@ -37,7 +37,7 @@ from infer_service.events import (
     TokenLogprobs,
     Usage,
 )
-from infer_service.kv_view import CellKind, CellRun, SlotPicture, SlotState
+from infer_service.kv_view import CellKind, CellRun, SharedPicture, SlotPicture, SlotState
 from infer_service.ledger import ContextConfig, EvictionUnit, Policy
 from infer_service.runtime import SamplingConfig
 from infer_service.session_store import SessionIdError, check_session_id
@@ -377,6 +377,18 @@ def server_info_pb(rt: Any, snap: Any, mine: TenantStats) -> infer_pb2.GetServer
             num_shifts=st.num_shifts,
             num_media_cache_hits=mine.num_media_cache_hits,
             num_media_cache_misses=mine.num_media_cache_misses,
+            num_shared_prefixes=st.num_shared_prefixes,
+            num_shared_cells=st.num_shared_cells,
+            num_pool_waits=st.num_pool_waits,
+        ),
+        pool=None
+        if snap.pool is None
+        else infer_pb2.KvPool(
+            num_cells=snap.pool.num_cells,
+            num_cells_used=snap.pool.num_used,
+            num_shared_cells=snap.pool.num_held,
+            num_holders=snap.pool.num_holders,
+            num_holders_in_use=snap.pool.num_holders_in_use,
         ),
     )
 
@@ -457,6 +469,8 @@ def slot_view(p: SlotPicture, tenant: str) -> infer_pb2.SlotView:
         num_cells=p.num_cells,
         next_position=p.next_position,
         runs=map(_run_pb, p.runs),
+        num_shared_cells=p.num_shared_cells,
+        shared_prefix=p.shared_prefix if p.shared_prefix >= 0 else None,
         shifts=[
             infer_pb2.ShiftMark(
                 id=m.id,
@@ -470,11 +484,22 @@ def slot_view(p: SlotPicture, tenant: str) -> infer_pb2.SlotView:
     )
 
 
-def slots_pb(rt: Any, pictures: Sequence[SlotPicture], tenant: str) -> infer_pb2.WatchSlotsResponse:
+def slots_pb(
+    rt: Any, pictures: Sequence[SlotPicture], tenant: str, shared: Sequence[SharedPicture] = ()
+) -> infer_pb2.WatchSlotsResponse:
+    """The slots as `tenant` may see them, and its own shared prefixes (another tenant's are
+    not there at all)."""
     return infer_pb2.WatchSlotsResponse(
         num_cells_per_slot=rt.num_cells_per_slot,
         uses_mrope=rt.uses_mrope,
         slots=[slot_view(p, tenant) for p in pictures],
+        shared_prefixes=[
+            infer_pb2.SharedPrefixView(
+                holder=h.holder, num_cells=h.num_cells, slots=h.slots, runs=map(_run_pb, h.runs)
+            )
+            for h in shared
+            if h.tenant == tenant
+        ],
     )
 
 

@@ -15,8 +15,11 @@ from PIL import Image, ImageDraw
 
 from clients.client import Message, SlotwiseClient, SlotwiseError, collect
 from clients.events import Delta
+from slotwise.v1 import infer_pb2
 from slotwise_core.tiny_models import TinyPair
 from support.loop import LoopThread
+from support.procs import free_port
+from test_metrics import scrape, value
 from support.wait import wait_until
 
 SYSTEM = "You answer questions about the picture below, briefly and kindly. " * 4
@@ -30,7 +33,8 @@ def picture() -> Image.Image:
 
 @pytest.fixture
 def servers(loop_thread: LoopThread, tiny: dict[str, TinyPair]) -> Iterator[Callable[..., Any]]:
-    """start(kv_unified, parallel, ctx_size) -> (prep address, infer address, infer)."""
+    """start(kv_unified, parallel, ctx_size) -> (prep address, infer address, infer, its
+    metrics port)."""
     from infer_service.__main__ import start as start_infer
     from infer_service.runtime import RuntimeConfig
     from prep_service.__main__ import start as start_prep
@@ -44,9 +48,10 @@ def servers(loop_thread: LoopThread, tiny: dict[str, TinyPair]) -> Iterator[Call
             kv_unified=kv_unified,
         )  # fmt: skip
         prep = loop_thread.run(start_prep(pair.model, pair.mmproj, threads=1))
-        infer = loop_thread.run(start_infer(config))
+        metrics_port = free_port()
+        infer = loop_thread.run(start_infer(config, metrics_port=metrics_port))
         started.extend([infer, prep])
-        return f"127.0.0.1:{prep.port}", f"127.0.0.1:{infer.port}", infer
+        return f"127.0.0.1:{prep.port}", f"127.0.0.1:{infer.port}", infer, metrics_port
 
     yield start
     for s in started:
@@ -105,6 +110,26 @@ def test_a_pinned_system_message_with_an_image_is_decoded_once(servers) -> None:
         stats = infer.engine.stats
         assert stats.num_shared_prefixes == 1 and stats.num_shared_cells == keep
         assert stats.num_failed_decodes == 0
+        # what an operator sees: the pool counts the shared prefix once, for both sequences
+        info = c.server_info()
+        assert info.pool is not None and info.pool.num_cells == infer.engine.rt.num_cells
+        # (the salted run's prefix is held too, apart: a salt shares with nobody else)
+        assert (info.pool.num_holders, info.pool.num_shared_cells) == (2, 2 * keep)
+        engine = infer.engine
+        in_use = engine.call(lambda: len(engine.rt.cells_in_use())).result(timeout=30)
+        assert info.pool.num_cells_used == in_use  # read from llama.cpp's own state
+        assert (info.stats.num_shared_prefixes, info.stats.num_shared_cells) == (1, keep)
+        m = scrape(addresses[3])
+        assert value(m, "slotwise_infer_shared_cells") == 2 * keep
+        assert value(m, "slotwise_infer_pool_cells_used") == info.pool.num_cells_used
+        assert value(m, "slotwise_infer_shared_prefix_requests_total") == 1
+
+
+def test_the_per_slot_layout_reports_no_pool(servers) -> None:
+    addresses = servers(kv_unified=False)
+    with client(addresses) as c:
+        assert c.server_info().pool is None
+    assert not any(name.startswith("slotwise_infer_pool") for name, _ in scrape(addresses[3]))
 
 
 def test_the_pool_shares_within_a_tenant_and_salt_only(servers) -> None:
@@ -141,3 +166,45 @@ def test_a_prompt_longer_than_a_slots_share_fits_in_the_pool(servers) -> None:
     with client(pooled) as c:
         done = collect(c.generate(c.prepare([Message.user(text)]), max_tokens=2))
         assert done.finished is not None and done.finished.usage.num_prompt_cells > 256
+
+
+def test_the_kv_view_shows_a_shared_prefix_once_and_to_its_tenant_only(servers) -> None:
+    addresses = servers(kv_unified=True, parallel=3)
+    infer = addresses[2]
+    with client(addresses) as c:
+        chats = [
+            c.prepare([Message.system(SYSTEM, picture()), Message.user(q)])
+            for q in ("What is yellow?", "And the blue?")
+        ]
+        keep = chats[0].num_cells_of(0)
+        runner = generating_beside(
+            c, chats[0], keep=keep, max_tokens=300, logit_bias=no_end(infer)
+        )  # (in slot 0 while the second chat starts)
+        try:
+            done = collect(c.generate(chats[1], keep=keep, max_tokens=3, temperature=0))
+            (view,) = list(c.watch_slots(once=True))
+        finally:
+            runner.join()
+    assert done.started is not None
+    slots = sorted({0, done.started.slot})
+    assert len(slots) == 2
+    (prefix,) = view.shared_prefixes
+    assert prefix.num_cells == keep and sorted(prefix.slots) == slots
+    assert sum(r.num_cells for r in prefix.runs) == keep
+    assert any(r.kind == infer_pb2.CELL_KIND_MEDIA for r in prefix.runs)
+    for s in slots:
+        seen = view.slots[s]
+        assert seen.shared_prefix == prefix.holder and seen.num_shared_cells == keep
+        # the slot's own runs: what follows the prefix (the prefix is drawn once, above)
+        assert sum(r.num_cells for r in seen.runs) == seen.num_cells - keep
+        assert seen.runs[0].message_index == 1
+    # another tenant is shown no prefix of this one's (nor its slots)
+    from infer_service.wire import slots_pb
+
+    pictures, shared = infer.engine.call(
+        lambda: (infer.engine.slot_pictures(), infer.engine.shared_pictures())
+    ).result(timeout=30)
+    (whose,) = {h.tenant for h in shared}
+    assert slots_pb(infer.engine.rt, pictures, whose, shared).shared_prefixes
+    others = slots_pb(infer.engine.rt, pictures, "someone else", shared)
+    assert not others.shared_prefixes and not any(v.visible for v in others.slots if v.num_cells)

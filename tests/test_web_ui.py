@@ -103,7 +103,8 @@ def test_the_kv_stream_sends_views_as_events(stacks) -> None:
 
 def test_keep_system_pins_the_system_prompt_where_the_template_folds_it_in(stacks) -> None:
     """Gemma's template has no system turn: it writes the system prompt into the first user
-    message, so message 0 has no cells of its own; `keep: "system"` pins what holds it."""
+    turn. The system prompt's text there is still message 0's (prep cuts it out of the turn),
+    so `keep: "system"` pins it, and nothing of the user's message."""
     s = stacks.start("rope", ctx_size=512, parallel=2, chat_template="gemma")
     with httpx.Client(base_url=s.url, timeout=PATIENCE) as api:
         chat = api.post(
@@ -122,8 +123,9 @@ def test_keep_system_pins_the_system_prompt_where_the_template_folds_it_in(stack
             line = next(x for x in r.iter_lines() if x.startswith("data: "))
     (slot,) = [x for x in json.loads(line[6:])["slots"] if x["session_id"] == "folded"]
     first, *rest = slot["segments"]
-    assert first["pinned"] and first["message_index"] == 1 and "harbour" in first["preview"]
-    assert not any(g["pinned"] for g in rest)
+    assert first["pinned"] and first["message_index"] == 0 and "harbour" in first["preview"]
+    assert rest and not any(g["pinned"] for g in rest)
+    assert rest[0]["message_index"] == 1 and "Hello" in rest[0]["preview"]
 
 
 def test_slotwise_serve_serves_the_page_and_no_ui_turns_it_off(tiny, tmp_path: Path) -> None:
@@ -476,3 +478,38 @@ def test_markdown_narrow_screens_dark_mode_and_the_keyboard(
     focused = page.evaluate("document.activeElement && document.activeElement.tagName")
     assert focused in ("BUTTON", "LABEL", "INPUT", "TEXTAREA", "A", "SELECT")
     shot("narrow-dark")
+
+
+def test_the_page_draws_a_shared_prefix_once(stacks, browser_page) -> None:
+    """--kv-unified: two sessions open with one system prompt (pinned, as the edge does by
+    default); the page draws its cells once, and each slot a box that stands for them."""
+    s: Stack = stacks.start("rope", ctx_size=1024, parallel=2, kv_unified=True)
+    system = "You are a harbour guide: you answer questions about ships, briefly and kindly."
+    with httpx.Client(base_url=s.url, timeout=PATIENCE) as api:
+        for session, question in (("first", "Hello"), ("second", "Which ship is that?")):
+            chat = api.post("/v1/chat/completions", json={
+                "max_tokens": 2,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": question}],
+                "slotwise": {"session_id": session},
+            })  # fmt: skip
+            assert chat.status_code == 200, chat.text
+        with api.stream("GET", "/slotwise/kv") as r:
+            line = next(x for x in r.iter_lines() if x.startswith("data: "))
+    view = json.loads(line[6:])
+    (prefix,) = view["shared_prefixes"]
+    assert sorted(prefix["slots"]) == [0, 1] and prefix["num_cells"] >= 32
+
+    page = browser_page
+    page.goto(s.url)
+    page.wait_for_selector(f'.shared-prefix[data-holder="{prefix["holder"]}"]')
+    assert page.locator(".shared-prefix").count() == 1
+    drawn = page.eval_on_selector_all(
+        ".shared-prefix .bar .seg:not([data-kind='free'])", "els => els.map(e => +e.dataset.cells)"
+    )
+    assert sum(drawn) == prefix["num_cells"]
+    assert "harbour" in page.locator(".shared-prefix .bar .seg").first.get_attribute("title")
+    for slot in (0, 1):
+        segs = segments(page, slot)
+        assert tuple(segs[0]) == ("shared", "shared", prefix["num_cells"])  # once, as a box
+        assert sum(c for kind, _, c in segs if kind != "free") == used_cells(page, slot)

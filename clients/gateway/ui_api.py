@@ -177,6 +177,9 @@ def view_json(view: infer_pb2.WatchSlotsResponse) -> dict[str, Any]:
                 "num_cells": s.num_cells,
                 "next_position": s.next_position,
                 "segments": [_run(r) for r in s.runs],
+                # (--kv-unified) its first cells: a shared prefix's, drawn once
+                "shared_prefix": s.shared_prefix if s.HasField("shared_prefix") else None,
+                "num_shared_cells": s.num_shared_cells,
                 "shifts": [
                     {
                         "id": m.id,
@@ -194,5 +197,14 @@ def view_json(view: infer_pb2.WatchSlotsResponse) -> dict[str, Any]:
                 ],
             }
             for s in view.slots
+        ],
+        "shared_prefixes": [
+            {
+                "holder": h.holder,
+                "num_cells": h.num_cells,
+                "slots": list(h.slots),
+                "segments": [_run(r) for r in h.runs],
+            }
+            for h in view.shared_prefixes
         ],
     }

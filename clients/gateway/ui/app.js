@@ -820,6 +820,13 @@ function drawSlot(slot, capacity) {
   let posScale = Math.max(capacity, slot.next_position || 0);
   for (const seg of slot.segments || []) posScale = Math.max(posScale, seg.pos_start + seg.num_positions);
 
+  if (slot.shared_prefix != null && slot.num_shared_cells) {
+    // Cells of a shared prefix: stored once, drawn once above; here a box that stands for them.
+    bar.append(el("div", { class: "seg", "data-kind": "shared", "data-type": "shared",
+      "data-cells": slot.num_shared_cells, "data-shared-prefix": slot.shared_prefix,
+      title: `shared prefix #${slot.shared_prefix} · ${plural(slot.num_shared_cells, "cell")}, stored once`,
+      style: { flexGrow: String(slot.num_shared_cells) } }));
+  }
   if (slot.visible === false) {
     bar.append(el("div", { class: "seg", "data-kind": "other", "data-type": "other", "data-cells": used,
       title: `another tenant · ${plural(used, "cell")}`, style: { flexGrow: String(used) } }));
@@ -862,10 +869,35 @@ function drawSlot(slot, capacity) {
   return el("div", { class: `slot${isOpen ? " open-session" : ""}`, "data-slot": slot.slot }, ...children);
 }
 
+// A shared prefix (--kv-unified): its cells once, with the slots whose sequences open with it.
+function drawSharedPrefix(prefix, capacity) {
+  const sharers = prefix.slots.length ? `shared by ${prefix.slots.map((s) => `slot ${s}`).join(", ")}` : "kept, unused";
+  const head = el("div", { class: "slot-head" },
+    el("span", { class: "slot-name", text: `shared prefix #${prefix.holder}` }),
+    el("span", { class: "sep", "aria-hidden": "true", text: " · " }),
+    el("span", { class: "owner", text: sharers }),
+    el("span", { class: "cells", text: `${prefix.num_cells} cells, stored once` }));
+  const bar = el("div", { class: "bar", role: "img",
+    "aria-label": `shared prefix #${prefix.holder}: ${prefix.num_cells} cells` });
+  for (const seg of prefix.segments) {
+    bar.append(el("div", { class: "seg", "data-kind": seg.pinned ? "pinned" : seg.kind, "data-type": seg.kind,
+      "data-cells": seg.num_cells, title: segmentTitle(seg, null), style: { flexGrow: String(seg.num_cells) } }));
+  }
+  bar.append(el("div", { class: "seg", "data-kind": "free", "data-type": "free",
+    style: { flexGrow: String(Math.max(0, capacity - prefix.num_cells)) } }));
+  return el("div", { class: "slot shared-prefix", "data-holder": prefix.holder }, head, bar);
+}
+
 function renderKv(view) {
   kvView = view;
   if (!state.info) renderKvInfo();
   const capacity = view.num_cells_per_slot || (state.info && state.info.num_cells_per_slot) || 1;
+  const shared = $("shared-prefixes");
+  const key = JSON.stringify([view.shared_prefixes || [], capacity]);
+  if (shared.dataset.drawn !== key) {
+    shared.dataset.drawn = key;
+    shared.replaceChildren(...(view.shared_prefixes || []).map((p) => drawSharedPrefix(p, capacity)));
+  }
   const box = $("slots");
   const seen = new Set();
   for (const slot of view.slots || []) {

@@ -100,7 +100,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("fingerprint", "num_slots", "num_cells_per_slot", "n_ctx_train", "can_shift", "uses_mrope", "batch_size", "ubatch_size", "num_queued", "num_active", "stats")
+    __slots__ = ("fingerprint", "num_slots", "num_cells_per_slot", "n_ctx_train", "can_shift", "uses_mrope", "batch_size", "ubatch_size", "num_queued", "num_active", "stats", "pool")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CELLS_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class GetServerInfoResponse(_message.Message):
     NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     fingerprint: _prompt_pb2.Fingerprint
     num_slots: int
     num_cells_per_slot: int
@@ -123,10 +124,25 @@ class GetServerInfoResponse(_message.Message):
     num_queued: int
     num_active: int
     stats: EngineStats
-    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., num_slots: _Optional[int] = ..., num_cells_per_slot: _Optional[int] = ..., n_ctx_train: _Optional[int] = ..., can_shift: _Optional[bool] = ..., uses_mrope: _Optional[bool] = ..., batch_size: _Optional[int] = ..., ubatch_size: _Optional[int] = ..., num_queued: _Optional[int] = ..., num_active: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
+    pool: KvPool
+    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., num_slots: _Optional[int] = ..., num_cells_per_slot: _Optional[int] = ..., n_ctx_train: _Optional[int] = ..., can_shift: _Optional[bool] = ..., uses_mrope: _Optional[bool] = ..., batch_size: _Optional[int] = ..., ubatch_size: _Optional[int] = ..., num_queued: _Optional[int] = ..., num_active: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., pool: _Optional[_Union[KvPool, _Mapping]] = ...) -> None: ...
+
+class KvPool(_message.Message):
+    __slots__ = ("num_cells", "num_cells_used", "num_shared_cells", "num_holders", "num_holders_in_use")
+    NUM_CELLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CELLS_USED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARED_CELLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOLDERS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    num_cells: int
+    num_cells_used: int
+    num_shared_cells: int
+    num_holders: int
+    num_holders_in_use: int
+    def __init__(self, num_cells: _Optional[int] = ..., num_cells_used: _Optional[int] = ..., num_shared_cells: _Optional[int] = ..., num_holders: _Optional[int] = ..., num_holders_in_use: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_decodes", "num_multi_seq_decodes", "num_media_decodes", "num_generated_tokens", "num_shifts", "num_media_cache_hits", "num_media_cache_misses")
+    __slots__ = ("num_decodes", "num_multi_seq_decodes", "num_media_decodes", "num_generated_tokens", "num_shifts", "num_media_cache_hits", "num_media_cache_misses", "num_shared_prefixes", "num_shared_cells", "num_pool_waits")
     NUM_DECODES_FIELD_NUMBER: _ClassVar[int]
     NUM_MULTI_SEQ_DECODES_FIELD_NUMBER: _ClassVar[int]
     NUM_MEDIA_DECODES_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +150,9 @@ class EngineStats(_message.Message):
     NUM_SHIFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_MEDIA_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_MEDIA_CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARED_PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARED_CELLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_POOL_WAITS_FIELD_NUMBER: _ClassVar[int]
     num_decodes: int
     num_multi_seq_decodes: int
     num_media_decodes: int
@@ -141,7 +160,10 @@ class EngineStats(_message.Message):
     num_shifts: int
     num_media_cache_hits: int
     num_media_cache_misses: int
-    def __init__(self, num_decodes: _Optional[int] = ..., num_multi_seq_decodes: _Optional[int] = ..., num_media_decodes: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_shifts: _Optional[int] = ..., num_media_cache_hits: _Optional[int] = ..., num_media_cache_misses: _Optional[int] = ...) -> None: ...
+    num_shared_prefixes: int
+    num_shared_cells: int
+    num_pool_waits: int
+    def __init__(self, num_decodes: _Optional[int] = ..., num_multi_seq_decodes: _Optional[int] = ..., num_media_decodes: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_shifts: _Optional[int] = ..., num_media_cache_hits: _Optional[int] = ..., num_media_cache_misses: _Optional[int] = ..., num_shared_prefixes: _Optional[int] = ..., num_shared_cells: _Optional[int] = ..., num_pool_waits: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "penalty_last_n", "presence_penalty", "frequency_penalty", "seed")
@@ -505,17 +527,31 @@ class WatchSlotsRequest(_message.Message):
     def __init__(self, min_interval_ms: _Optional[int] = ..., once: _Optional[bool] = ...) -> None: ...
 
 class WatchSlotsResponse(_message.Message):
-    __slots__ = ("num_cells_per_slot", "uses_mrope", "slots")
+    __slots__ = ("num_cells_per_slot", "uses_mrope", "slots", "shared_prefixes")
     NUM_CELLS_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
     USES_MROPE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PREFIXES_FIELD_NUMBER: _ClassVar[int]
     num_cells_per_slot: int
     uses_mrope: bool
     slots: _containers.RepeatedCompositeFieldContainer[SlotView]
-    def __init__(self, num_cells_per_slot: _Optional[int] = ..., uses_mrope: _Optional[bool] = ..., slots: _Optional[_Iterable[_Union[SlotView, _Mapping]]] = ...) -> None: ...
+    shared_prefixes: _containers.RepeatedCompositeFieldContainer[SharedPrefixView]
+    def __init__(self, num_cells_per_slot: _Optional[int] = ..., uses_mrope: _Optional[bool] = ..., slots: _Optional[_Iterable[_Union[SlotView, _Mapping]]] = ..., shared_prefixes: _Optional[_Iterable[_Union[SharedPrefixView, _Mapping]]] = ...) -> None: ...
+
+class SharedPrefixView(_message.Message):
+    __slots__ = ("holder", "num_cells", "slots", "runs")
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    NUM_CELLS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    holder: int
+    num_cells: int
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    runs: _containers.RepeatedCompositeFieldContainer[CellRun]
+    def __init__(self, holder: _Optional[int] = ..., num_cells: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., runs: _Optional[_Iterable[_Union[CellRun, _Mapping]]] = ...) -> None: ...
 
 class SlotView(_message.Message):
-    __slots__ = ("slot", "visible", "session_id", "state", "num_cells", "next_position", "runs", "shifts")
+    __slots__ = ("slot", "visible", "session_id", "state", "num_cells", "next_position", "runs", "shifts", "num_shared_cells", "shared_prefix")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     VISIBLE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -524,6 +560,8 @@ class SlotView(_message.Message):
     NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
     SHIFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARED_CELLS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PREFIX_FIELD_NUMBER: _ClassVar[int]
     slot: int
     visible: bool
     session_id: str
@@ -532,7 +570,9 @@ class SlotView(_message.Message):
     next_position: int
     runs: _containers.RepeatedCompositeFieldContainer[CellRun]
     shifts: _containers.RepeatedCompositeFieldContainer[ShiftMark]
-    def __init__(self, slot: _Optional[int] = ..., visible: _Optional[bool] = ..., session_id: _Optional[str] = ..., state: _Optional[_Union[SlotState, str]] = ..., num_cells: _Optional[int] = ..., next_position: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[CellRun, _Mapping]]] = ..., shifts: _Optional[_Iterable[_Union[ShiftMark, _Mapping]]] = ...) -> None: ...
+    num_shared_cells: int
+    shared_prefix: int
+    def __init__(self, slot: _Optional[int] = ..., visible: _Optional[bool] = ..., session_id: _Optional[str] = ..., state: _Optional[_Union[SlotState, str]] = ..., num_cells: _Optional[int] = ..., next_position: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[CellRun, _Mapping]]] = ..., shifts: _Optional[_Iterable[_Union[ShiftMark, _Mapping]]] = ..., num_shared_cells: _Optional[int] = ..., shared_prefix: _Optional[int] = ...) -> None: ...
 
 class CellRun(_message.Message):
     __slots__ = ("kind", "pinned", "message_index", "media_id", "num_cells", "num_positions", "pos_start", "preview")
