@@ -66,7 +66,7 @@ from slotwise_core.tiny_models import Vision, write_tiny_models
 
 SECTIONS = (
     "stream1", "stream4", "shift", "prep", "ttft", "stall", "textstall", "resent", "session",
-    "spec",
+    "spec", "shared",
 )  # fmt: skip
 
 # Row names (the table's first column); the smoke test checks that each one is printed.
@@ -154,6 +154,8 @@ class Row:
         if not self.target or self.ratio is None:
             return None
         op, value = self.target.split()
+        if op == "==":  # (a count: exact)
+            return abs(self.ratio - float(value)) < 1e-9
         return self.ratio >= float(value) if op == ">=" else self.ratio <= float(value)
 
 
@@ -227,6 +229,8 @@ class Stream:
     decode_seconds: float = 0.0  # server side: time inside llama_decode (slotwise only)
     drafted: int = 0  # speculative: drafts verified
     accepted: int = 0  # ... and accepted
+    slot: int = -1  # (slotwise) where it ran
+    prompt_cells: int = 0  # ... and its prompt's cells, reused ones included
 
     @property
     def num_tokens(self) -> int:
@@ -613,6 +617,7 @@ def generate(
     on_token: Callable[[], None] = lambda: None,
     until: Callable[[], bool] = lambda: False,
     speculative: Any = None,
+    cache_salt: str = "",
 ) -> Stream:
     ctx = infer_pb2.ContextOptions(policy=policy, keep=keep)
     if discard_fraction is not None:
@@ -624,6 +629,7 @@ def generate(
         context=ctx,
         stream_tokens=STREAM_TOKENS[0],
         speculative=speculative,
+        cache_salt=cache_salt,
     )
     s = Stream(t_sent=time.perf_counter() if t_sent is None else t_sent)
     call = infer.Generate(req, timeout=600)
@@ -637,6 +643,8 @@ def generate(
             if until():
                 call.cancel()
                 break
+        elif kind == "started":
+            s.slot, s.prompt_cells = r.started.slot, r.started.num_prompt_cells
         elif kind == "shift":
             s.shifts.append(POLICY_NAMES.get(r.shift.policy, str(r.shift.policy)))
         elif kind == "finished":
@@ -809,6 +817,11 @@ class Options:
     resent_tokens: int = 8
     spec_tokens: int = 300
     gpu_layers: int = 0  # layers offloaded, every side alike (CUDA builds)
+    shared_ctx: int = 16384  # the shared section: cells of either layout
+    shared_chats: int = 16  # ... chats sent (one slot each)
+    shared_system: int = 2000  # ... tokens of their system prompt
+    shared_held: int = 64  # ... chats held at once in the pool
+    chat_template: str | None = None  # ... prep's, where the model has none
 
 
 def round_up(n: int, step: int = 256) -> int:
@@ -960,6 +973,10 @@ class Bench:
                 from benchmarks.spec import bench_spec  # (it builds on this module)
 
                 bench_spec(self)
+            if "shared" in only:
+                from benchmarks.shared import bench_shared
+
+                bench_shared(self)
         finally:
             if self._prep:
                 self._prep.stop()
@@ -1819,6 +1836,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--spec-tokens", type=int, default=300, help="spec: tokens per reply (a copy needs room)"
     )
+    p.add_argument("--shared-ctx", type=int, default=16384, help="shared: cells of either layout")
+    p.add_argument("--shared-chats", type=int, default=16, help="shared: chats sent, 1 a slot")
+    p.add_argument("--shared-system", type=int, default=2000, help="shared: system prompt tokens")
+    p.add_argument("--shared-held", type=int, default=64, help="shared: chats held in the pool")
+    p.add_argument(
+        "--chat-template", help="shared: prep's chat template (the base Gemma has none: gemma)"
+    )
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("-v", "--verbose", action="store_true", help="per-repeat figures on stderr")
     return p
@@ -1872,6 +1896,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             resent_tokens=args.resent_tokens,
             spec_tokens=args.spec_tokens,
             gpu_layers=args.gpu_layers,
+            shared_ctx=args.shared_ctx,
+            shared_chats=args.shared_chats,
+            shared_system=args.shared_system,
+            shared_held=args.shared_held,
+            # (the shared section's chats: the base Gemma has no template of its own)
+            chat_template=args.chat_template or ("gemma" if args.model is None else None),
         )
         t0 = time.monotonic()
         load0 = os.getloadavg()[0]

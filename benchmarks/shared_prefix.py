@@ -78,6 +78,9 @@ def run(
         own = sum(s.num_cells for s in slots)
         counted = own if ex.pool is None else ex.pool.num_cells - ex.pool_free()
         return {
+            # the system prompt once, and each chat's cells beyond it (the ledgers' count)
+            "expected": len(prefix) + own - len(prefix) * parallel,
+            "per_slot": own,  # (the system prompt in every slot)
             "first": first[0],
             "median": statistics.median(others),
             "max": max(others),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench, spec
+from benchmarks import bench, shared, spec
 from benchmarks.stall import ROOM_KEPT, StallRun, _Reader, _time_alone
 from slotwise_core.tiny_models import TinyPair
 
@@ -43,6 +43,7 @@ EXPECTED = [
     *(spec.row_drafts(task) for task in spec.tasks()),
     spec.ROW_BESIDE,
     spec.ROW_STREAMS4,
+    *shared.ROWS,
 ]
 STALL_SERVER_ROWS = (
     bench.ROW_STALL_SERVER,
@@ -66,6 +67,8 @@ def test_bench_smoke_on_tiny_rope(
     # the text stall's B and the long TTFT prompt: a few hundred tokens; a short resent chat
     argv += ["--long-tokens", "600", "--resent-turns", "6", "--resent-tokens", "4"]
     argv += ["--spec-tokens", "64"]
+    argv += ["--shared-ctx", "2048", "--shared-chats", "4", "--shared-system", "120"]
+    argv += ["--shared-held", "8"]
     assert bench.main(argv) == 0
 
     printed = capsys.readouterr().out
@@ -96,6 +99,10 @@ def test_bench_smoke_on_tiny_rope(
     assert rows[spec.ROW_BESIDE]["ours"] == 64, rows[spec.ROW_BESIDE]["note"]
     copy = rows[spec.row_drafts("copy")]
     assert "first difference none (the same tokens)" in copy["note"], copy["note"]
+    # the pool's count of cells in use is llama.cpp's, and the pool held every chat at once
+    assert rows[shared.ROW_CELLS]["ratio"] == 1.0, rows[shared.ROW_CELLS]["note"]
+    # (one of the later chats may take the first's slot, reusing more of it in place)
+    assert rows[shared.ROW_HELD]["ours"] >= 7, rows[shared.ROW_HELD]["note"]
     # the shift rows really shifted, with the policy they asked for
     for name, row in bench.ROW_SHIFT.items():
         assert "shifts by " + name in rows[row]["note"], rows[row]["note"]
@@ -173,10 +180,13 @@ def test_table_marks_targets() -> None:
         bench.Row("fast enough", 99.0, "tok/s", 100.0, 0.99, ">= 0.97"),
         bench.Row("too slow", 90.0, "tok/s", 100.0, 0.90, ">= 0.97"),
         bench.Row("no target", 12.5, "ms"),
+        bench.Row("exact", 7.0, "cells", 7.0, 1.0, "== 1.0"),
+        bench.Row("not exact", 7.0, "cells", 8.0, 7 / 8, "== 1.0"),
     ]
     lines = bench.format_table(rows).splitlines()
     assert lines[2].endswith("ok") and lines[3].endswith("MISS")
     assert not lines[4].rstrip().endswith(("ok", "MISS"))
+    assert lines[5].endswith("ok") and lines[6].endswith("MISS")
 
 
 def test_engine_process_prototype_streams_on_each_side(
