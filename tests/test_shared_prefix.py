@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 from PIL import Image, ImageDraw
+from test_metrics import scrape, value
 
 from clients.client import Message, SlotwiseClient, SlotwiseError, collect
 from clients.events import Delta
@@ -19,7 +20,6 @@ from slotwise.v1 import infer_pb2
 from slotwise_core.tiny_models import TinyPair
 from support.loop import LoopThread
 from support.procs import free_port
-from test_metrics import scrape, value
 from support.wait import wait_until
 
 SYSTEM = "You answer questions about the picture below, briefly and kindly. " * 4
@@ -42,14 +42,14 @@ def servers(loop_thread: LoopThread, tiny: dict[str, TinyPair]) -> Iterator[Call
     pair = tiny["mrope"]
     started: list[Any] = []
 
-    def start(*, kv_unified: bool, parallel: int = 2, ctx_size: int = 2048) -> Any:
+    def start(*, kv_unified: bool, parallel: int = 2, ctx_size: int = 2048, **options: Any) -> Any:
         config = RuntimeConfig(
             pair.model, pair.mmproj, ctx_size=ctx_size, parallel=parallel, threads=1,
             kv_unified=kv_unified,
         )  # fmt: skip
         prep = loop_thread.run(start_prep(pair.model, pair.mmproj, threads=1))
         metrics_port = free_port()
-        infer = loop_thread.run(start_infer(config, metrics_port=metrics_port))
+        infer = loop_thread.run(start_infer(config, metrics_port=metrics_port, **options))
         started.extend([infer, prep])
         return f"127.0.0.1:{prep.port}", f"127.0.0.1:{infer.port}", infer, metrics_port
 
@@ -208,3 +208,39 @@ def test_the_kv_view_shows_a_shared_prefix_once_and_to_its_tenant_only(servers) 
     assert slots_pb(infer.engine.rt, pictures, whose, shared).shared_prefixes
     others = slots_pb(infer.engine.rt, pictures, "someone else", shared)
     assert not others.shared_prefixes and not any(v.visible for v in others.slots if v.num_cells)
+
+
+def test_sessions_swapped_out_and_in_keep_the_pool_s_count_exact(servers, tmp_path) -> None:
+    """Three sessions on one system message and two slots: a swap-out clears a sharing
+    sequence, a swap-in loads a whole state of its own. After every turn the pool's count of
+    cells in use is llama.cpp's, and the prefix is still held once."""
+    addresses = servers(kv_unified=True, parallel=2, sessions_dir=tmp_path / "sessions")
+    engine = addresses[2].engine
+
+    def counts() -> tuple[int, int, int]:
+        def read() -> tuple[int, int, int]:
+            figures = engine.executor.pool_figures()
+            return figures.num_used, len(engine.rt.cells_in_use()), figures.num_holders
+
+        return engine.call(read).result(timeout=30)
+
+    with client(addresses) as c:
+        chats: dict[str, list[Message]] = {}
+        for turn, name in enumerate(["a", "b", "c", "a", "b", "c", "a"]):
+            if name not in chats:
+                c.create_session(name)
+                chats[name] = [Message.system(SYSTEM, picture())]
+            chat = chats[name]
+            first = len(chat) - 1 if len(chat) > 1 else 0  # (from the last reply on)
+            chat.append(Message.user(f"Turn {turn}, what now?"))
+            keep = c.prepare(chat).num_cells_of(0)
+            done = collect(
+                c.generate(c.prepare(chat, first_message=first), session_id=name, keep=keep,
+                           max_tokens=3, temperature=0)
+            )  # fmt: skip
+            chat.append(Message.assistant(done.text or "."))
+            used, in_llama, holders = counts()
+            assert used == in_llama and holders == 1, (turn, name)
+    stats = engine.stats
+    assert stats.num_session_restores >= 2  # (sessions came back from disk into a slot)
+    assert stats.num_shared_prefixes >= 1 and stats.num_failed_decodes == 0
