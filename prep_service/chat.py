@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,9 @@ class TemplateMessage:
 
 
 Tools = list[dict[str, Any]] | None  # OpenAI's shape, what templates read as `tools`
+
+
+_FOLD = ("\ue000slotwise-folded\ue001", "\ue000slotwise-next\ue001")  # sentinels (private use)
 
 
 class _Template:
@@ -88,26 +91,47 @@ class _Template:
                 holders[j] = n - 1
         else:
             pieces[n] = full[len(done) :]
-        _unfold(turns, pieces, holders)
+        for i in range(n - 1):
+            self._unfold(turns, pieces, holders, i, tools)
         return pieces, holders
 
-
-def _unfold(turns: Sequence[TemplateMessage], pieces: list[str], holders: list[int]) -> None:
-    """A message the template renders nothing for alone but folds into the next one's turn
-    (Gemma's system message, at the start of the first user turn) gets its own piece back:
-    the next piece up to the end of its content and the whitespace after it. Then it can be
-    pinned, and shared, apart from the turn it was folded into."""
-    for i in range(len(turns) - 1):
-        content = turns[i].content
-        if pieces[i] or holders[i] != i or not content or holders[i + 1] != i + 1:
-            continue
-        at = pieces[i + 1].find(content)
-        if at < 0 or content in pieces[i + 1][at + 1 :]:
-            continue  # (not there, or not once: where it ends is not known)
-        end = at + len(content)
-        end += len(pieces[i + 1][end:]) - len(pieces[i + 1][end:].lstrip())
-        if end < len(pieces[i + 1]):
-            pieces[i], pieces[i + 1] = pieces[i + 1][:end], pieces[i + 1][end:]
+    def _unfold(
+        self,
+        turns: Sequence[TemplateMessage],
+        pieces: list[str],
+        holders: list[int],
+        i: int,
+        tools: Tools,
+    ) -> None:
+        """Message i, when the template folds its text into the next message's turn (Gemma
+        writes the system message at the start of the first user turn), gets that text back
+        (up to the separator the template puts after it). Then it can be pinned, and shared,
+        apart from the turn it was folded into. The fold is checked by rendering the two
+        messages with sentinels for their contents: where the template put them, and what it
+        wrote between them; anything else is left as it was."""
+        content, piece = turns[i].content, pieces[i + 1]
+        if holders[i] != i or holders[i + 1] != i + 1 or not content or not turns[i + 1].content:
+            return
+        marked = [*turns[:i], replace(turns[i], content=_FOLD[0]),
+                  replace(turns[i + 1], content=_FOLD[1])]  # fmt: skip
+        try:
+            text = self.render(marked, add_generation_prompt=False, tools=tools)
+        except TemplateError:
+            return
+        own = "".join(pieces[: i + 1])
+        a, b = text.find(_FOLD[0]), text.find(_FOLD[1])
+        if a < len(own) or b < a or text.count(_FOLD[0]) != 1 or text.count(_FOLD[1]) != 1:
+            return  # (its own turn holds it, or the template moved or copied it)
+        before, between = text[len(own) : a], text[a + len(_FOLD[0]) : b]
+        if not text.startswith(own) or not piece.startswith(before):
+            return
+        for shown in (content, content.strip()):  # (a template may trim it)
+            end = len(before) + len(shown)
+            if shown and piece[len(before) : end] == shown and piece[end:].startswith(between):
+                end += len(between)
+                if end < len(piece):
+                    pieces[i], pieces[i + 1] = pieces[i] + piece[:end], piece[end:]
+                return
 
 
 class ChatTemplate(_Template):

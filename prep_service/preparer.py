@@ -324,10 +324,13 @@ class Preparer:
                 )
             head = [t for t, src in plan if not src or max(src) < first]
             return self._continuation(turns, segments, first, head, template_tools_)
-        # BOS once: from the vocabulary's add_special unless the template wrote it already
+        # BOS once, in front of the first text (a message the template wrote nothing for
+        # alone has none): from the vocabulary's add_special unless the template wrote it
+        segments = [s for s in segments if s.text]
         bos = self._piece(self.info.bos_token_id)
-        segments[0].add_special = not (bos and pieces[0].startswith(bos))
-        return [s for s in segments if s.text]
+        if segments:
+            segments[0].add_special = not (bos and segments[0].text.startswith(bos))
+        return segments
 
     def _render(
         self, turns: list[TemplateMessage], tools: list[dict[str, Any]] | None, prompt: str

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from prep_service.chat import BuiltinTemplate, TemplateMessage, builtin_template_names
+from prep_service.chat import (
+    BuiltinTemplate,
+    ChatTemplate,
+    TemplateMessage,
+    builtin_template_names,
+)
 from prep_service.preparer import Message, Preparer, UnsupportedError
 from slotwise_core.tiny_models import CHAT_TEMPLATE, TinyPair
 
@@ -80,9 +85,46 @@ def test_a_system_message_folded_into_the_first_turn_is_its_own_piece() -> None:
     ]  # fmt: skip
     assert holders == [0, 1]
     assert "".join(pieces) == gemma.render(turns, add_generation_prompt=True)
-    # a system text the user turn repeats: where it ends is not known, so it stays folded
-    again = [TemplateMessage("system", "hi"), TemplateMessage("user", "hi")]
-    assert gemma.pieces(again)[0][0] == ""
+    # the fold is checked, not guessed: a user turn that repeats the system text, a system
+    # text the template trims, a system message it drops (no user turn to fold it into)
+    for system, user, first in (
+        ("hi", "hi", "<start_of_turn>user\nhi\n\n"),
+        ("  Be brief. ", "Be brief. please", "<start_of_turn>user\nBe brief.\n\n"),
+    ):
+        folded = [TemplateMessage("system", system), TemplateMessage("user", user)]
+        pieces, _ = gemma.pieces(folded)
+        assert pieces[0] == first and pieces[1].startswith(user)
+        assert "".join(pieces) == gemma.render(folded, add_generation_prompt=True)
+    dropped = [TemplateMessage("system", "OK"), TemplateMessage("assistant", "OK, sure")]
+    assert gemma.pieces(dropped)[0][0] == ""
+    # a template that gives the system message a turn of its own is left as it was
+    chatml = BuiltinTemplate("chatml").pieces(turns)[0]
+    assert chatml[:2] == [
+        "<|im_start|>system\nBe brief.<|im_end|>\n",
+        "<|im_start|>user\nhi<|im_end|>\n",
+    ]
+
+
+# Gemma 3's own template (its GGUF's), in short: BOS first, the system text trimmed into the
+# first user turn
+GEMMA3 = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] | trim + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<start_of_turn>model\n{%- endif -%}"
+)
+
+
+def test_gemma_3_s_own_template_gives_the_system_message_its_text_after_bos() -> None:
+    t = ChatTemplate(GEMMA3, bos_token="<bos>", eos_token="<eos>")
+    turns = [TemplateMessage("system", "Be brief."), TemplateMessage("user", "hi")]
+    pieces, _ = t.pieces(turns)
+    assert pieces[:2] == ["<bos><start_of_turn>user\nBe brief.\n\n", "hi<end_of_turn>\n"]
+    assert "".join(pieces) == t.render(turns, add_generation_prompt=True)
 
 
 def test_a_folded_system_message_is_pinned_alike_whatever_follows(untemplated: Path) -> None:
