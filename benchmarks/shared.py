@@ -293,7 +293,8 @@ def held_row(b: Bench, chats: Chats) -> None:
     st, kv = info.stats, info.pool
     # each slot holds the last chat it ran (the first's slot may have taken a later one): the
     # prefix once, and each chat's own cells (its reply's last token is sampled, not decoded)
-    own = {s.slot: s.prompt_cells - chats.keep + s.num_tokens - 1 for s in [first, *later]}
+    ended = sorted([first, *later], key=lambda s: s.arrivals[-1][0])  # (the last in a slot wins)
+    own = {s.slot: s.prompt_cells - chats.keep + s.num_tokens - 1 for s in ended}
     held = len(own)
     if kv.num_cells_used != chats.keep + sum(own.values()) or st.num_shifts:
         raise_held(kv, st, chats.keep, own.values())
@@ -311,10 +312,11 @@ def held_row(b: Bench, chats: Chats) -> None:
     note = (
         f"{held} of {n} chats held at once in {ctx} cells, {free} cells left (room for "
         f"~{free // max(own.values())} more), {st.num_pool_waits} pool waits; per-slot: {most} "
-        f"slots of {slot_cells(ctx, most)} cells hold one chat of {need} cells each (checked), "
-        f"{most + 1} do not"
+        f"slots of {slot_cells(ctx, most or 1)} cells hold one chat of {need} cells each "
+        f"(checked), {most + 1} do not"
     )
-    b.rows.append(Row(ROW_HELD, held, "chats", most, held / most, ">= 3", note))
+    ratio = held / most if most else None  # (none: the per-slot layout holds not one)
+    b.rows.append(Row(ROW_HELD, held, "chats", most, ratio, ">= 3", note))
 
 
 def slot_cells(ctx: int, parallel: int) -> int:

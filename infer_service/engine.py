@@ -87,7 +87,8 @@ class EngineSnapshot:
     cache_misses: int
     stats: EngineStats
     session_bytes_written: int  # session checkpoints and journals
-    pool: PoolFigures | None  # (kv_unified)
+    pool: PoolFigures | None  # (kv_unified) everyone's: for the operator (metrics)
+    pool_by_tenant: dict[str, PoolFigures]  # ... each tenant's own part: for its callers
 
 
 class Engine:
@@ -126,6 +127,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.slots, self.sessions, self.executor.states, self._wake, max_queue=max_queue,
             tenant_limits=tenant_limits, fair=fair, pooled=self.executor.pooled_cells,
+            own_cells=self.executor.own_cells,
         )  # fmt: skip
         self.cache = self.executor.cache
         self.states = self.executor.states
@@ -176,7 +178,30 @@ class Engine:
             ),
             session_bytes_written=self.sessions.bytes_written,
             pool=self.executor.pool_figures(),
+            pool_by_tenant=self._pool_by_tenant(),
         )
+
+    def _tenant_of(self, slot: Slot) -> str:
+        """Whose the slot's sequence is ("" for nobody's)."""
+        if slot.job is not None:
+            return slot.job.tenant
+        return owner_of(slot.owner) if slot.owner else (slot.reuse_key or ("",))[0]
+
+    def _pool_by_tenant(self) -> dict[str, PoolFigures]:
+        """(pool) Each tenant's own part of the pool: its sequences' cells, its prefixes."""
+        pool = self.executor.pool
+        if pool is None:
+            return {}
+        cells: dict[str, list[tuple[int, int]]] = {}
+        for slot in self.slots:
+            if slot.ledger is not None:
+                cells.setdefault(self._tenant_of(slot), []).append((slot.seq, slot.num_cells))
+        for h in pool.holders:
+            cells.setdefault(_owner(h.key[0]), [])
+        return {
+            t: pool.figures(held, whose=lambda key, t=t: _owner(key) == t)  # type: ignore[misc]
+            for t, held in cells.items()
+        }
 
     def slot_pictures(self) -> list[SlotPicture]:
         """Every slot's cells as runs, and its sequence's latest shifts (on the engine thread,
@@ -187,16 +212,16 @@ class Engine:
         pool = self.executor.pool
         for slot in self.slots:
             job, ledger = slot.job, slot.ledger
+            tenant = self._tenant_of(slot)
             if job is not None:
-                tenant, session = job.tenant, job.session_id
+                session = job.session_id
                 state = SlotState.PREFILLING if slot.prefilling else SlotState.DECODING
             else:
                 session = slot.owner
-                tenant = owner_of(session) if session else (slot.reuse_key or ("",))[0]
                 state = SlotState.IDLE if ledger and ledger.num_cells else SlotState.FREE
             holder = pool.holder_of(slot.seq) if pool is not None else None
             shared = pool.shared_cells(slot.seq) if pool is not None else 0
-            skip = _segments_covering(ledger.segments, shared) if ledger and shared else 0
+            skip = self._shared_segments(slot)
             out.append(
                 SlotPicture(
                     slot=slot.seq,
@@ -218,15 +243,23 @@ class Engine:
             )
         return out
 
+    def _shared_segments(self, slot: Slot) -> int:
+        """(pool) The slot's leading segments that are its shared prefix's cells, exactly (0:
+        none, or a share cut mid-segment)."""
+        pool, ledger = self.executor.pool, slot.ledger
+        shared = pool.shared_cells(slot.seq) if pool is not None else 0
+        return _segments_covering(ledger.segments, shared) if ledger is not None and shared else 0
+
     def shared_pictures(self) -> list[SharedPicture]:
         """(pool) Each shared prefix the pool keeps, once (on the engine thread)."""
         pool = self.executor.pool
         out = []
         for h in pool.holders if pool is not None else ():
-            whose: ReuseKey = h.key[0]  # type: ignore[assignment]  # (the executor's keys)
             shown = runs(h.segments, self.executor.read)
-            users = tuple(sorted(h.users))
-            out.append(SharedPicture(h.seq, whose[0], h.num_cells, users, shown))
+            # (the slots whose pictures leave the prefix out: a share cut mid-segment shows
+            # in its slot whole)
+            users = tuple(sorted(s for s in h.users if self._shared_segments(self.slots[s])))
+            out.append(SharedPicture(h.seq, _owner(h.key[0]), h.num_cells, users, shown))
         return out
 
     def reserve(self, tenant: str) -> Reservation:
@@ -493,3 +526,9 @@ def _segments_covering(segments: Sequence[Segment], num_cells: int) -> int:
             return k
         n += seg.num_cells
     return len(segments) if n == num_cells else 0
+
+
+def _owner(key: object) -> str:
+    """The tenant of a shared prefix's key (the executor keys prefixes by `Job.reuse_key`)."""
+    whose: ReuseKey = key  # type: ignore[assignment]
+    return whose[0]

@@ -407,8 +407,9 @@ class Executor:
         ledger.adopt(holder.segments)
         self.rt.seq_cp(holder.seq, slot.seq, 0, holder.next_pos)
         pool.share(slot.seq, holder)
-        self.stats.num_shared_prefixes += 1
-        self.stats.num_shared_cells += holder.num_cells
+        for stats in (self.stats, self.stats.tenant(job.tenant)):
+            stats.num_shared_prefixes += 1
+            stats.num_shared_cells += holder.num_cells
         return share.num_items
 
     def pooled_cells(self, job: Job) -> int:
@@ -417,6 +418,10 @@ class Executor:
         share = shareable(job) if self.pool is not None else None
         holder = self.pool.get(share.key) if self.pool is not None and share else None
         return holder.num_cells if holder else 0
+
+    def own_cells(self, slot: Slot) -> int:
+        """The slot's cells less those of its shared prefix (which stay in the pool)."""
+        return slot.num_cells - (self.pool.shared_cells(slot.seq) if self.pool is not None else 0)
 
     def _pin_shared(self, slot: Slot, ledger: Ledger) -> None:
         """Shared cells stay pinned whatever the request keeps (and however its prompt went
@@ -517,6 +522,8 @@ class Executor:
             return False  # too long for any slot: its own policy decides
         if any(s is not slot and s.job is not None and not s.prefilling for s in self.slots):
             self.stats.num_pool_waits += 1
+            if slot.job is not None:
+                self.stats.tenant(slot.job.tenant).num_pool_waits += 1
             return True
         why = Problem(
             ErrorKind.RESOURCE_EXHAUSTED,

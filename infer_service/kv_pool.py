@@ -18,7 +18,7 @@ or its sequence id. Pure Python: the executor makes the llama.cpp calls.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from infer_service.ledger import Segment
@@ -101,12 +101,17 @@ class Pool:
         that is not a holder."""
         return self.num_held_cells + sum(n - self.shared_cells(seq) for seq, n in cells)
 
-    def figures(self, cells: Iterable[tuple[int, int]]) -> PoolFigures:
-        """``cells`` as for `num_used`."""
-        return PoolFigures(
-            self.num_cells, self.num_used(cells), self.num_held_cells, len(self._holders),
-            sum(1 for h in self._holders.values() if h.users),
-        )  # fmt: skip
+    def figures(
+        self, cells: Iterable[tuple[int, int]], whose: Callable[[Hashable], bool] | None = None
+    ) -> PoolFigures:
+        """``cells`` as for `num_used`. `whose`: only the holders whose prefix's owner (its
+        key's first part) it takes, and ``cells`` should then be that owner's sequences only;
+        the pool's size is everyone's."""
+        held = [h for h in self._holders.values() if whose is None or whose(h.key[0])]
+        num_held = sum(h.num_cells for h in held)
+        used = num_held + sum(n - self.shared_cells(seq) for seq, n in cells)
+        in_use = sum(1 for h in held if h.users)
+        return PoolFigures(self.num_cells, used, num_held, len(held), in_use)
 
     def get(self, key: PrefixKey) -> Holder | None:
         """The holder of the prefix, if one is kept (a look: not a use)."""

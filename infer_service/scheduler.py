@@ -66,6 +66,7 @@ class Scheduler:
         tenant_limits: TenantLimits = TenantLimits(),
         fair: bool = True,
         pooled: Callable[[Job], int] = lambda job: 0,
+        own_cells: Callable[[Slot], int] = lambda slot: slot.num_cells,
     ):
         self.slots = slots
         self.sessions = sessions
@@ -74,6 +75,7 @@ class Scheduler:
         self.tenant_limits = tenant_limits
         self.fair = fair
         self.pooled = pooled
+        self.own_cells = own_cells  # (what clearing the slot loses: not a shared prefix's)
         self._lock = lock
         # touched only under _lock: each tenant's waiting jobs, and the tenants in the order
         # they are served next (one that just started a job goes to the back)
@@ -240,17 +242,17 @@ class Scheduler:
                 for s in unowned
             }
             # the most reuse; on a tie, the slot whose content is worth least
-            best = max(unowned, key=lambda s: (reuse[s.seq], -s.num_cells))
+            best = max(unowned, key=lambda s: (reuse[s.seq], -self.own_cells(s)))
             cached = self.states.best(job.items, job.reuse_key)
             # (a cached sequence loads whole, a copy of the pool's prefix with it: it must
             # bring more than that copy costs)
             margin = LOAD_OVER_POOL if pooled else 0
             if cached is not None and cached[1].num_cells > reuse[best.seq] + margin:
                 job.resume = cached[0]  # a conversation that lost its slot: put it back
-                return min(unowned, key=lambda s: (reuse[s.seq], s.num_cells))
+                return min(unowned, key=lambda s: (reuse[s.seq], self.own_cells(s)))
             return best
         if unowned:
-            return min(unowned, key=lambda s: s.num_cells)
+            return min(unowned, key=self.own_cells)
         idle = [s for s in free if s.owner is not None]
         return min(idle, key=lambda s: self.sessions.last_used(s.owner)) if idle else None  # type: ignore[arg-type]
 

@@ -111,8 +111,9 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
     async def GetServerInfo(self, request, context):
         # made on the engine thread between steps: counters that belong together
         snap = await self.engine.snapshot()
-        mine = snap.stats.by_tenant.get(current_tenant(), TenantStats())  # (others' are theirs)
-        return server_info_pb(self.rt, snap, mine)
+        tenant = current_tenant()
+        mine = snap.stats.by_tenant.get(tenant, TenantStats())  # (others' are theirs)
+        return server_info_pb(self.rt, snap, mine, tenant)
 
     async def Generate(self, request, context):
         """One generation; its access-log line once it is over (tenant, session, status,

@@ -171,6 +171,9 @@ class TenantStats:
     queue_wait_seconds: float = 0.0  # summed over its started requests
     num_media_cache_hits: int = 0  # projector outputs found in its own part of the cache
     num_media_cache_misses: int = 0
+    num_shared_prefixes: int = 0  # (pool) its requests that began on a shared prefix
+    num_shared_cells: int = 0  # ... the cells they did not decode
+    num_pool_waits: int = 0  # ... steps its prompts waited for the pool's cells
 
 
 @dataclass

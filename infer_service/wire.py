@@ -37,6 +37,7 @@ from infer_service.events import (
     TokenLogprobs,
     Usage,
 )
+from infer_service.kv_pool import PoolFigures
 from infer_service.kv_view import CellKind, CellRun, SharedPicture, SlotPicture, SlotState
 from infer_service.ledger import ContextConfig, EvictionUnit, Policy
 from infer_service.runtime import SamplingConfig
@@ -355,8 +356,12 @@ def prompt_of(pb: Any, num_vocab: int) -> PreparedPrompt:
 # -- answers ------------------------------------------------------------------------------------
 
 
-def server_info_pb(rt: Any, snap: Any, mine: TenantStats) -> infer_pb2.GetServerInfoResponse:
-    """The server as a caller may see it: the media cache's counts are its tenant's own."""
+def server_info_pb(
+    rt: Any, snap: Any, mine: TenantStats, tenant: str
+) -> infer_pb2.GetServerInfoResponse:
+    """The server as a caller may see it: the media cache's counts and the pool's figures
+    (bar its size) are its tenant's own. Another tenant's cells in use, polled, would tell
+    how long its prompts and replies are."""
     st = snap.stats
     return infer_pb2.GetServerInfoResponse(
         fingerprint=rt.fingerprint.to_pb(),
@@ -377,19 +382,24 @@ def server_info_pb(rt: Any, snap: Any, mine: TenantStats) -> infer_pb2.GetServer
             num_shifts=st.num_shifts,
             num_media_cache_hits=mine.num_media_cache_hits,
             num_media_cache_misses=mine.num_media_cache_misses,
-            num_shared_prefixes=st.num_shared_prefixes,
-            num_shared_cells=st.num_shared_cells,
-            num_pool_waits=st.num_pool_waits,
+            num_shared_prefixes=mine.num_shared_prefixes,
+            num_shared_cells=mine.num_shared_cells,
+            num_pool_waits=mine.num_pool_waits,
         ),
-        pool=None
-        if snap.pool is None
-        else infer_pb2.KvPool(
-            num_cells=snap.pool.num_cells,
-            num_cells_used=snap.pool.num_used,
-            num_shared_cells=snap.pool.num_held,
-            num_holders=snap.pool.num_holders,
-            num_holders_in_use=snap.pool.num_holders_in_use,
-        ),
+        pool=kv_pool_pb(snap.pool, snap.pool_by_tenant.get(tenant)),
+    )
+
+
+def kv_pool_pb(pool: PoolFigures | None, own: PoolFigures | None) -> infer_pb2.KvPool | None:
+    """The pool's size, and the caller's own part of it (nothing: it holds none)."""
+    if pool is None:
+        return None
+    return infer_pb2.KvPool(
+        num_cells=pool.num_cells,
+        num_cells_used=own.num_used if own else 0,
+        num_shared_cells=own.num_held if own else 0,
+        num_holders=own.num_holders if own else 0,
+        num_holders_in_use=own.num_holders_in_use if own else 0,
     )
 
 

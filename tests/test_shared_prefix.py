@@ -119,6 +119,14 @@ def test_a_pinned_system_message_with_an_image_is_decoded_once(servers) -> None:
         in_use = engine.call(lambda: len(engine.rt.cells_in_use())).result(timeout=30)
         assert info.pool.num_cells_used == in_use  # read from llama.cpp's own state
         assert (info.stats.num_shared_prefixes, info.stats.num_shared_cells) == (1, keep)
+        # another tenant is told the pool's size, and nothing of this one's part of it
+        from infer_service.slots import TenantStats
+        from infer_service.wire import server_info_pb
+
+        snap = engine.call(engine.snapshot).result(timeout=30)
+        other = server_info_pb(engine.rt, snap, TenantStats(), "someone else")
+        assert other.pool.num_cells == info.pool.num_cells and other.pool.num_cells_used == 0
+        assert (other.pool.num_holders, other.stats.num_shared_prefixes) == (0, 0)
         m = scrape(addresses[3])
         assert value(m, "slotwise_infer_shared_cells") == 2 * keep
         assert value(m, "slotwise_infer_pool_cells_used") == info.pool.num_cells_used

@@ -826,6 +826,10 @@ function drawSlot(slot, capacity) {
       "data-cells": slot.num_shared_cells, "data-shared-prefix": slot.shared_prefix,
       title: `shared prefix #${slot.shared_prefix} · ${plural(slot.num_shared_cells, "cell")}, stored once`,
       style: { flexGrow: String(slot.num_shared_cells) } }));
+    const end = (slot.segments || []).length ? slot.segments[0].pos_start : slot.next_position || 0;
+    posBar.append(el("div", { class: "pos-seg", "data-kind": "shared",
+      title: `shared prefix #${slot.shared_prefix}: positions 0–${end}`,
+      style: { left: "0%", width: `${(100 * end) / posScale}%` } }));
   }
   if (slot.visible === false) {
     bar.append(el("div", { class: "seg", "data-kind": "other", "data-type": "other", "data-cells": used,
