@@ -54,7 +54,7 @@ from infer_service.events import (
     Usage,
 )
 from infer_service.grammar_lane import GrammarLane, GrammarTooCostly
-from infer_service.kv_pool import Pool, PoolFigures, Share
+from infer_service.kv_pool import Holder, Pool, PoolFigures, PrefixKey, Share
 from infer_service.kv_view import ShiftMark, at_cell, runs
 from infer_service.ledger import (
     CannotFit,
@@ -397,8 +397,8 @@ class Executor:
         share = shareable(job)
         if share is None:
             return None
-        holder = pool.find(share.key)
-        if ledger.num_cells >= share.num_cells or holder is None:
+        holder, num_items = self._held_prefix(job, share, pool.find)
+        if holder is None or ledger.num_cells >= holder.num_cells:
             slot.share = share  # (the slot holds it, or will: it is held from there)
             self._hold(slot)
             return None
@@ -410,13 +410,30 @@ class Executor:
         for stats in (self.stats, self.stats.tenant(job.tenant)):
             stats.num_shared_prefixes += 1
             stats.num_shared_cells += holder.num_cells
-        return share.num_items
+        return num_items
+
+    def _held_prefix(
+        self, job: Job, share: Share, look: Callable[[PrefixKey], Holder | None]
+    ) -> tuple[Holder | None, int]:
+        """The holder of the job's pinned prefix, or else of the longest run of its first
+        items that is held (a system prompt held alone, for a job that pins examples after
+        it): the holder, and how many of the job's items it covers."""
+        holder = look(share.key)
+        if holder is not None:
+            return holder, share.num_items
+        for k in range(share.num_items - 1, 0, -1):  # (nested: the job decodes the rest)
+            holder = look((share.key[0], atoms(job.items[:k])))
+            if holder is not None:
+                return holder, k
+        return None, 0
 
     def pooled_cells(self, job: Job) -> int:
         """(pool) The cells of the job's pinned prefix the pool holds: a slot that starts it
         begins with them, whatever it held."""
         share = shareable(job) if self.pool is not None else None
-        holder = self.pool.get(share.key) if self.pool is not None and share else None
+        if self.pool is None or share is None:
+            return 0
+        holder, _ = self._held_prefix(job, share, self.pool.get)
         return holder.num_cells if holder else 0
 
     def own_cells(self, slot: Slot) -> int:

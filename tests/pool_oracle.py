@@ -55,6 +55,7 @@ class Report:
     waited: int = 0  # steps in which a prompt waited for the pool
     pool_full: int = 0  # requests ended RESOURCE_EXHAUSTED POOL_FULL
     shifts: int = 0
+    nested: int = 0  # requests that pinned examples after a system prompt held alone
 
 
 def open_pool(pair: TinyPair, *, cells: int = 224, holders: int = 2, batch: int = 64) -> Runtime:
@@ -133,11 +134,12 @@ class PoolOracle:
         r = random.Random(seed)
         report = Report()
         systems = [tuple(r.randrange(3, 250) for _ in range(r.randint(32, 90))) for _ in range(3)]
+        examples = [tuple(r.randrange(3, 250) for _ in range(r.randint(4, 40))) for _ in range(2)]
         shares = self.stats.num_shared_prefixes
         for _ in range(steps):
             for slot in self.slots:
                 if slot.job is None and r.random() < 0.5:
-                    self._start(r, slot, systems, report)
+                    self._start(r, slot, systems, examples, report)
                 elif slot.job is not None and r.random() < 0.03:
                     self.executor._outcome.endings.append(  # (as the engine cancels one)
                         self.executor.ending(slot, FinishReason.CANCELLED)
@@ -154,16 +156,23 @@ class PoolOracle:
         report.shared = self.stats.num_shared_prefixes - shares
         return report
 
-    def _start(self, r: random.Random, slot: Slot, systems: list, report: Report) -> None:
+    def _start(
+        self, r: random.Random, slot: Slot, systems: list, examples: list, report: Report
+    ) -> None:
         tenant, salt = r.choice(TENANTS)
         system = r.choice(systems)
+        # some pin examples after the system prompt: a held system prompt alone is nested in it
+        head = [Item.text(system, 0)]
+        if r.random() < 0.4:
+            head.append(Item.text(r.choice(examples), 0))
         user = tuple(r.randrange(3, 250) for _ in range(r.randint(1, 60)))
-        keep = len(system) if r.random() < 0.8 else r.choice([0, 8])
+        pinned = sum(i.num_cells for i in head)
+        keep = pinned if r.random() < 0.8 else r.choice([0, 8, len(system)])
         policy = r.choice([Policy.AUTO, Policy.SHIFT, Policy.GAP, Policy.REPREFILL, Policy.STOP])
         events: list = []
         never = tuple((t, float("-inf")) for t in range(self.rt.num_vocab) if self.rt.is_eog(t))
         job = Job(
-            [Item.text(system, 0), Item.text(user, 1)], {}, events.append,
+            [*head, Item.text(user, 1)], {}, events.append,
             sampling=SamplingConfig(temperature=0), max_tokens=r.randint(4, 300),
             context=ContextConfig(policy=policy, keep=keep), tenant=tenant, cache_salt=salt,
             logit_bias=never,
@@ -173,6 +182,10 @@ class PoolOracle:
         except ProblemError:
             return
         report.started += 1
+        pool = self.executor.pool
+        assert pool is not None
+        if keep == pinned and len(head) == 2 and pool.shared_cells(slot.seq) == len(system):
+            report.nested += 1
         for _, event in self.executor.take_outcome().events:
             if isinstance(event, Started):
                 report.reused_cells += event.num_reused_cells

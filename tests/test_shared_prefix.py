@@ -252,3 +252,34 @@ def test_sessions_swapped_out_and_in_keep_the_pool_s_count_exact(servers, tmp_pa
     stats = engine.stats
     assert stats.num_session_restores >= 2  # (sessions came back from disk into a slot)
     assert stats.num_shared_prefixes >= 1 and stats.num_failed_decodes == 0
+
+
+def test_a_pinned_prefix_that_opens_with_a_held_one_shares_it(servers) -> None:
+    """Nested prefixes: one chat pins the system message; another pins it and a worked
+    example after it. The second gets the system message's cells from the pool and decodes
+    only the example (and its question): the same greedy tokens as a whole prefill."""
+    addresses = servers(kv_unified=True)
+    infer = addresses[2]
+    with client(addresses) as c:
+        plain = c.prepare([Message.system(SYSTEM, picture()), Message.user("What is yellow?")])
+        example = [Message.user("What is red?"), Message.assistant("Nothing here is red.")]
+        nested = c.prepare(
+            [Message.system(SYSTEM, picture()), *example, Message.user("And the blue?")]
+        )
+        system = plain.num_cells_of(0)
+        pinned = system + nested.num_cells_of(1) + nested.num_cells_of(2)
+        runner = generating_beside(
+            c, plain, keep=system, max_tokens=300, logit_bias=no_end(infer)
+        )  # (holds the system message in the pool, in slot 0)
+        try:
+            done = collect(c.generate(nested, keep=pinned, max_tokens=8, temperature=0))
+            fresh = collect(
+                c.generate(nested, keep=pinned, max_tokens=8, temperature=0, cache_salt="own")
+            )
+        finally:
+            runner.join()
+    assert done.started is not None and done.started.slot != 0
+    assert done.started.num_reused_cells == system  # the system message: not the example
+    assert done.token_ids == fresh.token_ids and fresh.usage.num_reused_cells == 0
+    stats = infer.engine.stats
+    assert stats.num_shared_prefixes == 1 and stats.num_shared_cells == system
