@@ -84,6 +84,24 @@ def generating_beside(c: SlotwiseClient, prompt: Any, **options: Any) -> threadi
     return runner
 
 
+def beside_and_fresh(
+    c: SlotwiseClient, infer: Any, holding: Any, holding_keep: int, prompt: Any, keep: int
+) -> tuple[Any, Any]:
+    """`prompt` while `holding` generates in slot 0 (its pinned prefix held in the pool),
+    then the same prompt under a salt of its own: decoded whole, nothing shared."""
+    runner = generating_beside(
+        c, holding, keep=holding_keep, max_tokens=300, logit_bias=no_end(infer)
+    )
+    try:
+        done = collect(c.generate(prompt, keep=keep, max_tokens=8, temperature=0))
+        fresh = collect(
+            c.generate(prompt, keep=keep, max_tokens=8, temperature=0, cache_salt="own")
+        )
+    finally:
+        runner.join()
+    return done, fresh
+
+
 def test_a_pinned_system_message_with_an_image_is_decoded_once(servers) -> None:
     addresses = servers(kv_unified=True)
     infer = addresses[2]
@@ -92,17 +110,9 @@ def test_a_pinned_system_message_with_an_image_is_decoded_once(servers) -> None:
         second = c.prepare([Message.system(SYSTEM, picture()), Message.user("And the blue?")])
         keep = first.num_cells_of(0)
         assert keep == second.num_cells_of(0) and keep > 32
-        # the first conversation generates on while the second starts in the other slot
-        runner = generating_beside(c, first, keep=keep, max_tokens=300, logit_bias=no_end(infer))
-        try:
-            done = collect(c.generate(second, keep=keep, max_tokens=8, temperature=0))
-            # the same conversation decoded whole (a salt of its own shares nothing): the
-            # shared cells hold exactly what a fresh prefill does, so greedy tokens agree
-            fresh = collect(
-                c.generate(second, keep=keep, max_tokens=8, temperature=0, cache_salt="own")
-            )
-        finally:
-            runner.join()
+        # the first conversation generates on while the second starts in the other slot; the
+        # shared cells hold exactly what a fresh prefill does, so greedy tokens agree
+        done, fresh = beside_and_fresh(c, infer, first, keep, second, keep)
         assert done.token_ids == fresh.token_ids and fresh.usage.num_reused_cells == 0
         assert done.started is not None and done.started.slot != 0
         # the system message and its image came from the pool: nothing of it decoded again
@@ -268,16 +278,7 @@ def test_a_pinned_prefix_that_opens_with_a_held_one_shares_it(servers) -> None:
         )
         system = plain.num_cells_of(0)
         pinned = system + nested.num_cells_of(1) + nested.num_cells_of(2)
-        runner = generating_beside(
-            c, plain, keep=system, max_tokens=300, logit_bias=no_end(infer)
-        )  # (holds the system message in the pool, in slot 0)
-        try:
-            done = collect(c.generate(nested, keep=pinned, max_tokens=8, temperature=0))
-            fresh = collect(
-                c.generate(nested, keep=pinned, max_tokens=8, temperature=0, cache_salt="own")
-            )
-        finally:
-            runner.join()
+        done, fresh = beside_and_fresh(c, infer, plain, system, nested, pinned)
     assert done.started is not None and done.started.slot != 0
     assert done.started.num_reused_cells == system  # the system message: not the example
     assert done.token_ids == fresh.token_ids and fresh.usage.num_reused_cells == 0
