@@ -54,7 +54,7 @@ from infer_service.events import (
     Usage,
 )
 from infer_service.grammar_lane import GrammarLane, GrammarTooCostly
-from infer_service.kv_pool import Holder, Pool, PoolFigures, PrefixKey, Share
+from infer_service.kv_pool import Holder, Pool, PoolFigures, Share
 from infer_service.kv_view import ShiftMark, at_cell, runs
 from infer_service.ledger import (
     CannotFit,
@@ -397,7 +397,9 @@ class Executor:
         share = shareable(job)
         if share is None:
             return None
-        holder, num_items = self._held_prefix(job, share, pool.find)
+        holder, num_items = self._held_prefix(job, share)
+        if holder is not None:
+            pool.find(holder.key)  # (used now: the last to be dropped)
         if holder is None or ledger.num_cells >= holder.num_cells:
             slot.share = share  # (the slot holds it, or will: it is held from there)
             self._hold(slot)
@@ -412,20 +414,26 @@ class Executor:
             stats.num_shared_cells += holder.num_cells
         return num_items
 
-    def _held_prefix(
-        self, job: Job, share: Share, look: Callable[[PrefixKey], Holder | None]
-    ) -> tuple[Holder | None, int]:
+    def _held_prefix(self, job: Job, share: Share) -> tuple[Holder | None, int]:
         """The holder of the job's pinned prefix, or else of the longest run of its first
         items that is held (a system prompt held alone, for a job that pins examples after
-        it): the holder, and how many of the job's items it covers."""
-        holder = look(share.key)
+        it): the holder, and how many of the job's items it covers. (A look: not a use.)"""
+        assert self.pool is not None
+        holder = self.pool.get(share.key)
         if holder is not None:
             return holder, share.num_items
-        for k in range(share.num_items - 1, 0, -1):  # (nested: the job decodes the rest)
-            holder = look((share.key[0], atoms(job.items[:k])))
-            if holder is not None:
-                return holder, k
-        return None, 0
+        ends, n = {}, 0  # atoms to the end of each of the job's pinned items -> items
+        for k, item in enumerate(job.items[: share.num_items - 1], 1):
+            n += 1 if item.media_id is not None else len(item.token_ids)
+            ends[n] = k
+        best: tuple[Holder | None, int] = (None, 0)
+        whose, wanted = share.key
+        for h in self.pool.holders:  # (nested: the job decodes the rest)
+            held = h.key[1]
+            k = ends.get(len(held), 0)
+            if k > best[1] and h.key[0] == whose and wanted[: len(held)] == held:
+                best = (h, k)
+        return best
 
     def pooled_cells(self, job: Job) -> int:
         """(pool) The cells of the job's pinned prefix the pool holds: a slot that starts it
@@ -433,7 +441,7 @@ class Executor:
         share = shareable(job) if self.pool is not None else None
         if self.pool is None or share is None:
             return 0
-        holder, _ = self._held_prefix(job, share, self.pool.get)
+        holder, _ = self._held_prefix(job, share)
         return holder.num_cells if holder else 0
 
     def own_cells(self, slot: Slot) -> int:
