@@ -398,8 +398,6 @@ class Executor:
         if share is None:
             return None
         holder, num_items = self._held_prefix(job, share)
-        if holder is not None:
-            pool.find(holder.key)  # (used now: the last to be dropped)
         if holder is None or ledger.num_cells >= holder.num_cells:
             slot.share = share  # (the slot holds it, or will: it is held from there)
             self._hold(slot)
@@ -422,10 +420,12 @@ class Executor:
         holder = self.pool.get(share.key)
         if holder is not None:
             return holder, share.num_items
-        ends, n = {}, 0  # atoms to the end of each of the job's pinned items -> items
-        for k, item in enumerate(job.items[: share.num_items - 1], 1):
+        ends, n = {}, 0  # atoms to each end of the job's pinned items that closes a group
+        items = job.items
+        for k, item in enumerate(items[: share.num_items - 1], 1):
             n += 1 if item.media_id is not None else len(item.token_ids)
-            ends[n] = k
+            if item.group is None or items[k].group != item.group:
+                ends[n] = k
         best: tuple[Holder | None, int] = (None, 0)
         whose, wanted = share.key
         for h in self.pool.holders:  # (nested: the job decodes the rest)

@@ -177,6 +177,7 @@ class PoolOracle:
             context=ContextConfig(policy=policy, keep=keep), tenant=tenant, cache_salt=salt,
             logit_bias=never,
         )  # fmt: skip
+        shares = self.stats.num_shared_prefixes
         try:
             self.executor.start(slot, job, self.executor.enter(slot, job))
         except ProblemError:
@@ -184,8 +185,10 @@ class PoolOracle:
         report.started += 1
         pool = self.executor.pool
         assert pool is not None
-        if keep == pinned and len(head) == 2 and pool.shared_cells(slot.seq) == len(system):
-            report.nested += 1
+        holder = pool.holder_of(slot.seq)
+        if self.stats.num_shared_prefixes > shares and len(head) == 2 and keep == pinned:
+            assert holder is not None
+            report.nested += holder.key[1] == system  # (shared the system prompt held alone)
         for _, event in self.executor.take_outcome().events:
             if isinstance(event, Started):
                 report.reused_cells += event.num_reused_cells

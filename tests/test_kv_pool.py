@@ -143,13 +143,14 @@ def test_the_pool_against_llama_cpp(oracle: PoolOracle) -> None:
     """Random chats of two tenants and two salts in a small pool: after every step each
     sequence's cells are its ledger's (holders' untouched by shifts), the pool's count is
     llama.cpp's, no cell crosses a tenant, and no decode fails."""
-    total = {"shared": 0, "shifts": 0, "waited": 0}
+    total = {"shared": 0, "shifts": 0, "waited": 0, "nested": 0}
     for seed in range(6):
         report = oracle.run(seed)
         for k in total:
             total[k] += getattr(report, k)
-    # the scripts did what they are for: prefixes shared, shifts and waits for the pool
-    assert total["shared"] > 0 and total["shifts"] > 0 and total["waited"] > 0, total
+    # the scripts did what they are for: prefixes shared (some nested in a longer pinned
+    # prefix), shifts and waits for the pool
+    assert all(n > 0 for n in total.values()), total
 
 
 def test_cells_in_use_reads_what_llama_cpp_holds(tiny) -> None:
