@@ -47,7 +47,10 @@ class TenantLimits:
     max_queued: int = 0  # requests waiting (more are refused: RESOURCE_EXHAUSTED)
 
 
-LOAD_OVER_POOL = 32  # cells a cached sequence must bring beyond the pool's shared prefix
+# cells that reuse in place, or a cached sequence, must bring beyond the pool's shared prefix
+# (which every slot starts with) to be worth what it costs: clearing a slot that holds a
+# conversation, for a few tokens of a turn's header; loading a whole state, prefix copy and all
+OVER_POOL = 32
 
 
 class Scheduler:
@@ -231,22 +234,17 @@ class Scheduler:
         unowned = [s for s in free if s.owner is None]
         if unowned and job.session_id is None:  # (Executor.start matches the chosen one again)
             job.resume = None
-            # (the pool's shared prefix: any slot starts with it; a cached sequence that holds
-            # no more than it is not worth loading)
-            pooled = self.pooled(job)
-            reuse = {
-                s.seq: max(
-                    pooled,
-                    reused_cells(s.ledger, job.items) if s.reuse_key == job.reuse_key else 0,
-                )
-                for s in unowned
-            }
+            pooled = self.pooled(job)  # (the pool's shared prefix: any slot starts with it)
+
+            def worth(slot: Slot) -> int:
+                own = reused_cells(slot.ledger, job.items) if slot.reuse_key == job.reuse_key else 0
+                return own if not pooled or own >= pooled + OVER_POOL else pooled
+
+            reuse = {s.seq: worth(s) for s in unowned}
             # the most reuse; on a tie, the slot whose content is worth least
             best = max(unowned, key=lambda s: (reuse[s.seq], -self.own_cells(s)))
             cached = self.states.best(job.items, job.reuse_key)
-            # (a cached sequence loads whole, a copy of the pool's prefix with it: it must
-            # bring more than that copy costs)
-            margin = LOAD_OVER_POOL if pooled else 0
+            margin = OVER_POOL if pooled else 0
             if cached is not None and cached[1].num_cells > reuse[best.seq] + margin:
                 job.resume = cached[0]  # a conversation that lost its slot: put it back
                 return min(unowned, key=lambda s: (reuse[s.seq], self.own_cells(s)))

@@ -284,3 +284,26 @@ def test_a_pinned_prefix_that_opens_with_a_held_one_shares_it(servers) -> None:
     assert done.token_ids == fresh.token_ids and fresh.usage.num_reused_cells == 0
     stats = infer.engine.stats
     assert stats.num_shared_prefixes == 1 and stats.num_shared_cells == system
+
+
+def test_a_new_chat_does_not_clear_a_held_one_for_a_turn_s_header(servers) -> None:
+    """With the pool every slot starts with the shared prefix: a slot that holds another chat
+    of the same system message reuses only a few tokens more (the user turn's header), not
+    worth that chat's cells. The new chat takes an empty slot; the first stays held."""
+    addresses = servers(kv_unified=True, parallel=3)
+    ban = no_end(addresses[2])
+    with client(addresses) as c:
+        chats = [
+            c.prepare([Message.system(SYSTEM), Message.user(q)])
+            for q in ("Which colour is the sky?", "Which colour is the sea?")
+        ]
+        keep = chats[0].num_cells_of(0)
+        first, second = (
+            collect(c.generate(p, keep=keep, max_tokens=4, logit_bias=ban)) for p in chats
+        )
+        (view,) = list(c.watch_slots(once=True))
+    assert first.started is not None and second.started is not None
+    assert second.started.slot != first.started.slot
+    assert second.started.num_reused_cells == keep  # the pool's prefix, nothing in place
+    held = view.slots[first.started.slot]
+    assert held.num_cells == first.finished.usage.num_prompt_cells + 3  # (4 tokens, 3 decoded)
