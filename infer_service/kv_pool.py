@@ -99,7 +99,11 @@ class Pool:
     def num_used(self, cells: Iterable[tuple[int, int]]) -> int:
         """Cells in use, each counted once, given (sequence, cells it holds) of every sequence
         that is not a holder."""
-        return self.num_held_cells + sum(n - self.shared_cells(seq) for seq, n in cells)
+        return self.num_held_cells + self._own(cells)
+
+    def _own(self, cells: Iterable[tuple[int, int]]) -> int:
+        """The cells of those sequences that are not their holders'."""
+        return sum(n - self.shared_cells(seq) for seq, n in cells)
 
     def figures(
         self, cells: Iterable[tuple[int, int]], whose: Callable[[Hashable], bool] | None = None
@@ -109,9 +113,8 @@ class Pool:
         the pool's size is everyone's."""
         held = [h for h in self._holders.values() if whose is None or whose(h.key[0])]
         num_held = sum(h.num_cells for h in held)
-        used = num_held + sum(n - self.shared_cells(seq) for seq, n in cells)
         in_use = sum(1 for h in held if h.users)
-        return PoolFigures(self.num_cells, used, num_held, len(held), in_use)
+        return PoolFigures(self.num_cells, num_held + self._own(cells), num_held, len(held), in_use)
 
     def get(self, key: PrefixKey) -> Holder | None:
         """The holder of the prefix, if one is kept (a look: not a use)."""
