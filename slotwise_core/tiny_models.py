@@ -15,6 +15,19 @@ Pairs (all tensors F32, text n_embd 64, 2 layers, context_length 4096, ~271-toke
   decoded with non-causal attention, so it must fit one ubatch; every image is 64 cells /
   64 positions, wrapped in ``<start_of_image>`` ... ``<end_of_image>``).
 
+Hybrid-memory pairs (``HYBRID``; written only when named, e.g. ``--only qwen35 lfm2``): 4 text
+layers, each sequence holds a recurrent state besides its KV cells, so removing a sequence's
+last tokens (``llama_memory_seq_rm(seq, p, -1)``) fails; ``llama_model_is_hybrid`` is true.
+
+* ``qwen35``    -- text ``qwen35`` (Qwen3.5: gated delta-net in layers 0-2, gated attention in
+  layer 3, interleaved M-RoPE) + projector ``qwen3vl_merger`` (Qwen3-VL's tower, which Qwen3.5
+  ships: 16 px patches, dynamic resolution; a 448x392 image is 168 cells / 14 positions;
+  ``llama_memory_can_shift`` is false).
+* ``lfm2``      -- text ``lfm2`` (LFM2: short convolutions in layers 0 and 2, attention in 1 and
+  3; plain RoPE, K-shift capable) + the ``rope`` pair's LLaVA projector ``mlp`` (LFM2's own
+  projector wraps images in tokens the shared vocabulary lacks); every image is 64 cells / 64
+  positions.
+
 Usage: ``slotwise-tiny-models OUT_DIR [--only NAME ...]`` or
 ``python -m slotwise_core.tiny_models OUT_DIR``.
 """
@@ -23,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +46,7 @@ __all__ = [
     "ALL",
     "CHAT_TEMPLATE",
     "CONTEXT_LENGTH",
+    "HYBRID",
     "SPECIAL_TOKENS",
     "TinyPair",
     "main",
@@ -40,6 +54,8 @@ __all__ = [
 ]
 
 ALL: tuple[str, ...] = ("mrope", "rope", "noncausal")
+# Not in ALL: what tests and the demo write by default stays as it was.
+HYBRID: tuple[str, ...] = ("qwen35", "lfm2")
 
 CONTEXT_LENGTH = 4096
 
@@ -75,7 +91,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 # empty array silently and llama.cpp then fails with "cannot find tokenizer merges".
 _MERGES: tuple[tuple[str, str], ...] = (("Ġ", "t"), ("h", "e"), ("i", "n"), ("Ġt", "he"))
 
-_SEEDS = {"mrope": 1001, "rope": 1002, "noncausal": 1003}
+_SEEDS = {"mrope": 1001, "rope": 1002, "noncausal": 1003, "qwen35": 1004, "lfm2": 1005}
 _STD = 0.02
 
 _RMS_EPS = 1e-6
@@ -100,6 +116,8 @@ class Text:
 
 TINY = Text()
 _N_EMBD = TINY.width  # (the projectors' output)
+# The hybrid pairs: deep enough for 3 recurrent layers to 1 attention layer (Qwen3.5's ratio).
+_HYBRID_TEXT = Text(layers=4)
 
 
 @dataclass(frozen=True)
@@ -209,6 +227,9 @@ class _Tensors:
     def ones(self, name: str, *ne: int) -> None:
         self.items.append((name, np.ones(tuple(reversed(ne)), dtype=np.float32)))
 
+    def fill(self, name: str, value: float, *ne: int) -> None:
+        self.items.append((name, np.full(tuple(reversed(ne)), value, dtype=np.float32)))
+
     def linear(self, name: str, n_in: int, n_out: int, bias: bool = False) -> None:
         self.rand(f"{name}.weight", n_in, n_out)
         if bias:
@@ -240,7 +261,16 @@ def _write(path: Path, arch: str, add_kv: Callable[[object], None], t: _Tensors)
 # text models
 
 
-def _text_kv(arch: str, pre: str, extra: Callable[[object], None] | None = None, size: Text = TINY):
+def _text_kv(
+    arch: str,
+    pre: str,
+    extra: Callable[[object], None] | None = None,
+    size: Text = TINY,
+    kv_heads: Sequence[int] | None = None,
+):
+    """kv_heads: a per-layer head_count_kv array instead of size.kv_heads (LFM2 marks its
+    convolution layers with 0)."""
+
     def add(w) -> None:
         w.add_string("general.name", f"slotwise-tiny-{arch}")
         w.add_uint32(f"{arch}.context_length", CONTEXT_LENGTH)
@@ -248,7 +278,10 @@ def _text_kv(arch: str, pre: str, extra: Callable[[object], None] | None = None,
         w.add_uint32(f"{arch}.block_count", size.layers)
         w.add_uint32(f"{arch}.feed_forward_length", size.ff)
         w.add_uint32(f"{arch}.attention.head_count", size.heads)
-        w.add_uint32(f"{arch}.attention.head_count_kv", size.kv_heads)
+        if kv_heads is None:
+            w.add_uint32(f"{arch}.attention.head_count_kv", size.kv_heads)
+        else:
+            w.add_array(f"{arch}.attention.head_count_kv", list(kv_heads))
         w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", _RMS_EPS)
         w.add_float32(f"{arch}.rope.freq_base", 10000.0)
         w.add_uint32(f"{arch}.vocab_size", _N_VOCAB)
@@ -289,6 +322,101 @@ def write_text_model(path: Path, size: Text, seed: int = 7) -> Path:
         Path(path), "llama", _text_kv("llama", "gpt-2", size=size), _text_tensors(seed, size=size)
     )
     return Path(path)
+
+
+# hybrid text models: some layers keep a recurrent state per sequence instead of KV cells
+
+# Qwen3.5's gated delta-net, tiny: 2 key heads and 4 value heads of 16 (value_dim 64 = width).
+_QWEN35_ATTN_INTERVAL = 4  # every 4th layer is full attention (Qwen3.5's own setting)
+_DELTA_CONV_KERNEL = 4
+_DELTA_HEAD = 16  # ssm.state_size: the key and the value head size
+_DELTA_K_HEADS = 2  # ssm.group_count
+_DELTA_V_HEADS = 4  # ssm.time_step_rank
+_LFM2_L_CACHE = 3  # LFM2's short convolution spans 3 tokens
+
+
+def _qwen35_kv(w) -> None:
+    # imrope sections: sum must be head_dim / 2, as for qwen2vl
+    w.add_array("qwen35.rope.dimension_sections", [2, 3, 3, 0])
+    w.add_uint32("qwen35.full_attention_interval", _QWEN35_ATTN_INTERVAL)
+    w.add_uint32("qwen35.ssm.conv_kernel", _DELTA_CONV_KERNEL)
+    w.add_uint32("qwen35.ssm.state_size", _DELTA_HEAD)
+    w.add_uint32("qwen35.ssm.group_count", _DELTA_K_HEADS)
+    w.add_uint32("qwen35.ssm.time_step_rank", _DELTA_V_HEADS)
+    # the graph derives the value head size as inner_size / time_step_rank: keep them equal
+    w.add_uint32("qwen35.ssm.inner_size", _DELTA_HEAD * _DELTA_V_HEADS)
+
+
+def _swiglu_ffn(t: _Tensors, p: str, size: Text) -> None:
+    t.linear(f"{p}.ffn_gate", size.width, size.ff)
+    t.linear(f"{p}.ffn_up", size.width, size.ff)
+    t.linear(f"{p}.ffn_down", size.ff, size.width)
+
+
+def _delta_net(t: _Tensors, p: str, n: int) -> None:
+    key_dim, value_dim = _DELTA_HEAD * _DELTA_K_HEADS, _DELTA_HEAD * _DELTA_V_HEADS
+    t.linear(f"{p}.attn_qkv", n, 2 * key_dim + value_dim)
+    t.linear(f"{p}.attn_gate", n, value_dim)  # z, the output gate
+    t.rand(f"{p}.ssm_conv1d.weight", _DELTA_CONV_KERNEL, 2 * key_dim + value_dim)
+    t.rand(f"{p}.ssm_dt.bias", _DELTA_V_HEADS)
+    # ssm_a is -exp(A_log); negative keeps the per-token decay below 1 (a random sign would
+    # let the state grow without bound over a long prompt)
+    t.fill(f"{p}.ssm_a", -1.0, _DELTA_V_HEADS)
+    t.linear(f"{p}.ssm_beta", n, _DELTA_V_HEADS)
+    t.linear(f"{p}.ssm_alpha", n, _DELTA_V_HEADS)
+    t.ones(f"{p}.ssm_norm.weight", _DELTA_HEAD)
+    t.linear(f"{p}.ssm_out", value_dim, n)
+
+
+def _qwen35_tensors(seed: int, size: Text = _HYBRID_TEXT) -> _Tensors:
+    t = _Tensors(seed)
+    n, n_kv = size.width, size.head_dim * size.kv_heads
+    t.rand("token_embd.weight", n, _N_VOCAB)  # output.weight is tied to it
+    t.ones("output_norm.weight", n)
+    for i in range(size.layers):
+        p = f"blk.{i}"
+        t.ones(f"{p}.attn_norm.weight", n)
+        if (i + 1) % _QWEN35_ATTN_INTERVAL == 0:
+            # gated attention: q is twice as wide, its second half gates the output per head
+            t.linear(f"{p}.attn_q", n, 2 * n)
+            t.linear(f"{p}.attn_k", n, n_kv)
+            t.linear(f"{p}.attn_v", n, n_kv)
+            t.linear(f"{p}.attn_output", n, n)
+            t.ones(f"{p}.attn_q_norm.weight", size.head_dim)
+            t.ones(f"{p}.attn_k_norm.weight", size.head_dim)
+        else:
+            _delta_net(t, p, n)
+        t.ones(f"{p}.post_attention_norm.weight", n)  # (the norm before the FFN)
+        _swiglu_ffn(t, p, size)
+    return t
+
+
+def _lfm2_kv_heads(size: Text = _HYBRID_TEXT) -> list[int]:
+    return [0 if i % 2 == 0 else size.kv_heads for i in range(size.layers)]  # 0: convolution
+
+
+def _lfm2_tensors(seed: int, size: Text = _HYBRID_TEXT) -> _Tensors:
+    t = _Tensors(seed)
+    n, n_kv = size.width, size.head_dim * size.kv_heads
+    t.rand("token_embd.weight", n, _N_VOCAB)  # output.weight is tied to it
+    t.ones("token_embd_norm.weight", n)  # (LFM2's output norm, under a legacy name)
+    for i, kv_heads in enumerate(_lfm2_kv_heads(size)):
+        p = f"blk.{i}"
+        t.ones(f"{p}.attn_norm.weight", n)
+        if kv_heads:
+            t.ones(f"{p}.attn_q_norm.weight", size.head_dim)
+            t.ones(f"{p}.attn_k_norm.weight", size.head_dim)
+            t.linear(f"{p}.attn_q", n, n)
+            t.linear(f"{p}.attn_k", n, n_kv)
+            t.linear(f"{p}.attn_v", n, n_kv)
+            t.linear(f"{p}.attn_output", n, n)
+        else:
+            t.rand(f"{p}.shortconv.conv.weight", _LFM2_L_CACHE, n)
+            t.linear(f"{p}.shortconv.in_proj", n, 3 * n)  # B, C and x gates
+            t.linear(f"{p}.shortconv.out_proj", n, n)
+        t.ones(f"{p}.ffn_norm.weight", n)
+        _swiglu_ffn(t, p, size)
+    return t
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,6 +507,39 @@ def _mmproj_gemma3(seed: int, v: Vision) -> tuple[Callable[[object], None], _Ten
     return kv, t
 
 
+def _mmproj_qwen3vl(seed: int, v: Vision) -> tuple[Callable[[object], None], _Tensors]:
+    # Qwen3-VL's tower (Qwen3.5 pairs with it): 16 px patches, a patch bias, learned position
+    # embeddings (interpolated to each image's grid), fused qkv, GELU FFN, a 2x2 merge. No
+    # deepstack layers: with them the output would be wider than the text width.
+    patch, size = 16, 224
+    n_patches = (size // patch) ** 2  # 196: the graph takes its sqrt as the grid side
+    t = _Tensors(seed)
+    # the 3D patch conv as two 2D convs, like qwen2vl; both .weight and .weight.1 needed
+    t.rand("v.patch_embd.weight", patch, patch, 3, v.width)
+    t.rand("v.patch_embd.weight.1", patch, patch, 3, v.width)
+    t.rand("v.patch_embd.bias", v.width)  # asserted by the qwen3vl graph
+    t.rand("v.position_embd.weight", v.width, n_patches)  # asserted too
+    for i in range(v.layers):
+        p = f"v.blk.{i}"
+        t.linear(f"{p}.attn_qkv", v.width, 3 * v.width, bias=True)
+        t.linear(f"{p}.attn_out", v.width, v.width, bias=True)
+        t.layer_norm(f"{p}.ln1", v.width)
+        t.layer_norm(f"{p}.ln2", v.width)
+        t.linear(f"{p}.ffn_up", v.width, v.ff, bias=True)
+        t.linear(f"{p}.ffn_down", v.ff, v.width, bias=True)
+    t.layer_norm("v.post_ln", v.width)  # the merger's norm, before the merge
+    merged = v.width * 4  # 2x2 spatial merge
+    t.linear("mm.0", merged, merged, bias=True)
+    t.linear("mm.2", merged, _N_EMBD, bias=True)  # its bias gives the output width
+    kv = _clip_kv("qwen3vl_merger", v, v.layers, size, patch, {"clip.vision.spatial_merge_size": 2})
+
+    def add(w) -> None:
+        kv(w)
+        w.add_bool("clip.use_gelu", True)  # as the converter writes it (else quick GELU)
+
+    return add, t
+
+
 # ---------------------------------------------------------------------------------------------
 # pairs
 
@@ -415,10 +576,31 @@ def _write_noncausal(d: Path, seed: int, v: Vision) -> None:
     _write(d / "mmproj.gguf", "clip", kv, t)
 
 
+def _write_qwen35(d: Path, seed: int, v: Vision) -> None:
+    kv = _text_kv("qwen35", "qwen35", _qwen35_kv, _HYBRID_TEXT)
+    _write(d / "model.gguf", "qwen35", kv, _qwen35_tensors(seed))
+    kv, t = _mmproj_qwen3vl(seed + 1, v)
+    _write(d / "mmproj.gguf", "clip", kv, t)
+
+
+def _write_lfm2(d: Path, seed: int, v: Vision) -> None:
+    def conv(w) -> None:
+        w.add_uint32("lfm2.shortconv.l_cache", _LFM2_L_CACHE)
+
+    kv = _text_kv("lfm2", "lfm2", conv, _HYBRID_TEXT, kv_heads=_lfm2_kv_heads())
+    _write(d / "model.gguf", "lfm2", kv, _lfm2_tensors(seed))
+    # LLaVA's mlp projector: its output width is the text width, and its images need no
+    # wrapper tokens (LFM2's own projector wants <|image_start|> etc., not in the vocab)
+    kv, t = _mmproj_mlp(seed + 1, v)
+    _write(d / "mmproj.gguf", "clip", kv, t)
+
+
 _WRITERS: dict[str, Callable[[Path, int, Vision], None]] = {
     "mrope": _write_mrope,
     "rope": _write_rope,
     "noncausal": _write_noncausal,
+    "qwen35": _write_qwen35,
+    "lfm2": _write_lfm2,
 }
 
 
@@ -430,7 +612,7 @@ def write_tiny_models(
     names = list(dict.fromkeys(names))
     unknown = [n for n in names if n not in _WRITERS]
     if unknown:
-        raise ValueError(f"unknown tiny model(s) {unknown}; choose from {list(ALL)}")
+        raise ValueError(f"unknown tiny model(s) {unknown}; choose from {list(ALL + HYBRID)}")
     pairs: dict[str, TinyPair] = {}
     for name in names:
         d = out_dir / name
@@ -446,7 +628,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("out_dir", type=Path, metavar="OUT_DIR")
     parser.add_argument(
-        "--only", nargs="+", choices=ALL, metavar="NAME", help=f"subset of {', '.join(ALL)}"
+        "--only",
+        nargs="+",
+        choices=ALL + HYBRID,
+        metavar="NAME",
+        help=f"subset of {', '.join(ALL + HYBRID)} (default: {', '.join(ALL)})",
     )
     parser.add_argument(
         "--vision-width", type=int, default=Vision.width, help="vision tower width (x32)"
