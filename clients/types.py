@@ -48,6 +48,11 @@ __all__ = [
 # inputs
 
 
+def memory_kind(number: int) -> str:
+    """The contract's MemoryKind as a word: attention, hybrid or recurrent."""
+    return prompt_pb2.MemoryKind.Name(number).removeprefix("MEMORY_KIND_").lower()
+
+
 @dataclass(frozen=True)
 class ImageSize:
     """An image known by its size only: CountTokens counts it without pixels."""
@@ -227,6 +232,7 @@ class ModelInfo:
     chat_template: str = ""  # a Jinja template's text, or a llama.cpp built-in's name
     add_bos: bool = False
     fim: dict[str, int] = field(default_factory=dict)  # pre, suf, mid, rep, sep -> token id
+    memory_kind: str = "attention"  # attention, hybrid (Qwen3.5, LFM2) or recurrent
 
     @classmethod
     def from_pb(cls, pb: prep_pb2.ModelInfo) -> ModelInfo:
@@ -251,6 +257,7 @@ class ModelInfo:
                 for name in ("pre", "suf", "mid", "rep", "sep")
                 if pb.HasField(f"fim_{name}_token_id")
             },
+            memory_kind=memory_kind(pb.memory_kind),
         )
 
 
@@ -282,6 +289,8 @@ class EngineStats:
     num_shared_prefixes: int = 0
     num_shared_cells: int = 0
     num_pool_waits: int = 0
+    num_checkpoints: int = 0  # (hybrid, recurrent memory) recurrent states saved
+    num_checkpoint_restores: int = 0  # ... and sequences cut back to one
 
 
 @dataclass(frozen=True)
@@ -310,6 +319,9 @@ class ServerInfo:
     num_active: int
     stats: EngineStats
     pool: KvPool | None = None  # (--kv-unified)
+    memory_kind: str = "attention"  # attention, hybrid (Qwen3.5, LFM2) or recurrent
+    num_checkpoints_per_slot: int = 0  # (hybrid, recurrent) --ctx-checkpoints
+    num_checkpoint_bytes: int = 0  # ... one checkpoint's bytes (0 until one was saved)
 
     @classmethod
     def from_pb(cls, pb: infer_pb2.GetServerInfoResponse) -> ServerInfo:
@@ -337,7 +349,12 @@ class ServerInfo:
                 num_shared_prefixes=s.num_shared_prefixes,
                 num_shared_cells=s.num_shared_cells,
                 num_pool_waits=s.num_pool_waits,
+                num_checkpoints=s.num_checkpoints,
+                num_checkpoint_restores=s.num_checkpoint_restores,
             ),
+            memory_kind=memory_kind(pb.memory_kind),
+            num_checkpoints_per_slot=pb.num_checkpoints_per_slot,
+            num_checkpoint_bytes=pb.num_checkpoint_bytes,
             pool=KvPool(
                 pb.pool.num_cells, pb.pool.num_cells_used, pb.pool.num_shared_cells,
                 pb.pool.num_holders, pb.pool.num_holders_in_use,

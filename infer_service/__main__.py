@@ -210,6 +210,8 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
         encode_nice=s["encode_nice"],
         extra_bufts={"auto": None, "on": True, "off": False}[s["extra_bufts"]],
         grammar_ms=s["max_grammar_ms"],
+        ctx_checkpoints=max(0, s["ctx_checkpoints"]),
+        checkpoint_min_step=s["checkpoint_min_step"],
     )
     return config, {
         "max_queue": s["max_queue"],
@@ -255,8 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         rt = infer.engine.rt
         log.info(
-            "infer_service serving on %s:%d: %d slots x %d cells, can_shift=%s, mrope=%s",
-            args.host, infer.port, rt.num_slots, rt.num_cells_per_slot, rt.can_shift, rt.uses_mrope,
+            "infer_service serving on %s:%d: %d slots x %d cells, memory=%s, can_shift=%s, "
+            "mrope=%s%s",
+            args.host, infer.port, rt.num_slots, rt.num_cells_per_slot, rt.memory_kind,
+            rt.can_shift, rt.uses_mrope,
+            f" ({rt.config.ctx_checkpoints} checkpoints of the recurrent state per slot; "
+            "evictions re-prefill from the pinned prefix's)" if rt.recurrent else "",
         )  # fmt: skip
         await run_until_signal(infer.server, args.drain_seconds, failed=infer.died)
         await asyncio.to_thread(infer.engine.stop)

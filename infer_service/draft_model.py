@@ -38,6 +38,11 @@ class DraftModel:
     def __init__(self, config: RuntimeConfig, target: Runtime):
         self.rt = Runtime(config)
         try:
+            for who, rt in (("the target", target), ("the draft model", self.rt)):
+                if rt.recurrent:  # (a rejected guess cannot be cut out of a recurrent state)
+                    raise DraftModelError(
+                        f"{who}'s memory is {rt.memory_kind}: drafts cannot be taken back there"
+                    )
             check_vocabulary(self.rt, target)
         except BaseException:
             self.rt.close()

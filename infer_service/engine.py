@@ -239,6 +239,9 @@ class Engine:
                     ),
                     shared_prefix=holder.seq if holder is not None and skip else -1,
                     num_shared_cells=shared if skip else 0,
+                    num_recurrent_bytes=self.rt.checkpoint_bytes if slot.num_cells else 0,
+                    num_checkpoints=len(ledger.marks) if ledger else 0,
+                    num_checkpoint_bytes=ledger.num_mark_bytes if ledger else 0,
                 )
             )
         return out

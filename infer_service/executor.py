@@ -179,6 +179,8 @@ class Executor:
             keep=ctx.keep,
             discard_fraction=ctx.discard_fraction,
             unit=ctx.unit,
+            recurrent=self.rt.recurrent,
+            max_marks=self.rt.config.ctx_checkpoints,
         )
 
     # -- a slot's sequence as a whole ---------------------------------------------------------
@@ -189,11 +191,58 @@ class Executor:
         if self.pool is not None:
             self.pool.unshare(slot.seq)
 
-    def _cut(self, slot: Slot, pos: int) -> None:
-        """The sequence's cells from `pos` on leave it (its ledger was truncated to them)."""
-        self.rt.seq_rm(slot.seq, pos, -1)
-        if self.pool is not None and slot.ledger is not None:
-            self.pool.cut(slot.seq, slot.ledger.num_cells)
+    def _rewind(
+        self, slot: Slot, ledger: Ledger, num_segments: int, num_tokens: int = 0,
+        *, held: int | None = None,
+    ) -> list[Item]:  # fmt: skip
+        """The sequence keeps the ledger's first segments (and num_tokens of the next): in
+        llama.cpp first, then in the ledger. Returns what must be decoded again to hold all of
+        them: on recurrent memory the cut goes back to the last checkpoint before it. `held`:
+        the segments the sequence holds (a saved state older or newer than the ledger), by
+        default all. A refused call clears the sequence: everything is decoded again."""
+        k = ledger.cut_point(num_segments, num_tokens, held=held)
+        try:
+            if k is None:
+                if not ledger.recurrent:
+                    self.rt.seq_rm(slot.seq, ledger.pos_at(num_segments, num_tokens), -1)
+                ledger.truncate(num_segments, num_tokens)
+                redo: list[Item] = []
+            else:
+                redo = ledger.redo(k, num_segments, num_tokens)
+                if k == 0:
+                    self.clear(slot)
+                else:
+                    self.rt.restore(slot.seq, ledger.marks[k], ledger.pos_at(k))
+                    self.stats.num_checkpoint_restores += 1
+                ledger.truncate(k)
+        except native.NativeError as e:
+            log.warning("slot %d: %s; its sequence is decoded again", slot.seq, e)
+            redo = ledger.redo(0, num_segments, num_tokens)
+            self.clear(slot)
+            ledger.truncate(0)
+        if self.pool is not None:
+            self.pool.cut(slot.seq, ledger.num_cells)
+        return redo
+
+    def _checkpoint(self, slot: Slot, *, due: bool = False) -> None:
+        """(recurrent memory) Save the slot's recurrent state where its ledger ends, if `due`
+        (the end of the pinned prefix, of a prompt, of a reply) or a long prompt went
+        `checkpoint_min_step` cells past the last one. A failed save only costs reuse."""
+        ledger = slot.ledger
+        if not self.rt.recurrent or ledger is None or not ledger.max_marks or slot.piece:
+            return
+        n = len(ledger.segments)
+        if not n or n in ledger.marks:
+            return
+        due = due or n == ledger.num_pinned_segments
+        if not due and ledger.num_cells_since_mark() < self.rt.config.checkpoint_min_step:
+            return
+        try:
+            ledger.mark(self.rt.checkpoint(slot.seq))
+        except native.NativeError as e:
+            log.warning("slot %d: no checkpoint: %s", slot.seq, e)
+            return
+        self.stats.num_checkpoints += 1
 
     def state_of(self, slot: Slot) -> memoryview:
         """The sequence's whole state, shared prefix included: a restore gets its own copy
@@ -301,7 +350,15 @@ class Executor:
             )
             if ledger.num_cells - reuse.num_cells >= WORTH_KEEPING and job.resume is None:
                 self.stash(slot)  # what the cut drops may be resumed later
-        cut = ledger.truncate(si, so)
+        restore: list[Item] = []
+        if reprefill is not None and (si, so) > (reprefill, 0):
+            # the saved state holds less than the turn reuses: the rest is decoded again
+            restore = ledger.redo(reprefill, si, so)
+            si, so = reprefill, 0
+        rest = [*self._rewind(slot, ledger, si, so, held=reprefill), *rest]
+        if restore:
+            self.stats.num_session_reprefills += 1
+            self.stats.num_session_reprefill_cells += sum(i.num_cells for i in restore)
         if self.pool is not None:
             ledger.capacity = self.rt.num_cells_per_slot  # (admission: the most a slot holds)
             self.pool.cut(slot.seq, ledger.num_cells)  # (what the reuse rule kept of it)
@@ -310,9 +367,11 @@ class Executor:
             if start == 0 and reprefill is None:
                 shared = self._share_prefix(slot, job, ledger)
             if shared is not None:
-                cut, rest, continued = ledger.next_pos, list(job.items[shared:]), False
+                rest, continued, restore = list(job.items[shared:]), False, []
             self._pin_shared(slot, ledger)
-        num_reused = ledger.num_cells - num_before
+        # (a turn whose session state was decoded again, or cut back before it began, reuses
+        # none of its own)
+        num_reused = max(0, ledger.num_cells - num_before)
         # a reused M-RoPE image holds more cells than positions: count its positions
         num_reused_positions = sum(seg.num_positions for seg in ledger.segments[start:])
         admission = ledger.admit(rest, truncate=ctx.truncate_prompt)
@@ -326,18 +385,6 @@ class Executor:
             )
         else:
             error = None
-        restore: list[Item] = []
-        if reprefill is not None and error is None:
-            # what the session keeps after what the sequence holds (the reused reply included)
-            # is decoded again; cells of the checkpoint the ledger no longer has go
-            kept_segments = min(reprefill, len(ledger.segments))
-            restore = [seg.item for seg in ledger.segments[kept_segments:]]
-            self._cut(slot, ledger.truncate(kept_segments))
-            if restore:
-                self.stats.num_session_reprefills += 1
-                self.stats.num_session_reprefill_cells += sum(i.num_cells for i in restore)
-        elif reprefill is None:
-            self._cut(slot, cut)
         if error is not None:
             raise error
         assert not isinstance(admission, CannotFit)
@@ -350,9 +397,10 @@ class Executor:
         ):
             ledger.begin_history(dropped)  # truncated now: continued next turn
         pending = deque([*restore, *kept])
+        # (a rejected draft cannot be cut out of a recurrent state: no drafts there)
         spec = (
             Speculation(job.speculative, history(ledger.segments, pending), self.step_cost)
-            if job.speculative.enabled
+            if job.speculative.enabled and not self.rt.recurrent
             else None
         )
         slot.job = job
@@ -364,6 +412,9 @@ class Executor:
         slot.text = TextStream(job.stop)
         slot.num_prefill_total = sum(i.num_cells for i in slot.pending)
         slot.num_prefill_done = 0
+        slot.checkpoint_at = (
+            checkpoint_points(pending) if self.rt.recurrent and ledger.max_marks else frozenset()
+        )
         slot.prefilling = True
         slot.reply_index = max((i.message_index for i in kept), default=0)
         slot.usage = Usage(
@@ -407,6 +458,7 @@ class Executor:
         ledger.adopt(holder.segments)
         self.rt.seq_cp(holder.seq, slot.seq, 0, holder.next_pos)
         pool.share(slot.seq, holder)
+        self._checkpoint(slot, due=True)  # (the holder's recurrent state came with the cells)
         for stats in (self.stats, self.stats.tenant(job.tenant)):
             stats.num_shared_prefixes += 1
             stats.num_shared_cells += holder.num_cells
@@ -478,6 +530,8 @@ class Executor:
             k += 1
         if n != share.num_cells or k > ledger.num_exact_segments:
             return  # (one of its segments goes on past it, or it is not a fresh prefill)
+        if self.rt.recurrent and k != len(segments):
+            return  # (a recurrent state copied whole: it must have seen the prefix alone)
         if atoms(segments[:k]) != share.key[1]:
             return
         holder, dropped = pool.hold(share.key, segments[:k])
@@ -565,6 +619,8 @@ class Executor:
         job = slot.job
         assert job is not None
         self._drop_piece(slot)
+        if reason is not FinishReason.ERROR:
+            self._checkpoint(slot, due=True)  # (the end of its reply: the next turn's start)
         if slot.prefilling:
             slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
         self.send_delta(slot, slot.text.flush() if reason.completed else "")
@@ -739,6 +795,7 @@ class Executor:
             slot.pending.popleft()
             self.stats.num_media_decodes += 1
             self._hold(slot)
+            self._checkpoint(slot)
 
     def _begin_media(self, slot: Slot) -> bool:
         item = slot.pending[0]
@@ -770,7 +827,7 @@ class Executor:
             return
         segments = slot.ledger.segments
         if segments and segments[-1].item is piece.item:  # (nothing follows it mid-chunk)
-            self._cut(slot, slot.ledger.truncate(len(segments) - 1))
+            self._rewind(slot, slot.ledger, len(segments) - 1)  # (what it redoes: nobody's)
 
     # -- text ---------------------------------------------------------------------------------
 
@@ -828,8 +885,12 @@ class Executor:
                 if slot.prefilling:
                     self._progress(slot, t.item.num_cells)
                     self._hold(slot)
+                    due = t.logits_at is not None or slot.num_prefill_done in slot.checkpoint_at
+                    self._checkpoint(slot, due=due)
                 else:
                     slot.usage.decode_seconds += elapsed
+                    if not t.item.generated and slot.pending and slot.pending[0].generated:
+                        self._checkpoint(slot, due=True)  # (re-prefilled up to its reply)
                 if t.logits_at is not None:
                     self._sample(slot, t.logits_at, t.drafts)
             except Exception as e:
@@ -846,6 +907,9 @@ class Executor:
             whole = head.num_cells if head.group is not None else 0
             allowed = min(budget, max(self._prefill_budget(slot), whole))
         n = text_take_size(slot.pending, allowed, self.rt.batch_size)
+        if slot.prefilling and slot.checkpoint_at:  # (the step stops where one is due)
+            done = slot.num_prefill_done
+            n = min([n, *(p - done for p in slot.checkpoint_at if p > done)])
         if n == 0:
             return None
         head = slot.pending[0]
@@ -934,6 +998,8 @@ class Executor:
             try:
                 slot.ledger.append(item)
                 self._progress(slot, item.num_cells)
+                if slot.prefilling:
+                    self._checkpoint(slot, due=logits_at is not None)
                 if logits_at is not None:  # (before the next decode wipes these logits)
                     self._sample(slot, end - len(drafts), drafts)
             except Exception as e:
@@ -1050,11 +1116,11 @@ class Executor:
         elif isinstance(plan, Gap):
             self.rt.seq_rm(slot.seq, plan.p0, plan.p1)
         elif isinstance(plan, Reprefill):
-            self.clear(slot)  # (a shared prefix too: it is decoded again, the slot's own)
+            plan = self._reprefill(slot, ledger, plan)
         evicted_at = at_cell(ledger.segments, plan.evicted)
         ledger.apply(plan)
         if isinstance(plan, Reprefill):
-            slot.pending.extendleft(reversed(plan.kept))
+            slot.pending.extendleft(reversed(plan.kept[plan.num_prefix :]))
         slot.usage.num_shifts += 1
         slot.usage.num_evicted_cells += plan.num_cells_evicted
         self._outcome.shifted.append(slot)
@@ -1095,6 +1161,21 @@ class Executor:
         self._tell(slot.job, shift)
         return not isinstance(plan, Reprefill)
 
+    def _reprefill(self, slot: Slot, ledger: Ledger, plan: Reprefill) -> Reprefill:
+        """Empty the sequence for the plan's kept items, or (recurrent memory) cut it back to
+        the checkpoint after its pinned prefix, which stays; where that checkpoint does not
+        load, the sequence is cleared and the prefix decoded again too."""
+        if plan.num_prefix:
+            try:
+                pos = ledger.pos_at(plan.num_prefix)
+                self.rt.restore(slot.seq, ledger.marks[plan.num_prefix], pos)
+                self.stats.num_checkpoint_restores += 1
+                return plan
+            except native.NativeError as e:
+                log.warning("slot %d: %s; its prefix is decoded again", slot.seq, e)
+        self.clear(slot)  # (a shared prefix too: it is decoded again, the slot's own)
+        return replace(plan, num_prefix=0)
+
     def read(self, token_ids: Sequence[int]) -> str:
         """Tokens as words (a preview of cells for people: undecodable bytes replaced)."""
         return b"".join(self.rt.piece(t) for t in token_ids).decode("utf-8", errors="replace")
@@ -1116,6 +1197,27 @@ def shareable(job: Job) -> Share | None:
     if num_cells < WORTH_SHARING:
         return None
     return Share((job.reuse_key, atoms(job.items[:k])), k, num_cells)
+
+
+def checkpoint_points(items: Sequence[Item], tail: int = 4) -> frozenset[int]:
+    """(recurrent memory) Where in a prompt (cells from its start) a step stops to save a
+    checkpoint, as llama-server does: at the start of its last two messages (where an edited
+    last message parts from what a slot holds) and `tail` cells before its end (where the same
+    prompt sent again does: a reuse leaves one token to decode). Only between items that close
+    a media group, or inside plain text."""
+    points: list[int] = []
+    starts: list[int] = []
+    total, n = sum(i.num_cells for i in items), 0
+    for k, item in enumerate(items):
+        closed = k == 0 or items[k - 1].group is None or items[k - 1].group != item.group
+        if k and closed and item.message_index != items[k - 1].message_index:
+            starts.append(n)
+        end = n + item.num_cells
+        plain = item.group is None and not item.is_media
+        if n <= total - tail < end and (plain or (closed and total - tail == n)):
+            points.append(total - tail)
+        n = end
+    return frozenset(p for p in [*starts[-2:], *points] if 0 < p < total)
 
 
 def _niced(nice: int) -> None:

@@ -78,6 +78,10 @@ class SlotPicture:
     shifts: tuple[ShiftMark, ...] = ()
     shared_prefix: int = -1  # (pool) the holder of the shared prefix its sequence opens with
     num_shared_cells: int = 0  # ... its first cells: that prefix's, stored once
+    # (recurrent memory) the sequence's recurrent state, and the checkpoints kept of it
+    num_recurrent_bytes: int = 0
+    num_checkpoints: int = 0
+    num_checkpoint_bytes: int = 0
 
 
 @dataclass(frozen=True)

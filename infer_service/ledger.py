@@ -25,6 +25,12 @@ Choices worth knowing:
   evicts nothing and only renumbers the positions from 0.
 - SHIFT on a ledger with ``can_shift=False`` resolves like AUTO does there (GAP, then REPREFILL).
 - ``admit`` returns (does not raise) ``CannotFit``.
+- Recurrent memory (``recurrent=True``: Qwen3.5, LFM2, Mamba; a state per sequence beside the
+  attention cells, which llama.cpp cannot cut back): a sequence can be cut back only to a
+  *checkpoint* (``mark``: the recurrent state saved at a segment boundary), to nothing, or not at
+  all. ``cut_point`` lowers a reuse point to the last checkpoint at or before it, and evictions
+  resolve to ``REPREFILL`` from the checkpoint at the end of the pinned segments (``Reprefill.
+  num_prefix``): what is kept then equals a fresh prefill of it, the recurrent state included.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ import copy
 import enum
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 # how much evicted history a sequence remembers for `continuation`, in atoms per cell of capacity
@@ -220,10 +227,13 @@ class Gap(_Evicts):
 
 @dataclass(frozen=True)
 class Reprefill(_Evicts):
-    """Clear the sequence, then decode ``kept`` again from position 0, in order."""
+    """Clear the sequence, then decode ``kept`` again from position 0, in order. With
+    ``num_prefix`` (recurrent memory): the first ``num_prefix`` segments stay (the checkpoint
+    after them is restored and the cells after them removed); the rest of ``kept`` is decoded."""
 
     kept: tuple[Item, ...]
     evicted: tuple[Segment, ...]
+    num_prefix: int = 0
 
 
 @dataclass(frozen=True)
@@ -410,6 +420,8 @@ class Ledger:
         keep: int = 0,
         discard_fraction: float = 0.5,
         unit: EvictionUnit = EvictionUnit.TOKEN,
+        recurrent: bool = False,
+        max_marks: int = 32,
     ) -> None:
         if capacity < 1 or n_ctx_train < 1 or keep < 0:
             raise ValueError("capacity and n_ctx_train must be >= 1, keep >= 0")
@@ -422,6 +434,10 @@ class Ledger:
         self.keep = keep
         self.discard_fraction = discard_fraction
         self.unit = unit
+        self.recurrent = recurrent  # a state that cannot be cut back sits beside the cells
+        self.max_marks = max(0, max_marks)  # (0: none kept)
+        # (recurrent) segment count -> the recurrent state after those segments, opaque here
+        self._marks: dict[int, bytes] = {}
         self._segments: list[Segment] = []
         # leading segments whose KV equals a fresh prefill of them: nothing before them was
         # evicted since they were decoded (an eviction moves or gaps what follows it)
@@ -479,6 +495,8 @@ class Ledger:
         """The policy that applies now: AUTO resolved, SHIFT without shift support resolved."""
         if self.policy in (Policy.STOP, Policy.REPREFILL):
             return self.policy
+        if self.recurrent:  # evicted cells leave, but the state has seen them: not exact
+            return Policy.REPREFILL
         if self.policy in (Policy.AUTO, Policy.SHIFT) and self.can_shift:
             return Policy.SHIFT
         if self.next_pos + num_positions <= self.n_ctx_train:
@@ -526,7 +544,8 @@ class Ledger:
         if policy is Policy.GAP:
             return Gap(p0=evicted[0].pos_start, p1=evicted[-1].pos_end, evicted=evicted)
         kept = [*self._segments[:start], *rest, *self._segments[end:]]
-        return Reprefill(kept=tuple(s.item for s in kept), evicted=evicted)
+        num_prefix = start if start in self._marks else 0
+        return Reprefill(kept=tuple(s.item for s in kept), evicted=evicted, num_prefix=num_prefix)
 
     def _cannot_fit(self, num_cells_needed: int) -> CannotFit:
         return CannotFit(num_cells_needed, self.capacity, self._num_pinned_cells)
@@ -539,8 +558,11 @@ class Ledger:
             raise ValueError("a CannotFit plan has nothing to apply")
         self._remember(plan.evicted)
         if isinstance(plan, Reprefill):
-            self._segments.clear()
-            self._num_exact = 0
+            if plan.num_prefix and plan.num_prefix not in self._marks:
+                raise ValueError("the plan keeps a prefix the ledger has no checkpoint for")
+            del self._segments[plan.num_prefix :]
+            self._num_exact = min(self._num_exact, plan.num_prefix)
+            self._drop_marks_after(plan.num_prefix)
             self._recount()
             return
         start = stop = self._num_pinned_segments
@@ -567,6 +589,7 @@ class Ledger:
             rest = [replace(s, pos_start=s.pos_start - plan.delta) for s in rest]
         self._segments[start:] = rest
         self._num_exact = min(self._num_exact, start)
+        self._drop_marks_after(start)
         self._recount()
 
     def append(self, item: Item) -> Segment:
@@ -619,8 +642,70 @@ class Ledger:
     def clear(self) -> None:
         self._segments.clear()
         self._num_exact = 0
+        self._marks.clear()
         self._forget_history()
         self._recount()
+
+    # -- checkpoints of a recurrent state ------------------------------------------------------
+
+    def mark(self, state: bytes) -> None:
+        """The recurrent state after every segment held now (saved by the engine). Past
+        ``max_marks`` the one nearest the start goes, except the one after the pinned segments
+        (what every eviction restores)."""
+        if not self.max_marks or not self._segments:
+            return
+        self._marks[len(self._segments)] = state
+        while len(self._marks) > self.max_marks:
+            pinned = self._num_pinned_segments
+            del self._marks[min(k for k in self._marks if k != pinned or len(self._marks) == 1)]
+
+    @property
+    def marks(self) -> Mapping[int, bytes]:
+        """Segment count -> the checkpoint there (read-only)."""
+        return MappingProxyType(self._marks)
+
+    def num_cells_since_mark(self) -> int:
+        """Cells held after the last checkpoint (all of them when there is none)."""
+        last = max(self._marks, default=0)
+        return sum(s.num_cells for s in self._segments[last:])
+
+    def pos_at(self, num_segments: int, num_tokens: int = 0) -> int:
+        """The position after the first segments (and num_tokens of the next)."""
+        if num_tokens:
+            return self._segments[num_segments].pos_start + num_tokens
+        return self._segments[num_segments - 1].pos_end if num_segments else 0
+
+    @property
+    def num_mark_bytes(self) -> int:
+        return sum(len(state) for state in self._marks.values())
+
+    def _drop_marks_after(self, num_segments: int) -> None:
+        for k in [k for k in self._marks if k > num_segments]:
+            del self._marks[k]
+
+    def cut_point(
+        self, num_segments: int, num_tokens: int = 0, *, held: int | None = None
+    ) -> int | None:
+        """Where the sequence can be cut back to keep the first ``num_segments`` (and
+        ``num_tokens`` of the next): None, there itself (attention memory, or the end of what
+        it holds: ``held`` segments, by default all); else, on recurrent memory, the segment
+        count of the last checkpoint at or before it that ends a media group, or 0."""
+        end = len(self._segments) if held is None else held
+        if not self.recurrent or (num_segments, num_tokens) == (end, 0):
+            return None
+        for k in sorted(self._marks, reverse=True):
+            if k <= num_segments and _closed(self._segments, k, 0):
+                return k
+        return 0
+
+    def redo(self, start: int, num_segments: int, num_tokens: int = 0) -> list[Item]:
+        """The items of segments ``start`` to ``num_segments`` (and ``num_tokens`` of the
+        next): what a cut back to ``start`` must decode again to hold them."""
+        out = [s.item for s in self._segments[start:num_segments]]
+        if num_tokens:
+            seg = self._segments[num_segments]
+            out.append(_text_like(seg.item, seg.token_ids[:num_tokens]))
+        return out
 
     def _remember(self, evicted: Sequence[Segment]) -> None:
         if not self._history_complete:
@@ -657,6 +742,7 @@ class Ledger:
             raise ValueError(f"{num_cells} adopted cells do not fit in {self.capacity}")
         self._segments = [replace(s, pinned=True) for s in segments]
         self._num_exact = len(self._segments)
+        self._marks.clear()
         self._forget_history()
         self._recount()
 
@@ -665,6 +751,7 @@ class Ledger:
         other = copy.copy(self)
         other._segments = list(self._segments)
         other._evicted = list(self._evicted)
+        other._marks = dict(self._marks)
         other.serial = next(_SERIALS)
         return other
 
@@ -756,6 +843,7 @@ class Ledger:
             self._forget_history()  # the evicted units sat after the cut
         self._segments = kept
         self._num_exact = min(self._num_exact, len(kept))
+        self._drop_marks_after(num_segments)
         self._recount()
         return self.next_pos
 
@@ -800,5 +888,6 @@ class Ledger:
             raise ValueError(f"saved segments hold {num_cells} cells, over {self.capacity}")
         self._segments = segments
         self._num_exact = 0  # what a saved sequence attended to is not known
+        self._marks.clear()
         self._forget_history()
         self._recount()

@@ -41,6 +41,14 @@ OPTIONS = (
     option("--shared-prefixes", type=positive_int, default=_d.shared_prefixes,
            help="with --kv-unified: pinned prefixes kept in the pool at once (least recently "
            "used out first, and only while no slot shares it)"),
+    option("--ctx-checkpoints", type=int, default=_d.ctx_checkpoints,
+           help="hybrid and recurrent models (Qwen3.5, LFM2): checkpoints of a slot's "
+           "recurrent state kept at once (the end of the pinned prefix, of each prompt and "
+           "reply): a prompt that parts from what a slot holds reuses it up to the last one "
+           "before that point, and an eviction decodes the kept part again from the pinned "
+           "prefix's; 0: none (every such prompt is decoded whole)"),
+    option("--checkpoint-min-step", type=positive_int, default=_d.checkpoint_min_step,
+           help="with --ctx-checkpoints: a long prompt is checkpointed every this many cells"),
     option("--batch-size", type=positive_int, default=_d.batch_size),
     option("--ubatch-size", type=positive_int, default=_d.ubatch_size),
     option("--gpu-layers", type=int, default=_d.gpu_layers, help="layers offloaded (CUDA builds)"),

@@ -73,6 +73,10 @@ class RuntimeConfig:
     extra_bufts: bool | None = None  # None: unless the CPU reports AMX the kernel refuses
     # the most one token's grammar work may take on the engine thread (a request past it ends)
     grammar_ms: int = 250
+    # (recurrent memory) checkpoints of a slot's recurrent state kept at once, and the cells
+    # a prompt decodes between two (llama-server's --ctx-checkpoints, --checkpoint-min-step)
+    ctx_checkpoints: int = 32
+    checkpoint_min_step: int = 8192
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,10 @@ class Runtime:
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
         self.n_embd = llama_cpp.llama_model_n_embd_inp(self.model)
         self.can_shift = bool(llama_cpp.llama_memory_can_shift(self.memory))
+        self.memory_kind = native.memory_kind(self.model)
+        # a state per sequence that llama.cpp cannot cut back (only clear or restore)
+        self.recurrent = self.memory_kind != "attention"
+        self.checkpoint_bytes = 0  # (recurrent) one sequence's state: the last one saved
         self.uses_mrope = bool(self.mtmd and self.mtmd.uses_mrope)
         self._null_callback = mtmd_cpp.mtmd_helper_post_decode_callback(0)
 
@@ -200,6 +208,8 @@ class Runtime:
             raise native.NativeError(f"llama_memory_seq_rm({seq}, {p0}, {p1}) failed")
 
     def seq_add(self, seq: int, p0: int, delta: int) -> None:
+        if not self.can_shift:  # (llama.cpp aborts the process there: M-RoPE, IMROPE)
+            raise native.NativeError("llama_memory_seq_add on a memory that cannot shift")
         llama_cpp.llama_memory_seq_add(self.memory, seq, p0, -1, delta)
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
@@ -229,6 +239,29 @@ class Runtime:
             self.seq_clear(seq)
             return False
         return True
+
+    def checkpoint(self, seq: int) -> bytes:
+        """(recurrent memory) The sequence's recurrent state alone, without its attention
+        cells: what `restore` puts back (llama-server's context checkpoints)."""
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, flags)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)
+        if n == 0:
+            raise native.NativeError(f"sequence {seq}: its recurrent state could not be read")
+        self.checkpoint_bytes = n
+        return bytes(memoryview(buf)[:n])
+
+    def restore(self, seq: int, state: bytes, pos: int) -> None:
+        """Put a checkpoint's recurrent state back and remove the attention cells from `pos`
+        on (the checkpoint was taken there). On a refusal the sequence is cleared: what it
+        holds is no longer known."""
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        ok = llama_cpp.llama_state_seq_set_data_ext(self.ctx, buf, len(state), seq, flags) != 0
+        if not ok or not llama_cpp.llama_memory_seq_rm(self.memory, seq, pos, -1):
+            self.seq_clear(seq)
+            raise native.NativeError(f"sequence {seq}: its checkpoint at {pos} did not load")
 
     def cells_in_use(self) -> list[tuple[int, tuple[int, ...]]]:
         """(position, sequences) of every cell in use in a unified cache (one stream), read

@@ -153,6 +153,8 @@ class Slot:
     num_prefill_done: int = 0
     prefilling: bool = True
     reply_index: int = 0  # message index of generated tokens
+    # (recurrent memory) where in its prompt (cells decoded) a step stops for a checkpoint
+    checkpoint_at: frozenset[int] = frozenset()
     # the latest shifts in this slot (each names whose sequence it was), newest first
     shifts: deque[ShiftMark] = field(default_factory=lambda: deque(maxlen=MAX_SHIFT_MARKS))
     num_shift_marks: int = 0  # (a mark's id: per slot, so that it tells nothing of others)
@@ -191,6 +193,8 @@ class EngineStats:
     num_pool_waits: int = 0  # (kv_unified) steps a prompt waited for the pool's cells
     num_shared_prefixes: int = 0  # (kv_unified) requests given a pinned prefix from the pool
     num_shared_cells: int = 0  # (kv_unified) the cells those requests did not decode
+    num_checkpoints: int = 0  # (recurrent memory) recurrent states saved
+    num_checkpoint_restores: int = 0  # (recurrent memory) sequences cut back to one
     shifts_by_policy: dict[str, int] = field(default_factory=dict)
     # speculative decoding, by type: [tokens drafted, tokens accepted]
     drafts_by_type: dict[str, list[int]] = field(default_factory=dict)

@@ -35,6 +35,9 @@ def reuse_of(ledger: Ledger | None, items: Sequence[Item]) -> Reuse | None:
     if found is None:
         found = ledger.common_prefix(items, exact=True)
     si, so, rest = found
+    k = ledger.cut_point(si, so)
+    if k is not None:  # (recurrent memory: from the checkpoint before it, decoded again)
+        si, so, rest = k, 0, [*ledger.redo(k, si, so), *rest]
     cells = sum(seg.num_cells for seg in ledger.segments[:si]) + so
     return Reuse(si, so, rest, cells, continued)
 
@@ -50,8 +53,14 @@ class _Entry:
 
     @property
     def num_bytes(self) -> int:
-        """The KV bytes, and what the ledger's token ids cost in Python (about 8 per atom)."""
-        return len(self.state) + 8 * (self.ledger.num_cells + self.ledger.num_history_atoms)
+        """The KV bytes, the ledger's checkpoints, and what its token ids cost in Python
+        (about 8 per atom)."""
+        ledger = self.ledger
+        return (
+            len(self.state)
+            + ledger.num_mark_bytes
+            + 8 * (ledger.num_cells + ledger.num_history_atoms)
+        )
 
 
 class StateCache:

@@ -45,7 +45,7 @@ from infer_service.session_store import SessionIdError, check_session_id
 from infer_service.sessions import SessionView, public_id, scoped
 from infer_service.slots import TenantStats
 from slotwise.v1 import infer_pb2
-from slotwise_core.descriptors import DescriptorError, PreparedPrompt, TextChunk
+from slotwise_core.descriptors import DescriptorError, PreparedPrompt, TextChunk, memory_kind_pb
 from slotwise_core.enum_names import from_numbers, to_numbers
 from slotwise_core.limits import (
     MAX_CACHE_SALT,
@@ -385,8 +385,13 @@ def server_info_pb(
             num_shared_prefixes=mine.num_shared_prefixes,
             num_shared_cells=mine.num_shared_cells,
             num_pool_waits=mine.num_pool_waits,
+            num_checkpoints=st.num_checkpoints,
+            num_checkpoint_restores=st.num_checkpoint_restores,
         ),
         pool=kv_pool_pb(snap.pool, snap.pool_by_tenant.get(tenant)),
+        memory_kind=memory_kind_pb(rt.memory_kind),
+        num_checkpoints_per_slot=rt.config.ctx_checkpoints if rt.recurrent else 0,
+        num_checkpoint_bytes=rt.checkpoint_bytes,
     )
 
 
@@ -481,6 +486,9 @@ def slot_view(p: SlotPicture, tenant: str) -> infer_pb2.SlotView:
         runs=map(_run_pb, p.runs),
         num_shared_cells=p.num_shared_cells,
         shared_prefix=p.shared_prefix if p.shared_prefix >= 0 else None,
+        num_recurrent_bytes=p.num_recurrent_bytes,
+        num_checkpoints=p.num_checkpoints,
+        num_checkpoint_bytes=p.num_checkpoint_bytes,
         shifts=[
             infer_pb2.ShiftMark(
                 id=m.id,

@@ -96,6 +96,7 @@ class ModelInfo:
     chat_template: str = ""  # a Jinja template's text, or a built-in template's name
     add_bos: bool = False
     fim: dict[str, int] = field(default_factory=dict)  # pre, suf, mid, rep, sep: token ids
+    memory_kind: str = "attention"  # attention, hybrid or recurrent (slotwise_core.native)
 
 
 @dataclass
@@ -164,6 +165,7 @@ class Preparer:
             chat_template=_template_text(self.template),
             add_bos=bool(llama_cpp.llama_vocab_get_add_bos(self._vocab)),
             fim=_fim_tokens(self._vocab),
+            memory_kind=native.memory_kind(self._model),
         )
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from prep_service.preparer import (
 from prep_service.tools import Choice, Tool, ToolCall, ToolFormat, Tools
 from slotwise.v1 import prep_pb2, prep_pb2_grpc
 from slotwise_core import native
-from slotwise_core.descriptors import MediaChunk
+from slotwise_core.descriptors import MediaChunk, memory_kind_pb
 from slotwise_core.enum_names import from_numbers, to_numbers
 from slotwise_core.images import (
     DEFAULT_MAX_PIXELS,
@@ -90,6 +90,7 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                 chat_template=i.chat_template,
                 add_bos=i.add_bos,
                 **{f"fim_{name}_token_id": t for name, t in i.fim.items()},
+                memory_kind=memory_kind_pb(i.memory_kind),
             )
         )
 

@@ -12,6 +12,11 @@ class DescriptorError(ValueError):
     """A PreparedPrompt that is malformed (it can never work, whatever the model)."""
 
 
+def memory_kind_pb(kind: str) -> int:
+    """A model's memory kind ("attention", "hybrid", "recurrent") as the contract's enum."""
+    return int(prompt_pb2.MemoryKind.Value(f"MEMORY_KIND_{kind.upper()}"))
+
+
 @dataclass(frozen=True)
 class Fingerprint:
     model: str

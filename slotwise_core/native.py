@@ -113,6 +113,17 @@ def extra_bufts_decision(flags: set[str], permission: Callable[[], bool]) -> tup
     )
 
 
+def memory_kind(model: int) -> str:
+    """What a sequence's memory is: "attention" (KV cells, cut anywhere), "hybrid" (attention
+    cells beside a recurrent state: Qwen3.5, LFM2, Granite 4 hybrid, Nemotron-H) or
+    "recurrent" (the state alone: Mamba, RWKV)."""
+    if llama_cpp.llama_model_is_hybrid(model):
+        return "hybrid"
+    if llama_cpp.llama_model_is_recurrent(model):
+        return "recurrent"
+    return "attention"
+
+
 def free_model(model: int) -> None:
     llama_cpp.llama_model_free(model)
 

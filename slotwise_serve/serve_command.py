@@ -111,8 +111,8 @@ def main(argv: list[str]) -> int:
         http = f", HTTP API on {args.host}:{s.gateway.port}" if s.gateway else ""
         print(
             f"slotwise serve: prep on {s.prep_address}, infer on {s.infer_address}{http} "
-            f"({rt.num_slots} slots x {rt.num_cells_per_slot} cells, can_shift={rt.can_shift}, "
-            f"mrope={rt.uses_mrope}); SIGTERM or Ctrl-C stops",
+            f"({rt.num_slots} slots x {rt.num_cells_per_slot} cells, memory={rt.memory_kind}, "
+            f"can_shift={rt.can_shift}, mrope={rt.uses_mrope}); SIGTERM or Ctrl-C stops",
             flush=True,
         )
 

@@ -11,7 +11,7 @@ import pytest
 
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")
 
-from slotwise_core.tiny_models import TinyPair, write_tiny_models
+from slotwise_core.tiny_models import ALL, HYBRID, TinyPair, write_tiny_models
 from support.loop import LoopThread
 
 T = TypeVar("T")
@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyPair]:
-    return write_tiny_models(tmp_path_factory.mktemp("tiny-models"))
+    return write_tiny_models(tmp_path_factory.mktemp("tiny-models"), [*ALL, *HYBRID])
 
 
 @pytest.fixture(scope="session")

@@ -456,6 +456,8 @@ class LlamaServer:
                 "num_cells_per_slot": server.num_cells_per_slot,
                 "can_shift": server.can_shift,
                 "uses_mrope": server.uses_mrope,
+                "memory": server.memory_kind,
+                "ctx_checkpoints": server.num_checkpoints_per_slot,
                 "n_ctx_train": server.n_ctx_train,
                 "batch_size": server.batch_size,
                 "ubatch_size": server.ubatch_size,

@@ -100,7 +100,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("fingerprint", "num_slots", "num_cells_per_slot", "n_ctx_train", "can_shift", "uses_mrope", "batch_size", "ubatch_size", "num_queued", "num_active", "stats", "pool")
+    __slots__ = ("fingerprint", "num_slots", "num_cells_per_slot", "n_ctx_train", "can_shift", "uses_mrope", "batch_size", "ubatch_size", "num_queued", "num_active", "stats", "pool", "memory_kind", "num_checkpoints_per_slot", "num_checkpoint_bytes")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CELLS_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,9 @@ class GetServerInfoResponse(_message.Message):
     NUM_ACTIVE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHECKPOINTS_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     fingerprint: _prompt_pb2.Fingerprint
     num_slots: int
     num_cells_per_slot: int
@@ -125,7 +128,10 @@ class GetServerInfoResponse(_message.Message):
     num_active: int
     stats: EngineStats
     pool: KvPool
-    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., num_slots: _Optional[int] = ..., num_cells_per_slot: _Optional[int] = ..., n_ctx_train: _Optional[int] = ..., can_shift: _Optional[bool] = ..., uses_mrope: _Optional[bool] = ..., batch_size: _Optional[int] = ..., ubatch_size: _Optional[int] = ..., num_queued: _Optional[int] = ..., num_active: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., pool: _Optional[_Union[KvPool, _Mapping]] = ...) -> None: ...
+    memory_kind: _prompt_pb2.MemoryKind
+    num_checkpoints_per_slot: int
+    num_checkpoint_bytes: int
+    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., num_slots: _Optional[int] = ..., num_cells_per_slot: _Optional[int] = ..., n_ctx_train: _Optional[int] = ..., can_shift: _Optional[bool] = ..., uses_mrope: _Optional[bool] = ..., batch_size: _Optional[int] = ..., ubatch_size: _Optional[int] = ..., num_queued: _Optional[int] = ..., num_active: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., pool: _Optional[_Union[KvPool, _Mapping]] = ..., memory_kind: _Optional[_Union[_prompt_pb2.MemoryKind, str]] = ..., num_checkpoints_per_slot: _Optional[int] = ..., num_checkpoint_bytes: _Optional[int] = ...) -> None: ...
 
 class KvPool(_message.Message):
     __slots__ = ("num_cells", "num_cells_used", "num_shared_cells", "num_holders", "num_holders_in_use")
@@ -142,7 +148,7 @@ class KvPool(_message.Message):
     def __init__(self, num_cells: _Optional[int] = ..., num_cells_used: _Optional[int] = ..., num_shared_cells: _Optional[int] = ..., num_holders: _Optional[int] = ..., num_holders_in_use: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_decodes", "num_multi_seq_decodes", "num_media_decodes", "num_generated_tokens", "num_shifts", "num_media_cache_hits", "num_media_cache_misses", "num_shared_prefixes", "num_shared_cells", "num_pool_waits")
+    __slots__ = ("num_decodes", "num_multi_seq_decodes", "num_media_decodes", "num_generated_tokens", "num_shifts", "num_media_cache_hits", "num_media_cache_misses", "num_shared_prefixes", "num_shared_cells", "num_pool_waits", "num_checkpoints", "num_checkpoint_restores")
     NUM_DECODES_FIELD_NUMBER: _ClassVar[int]
     NUM_MULTI_SEQ_DECODES_FIELD_NUMBER: _ClassVar[int]
     NUM_MEDIA_DECODES_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +159,8 @@ class EngineStats(_message.Message):
     NUM_SHARED_PREFIXES_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARED_CELLS_FIELD_NUMBER: _ClassVar[int]
     NUM_POOL_WAITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHECKPOINT_RESTORES_FIELD_NUMBER: _ClassVar[int]
     num_decodes: int
     num_multi_seq_decodes: int
     num_media_decodes: int
@@ -163,7 +171,9 @@ class EngineStats(_message.Message):
     num_shared_prefixes: int
     num_shared_cells: int
     num_pool_waits: int
-    def __init__(self, num_decodes: _Optional[int] = ..., num_multi_seq_decodes: _Optional[int] = ..., num_media_decodes: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_shifts: _Optional[int] = ..., num_media_cache_hits: _Optional[int] = ..., num_media_cache_misses: _Optional[int] = ..., num_shared_prefixes: _Optional[int] = ..., num_shared_cells: _Optional[int] = ..., num_pool_waits: _Optional[int] = ...) -> None: ...
+    num_checkpoints: int
+    num_checkpoint_restores: int
+    def __init__(self, num_decodes: _Optional[int] = ..., num_multi_seq_decodes: _Optional[int] = ..., num_media_decodes: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_shifts: _Optional[int] = ..., num_media_cache_hits: _Optional[int] = ..., num_media_cache_misses: _Optional[int] = ..., num_shared_prefixes: _Optional[int] = ..., num_shared_cells: _Optional[int] = ..., num_pool_waits: _Optional[int] = ..., num_checkpoints: _Optional[int] = ..., num_checkpoint_restores: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "penalty_last_n", "presence_penalty", "frequency_penalty", "seed")
@@ -551,7 +561,7 @@ class SharedPrefixView(_message.Message):
     def __init__(self, holder: _Optional[int] = ..., num_cells: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., runs: _Optional[_Iterable[_Union[CellRun, _Mapping]]] = ...) -> None: ...
 
 class SlotView(_message.Message):
-    __slots__ = ("slot", "visible", "session_id", "state", "num_cells", "next_position", "runs", "shifts", "num_shared_cells", "shared_prefix")
+    __slots__ = ("slot", "visible", "session_id", "state", "num_cells", "next_position", "runs", "shifts", "num_shared_cells", "shared_prefix", "num_recurrent_bytes", "num_checkpoints", "num_checkpoint_bytes")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     VISIBLE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -562,6 +572,9 @@ class SlotView(_message.Message):
     SHIFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARED_CELLS_FIELD_NUMBER: _ClassVar[int]
     SHARED_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECURRENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     slot: int
     visible: bool
     session_id: str
@@ -572,7 +585,10 @@ class SlotView(_message.Message):
     shifts: _containers.RepeatedCompositeFieldContainer[ShiftMark]
     num_shared_cells: int
     shared_prefix: int
-    def __init__(self, slot: _Optional[int] = ..., visible: _Optional[bool] = ..., session_id: _Optional[str] = ..., state: _Optional[_Union[SlotState, str]] = ..., num_cells: _Optional[int] = ..., next_position: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[CellRun, _Mapping]]] = ..., shifts: _Optional[_Iterable[_Union[ShiftMark, _Mapping]]] = ..., num_shared_cells: _Optional[int] = ..., shared_prefix: _Optional[int] = ...) -> None: ...
+    num_recurrent_bytes: int
+    num_checkpoints: int
+    num_checkpoint_bytes: int
+    def __init__(self, slot: _Optional[int] = ..., visible: _Optional[bool] = ..., session_id: _Optional[str] = ..., state: _Optional[_Union[SlotState, str]] = ..., num_cells: _Optional[int] = ..., next_position: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[CellRun, _Mapping]]] = ..., shifts: _Optional[_Iterable[_Union[ShiftMark, _Mapping]]] = ..., num_shared_cells: _Optional[int] = ..., shared_prefix: _Optional[int] = ..., num_recurrent_bytes: _Optional[int] = ..., num_checkpoints: _Optional[int] = ..., num_checkpoint_bytes: _Optional[int] = ...) -> None: ...
 
 class CellRun(_message.Message):
     __slots__ = ("kind", "pinned", "message_index", "media_id", "num_cells", "num_positions", "pos_start", "preview")

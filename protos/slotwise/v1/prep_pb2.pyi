@@ -39,7 +39,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("fingerprint", "media_marker", "uses_mrope", "media_non_causal", "supports_vision", "supports_audio", "n_ctx_train", "num_vocab", "bos_token_id", "eos_token_id", "has_chat_template", "model_description", "chat_template", "add_bos", "fim_pre_token_id", "fim_suf_token_id", "fim_mid_token_id", "fim_rep_token_id", "fim_sep_token_id")
+    __slots__ = ("fingerprint", "media_marker", "uses_mrope", "media_non_causal", "supports_vision", "supports_audio", "n_ctx_train", "num_vocab", "bos_token_id", "eos_token_id", "has_chat_template", "model_description", "chat_template", "add_bos", "fim_pre_token_id", "fim_suf_token_id", "fim_mid_token_id", "fim_rep_token_id", "fim_sep_token_id", "memory_kind")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MEDIA_MARKER_FIELD_NUMBER: _ClassVar[int]
     USES_MROPE_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class ModelInfo(_message.Message):
     FIM_MID_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIM_REP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIM_SEP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     fingerprint: _prompt_pb2.Fingerprint
     media_marker: str
     uses_mrope: bool
@@ -78,7 +79,8 @@ class ModelInfo(_message.Message):
     fim_mid_token_id: int
     fim_rep_token_id: int
     fim_sep_token_id: int
-    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., media_marker: _Optional[str] = ..., uses_mrope: _Optional[bool] = ..., media_non_causal: _Optional[bool] = ..., supports_vision: _Optional[bool] = ..., supports_audio: _Optional[bool] = ..., n_ctx_train: _Optional[int] = ..., num_vocab: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., model_description: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., fim_pre_token_id: _Optional[int] = ..., fim_suf_token_id: _Optional[int] = ..., fim_mid_token_id: _Optional[int] = ..., fim_rep_token_id: _Optional[int] = ..., fim_sep_token_id: _Optional[int] = ...) -> None: ...
+    memory_kind: _prompt_pb2.MemoryKind
+    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., media_marker: _Optional[str] = ..., uses_mrope: _Optional[bool] = ..., media_non_causal: _Optional[bool] = ..., supports_vision: _Optional[bool] = ..., supports_audio: _Optional[bool] = ..., n_ctx_train: _Optional[int] = ..., num_vocab: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., model_description: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., fim_pre_token_id: _Optional[int] = ..., fim_suf_token_id: _Optional[int] = ..., fim_mid_token_id: _Optional[int] = ..., fim_rep_token_id: _Optional[int] = ..., fim_sep_token_id: _Optional[int] = ..., memory_kind: _Optional[_Union[_prompt_pb2.MemoryKind, str]] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
     __slots__ = ("info",)

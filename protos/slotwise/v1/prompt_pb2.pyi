@@ -1,10 +1,22 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMORY_KIND_UNSPECIFIED: _ClassVar[MemoryKind]
+    MEMORY_KIND_ATTENTION: _ClassVar[MemoryKind]
+    MEMORY_KIND_HYBRID: _ClassVar[MemoryKind]
+    MEMORY_KIND_RECURRENT: _ClassVar[MemoryKind]
+MEMORY_KIND_UNSPECIFIED: MemoryKind
+MEMORY_KIND_ATTENTION: MemoryKind
+MEMORY_KIND_HYBRID: MemoryKind
+MEMORY_KIND_RECURRENT: MemoryKind
 
 class Fingerprint(_message.Message):
     __slots__ = ("model", "mmproj")
