@@ -18,7 +18,9 @@ The stall section (benchmarks/stall.py) runs on its own generated pair, the tiny
 with a projector of --vision-width x --vision-layers (or --model with --mmproj): stream A
 generates text while client B sends a 1000x1000 JPEG; it needs no Gemma. The textstall section is
 the same with a long text prompt as B, on the text model. The resent section (a chat resent whole
-every turn, a photo in every third) runs on the tiny qwen2vl pair (or --model with --mmproj).
+every turn, a photo in every third) runs on the tiny qwen2vl pair (or --model with --mmproj), and
+the hybrid section (benchmarks/hybrid.py: the same on a hybrid-memory model, checkpoints against
+none, beside llama-server) on the tiny qwen35 pair (or --model with --mmproj).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from slotwise_core.tiny_models import Vision, write_tiny_models
 
 SECTIONS = (
     "stream1", "stream4", "shift", "prep", "ttft", "stall", "textstall", "resent", "session",
-    "spec", "shared",
+    "spec", "shared", "hybrid",
 )  # fmt: skip
 
 # Row names (the table's first column); the smoke test checks that each one is printed.
@@ -822,6 +824,7 @@ class Options:
     shared_system: int = 2000  # ... tokens of their system prompt
     shared_held: int = 64  # ... chats held at once in the pool
     chat_template: str | None = None  # ... prep's, where the model has none
+    hybrid_ctx: int = 512  # the hybrid section: cells of its one slot
 
 
 def round_up(n: int, step: int = 256) -> int:
@@ -977,6 +980,10 @@ class Bench:
                 from benchmarks.shared import bench_shared
 
                 bench_shared(self)
+            if "hybrid" in only:
+                from benchmarks.hybrid import bench_hybrid
+
+                bench_hybrid(self)
         finally:
             if self._prep:
                 self._prep.stop()
@@ -1843,6 +1850,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chat-template", help="shared: prep's chat template (the base Gemma has none: gemma)"
     )
+    p.add_argument(
+        "--hybrid-ctx", type=int, default=512, help="hybrid: cells of its one slot (its chat "
+        "of --resent-turns turns grows past them)",
+    )  # fmt: skip
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("-v", "--verbose", action="store_true", help="per-repeat figures on stderr")
     return p
@@ -1864,7 +1875,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     only = tuple(args.only or SECTIONS)
     try:
         model = args.model
-        if model is None and (not set(only) <= {"stall", "resent"} or args.mmproj):
+        if model is None and (not set(only) <= {"stall", "resent", "hybrid"} or args.mmproj):
             model = gemma_path()
         if model is not None and not model.is_file():
             raise BenchError(f"model file not found: {model}")
@@ -1900,6 +1911,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shared_chats=args.shared_chats,
             shared_system=args.shared_system,
             shared_held=args.shared_held,
+            hybrid_ctx=args.hybrid_ctx,
             # (the shared section's chats: the base Gemma has no template of its own)
             chat_template=args.chat_template or ("gemma" if args.model is None else None),
         )
