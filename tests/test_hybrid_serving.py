@@ -198,3 +198,40 @@ def test_the_pool_shares_a_prefix_with_its_recurrent_state(
         fresh = _chat(alone.client(), messages, **SEEDED)
         assert shared.choices[0].message.content == fresh.choices[0].message.content
     assert _server_info(pooled).stats.num_shared_prefixes > 0
+
+
+@pytest.mark.parametrize("pair", HYBRID_PAIRS)
+def test_chats_taking_turns_on_one_slot_resume_from_host_memory(
+    stack: Callable[..., Stack], pair: str
+) -> None:
+    """Two stateless chats alternate on one slot: each one's state goes to the host cache and
+    comes back whole, its recurrent part and checkpoints included; what follows equals a fresh
+    prefill."""
+    s = stack(pair, ctx_size=1024, parallel=1)
+    client = s.client()
+    chats: list[list[dict[str, Any]]] = [
+        [{"role": "system", "content": f"You are assistant number {c}. " * 6}] for c in range(2)
+    ]
+    for t in range(3):
+        for c, messages in enumerate(chats):
+            messages.append({"role": "user", "content": f"Chat {c}, turn {t}: go on. " * 2})
+            reply = _chat(client, messages, **SEEDED)
+            if t:
+                fresh = _chat(client, messages, **SEEDED, extra_body={"cache_salt": f"{c}{t}"})
+                assert _cached(reply) > 0, (c, t)
+                assert reply.choices[0].message.content == fresh.choices[0].message.content
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+
+
+@pytest.mark.parametrize("pair", HYBRID_PAIRS)
+def test_drafts_are_off_on_recurrent_memory(stack: Callable[..., Stack], pair: str) -> None:
+    s = stack(pair)
+    client = s.client()
+    messages = [{"role": "user", "content": "Repeat: a b c d a b c d a b c d"}]
+    plain = _chat(client, messages, temperature=0)
+    asked = _chat(
+        client, messages, temperature=0,
+        extra_body={"speculative": {"type": "ngram-simple"}, "speculative.ngram_size_n": 2},
+    )  # fmt: skip
+    assert asked.choices[0].message.content == plain.choices[0].message.content
+    assert asked.usage.model_extra["slotwise"]["draft_tokens"] == 0  # type: ignore[union-attr]

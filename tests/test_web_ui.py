@@ -513,3 +513,26 @@ def test_the_page_draws_a_shared_prefix_once(stacks, browser_page) -> None:
         segs = segments(page, slot)
         assert tuple(segs[0]) == ("shared", "shared", prefix["num_cells"])  # once, as a box
         assert sum(c for kind, _, c in segs if kind != "free") == used_cells(page, slot)
+
+
+def test_the_page_draws_a_hybrid_sequence_s_recurrent_state(stacks, browser_page) -> None:
+    """Hybrid memory (the tiny qwen35 pair): a slot's recurrent state is its own box beside
+    the cells, with its bytes and the checkpoints kept of it."""
+    s: Stack = stacks.start("qwen35", ctx_size=512, parallel=1)
+    with httpx.Client(base_url=s.url, timeout=PATIENCE) as api:
+        chat = api.post("/v1/chat/completions", json={
+            "max_tokens": 3, "messages": [{"role": "user", "content": "Hello there, how are you?"}],
+        })  # fmt: skip
+        assert chat.status_code == 200, chat.text
+        with api.stream("GET", "/slotwise/kv") as r:
+            line = next(x for x in r.iter_lines() if x.startswith("data: "))
+    (slot,) = json.loads(line[6:])["slots"]
+    assert slot["num_recurrent_bytes"] > 0 and slot["num_checkpoints"] > 0
+
+    page = browser_page
+    page.goto(s.url)
+    box = page.wait_for_selector('.slot[data-slot="0"] .recurrent')
+    assert box is not None
+    assert int(box.get_attribute("data-bytes")) == slot["num_recurrent_bytes"]
+    assert int(box.get_attribute("data-checkpoints")) == slot["num_checkpoints"]
+    assert "recurrent state" in box.inner_text() and "checkpoint" in box.inner_text()

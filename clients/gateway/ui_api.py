@@ -180,6 +180,10 @@ def view_json(view: infer_pb2.WatchSlotsResponse) -> dict[str, Any]:
                 # (--kv-unified) its first cells: a shared prefix's, drawn once
                 "shared_prefix": s.shared_prefix if s.HasField("shared_prefix") else None,
                 "num_shared_cells": s.num_shared_cells,
+                # (hybrid, recurrent memory) the state beside the cells, and its checkpoints
+                "num_recurrent_bytes": s.num_recurrent_bytes,
+                "num_checkpoints": s.num_checkpoints,
+                "num_checkpoint_bytes": s.num_checkpoint_bytes,
                 "shifts": [
                     {
                         "id": m.id,

@@ -799,6 +799,10 @@ function slotOwner(slot) {
   return "stateless";
 }
 
+function kib(bytes) {
+  return bytes >= 1 << 20 ? `${(bytes / (1 << 20)).toFixed(1)} MiB` : `${(bytes / 1024).toFixed(1)} KiB`;
+}
+
 function drawSlot(slot, capacity) {
   const messages = openSessionMessages(slot);
   const used = slot.num_cells || 0;
@@ -865,6 +869,17 @@ function drawSlot(slot, capacity) {
       style: { left: `${Math.min(100, (100 * shift.at_cell) / capacity)}%` } }));
   }
   const children = [head, bar, posBar];
+  if (slot.num_recurrent_bytes) {
+    // Hybrid memory: a state of fixed size beside the cells, whatever the sequence's length.
+    const checkpoints = slot.num_checkpoints
+      ? `${plural(slot.num_checkpoints, "checkpoint")} kept (${kib(slot.num_checkpoint_bytes)})`
+      : "no checkpoint kept";
+    children.push(el("div", { class: "recurrent", "data-bytes": slot.num_recurrent_bytes,
+      "data-checkpoints": slot.num_checkpoints || 0,
+      text: `recurrent state · ${kib(slot.num_recurrent_bytes)} · ${checkpoints}`,
+      title: "the recurrent layers' state of this sequence: it cannot be cut back, only " +
+        "restored from a checkpoint (then what followed is decoded again)" }));
+  }
   if ((slot.shifts || []).length) {
     children.push(el("ul", { class: "shifts" }, ...slot.shifts.map((shift) =>
       el("li", { "data-shift-id": shift.id, "data-evicted-cells": shift.num_cells_evicted, text: shiftText(shift) }))));
