@@ -258,6 +258,7 @@ def generate_request(
     cache_salt: str = "",
     expect_turns: int | None = None,
     speculative: Speculative | None = None,
+    ignore_eos: bool = False,
     **options: Any,
 ) -> infer_pb2.GenerateRequest:
     """The GenerateRequest for these options.
@@ -271,7 +272,8 @@ def generate_request(
     alternatives); turn_note: kept with a session turn's record; cache_salt: KV is reused
     only between requests of the same salt (and tenant); expect_turns: a session turn runs
     only if the session has completed that many turns (else FAILED_PRECONDITION);
-    speculative: drafts verified in the batch (the server's --spec-* where unset).
+    speculative: drafts verified in the batch (the server's --spec-* where unset); ignore_eos:
+    end-of-generation tokens are never sampled. A logit_bias of -math.inf bans a token.
     """
     if isinstance(stop, str):
         stop = (stop,)
@@ -287,6 +289,7 @@ def generate_request(
         top_logprobs=top_logprobs,
         turn_note=turn_note,
         cache_salt=cache_salt,
+        ignore_eos=ignore_eos,
     )
     if constraint is not None:
         request.constraint.CopyFrom(constraint.to_pb())

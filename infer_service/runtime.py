@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import os
 import struct
 import threading
@@ -112,6 +113,12 @@ class Runtime:
         self._num_borrowers, self._closing = 0, False
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.num_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        # every end-of-generation token banned (ignore_eos): the vocabulary may mark several
+        self.eog_bans = tuple(
+            (t, -math.inf)
+            for t in range(self.num_vocab)
+            if llama_cpp.llama_vocab_is_eog(self.vocab, t)
+        )
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = config.ctx_size
         params.n_batch = config.batch_size

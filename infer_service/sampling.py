@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import ctypes
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,8 +104,10 @@ def check_spec(rt: Runtime, spec: SamplerSpec) -> None:
                 f"logit_bias: token id {token} is outside the vocabulary [0, {rt.num_vocab})",
                 "logit_bias",
             )
-        if not -100.0 <= bias <= 100.0:  # NaN fails too
-            raise ConstraintError(f"logit_bias: {bias} is outside [-100, 100]", "logit_bias")
+        if not (-100.0 <= bias <= 100.0 or bias == -math.inf):  # NaN fails too
+            raise ConstraintError(
+                f"logit_bias: {bias} is outside [-100, 100] (or -infinity: banned)", "logit_bias"
+            )
     if len(spec.logit_bias) > MAX_LOGIT_BIAS:
         raise ConstraintError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries", "logit_bias")
     if spec.top_logprobs is not None and not 0 <= spec.top_logprobs <= MAX_TOP_LOGPROBS:

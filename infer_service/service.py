@@ -12,6 +12,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from infer_service.embedder import Embedder, EmbedError
@@ -424,6 +425,8 @@ def _sampler_fields(
         check_spec(rt, spec)
     except ConstraintError as e:
         raise bad_request(str(e), e.field) from None
+    if request.ignore_eos:  # (after the check: the vocabulary's own, not the caller's count)
+        spec = replace(spec, logit_bias=spec.logit_bias + rt.eog_bans)
     return {
         "constraint": spec.constraint,
         "logit_bias": spec.logit_bias,
