@@ -1121,6 +1121,9 @@ class Executor:
         ledger.apply(plan)
         if isinstance(plan, Reprefill):
             slot.pending.extendleft(reversed(plan.kept[plan.num_prefix :]))
+            if slot.checkpoint_at:  # (where the steps stop: in what is pending now)
+                done = slot.num_prefill_done
+                slot.checkpoint_at = frozenset(done + p for p in checkpoint_points(slot.pending))
         slot.usage.num_shifts += 1
         slot.usage.num_evicted_cells += plan.num_cells_evicted
         self._outcome.shifted.append(slot)

@@ -679,6 +679,13 @@ class Ledger:
     def num_mark_bytes(self) -> int:
         return sum(len(state) for state in self._marks.values())
 
+    def keep_newest_marks(self, n: int) -> None:
+        """Keep the checkpoint after the pinned segments and the n newest (a sequence kept
+        out of its slot holds only what its next turn is likely to cut back to)."""
+        newest = sorted(self._marks, reverse=True)[:n]
+        for k in [k for k in self._marks if k not in newest and k != self._num_pinned_segments]:
+            del self._marks[k]
+
     def _drop_marks_after(self, num_segments: int) -> None:
         for k in [k for k in self._marks if k > num_segments]:
             del self._marks[k]

@@ -117,6 +117,11 @@ class Swapper:
             return 0
         got = prefetch.result()
         start = got.start if got.kv_state and self.executor.load_state(slot, got.kv_state) else 0
+        if start and not got.exact and self.executor.rt.recurrent:
+            # it holds more than the ledger's first `start` segments, and a recurrent state
+            # cannot be cut back to them: decoded again from nothing
+            self.executor.clear(slot)
+            start = 0
         for key, handle in got.media.items():  # made on the io lane, from the pixels
             if key in session.pixels and key not in session.media:
                 session.media[key] = handle
@@ -130,6 +135,9 @@ class Swapper:
         """The session leaves its slot: the sequence is cleared, its media chunks freed."""
         session.slot = None
         session.release()
+        # (its checkpoints stay in host memory with it: the pinned prefix's and the two newest,
+        # its last reply's end and start, where its next turn cuts back to)
+        session.ledger.keep_newest_marks(2)
         self.executor.clear(slot)
         slot.owner, slot.ledger = None, None
 

@@ -283,3 +283,12 @@ def test_the_state_always_equals_a_fresh_prefill_of_the_ledger(
                 check(ledger, fake)
         for k in ledger.marks:  # (a checkpoint never outlives the segments it saw)
             assert fake.saved[ledger.marks[k]] == atoms(ledger.segments[:k])
+
+
+def test_a_sequence_out_of_its_slot_keeps_few_checkpoints() -> None:
+    ledger = recurrent(100, keep=3)
+    for n in range(6):
+        ledger.append(text(3, n, first=10 * n))
+        ledger.mark(f"{n}".encode())
+    ledger.keep_newest_marks(2)
+    assert set(ledger.marks) == {1, 5, 6}
