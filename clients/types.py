@@ -291,6 +291,8 @@ class EngineStats:
     num_pool_waits: int = 0
     num_checkpoints: int = 0  # (hybrid, recurrent memory) recurrent states saved
     num_checkpoint_restores: int = 0  # ... and sequences cut back to one
+    num_preemptions: int = 0  # (--kv-unified) the tenant's generations put aside for another's
+    num_sessions_reclaimed: int = 0  # ... its idle sessions swapped out for another's prompt
 
 
 @dataclass(frozen=True)
@@ -351,6 +353,8 @@ class ServerInfo:
                 num_pool_waits=s.num_pool_waits,
                 num_checkpoints=s.num_checkpoints,
                 num_checkpoint_restores=s.num_checkpoint_restores,
+                num_preemptions=s.num_preemptions,
+                num_sessions_reclaimed=s.num_sessions_reclaimed,
             ),
             memory_kind=memory_kind(pb.memory_kind),
             num_checkpoints_per_slot=pb.num_checkpoints_per_slot,

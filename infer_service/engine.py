@@ -456,6 +456,11 @@ class Engine:
                 log.exception("observing a first token failed")
         for ending in outcome.endings:
             self._settle_safely(ending)
+        if outcome.pool_wanted:
+            try:
+                self.sessions.make_room(outcome.pool_wanted)
+            except Exception:  # (the prompt waits on, and asks again next step)
+                log.exception("swapping idle sessions out of the pool failed")
 
     def _finish(self, slot: Slot, reason: FinishReason, **why: Any) -> None:
         ending = self.executor.ending(slot, reason, **why)

@@ -110,6 +110,8 @@ class StepOutcome:
     endings: list[Ending] = field(default_factory=list)
     shifted: list[Slot] = field(default_factory=list)  # one entry per shift carried out
     first_tokens: list[float] = field(default_factory=list)  # seconds from start (TTFT)
+    # (pool) cells a prompt waits for that idle sessions hold: the engine swaps them out
+    pool_wanted: int = 0
 
 
 class Taken(NamedTuple):
@@ -162,6 +164,7 @@ class Executor:
         self.grammars = GrammarLane()  # every slot's grammar work, each call under a budget
         self.step_cost = StepCost()  # what a draft costs to verify, for slots to weigh it by
         self._outcome = StepOutcome()  # what the step under way did so far
+        self._preempting: list[Slot] = []  # (pool) to put aside once the step's decode is done
         self._num_generating = 0  # slots of the step under way that generate (not prefilling)
 
     def close(self) -> None:
@@ -543,7 +546,11 @@ class Executor:
             self._pin_shared(slot, ledger)
 
     def _held(self) -> Iterator[tuple[int, int]]:
-        return ((s.seq, s.ledger.num_cells) for s in self.slots if s.ledger is not None)
+        return (
+            (s.seq, s.ledger.num_cells)
+            for s in self.slots
+            if s.ledger is not None and s.preempted is None
+        )
 
     def pool_free(self) -> int:
         """(pool) Cells no sequence holds, less what the step's batch is taking."""
@@ -592,17 +599,25 @@ class Executor:
 
     def _waits_for_pool(self, slot: Slot, num_cells: int) -> bool:
         """(pool) A prompt that would fit in a slot of its own, short of cells only because
-        other requests hold them, waits while some slot generates (its end frees room); when
-        none does, it ends, RESOURCE_EXHAUSTED: retried, it finds the pool less busy."""
-        ledger = slot.ledger
-        if self.pool is None or ledger is None or not slot.prefilling:
+        other requests hold them, waits while something will free them: idle sessions (the
+        engine swaps them out after this step, least recently used first), another tenant's
+        generation holding more than its share of the pool (put aside in host memory now),
+        or a generation's end. When nothing will, it ends, RESOURCE_EXHAUSTED."""
+        ledger, job = slot.ledger, slot.job
+        if self.pool is None or ledger is None or job is None or not slot.prefilling:
             return False
         if ledger.num_cells + num_cells > self.rt.num_cells_per_slot:
             return False  # too long for any slot: its own policy decides
-        if any(s is not slot and s.job is not None and not s.prefilling for s in self.slots):
+        others = [s for s in self.slots if s is not slot]
+        idle = [s for s in others if s.job is None and s.owner is not None and self.own_cells(s)]
+        victim = None if idle else self._victim(job.tenant)
+        if idle:
+            self._outcome.pool_wanted += num_cells
+        elif victim is not None and victim not in self._preempting:
+            self._preempting.append(victim)  # (after this step's decode: it may be in it)
+        if idle or victim or any(s.job and not s.prefilling for s in others):
             self.stats.num_pool_waits += 1
-            if slot.job is not None:
-                self.stats.tenant(slot.job.tenant).num_pool_waits += 1
+            self.stats.tenant(job.tenant).num_pool_waits += 1
             return True
         why = Problem(
             ErrorKind.RESOURCE_EXHAUSTED,
@@ -613,12 +628,74 @@ class Executor:
         self._end(slot, FinishReason.ERROR, error=why.message, problem=why)
         return True
 
+    def _victim(self, tenant: str) -> Slot | None:
+        """(pool) The generation to put aside for `tenant`'s prompt: another tenant's, of the
+        tenant holding the most beyond its fair share of the pool (its size over the tenants
+        with requests in slots), the one of it holding the most cells. Session turns stay."""
+        assert self.pool is not None
+        held: dict[str, int] = {}
+        for s in self.slots:
+            if s.job is not None and s.preempted is None:
+                held[s.job.tenant] = held.get(s.job.tenant, 0) + self.own_cells(s)
+        fair = self.pool.num_cells // max(1, len(held | {tenant: 0}))
+        candidates = [
+            s for s in self.slots
+            if s.job is not None and s.job.tenant != tenant and s.job.session_id is None
+            and not s.prefilling and s.preempted is None
+            and held[s.job.tenant] > fair and self.own_cells(s)
+        ]  # fmt: skip
+        if not candidates:
+            return None
+        return max(candidates, key=lambda s: (held[s.job.tenant], self.own_cells(s)))  # type: ignore[union-attr]
+
+    def _preempt(self, slot: Slot) -> None:
+        """Put a generation aside: its whole state to host memory, its cells freed. It goes on
+        where it stopped once the pool has room again (`_resume`)."""
+        state = bytes(self.rt.state_get(slot.seq))
+        self.rt.seq_clear(slot.seq)
+        if self.pool is not None:
+            self.pool.unshare(slot.seq)
+        slot.share, slot.preempted = None, state
+        self.stats.num_preemptions += 1
+        if slot.job is not None:
+            self.stats.tenant(slot.job.tenant).num_preemptions += 1
+        log.info("slot %d: put aside in host memory (%d cells) for another tenant's prompt",
+                 slot.seq, slot.num_cells)  # fmt: skip
+
+    def _resume(self, slots: Sequence[Slot]) -> None:
+        """Generations put aside go on, oldest first, once the pool has room for them beside
+        what the prompts being prefilled still need (else they would be put aside again)."""
+        if self.pool is None:
+            return
+        wanted = sum(
+            i.num_cells for s in slots if s.job and s.prefilling for i in s.pending
+        )  # fmt: skip
+        for slot in slots:
+            if slot.preempted is None or slot.ledger is None:
+                continue
+            short = slot.ledger.num_cells + 1 + wanted - self.pool_free()
+            if short > 0:
+                self._reclaim(short, slot)  # (what no request uses: idle holders and slots)
+            if self.pool_free() - wanted < slot.ledger.num_cells + 1:
+                return
+            state, slot.preempted = slot.preempted, None
+            if not self.rt.state_set(slot.seq, state):  # (another layout? decoded again)
+                log.warning("slot %d: its state did not load; decoded again", slot.seq)
+                items = [seg.item for seg in slot.ledger.segments]
+                slot.ledger.truncate(0)
+                slot.pending.extendleft(reversed(items))
+
     def end(self, slot: Slot, reason: FinishReason) -> Job:
         """The slot's job leaves it (its last tokens sent). The sequence stays for the next
         request with the same prefix, unless the job failed without a session."""
         job = slot.job
         assert job is not None
         self._drop_piece(slot)
+        if slot.preempted is not None:  # (ended while put aside: its conversation is kept)
+            state, slot.preempted = slot.preempted, None
+            if slot.ledger is not None and slot.reuse_key is not None:
+                self.states.put(slot.ledger, state, slot.reuse_key)
+            slot.ledger = None
         if reason is not FinishReason.ERROR:
             self._checkpoint(slot, due=True)  # (the end of its reply: the next turn's start)
         if slot.prefilling:
@@ -682,9 +759,14 @@ class Executor:
         return self.take_outcome()
 
     def _step(self, slots: Sequence[Slot]) -> None:
+        self._resume(slots)
         broken = self._collect_encodes()
-        self._num_generating = sum(1 for s in slots if s.job and not s.prefilling)
+        self._num_generating = sum(
+            1 for s in slots if s.job and not s.prefilling and s.preempted is None
+        )
         for slot in slots:
+            if slot.preempted is not None:
+                continue
             if slot.job and slot.pending and slot.pending[0].media_id:
                 try:
                     error = broken.get(media_cache_key(slot.job, slot.pending[0].media_id))
@@ -704,6 +786,10 @@ class Executor:
         self._decode_text(slots)
         if self._encoding or self._encoded:  # (nothing to look at on a plain text step)
             self._forget_unwanted_media(slots)
+        victims, self._preempting = self._preempting, []
+        for slot in victims:
+            if slot.job is not None and slot.preempted is None and not slot.prefilling:
+                self._preempt(slot)
 
     def _forget_unwanted_media(self, slots: Sequence[Slot]) -> None:
         """An encode no active request waits for any more (cancelled, deadline) and that has
@@ -843,7 +929,11 @@ class Executor:
         taken: list[Taken] = []
         # short work first: a generating slot's one token always gets in, prefill fills the rest
         ready = sorted(
-            (s for s in slots if s.job and s.pending and not s.pending[0].media_id),
+            (
+                s
+                for s in slots
+                if s.job and s.pending and not s.pending[0].media_id and s.preempted is None
+            ),
             key=lambda s: s.pending[0].num_cells,
         )
         # what each slot takes at least (a token; a prompt's piece): no slot's drafts take it

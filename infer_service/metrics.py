@@ -139,5 +139,9 @@ def pool_metrics(pool: PoolFigures | None, st: EngineStats) -> Iterable[Metric]:
         ("shared_prefix_cells_reused", "cells those requests did not decode",
          st.num_shared_cells),
         ("pool_waits", "steps a prompt waited for the pool's cells", st.num_pool_waits),
+        ("pool_preemptions", "generations put aside in host memory for another tenant's prompt",
+         st.num_preemptions),
+        ("pool_sessions_reclaimed", "idle sessions swapped out of the pool for a prompt",
+         st.num_sessions_reclaimed),
     ):  # fmt: skip
         yield CounterMetricFamily(f"slotwise_infer_{name}", help_, value=value)

@@ -94,6 +94,7 @@ class SessionManager:
         self._call = call
         self.table = SessionTable()
         self.persistence = Persistence(store, self.rt.fingerprint, self.rt.layout)
+        self.stats = stats
         self.swaps = Swapper(executor, self.persistence, stats, notify)
         self.idle_checkpoint_seconds = IDLE_CHECKPOINT_SECONDS
         self.limits = SessionLimits()
@@ -518,6 +519,23 @@ class SessionManager:
         for slot, session in self._residents():
             if self._wants_checkpoint(session):
                 self._checkpoint(session, slot)
+
+    def make_room(self, num_cells: int) -> None:
+        """(pool) Swap idle sessions out of their slots, least recently used first, until
+        `num_cells` of the pool are free for a waiting prompt (their turns resume from their
+        checkpoint, or are decoded again from their record: nothing of them is lost)."""
+        idle = [
+            (slot, session) for slot, session in self._residents()
+            if slot.job is None and session.state is not Lifecycle.IN_TURN and slot.num_cells
+        ]  # fmt: skip
+        for slot, _ in sorted(idle, key=lambda pair: pair[1].last_used):
+            if num_cells <= 0:
+                return
+            num_cells -= self.executor.own_cells(slot)
+            owner = slot.owner
+            self.swap_out(slot)
+            self.stats.num_sessions_reclaimed += 1
+            self.stats.tenant(owner_of(owner or "")).num_sessions_reclaimed += 1
 
     def _residents(self) -> list[tuple[Slot, Session]]:
         pairs = [(s, self.table.live(s.owner)) for s in self.slots if s.owner is not None]

@@ -155,6 +155,9 @@ class Slot:
     reply_index: int = 0  # message index of generated tokens
     # (recurrent memory) where in its prompt (cells decoded) a step stops for a checkpoint
     checkpoint_at: frozenset[int] = frozenset()
+    # (pool) a generation put aside for another tenant's prompt: its whole state, in host
+    # memory, until the pool has room for it again (its cells are no longer in llama.cpp)
+    preempted: bytes | None = None
     # the latest shifts in this slot (each names whose sequence it was), newest first
     shifts: deque[ShiftMark] = field(default_factory=lambda: deque(maxlen=MAX_SHIFT_MARKS))
     num_shift_marks: int = 0  # (a mark's id: per slot, so that it tells nothing of others)
@@ -176,6 +179,8 @@ class TenantStats:
     num_shared_prefixes: int = 0  # (pool) its requests that began on a shared prefix
     num_shared_cells: int = 0  # ... the cells they did not decode
     num_pool_waits: int = 0  # ... steps its prompts waited for the pool's cells
+    num_preemptions: int = 0  # ... its generations put aside for another tenant's prompt
+    num_sessions_reclaimed: int = 0  # ... its idle sessions swapped out for one
 
 
 @dataclass
@@ -191,6 +196,8 @@ class EngineStats:
     num_session_reprefill_cells: int = 0  # decoded again: what a swap-in's state lacked
     num_evicted_cells: int = 0
     num_pool_waits: int = 0  # (kv_unified) steps a prompt waited for the pool's cells
+    num_preemptions: int = 0  # (kv_unified) generations put aside in host memory for another's
+    num_sessions_reclaimed: int = 0  # (kv_unified) idle sessions swapped out for a prompt
     num_shared_prefixes: int = 0  # (kv_unified) requests given a pinned prefix from the pool
     num_shared_cells: int = 0  # (kv_unified) the cells those requests did not decode
     num_checkpoints: int = 0  # (recurrent memory) recurrent states saved

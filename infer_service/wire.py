@@ -387,6 +387,8 @@ def server_info_pb(
             num_pool_waits=mine.num_pool_waits,
             num_checkpoints=st.num_checkpoints,
             num_checkpoint_restores=st.num_checkpoint_restores,
+            num_preemptions=mine.num_preemptions,
+            num_sessions_reclaimed=mine.num_sessions_reclaimed,
         ),
         pool=kv_pool_pb(snap.pool, snap.pool_by_tenant.get(tenant)),
         memory_kind=memory_kind_pb(rt.memory_kind),

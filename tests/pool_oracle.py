@@ -56,6 +56,7 @@ class Report:
     pool_full: int = 0  # requests ended RESOURCE_EXHAUSTED POOL_FULL
     shifts: int = 0
     nested: int = 0  # requests that pinned examples after a system prompt held alone
+    preempted: int = 0  # generations put aside in host memory for another tenant's prompt
 
 
 def open_pool(pair: TinyPair, *, cells: int = 224, holders: int = 2, batch: int = 64) -> Runtime:
@@ -99,7 +100,9 @@ class PoolOracle:
             if len(seqs) > 1 and not any(h.seq in seqs for h in pool.holders):
                 raise PoolError(f"a cell at {pos} is shared without a holder: {seqs}")
         for slot in self.slots:
-            want = ledger_positions(slot.ledger) if slot.ledger is not None else []
+            # (a generation put aside for another tenant holds no cells until it goes on)
+            held = slot.ledger is not None and slot.preempted is None
+            want = ledger_positions(slot.ledger) if held else []  # type: ignore[arg-type]
             if sorted(by_seq.pop(slot.seq, [])) != want:
                 raise PoolError(f"slot {slot.seq}: llama.cpp's cells are not its ledger's")
         for h in pool.holders:
@@ -135,7 +138,7 @@ class PoolOracle:
         report = Report()
         systems = [tuple(r.randrange(3, 250) for _ in range(r.randint(32, 90))) for _ in range(3)]
         examples = [tuple(r.randrange(3, 250) for _ in range(r.randint(4, 40))) for _ in range(2)]
-        shares = self.stats.num_shared_prefixes
+        shares, preempted = self.stats.num_shared_prefixes, self.stats.num_preemptions
         for _ in range(steps):
             for slot in self.slots:
                 if slot.job is None and r.random() < 0.5:
@@ -154,6 +157,7 @@ class PoolOracle:
             )
             self.verify()
         report.shared = self.stats.num_shared_prefixes - shares
+        report.preempted = self.stats.num_preemptions - preempted
         return report
 
     def _start(

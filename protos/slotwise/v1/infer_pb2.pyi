@@ -148,7 +148,7 @@ class KvPool(_message.Message):
     def __init__(self, num_cells: _Optional[int] = ..., num_cells_used: _Optional[int] = ..., num_shared_cells: _Optional[int] = ..., num_holders: _Optional[int] = ..., num_holders_in_use: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_decodes", "num_multi_seq_decodes", "num_media_decodes", "num_generated_tokens", "num_shifts", "num_media_cache_hits", "num_media_cache_misses", "num_shared_prefixes", "num_shared_cells", "num_pool_waits", "num_checkpoints", "num_checkpoint_restores")
+    __slots__ = ("num_decodes", "num_multi_seq_decodes", "num_media_decodes", "num_generated_tokens", "num_shifts", "num_media_cache_hits", "num_media_cache_misses", "num_shared_prefixes", "num_shared_cells", "num_pool_waits", "num_checkpoints", "num_checkpoint_restores", "num_preemptions", "num_sessions_reclaimed")
     NUM_DECODES_FIELD_NUMBER: _ClassVar[int]
     NUM_MULTI_SEQ_DECODES_FIELD_NUMBER: _ClassVar[int]
     NUM_MEDIA_DECODES_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,8 @@ class EngineStats(_message.Message):
     NUM_POOL_WAITS_FIELD_NUMBER: _ClassVar[int]
     NUM_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CHECKPOINT_RESTORES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
     num_decodes: int
     num_multi_seq_decodes: int
     num_media_decodes: int
@@ -173,7 +175,9 @@ class EngineStats(_message.Message):
     num_pool_waits: int
     num_checkpoints: int
     num_checkpoint_restores: int
-    def __init__(self, num_decodes: _Optional[int] = ..., num_multi_seq_decodes: _Optional[int] = ..., num_media_decodes: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_shifts: _Optional[int] = ..., num_media_cache_hits: _Optional[int] = ..., num_media_cache_misses: _Optional[int] = ..., num_shared_prefixes: _Optional[int] = ..., num_shared_cells: _Optional[int] = ..., num_pool_waits: _Optional[int] = ..., num_checkpoints: _Optional[int] = ..., num_checkpoint_restores: _Optional[int] = ...) -> None: ...
+    num_preemptions: int
+    num_sessions_reclaimed: int
+    def __init__(self, num_decodes: _Optional[int] = ..., num_multi_seq_decodes: _Optional[int] = ..., num_media_decodes: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_shifts: _Optional[int] = ..., num_media_cache_hits: _Optional[int] = ..., num_media_cache_misses: _Optional[int] = ..., num_shared_prefixes: _Optional[int] = ..., num_shared_cells: _Optional[int] = ..., num_pool_waits: _Optional[int] = ..., num_checkpoints: _Optional[int] = ..., num_checkpoint_restores: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_sessions_reclaimed: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "penalty_last_n", "presence_penalty", "frequency_penalty", "seed")
