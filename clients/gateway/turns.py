@@ -256,14 +256,13 @@ async def start_turn(client: AsyncSlotwiseClient, req: TurnRequest) -> tuple[Tur
         given = req.prompt if isinstance(req.prompt, Prepared) else None
         messages = req.prompt if not isinstance(req.prompt, str | Prepared) else None
         if req.session_id and messages is not None:
-            first = (
-                req.first_message
-                if req.first_message is not None
-                else await _session_first_message(client, req.session_id, messages)
-            )
+            if req.first_message is not None:
+                first = req.first_message
+            else:
+                messages, first = await _session_turn(client, req.session_id, messages)
         tools = req.tools if messages is not None else None
         prepared = given or await client.prepare(
-            req.prompt,  # type: ignore[arg-type]
+            messages if messages is not None else req.prompt,  # type: ignore[arg-type]
             first_message=first,
             tools=tools,
         )
@@ -338,20 +337,29 @@ def system_cells(prepared: Prepared) -> int:
     return prepared.num_cells_of(min(c.message_index for c in prepared.prompt.chunks))
 
 
-async def _session_first_message(
+async def _session_turn(
     client: AsyncSlotwiseClient, session_id: str, messages: Sequence[Message]
-) -> int:
-    """A session turn sends the conversation from the last reply on (it holds the rest)."""
+) -> tuple[Sequence[Message], int]:
+    """A session turn sends the conversation from the last reply on (the session holds the
+    rest): the messages to render and the first of them to send. A turn that brings only its
+    new messages gets the session's last reply put in front of them (after a stand-in user
+    turn, so that the template writes it as it writes any reply): the reply stays in the
+    session, where the engine finds the turn repeating it."""
     try:
-        info = await client.get_session(session_id)
+        info = await client.get_session(session_id, num_records=1)
     except SlotwiseError as e:
         if e.reason == "SESSION_NOT_FOUND":
-            return 0
+            return messages, 0
         raise
     if info.num_turns == 0:
-        return 0
+        return messages, 0
     replies = [i for i, m in enumerate(messages) if m.role == "assistant"]
-    return replies[-1] if replies else 0
+    if replies:
+        return messages, replies[-1]
+    if not info.records:
+        return messages, 0
+    reply = Message.assistant(info.records[-1].text)
+    return [Message.user(" "), reply, *messages], 1
 
 
 async def _create_session(
