@@ -27,9 +27,11 @@ def stack(
 
 
 def _kv(s: Stack) -> dict[str, Any]:
-    with httpx.Client(base_url=s.url, timeout=PATIENCE) as api:
-        with api.stream("GET", "/slotwise/kv") as r:
-            line = next(x for x in r.iter_lines() if x.startswith("data: "))
+    with (
+        httpx.Client(base_url=s.url, timeout=PATIENCE) as api,
+        api.stream("GET", "/slotwise/kv") as r,
+    ):
+        line = next(x for x in r.iter_lines() if x.startswith("data: "))
     return json.loads(line[6:])
 
 
