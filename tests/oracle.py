@@ -23,21 +23,40 @@ asks llama.cpp what each sequence holds:
   decode before succeeded, the one after fails);
 - an admitted prompt never meets CannotFit during its prefill and leaves room for one token.
 
+Hybrid memory (the ``qwen35`` and ``lfm2`` pairs: attention cells beside a recurrent state per
+sequence that llama.cpp cannot cut back) runs the same scripts, plus regenerations and edits
+(re-sends that part from the sequence inside the last reply, at the prompt's end, or earlier),
+each run keeping 0..4 checkpoints of the recurrent state (``checkpoint_min_step`` small, per
+shape). Every eviction resolves to a Reprefill (from the pinned prefix's checkpoint, or 0),
+drafts are asked for and never made, and in addition:
+
+- the attention cells are read out of the first part of the hybrid state, and the recurrent
+  cell of the second (its bytes are the sequence's checkpoint): one when the ledger holds
+  cells, at the position of the ledger's last cell;
+- at every request's first token (so after every reuse: a request that starts on a sequence
+  holding cells, and every checkpoint restore) and the first after every Reprefill, the logits
+  the engine samples from equal a fresh prefill's of the ledger's segments on a runtime of its
+  own (``FreshPrefill``), within ``FRESH_TOLERANCE``: what proves the recurrent state right,
+  which the cells cannot show. These runtimes keep f32 K/V cells without flash attention
+  (``exact_kernels``), so that batching changes logits by ~1e-7, not ~1e-3.
+
 ``stop_exactness`` and ``media_boundary`` check the boundary itself, with images in context.
 
-Usage (tests/test_oracle.py runs seeds 0..199 of every pair; sweep further with other seeds)::
+Usage (tests/test_oracle.py runs seeds 0..199 of every attention pair and 0..99 of the hybrid
+ones; sweep further with other seeds)::
 
-    python tests/oracle.py --runs 200                    # every pair, seeds 0..199 (as CI)
+    python tests/oracle.py --runs 200                    # every pair, seeds 0..199
     python tests/oracle.py --runs 1000 --seed 200        # 1000 more per pair
     python tests/oracle.py --runs 1000 --pair mrope      # one pair
+    python tests/oracle.py --runs 600 --pair qwen35      # a hybrid pair
     python tests/oracle.py --runs 1 --pair rope --seed 17 -v   # replay one failing seed
 
 A replayed seed runs alone: its batches differ from the sweep's, and so, rarely, its sampled
 tokens (batched float sums differ in the last bits); the script and its checks do not.
 
 The tiny model pairs are written to a temporary directory first (``--models DIR`` keeps them).
-Runtimes use one thread: on a busy 2-core machine a second spinning thread makes each decode
-up to 100x slower.
+Runtimes use one thread (for batches and the encoder too): on a busy 2-core machine a second
+spinning thread makes each decode up to 100x slower.
 """
 
 from __future__ import annotations
@@ -46,12 +65,13 @@ import argparse
 import ctypes
 import os
 import random
+import struct
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -93,22 +113,28 @@ from infer_service.media import MediaHandle
 from infer_service.runtime import Runtime, RuntimeConfig, SamplingConfig
 from infer_service.slots import EngineStats, Job, Slot
 from slotwise_core import native
-from slotwise_core.tiny_models import ALL, TinyPair, write_tiny_models
+from slotwise_core.tiny_models import ALL, HYBRID, TinyPair, write_tiny_models
 
 __all__ = [
     "ALL",
+    "HYBRID",
+    "PAIRS",
     "SHAPES",
     "Boundary",
     "ContextShape",
+    "FreshPrefill",
     "KvProbe",
     "Oracle",
     "OracleError",
     "Picture",
     "RunReport",
     "RunSpec",
+    "SeqCells",
     "make_spec",
     "open_runtime",
 ]
+
+PAIRS: tuple[str, ...] = (*ALL, *HYBRID)  # every pair the oracle drives
 
 SEQ = 0
 UNTIL_FULL = 1 << 20  # a generation step that runs until the ledger says CannotFit
@@ -126,6 +152,9 @@ class ContextShape:
     ctx_size: int
     batch_size: int
     ubatch_size: int
+    # (recurrent memory) RuntimeConfig.checkpoint_min_step: small, so that long prompts are
+    # checkpointed on the way too (the checkpoints a run keeps, 0..4, are its spec's)
+    checkpoint_min_step: int = 8192
 
 
 # Tight contexts (n_ctx is padded to multiples of 256 per sequence: these are exact). Small
@@ -139,13 +168,59 @@ SHAPES: dict[str, tuple[ContextShape, ...]] = {
         ContextShape(512, 512, 512),
         ContextShape(256, 96, 80),
     ),
+    # hybrid memory: attention cells beside a recurrent state (qwen35: IMROPE, images of fewer
+    # positions than cells, no shift; lfm2: 64-cell LLaVA images, can shift)
+    "qwen35": (
+        ContextShape(256, 256, 256, checkpoint_min_step=24),
+        ContextShape(512, 512, 96, checkpoint_min_step=64),
+        ContextShape(256, 64, 32, checkpoint_min_step=16),
+    ),
+    "lfm2": (
+        ContextShape(256, 256, 256, checkpoint_min_step=32),
+        ContextShape(512, 128, 128, checkpoint_min_step=16),
+        ContextShape(256, 48, 32, checkpoint_min_step=48),
+    ),
 }
+MAX_CHECKPOINTS = 4  # (recurrent memory) the most checkpoints a run keeps per sequence
+GGML_TYPE_F32 = 0
+
+
+@contextmanager
+def exact_kernels(on: bool = True) -> Iterator[None]:
+    """Contexts created meanwhile keep f32 K/V cells and no flash attention: a logit then
+    depends on what a sequence holds, not on how it was batched (flash attention's f16
+    accumulation makes a sequence decoded in other pieces differ by up to ~1e-3 on logits of
+    ~1, as much as a recurrent state that saw one more token; with these, ~1e-7). For the
+    hybrid pairs, whose fresh-prefill check compares logits; what the oracle checks does not
+    depend on the kernels."""
+    if not on:
+        yield
+        return
+    default = llama_cpp.llama_context_default_params
+
+    def params() -> llama_cpp.llama_context_params:
+        p = default()
+        p.type_k = p.type_v = GGML_TYPE_F32
+        p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        return p
+
+    llama_cpp.llama_context_default_params = params
+    try:
+        yield
+    finally:
+        llama_cpp.llama_context_default_params = default
 
 
 def open_runtime(
     pair: TinyPair, shape: ContextShape, *, lanes: int = 1, threads: int = 1
 ) -> Runtime:
-    """A runtime of `lanes` sequences, each of shape.ctx_size cells."""
+    """A runtime of `lanes` sequences, each of shape.ctx_size cells (hybrid pairs: with
+    exact kernels)."""
+    with exact_kernels(pair.name in HYBRID):
+        return _runtime(pair, shape, lanes, threads)
+
+
+def _runtime(pair: TinyPair, shape: ContextShape, lanes: int, threads: int) -> Runtime:
     return Runtime(
         RuntimeConfig(
             pair.model,
@@ -155,6 +230,10 @@ def open_runtime(
             batch_size=shape.batch_size,
             ubatch_size=shape.ubatch_size,
             threads=threads,
+            threads_batch=threads,  # (a second thread spins against the first: see above)
+            encode_threads=threads,
+            ctx_checkpoints=MAX_CHECKPOINTS,  # (each ledger keeps its run's number of them)
+            checkpoint_min_step=shape.checkpoint_min_step,
         )
     )
 
@@ -162,28 +241,50 @@ def open_runtime(
 # -- what llama.cpp holds ------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SeqCells:
+    """What llama.cpp holds for one sequence."""
+
+    pos: np.ndarray  # the position of every attention cell, in cache order
+    tok: np.ndarray | None  # (M-RoPE) the token id stored in each (-1: media)
+    # (hybrid memory) the positions of the sequence's recurrent cells: () when it has none,
+    # else one, the last position its state has seen; None: attention memory alone
+    recurrent: tuple[int, ...] | None = None
+
+
 class KvProbe:
     """One sequence's cells as llama.cpp serialises them (llama_state_seq_get_data).
 
-    Layout in this llama.cpp (measured, then checked on every read): 8 header bytes, u32
-    n_stream (one per sequence: the cache is not unified), then per stream a u32 cell_count,
-    and for the one stream that holds the sequence's cells (empty streams are skipped): per
-    cell i32 pos, u32 n_seq_id (1), on M-RoPE models llama_kv_cell_ext {i32 x, i32 y, i32 tok}
-    (tok -1 for media cells), i32 seq_id; then the K/V rows. The meta stride is calibrated once
-    on a two-token sequence.
+    Layout in this llama.cpp (measured, then checked on every read): 8 header bytes (magic,
+    seq id), u32 n_stream (one per sequence: the cache is not unified), then per stream a u32
+    cell_count, and for the one stream that holds the sequence's cells (empty streams are
+    skipped): per cell i32 pos, u32 n_seq_id (1), on M-RoPE models llama_kv_cell_ext {i32 x,
+    i32 y, i32 tok} (tok -1 for media cells), i32 seq_id; then the K/V rows (u32 v_trans, u32
+    n_layer; per layer i32 type, u64 row size, the rows; the same for V, or, transposed, i32
+    type, u32 element size, u32 width, the elements). The meta stride is calibrated once on a
+    two-token sequence.
+
+    Hybrid memory (src/llama-memory-hybrid.cpp ``state_write``) writes that attention cache
+    first, then the recurrent one: u32 cell_count (0 or 1 for one sequence), per cell i32 pos
+    (the last position the state has seen) and u32 n_seq_id (0 for a single sequence's
+    state), then its rows. That tail is exactly what ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``
+    writes after the header (the checkpoints' bytes): checked byte for byte at calibration
+    and by size on every read, so the attention part is parsed to its very end.
     """
 
     def __init__(self, rt: Runtime, seq: int = SEQ):
         self.rt = rt
         self.seq = seq
         self._buf = (ctypes.c_uint8 * 0)()
+        self.hybrid = rt.memory_kind == "hybrid"
+        if rt.memory_kind not in ("attention", "hybrid"):
+            raise OracleError(f"no attention cells to probe: {rt.memory_kind} memory")
         rt.seq_clear(seq)
         rt.batch.clear()
         rt.batch.add([200, 201], 7, seq, logits_last=False)
         if rt.decode() != 0:
             raise OracleError("calibration decode failed")
         words = self._words()
-        rt.seq_clear(seq)
         at = self._stream(words)
         if words[2] != rt.num_slots or words[at] != 2 or words[at + 1] != 7 or words[at + 2] != 1:
             raise OracleError(f"unexpected sequence state layout: {words[:16].tolist()}")
@@ -202,6 +303,15 @@ class KvProbe:
         if self.has_tok and words[c + 4] != 200:
             raise OracleError(f"M-RoPE cell ext does not hold the token: {words[:16].tolist()}")
         self.header = bytes(words[:2].tobytes())
+        if self.hybrid:
+            tail = self._recurrent_at(words, at, 2)
+            n = len(words) * 4
+            state = memoryview(self._buf)[tail:n].tobytes()
+            if state != self.checkpoint()[8:]:
+                raise OracleError("the sequence state's tail is not its recurrent checkpoint")
+            if self._recurrent(tail) != (8,):
+                raise OracleError(f"recurrent cells {self._recurrent(tail)}, not (8,)")
+        rt.seq_clear(seq)
 
     @staticmethod
     def _stream(words: np.ndarray) -> int:
@@ -222,10 +332,66 @@ class KvProbe:
         n = int(llama_cpp.llama_state_seq_get_data(ctx, self._buf, size, self.seq))
         if n != size:
             raise OracleError(f"llama_state_seq_get_data wrote {n} of {size} bytes")
+        self._size = size
         return np.frombuffer(self._buf, dtype=np.int32, count=size // 4)
 
-    def cells(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """(positions, token ids or None) of every cell of the sequence, in cache order."""
+    def checkpoint(self) -> bytes:
+        """(hybrid) The recurrent state alone, as Runtime.checkpoint saves it."""
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = int(llama_cpp.llama_state_seq_get_size_ext(self.rt.ctx, self.seq, flags))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(llama_cpp.llama_state_seq_get_data_ext(self.rt.ctx, buf, size, self.seq, flags))
+        if n != size:
+            raise OracleError(f"llama_state_seq_get_data_ext wrote {n} of {size} bytes")
+        return bytes(buf)
+
+    def _recurrent_at(self, words: np.ndarray, at: int, n: int) -> int:
+        """(hybrid) The byte offset where the recurrent state starts: after the `n` cells of
+        the stream whose cell_count is at word `at` (its K and V rows parsed to their end),
+        or after the counts when the sequence has no attention cells. It must be where the
+        recurrent part's own size says it starts."""
+        end = 4 * (at + 1)
+        if n:
+            data = memoryview(self._buf)
+            end += 4 * n * self.stride
+            v_trans, n_layer = struct.unpack_from("<II", data, end)
+            end += 8
+            if v_trans > 1 or not 0 < n_layer <= llama_cpp.llama_model_n_layer(self.rt.model):
+                raise OracleError(f"unexpected K/V header: v_trans {v_trans}, {n_layer} layers")
+            for _ in range(n_layer):  # K
+                _, row = struct.unpack_from("<iQ", data, end)
+                end += 12 + row * n
+            for _ in range(n_layer):  # V (a layer without V is not written: sizes check it)
+                if v_trans:
+                    _, el, width = struct.unpack_from("<iII", data, end)
+                    end += 12 + el * width * n
+                else:
+                    _, row = struct.unpack_from("<iQ", data, end)
+                    end += 12 + row * n
+            end += 4 * (int(words[2]) - 1 - (at - 3))  # the counts of the streams after it
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        partial = int(llama_cpp.llama_state_seq_get_size_ext(self.rt.ctx, self.seq, flags))
+        if self._size - end != partial - 8:
+            raise OracleError(
+                f"the attention state ends at byte {end} of {self._size}, but the recurrent "
+                f"state takes {partial - 8}"
+            )
+        return end
+
+    def _recurrent(self, at: int) -> tuple[int, ...]:
+        data = memoryview(self._buf)
+        (count,) = struct.unpack_from("<I", data, at)
+        if count > 1:
+            raise OracleError(f"the sequence has {count} recurrent cells")
+        out = []
+        for i in range(count):
+            pos, n_seq_id = struct.unpack_from("<iI", data, at + 4 + 8 * i)
+            if n_seq_id != 0:
+                raise OracleError(f"a recurrent cell of one sequence lists {n_seq_id} ids")
+            out.append(pos)
+        return tuple(out)
+
+    def read(self) -> SeqCells:
         words = self._words()
         if bytes(words[:2].tobytes()) != self.header or words[2] != self.rt.num_slots:
             raise OracleError(f"unexpected sequence state header: {words[:4].tolist()}")
@@ -234,7 +400,13 @@ class KvProbe:
         meta = words[at + 1 : at + 1 + n * self.stride].reshape(n, self.stride)
         if n and not ((meta[:, 1] == 1).all() and (meta[:, -1] == self.seq).all()):
             raise OracleError("a cell of the sequence belongs to other sequences too")
-        return meta[:, 0].copy(), (meta[:, 4].copy() if self.has_tok else None)
+        recurrent = self._recurrent(self._recurrent_at(words, at, n)) if self.hybrid else None
+        return SeqCells(meta[:, 0].copy(), meta[:, 4].copy() if self.has_tok else None, recurrent)
+
+    def cells(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(positions, token ids or None) of every cell of the sequence, in cache order."""
+        got = self.read()
+        return got.pos, got.tok
 
 
 # -- scripts -------------------------------------------------------------------------------------
@@ -276,12 +448,16 @@ class Resend:
     Stateless (``session`` False): the client re-sends the first ``share`` of the conversation
     (the items it sent and the tokens it got) and a new message. Session: the new turn starts
     with the first ``share`` of the last reply's tokens, compared from ``generated_tail``.
+    Stateless ``edit`` (hybrid pairs' scripts): "regenerate" re-sends the conversation without
+    its last reply (no new message: the same prompt again); "edit" re-sends all of it with one
+    token changed, in the last reply or in another text, then the new message.
     """
 
     parts: tuple[tuple[int, ...] | Picture, ...]
     truncate: bool
     session: bool
     share: float
+    edit: str = ""  # "", "regenerate" or "edit" (stateless only)
 
 
 @dataclass(frozen=True)
@@ -305,6 +481,9 @@ class RunSpec:
     steps: tuple[Step, ...]
     spec: SpecConfig = SpecConfig()  # drafts verified in the batch: accepted and rejected
     temperature: float = 0.0  # (seeded: a run samples the same tokens every time)
+    # (recurrent memory) checkpoints its sequence keeps at once (0: none, every cut back
+    # decodes the sequence again from position 0)
+    checkpoints: int = 0
 
     def describe(self) -> str:
         parts = []
@@ -319,7 +498,7 @@ class RunSpec:
                 for p in s.parts
             )
             if isinstance(s, Resend):
-                kind = "session" if s.session else "resend"
+                kind = "session" if s.session else s.edit or "resend"
                 text = f"{kind}({s.share:.2f})+{text}"
             parts.append(text + ("(trunc)" if s.truncate else ""))
         return (
@@ -332,6 +511,7 @@ class RunSpec:
                 if self.spec.enabled
                 else ""
             )
+            + (f" checkpoints={self.checkpoints}" if self.pair in HYBRID else "")
         )
 
 
@@ -366,16 +546,34 @@ def make_spec(pair: str, seed: int) -> RunSpec:
         steps.append(Generate(r.choice([0, r.randint(1, 20), r.randint(1, 80)])))
     if policy is Policy.STOP and r.random() < 0.7:
         steps[-1] = Generate(UNTIL_FULL)  # reach the boundary: CannotFit, probed in llama.cpp
+    if pair in HYBRID:  # (an RNG of their own: the draws below are as for the other pairs)
+        steps = _edits(random.Random(f"oracle-edits:{pair}:{seed}"), steps)
     spec = SpecConfig()  # (drawn last: the scripts of the seeds before drafts are unchanged)
     if r.random() < 0.5:  # greedy random weights repeat themselves: drafts land, and miss
         kind = r.choice([SpecType.NGRAM_SIMPLE, SpecType.NGRAM_MAP_K])
         spec = SpecConfig(kind, n_max=r.randint(1, 16), size_n=r.randint(1, 4), size_m=48)
     # sampled text repeats itself less: drafts that miss, their cells given back
     temperature = 1.0 if spec.enabled and r.random() < 0.5 else 0.0
+    # (drawn last too; on recurrent memory the spec's drafts are asked for and never made)
+    checkpoints = r.randint(0, MAX_CHECKPOINTS) if pair in HYBRID else 0
     return RunSpec(
         seed, pair, shape, policy, keep, discard, unit, n_ctx_train, tuple(steps), spec,
-        temperature,
+        temperature, checkpoints,
     )  # fmt: skip
+
+
+def _edits(r: random.Random, steps: list[Step]) -> list[Step]:
+    """More stateless re-sends, and some of them regenerations and edits: a conversation that
+    parts from what the sequence holds (inside the last reply, at the prompt's end, in an
+    earlier message) is cut back to the checkpoint before that point on recurrent memory."""
+    out: list[Step] = []
+    for i, step in enumerate(steps):
+        if i and isinstance(step, Prompt) and r.random() < 0.3:
+            step = Resend(step.parts, step.truncate, session=False, share=1.0)
+        if isinstance(step, Resend) and not step.session and r.random() < 0.6:
+            step = replace(step, edit=r.choice(["regenerate", "edit"]))
+        out.append(step)
+    return out
 
 
 def _text(r: random.Random) -> tuple[int, ...]:
@@ -386,10 +584,110 @@ def _text(r: random.Random) -> tuple[int, ...]:
 
 
 def _picture(r: random.Random, pair: str) -> Picture:
-    if pair == "mrope":  # dynamic resolution: the size sets cells and positions
+    if pair in ("mrope", "qwen35"):  # dynamic resolution: the size sets cells and positions
         hi = 448 if r.random() < 0.15 else 160
         return Picture(r.randint(28, hi), r.randint(28, hi), r.randrange(1 << 30))
     return Picture(r.randint(16, 200), r.randint(16, 200), r.randrange(1 << 30))
+
+
+# -- a fresh prefill (recurrent memory) ----------------------------------------------------------
+
+# The most a logit of the engine may differ from a fresh prefill's of the same segments. Not 0:
+# the engine decodes a prompt in other pieces and ubatches than the fresh prefill does (a
+# gated delta-net runs its chunked rule over each ubatch), and several sequences in one
+# llama_decode, so float sums differ in the last bits: measured up to 3.6e-7 on logits of
+# magnitude ~1 over 1200 runs with `exact_kernels` (with flash attention and f16 cells, up to
+# 1e-3). The tiny models barely use their context: a changed or extra token of the prompt moves
+# the logits by 5e-3 to 6e-2 and rarely the greedy token, and a recurrent state that saw one
+# token more (tests/test_oracle.py) by 1e-5 to 2e-3 (lfm2's short convolution forgets it after
+# two tokens). So logits are compared, not only their argmax.
+FRESH_TOLERANCE = 1e-5
+
+
+class FreshPrefill:
+    """What a fresh prefill of a ledger's segments gives: a second runtime of the same pair
+    (one sequence, a context that holds any of the oracle's sequences), cleared, the segments
+    decoded in order at the ledger's positions -- text in batches, media from its own encode
+    of the run's chunk, at ``Runtime.media_positions`` -- then the logits of the last token.
+    Recurrent memory keeps no per-token state: this is what proves that a sequence cut back to
+    a checkpoint, cleared and decoded again, or re-prefilled after an eviction holds what its
+    ledger says (its attention cells alone cannot show it)."""
+
+    def __init__(self, pair: TinyPair, ctx_size: int, batch_size: int = 128):
+        with exact_kernels():
+            self.rt = Runtime(
+                RuntimeConfig(
+                    pair.model, pair.mmproj, ctx_size=ctx_size, parallel=1,
+                    batch_size=batch_size, ubatch_size=batch_size, threads=1, threads_batch=1,
+                    encode_threads=1, ctx_checkpoints=0,
+                )
+            )  # fmt: skip
+        self._embd: dict[str, np.ndarray] = {}  # media key -> this runtime's encode of it
+
+    def close(self) -> None:
+        self.rt.close()
+
+    def _embeddings(self, key: str, handle: MediaHandle) -> np.ndarray:
+        embd = self._embd.get(key)
+        if embd is None:
+            if len(self._embd) >= 512:
+                self._embd.clear()
+            embd = self._embd[key] = self.rt.encode_media(handle.chunk)
+        return embd
+
+    def logits(self, segments: Sequence[Segment], media: Mapping[str, MediaHandle]) -> np.ndarray:
+        """The logits after a fresh prefill of `segments` (the last one is text)."""
+        rt, batch = self.rt, self.rt.batch
+        if not segments or segments[-1].is_media:
+            raise OracleError("a fresh prefill must end with text")
+        if sum(seg.num_cells for seg in segments) > rt.num_cells_per_slot:
+            raise OracleError("the fresh prefill's context is too small")
+        rt.seq_clear(0)
+        batch.clear()
+
+        def flush() -> None:
+            if batch.size and rt.decode() != 0:
+                raise OracleError("the fresh prefill's llama_decode failed")
+            batch.clear()
+
+        for k, seg in enumerate(segments):
+            if seg.is_media:
+                flush()
+                assert seg.media_id is not None
+                handle = media[seg.media_id]
+                embd = self._embeddings(seg.media_id, handle)
+                positions = rt.media_positions(handle.chunk, seg.pos_start)
+                for at in range(0, seg.num_cells, rt.batch_size):
+                    n = min(rt.batch_size, seg.num_cells - at)
+                    if rt.decode_embeddings(embd, positions, at, n, 0) != 0:
+                        raise OracleError("the fresh prefill's media decode failed")
+                continue
+            tokens, at = seg.token_ids, 0
+            while at < len(tokens):
+                if batch.size == rt.batch_size:
+                    flush()
+                n = min(rt.batch_size - batch.size, len(tokens) - at)
+                last = k == len(segments) - 1 and at + n == len(tokens)
+                batch.add(tokens[at : at + n], seg.pos_start + at, 0, logits_last=last)
+                at += n
+        index = batch.size - 1
+        flush()
+        ptr = llama_cpp.llama_get_logits_ith(rt.ctx, index)
+        return np.ctypeslib.as_array(ptr, shape=(rt.num_vocab,)).copy()
+
+
+def compare_logits(engine: np.ndarray, fresh: np.ndarray) -> tuple[float, str | None]:
+    """(max abs difference, why they disagree or None)."""
+    diff = float(np.abs(engine - fresh).max())
+    te, tf = int(engine.argmax()), int(fresh.argmax())
+    if diff > FRESH_TOLERANCE:
+        return diff, (
+            f"the engine's logits differ from a fresh prefill's by up to {diff:.3g} (tolerance "
+            f"{FRESH_TOLERANCE:g}; greedy token {te} vs {tf})"
+        )
+    if te != tf and fresh[te] < fresh[tf] - 2 * FRESH_TOLERANCE:  # (implied by diff: a guard)
+        return diff, f"greedy token {te}, a fresh prefill's {tf}"
+    return diff, None
 
 
 # -- the driver ----------------------------------------------------------------------------------
@@ -402,6 +700,7 @@ class RunReport:
     spec: RunSpec
     counts: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
+    max_logit_diff: float = 0.0  # (recurrent memory) the largest engine - fresh prefill
 
 
 @dataclass
@@ -432,6 +731,10 @@ class _Run:
         self.probes: list[_Probe] = []
         self.error: OracleError | None = None
         self.stopped = False  # STOP refused a prompt: the script ends there
+        # (recurrent memory) why its next sample is compared with a fresh prefill: "start" (a
+        # request's first token), "reuse", "restore" (a checkpoint loaded), "reprefill"
+        self.fresh_due: set[str] = set()
+        self.max_logit_diff = 0.0
         self.t0 = time.perf_counter()
 
     @property
@@ -464,9 +767,14 @@ class Oracle:
     """Drives the engine's executor on every sequence of one runtime, several runs side by
     side, and checks each sequence against its ledger after every plan and every step."""
 
-    def __init__(self, rt: Runtime):
+    def __init__(self, rt: Runtime, fresh: FreshPrefill | None = None):
         self.rt = rt
         self.capacity = rt.num_cells_per_slot
+        # (recurrent memory) the sampler's logits are compared with a fresh prefill's first
+        self.fresh = fresh if rt.recurrent else None
+        if self.fresh is not None:
+            self._engine_sample = rt.sample
+            rt.sample = self._sample  # type: ignore[method-assign]
         self.probes = [KvProbe(rt, seq) for seq in range(rt.num_slots)]
         self.slots = [Slot(seq) for seq in range(rt.num_slots)]
         self.stats = EngineStats()
@@ -480,6 +788,8 @@ class Oracle:
 
     def close(self) -> None:
         self.executor.close()
+        if self.fresh is not None:
+            vars(self.rt).pop("sample", None)  # back to the class's method
 
     # -- public -------------------------------------------------------------------------------
 
@@ -519,6 +829,7 @@ class Oracle:
         discard_fraction: float = 0.5,
         unit: EvictionUnit = EvictionUnit.TOKEN,
         n_ctx_train: int | None = None,
+        checkpoints: int = 0,
     ) -> Ledger:
         return Ledger(
             self.capacity,
@@ -528,6 +839,8 @@ class Oracle:
             keep=keep,
             discard_fraction=discard_fraction,
             unit=unit,
+            recurrent=self.rt.recurrent,
+            max_marks=checkpoints,
         )
 
     def image_items(self, run: _Run, picture: Picture, message: int) -> list[Item]:
@@ -570,6 +883,7 @@ class Oracle:
             discard_fraction=spec.discard_fraction,
             unit=spec.unit,
             n_ctx_train=spec.n_ctx_train,
+            checkpoints=spec.checkpoints,
         )
         self._verify(run)
         return run
@@ -584,7 +898,7 @@ class Oracle:
             handle.close()
         if run.error is not None:
             return run.error
-        return RunReport(run.spec, run.counts, time.perf_counter() - run.t0)
+        return RunReport(run.spec, run.counts, time.perf_counter() - run.t0, run.max_logit_diff)
 
     def _next_job(self, run: _Run) -> None:
         """The run's last job ended: take in its reply, start the next prompt (and the
@@ -627,6 +941,9 @@ class Oracle:
             items = ([_generated(lead, run.message)] if lead else []) + new
             if run.last_reply:
                 del run.history[-1]
+        elif isinstance(step, Resend) and (edited := _edit(run, step, new)) is not None:
+            session, start, items = False, 0, edited  # a regeneration or an edit
+            run.history = []
         elif isinstance(step, Resend):  # stateless: the client sends the conversation again
             session, start = False, 0
             k = round(step.share * len(run.history))
@@ -656,6 +973,7 @@ class Oracle:
             f"{type(step).__name__.lower()} of {len(items)} items (cells, positions) {shapes}"
             f"{'...' if len(items) > 8 else ''} from segment {start}, {max_tokens} tokens"
         )
+        restores, num_held = self.stats.num_checkpoint_restores, ledger.num_cells
         try:
             self.executor.start(run.slot, job, ledger, start)
         except ProblemError as e:
@@ -672,6 +990,20 @@ class Oracle:
             return False
         run.counts["prompts"] += 1
         run.sent = items
+        if self.rt.recurrent:
+            # (the first sample of every request; a session's kept turns count as reuse too)
+            run.fresh_due.add("start")
+            if ledger.num_cells:
+                run.fresh_due.add("reuse")
+            if self.stats.num_checkpoint_restores > restores:
+                run.fresh_due.add("restore")
+                run.counts["restores"] += 1
+            elif num_held and not ledger.num_cells:
+                run.counts["decoded_from_0"] += 1  # (no checkpoint before where it parts)
+            if spec.spec.enabled:
+                run.counts["drafts_asked"] += 1
+                if run.slot.spec is not None:
+                    raise OracleError("drafts on recurrent memory (they cannot be taken back)")
         self._verify(run)
         return True
 
@@ -683,11 +1015,55 @@ class Oracle:
         run.counts["drafted"] += ending.usage.num_draft_tokens
         run.counts["accepted"] += ending.usage.num_accepted_tokens
         run.trail.append(f"finished: {ending.reason.name} {ending.error}")
+        if self.rt.recurrent and ending.usage.num_draft_tokens:
+            run.fail(OracleError(f"{ending.usage.num_draft_tokens} drafts on recurrent memory"))
         if ending.reason is FinishReason.ERROR:
             run.fail(OracleError(f"the executor failed the request: {ending.error}"))
 
     def on_plan(self, slot: Slot) -> None:
-        self._verify(self._runs[slot.seq])  # the plan carried out: the cache is the ledger's
+        run = self._runs[slot.seq]
+        self._verify(run)  # the plan carried out: the cache is the ledger's
+        if self.rt.recurrent:  # (a Reprefill: kept from the pinned prefix's checkpoint, or 0)
+            run.fresh_due.add("reprefill")
+            if slot.ledger is not None and slot.ledger.segments:
+                run.counts["reprefills_from_checkpoint"] += 1
+
+    def _sample(self, chain: object, index: int) -> int:
+        """(recurrent memory) Runtime.sample, the engine's: first the logits at `index`, the
+        ones it samples from, are compared with a fresh prefill of the ledger's segments,
+        when the run's sequence was reused, restored or re-prefilled since its last check."""
+        seq = int(self.rt.batch.native.seq_id[index][0])
+        run = self._runs.get(seq)
+        if run is not None and run.fresh_due and run.error is None:
+            try:
+                self.check_fresh(run, index)
+            except OracleError as e:
+                run.fail(e)
+            except Exception as e:
+                run.fail(OracleError(f"the fresh prefill failed: {type(e).__name__}: {e}"))
+        return self._engine_sample(chain, index)
+
+    def check_fresh(self, run: _Run, index: int) -> None:
+        """The engine's logits at batch index `index` (the run's last token) against those of
+        a fresh prefill of what the run's ledger says its sequence holds."""
+        assert self.fresh is not None
+        why, run.fresh_due = sorted(run.fresh_due), set()
+        ptr = llama_cpp.llama_get_logits_ith(self.rt.ctx, index)
+        engine = np.ctypeslib.as_array(ptr, shape=(self.rt.num_vocab,)).copy()
+        segments = run.ledger.segments
+        fresh = self.fresh.logits(segments, run.media)
+        diff, problem = compare_logits(engine, fresh)
+        run.max_logit_diff = max(run.max_logit_diff, diff)
+        run.counts["fresh_checks"] += 1
+        run.counts["fresh_cells"] += sum(seg.num_cells for seg in segments)
+        for reason in why:
+            run.counts[f"fresh_after_{reason}"] += 1
+        run.counts["fresh_ties"] += int(engine.argmax()) != int(fresh.argmax())
+        if problem is not None:
+            raise OracleError(
+                f"{problem}, after {'+'.join(why)}; the ledger holds {len(segments)} segments, "
+                f"{run.ledger.num_cells} cells, {len(run.ledger.marks)} checkpoints"
+            )
 
     def on_cannot_fit(self, slot: Slot, plan: CannotFit, num_cells: int) -> None:
         run = self._runs[slot.seq]
@@ -803,7 +1179,8 @@ class Oracle:
             missing = piece.item.num_cells - piece.offset
             want_pos = want_pos[: len(want_pos) - missing]
             want_tok = want_tok[: len(want_tok) - missing] if want_tok is not None else None
-        got_pos, got_tok = self.probes[seq].cells()
+        held = self.probes[seq].read()
+        got_pos, got_tok = held.pos, held.tok
         if len(got_pos) != len(want_pos):
             raise OracleError(f"llama.cpp holds {len(got_pos)} cells, ledger {len(want_pos)}")
         if got_tok is None or want_tok is None:
@@ -822,6 +1199,18 @@ class Oracle:
         pmax = int(llama_cpp.llama_memory_seq_pos_max(mem, seq))
         want_min = int(want_pos.min()) if len(want_pos) else -1
         want_max = int(want_pos.max()) if len(want_pos) else -1
+        if held.recurrent is not None:
+            # the recurrent state has seen up to the last cell decoded (in ledger order; on
+            # M-RoPE an image's cells all sit at its first position); hybrid memory answers
+            # pos_min/max as the max of the two minima and the min of the two maxima
+            want_rec = (int(want_pos[-1]),) if len(want_pos) else ()
+            if held.recurrent != want_rec:
+                raise OracleError(
+                    f"the recurrent state is at {held.recurrent}, the ledger's last cell at "
+                    f"{want_rec}"
+                )
+            if want_rec:
+                want_min, want_max = max(want_min, want_rec[0]), min(want_max, want_rec[0])
         if (pmin, pmax) != (want_min, want_max):
             raise OracleError(f"seq_pos_min/max {pmin}/{pmax}, ledger {want_min}/{want_max}")
         whole = piece is None and not self.rt.uses_mrope and len(want_pos)
@@ -841,6 +1230,31 @@ def segment_cells(seg: Segment, mrope: bool) -> tuple[np.ndarray, np.ndarray]:
     if seg.is_media:
         return pos, np.full(n, -1, dtype=np.int32)
     return pos, np.asarray(seg.token_ids, dtype=np.int32)
+
+
+def _edit(run: _Run, step: Resend, new: list[Item]) -> list[Item] | None:
+    """The items of a regeneration or an edit of the run's conversation (None: a plain
+    re-send, or nothing there to regenerate or edit)."""
+    history = run.history
+    if step.edit == "regenerate":
+        if len(history) > 1 and history[-1].generated and _plain_text(history[-2]):
+            run.counts["regenerations"] += 1
+            return history[:-1]
+        return None
+    if step.edit == "edit":
+        texts = [j for j, item in enumerate(history) if _plain_text(item)]
+        if not texts:
+            return None
+        last_reply = history[-1].generated and run.rng.random() < 0.5
+        j = len(history) - 1 if last_reply else run.rng.choice(texts)
+        item = history[j]
+        ids = list(item.token_ids)
+        at = run.rng.randrange(len(ids))
+        ids[at] = (ids[at] + 1) % 256
+        run.counts["edits"] += 1
+        run.counts["edits_in_last_reply"] += j == len(history) - 1 and item.generated
+        return [*history[:j], replace(item, token_ids=tuple(ids)), *history[j + 1 :], *new]
+    return None
 
 
 def _plain_text(item: Item) -> bool:
@@ -1016,6 +1430,8 @@ def media_boundary(oracle: Oracle, picture: Picture) -> tuple[int, int, int, int
             chunk = run.media[media.media_id].chunk
             embd = rt.encode_media(chunk)  # (no request runs: the encode worker is idle)
             positions = rt.media_positions(chunk, pos)
+            # (recurrent memory: the pieces that went in are taken out by a checkpoint's restore)
+            saved = rt.checkpoint(SEQ) if rt.recurrent else None
             pieces = range(0, media.num_cells, rt.batch_size)
             num_pieces = len(pieces)
             rcs = [
@@ -1030,7 +1446,10 @@ def media_boundary(oracle: Oracle, picture: Picture) -> tuple[int, int, int, int
                 if rcs[:-1] != [0] * (len(rcs) - 1):
                     raise OracleError(f"pieces before the last found no slot: rc {rcs}")
                 outcome.append(rcs[-1])
-                rt.seq_rm(SEQ, pos, -1)  # the pieces that went in leave again (as _drop_piece)
+                if saved is not None:
+                    rt.restore(SEQ, saved, pos)
+                else:
+                    rt.seq_rm(SEQ, pos, -1)  # the pieces that went in leave again (as _drop_piece)
                 oracle.verify(run)
             else:
                 if not isinstance(plan, Fits):
@@ -1055,9 +1474,14 @@ class Sweep:
     counts: Counter[str] = field(default_factory=Counter)
     policies: Counter[str] = field(default_factory=Counter)
     failures: list[tuple[int, str]] = field(default_factory=list)
+    max_logit_diff: float = 0.0  # (recurrent memory) engine vs fresh prefill, over the runs
 
     def count_engine(self, before: tuple[EngineStats, int], oracle: Oracle) -> None:
         stats, misses = before
+        self.counts["checkpoints"] += oracle.stats.num_checkpoints - stats.num_checkpoints
+        self.counts["checkpoint_restores"] += (
+            oracle.stats.num_checkpoint_restores - stats.num_checkpoint_restores
+        )
         self.counts["decodes"] += oracle.stats.num_decodes - stats.num_decodes
         self.counts["multi_seq_decodes"] += (
             oracle.stats.num_multi_seq_decodes - stats.num_multi_seq_decodes
@@ -1086,6 +1510,20 @@ class Sweep:
             f"at exactly capacity)",
             f"  drafts {c['drafted']} verified, {c['accepted']} accepted (the rest given back)",
         ]
+        if self.pair in HYBRID:
+            lines += [
+                f"  recurrent: {c['checkpoints']} checkpoints saved, "
+                f"{c['checkpoint_restores']} restored ({c['restores']} by a request's reuse, "
+                f"{c['reprefills_from_checkpoint']} Reprefills kept a pinned prefix), "
+                f"{c['decoded_from_0']} requests decoded from 0 instead; {c['regenerations']} "
+                f"regenerations, {c['edits']} edits ({c['edits_in_last_reply']} in the last "
+                f"reply); drafts asked by "
+                f"{c['drafts_asked']} requests, none made",
+                f"  fresh-prefill checks {c['fresh_checks']} ({c['fresh_cells']} cells): after "
+                f"reuse {c['fresh_after_reuse']}, restore {c['fresh_after_restore']}, "
+                f"reprefill {c['fresh_after_reprefill']}; max |logit diff| "
+                f"{self.max_logit_diff:.2g}, greedy ties {c['fresh_ties']}",
+            ]
         for seed, msg in self.failures[:5]:
             lines.append(f"  FAILED seed {seed}: {msg.splitlines()[0]}")
         return "\n".join(lines)
@@ -1097,19 +1535,31 @@ class Drivers:
     def __init__(self, pairs: dict[str, TinyPair]):
         self.pairs = pairs
         self._open: dict[tuple[str, int], Oracle] = {}
+        self._fresh: dict[str, FreshPrefill] = {}
 
     def get(self, pair: str, shape: int) -> Oracle:
         key = (pair, shape)
         if key not in self._open:
             rt = open_runtime(self.pairs[pair], SHAPES[pair][shape], lanes=LANES)
-            self._open[key] = Oracle(rt)
+            fresh = self.fresh(pair) if rt.recurrent else None
+            self._open[key] = Oracle(rt, fresh)
         return self._open[key]
+
+    def fresh(self, pair: str) -> FreshPrefill:
+        """(recurrent memory) The pair's fresh-prefill runtime, shared by its shapes."""
+        if pair not in self._fresh:
+            ctx = max(shape.ctx_size for shape in SHAPES[pair])
+            self._fresh[pair] = FreshPrefill(self.pairs[pair], ctx)
+        return self._fresh[pair]
 
     def close(self) -> None:
         for oracle in self._open.values():
             oracle.close()
             oracle.rt.close()
         self._open.clear()
+        for fresh in self._fresh.values():
+            fresh.close()
+        self._fresh.clear()
 
     def sweep(
         self, pair: str, seeds: Sequence[int], *, keep_going: bool = True, verbose: bool = False
@@ -1140,6 +1590,7 @@ class Drivers:
                             print(f"FAILED: {outcome}", flush=True)
                     else:
                         result.counts.update(outcome.counts)
+                        result.max_logit_diff = max(result.max_logit_diff, outcome.max_logit_diff)
                 if result.failures and not keep_going:
                     break
             if result.failures and not keep_going:
@@ -1152,12 +1603,12 @@ class Drivers:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200, help="runs per pair (default 200)")
-    parser.add_argument("--pair", choices=ALL, action="append", help="default: every pair")
+    parser.add_argument("--pair", choices=PAIRS, action="append", help="default: every pair")
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     parser.add_argument("--models", type=Path, help="directory for the tiny models")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every run")
     args = parser.parse_args(argv)
-    pairs = args.pair or list(ALL)
+    pairs = args.pair or list(PAIRS)
     with tempfile.TemporaryDirectory() as tmp:
         models = write_tiny_models(args.models or Path(tmp), pairs)
         drivers = Drivers(models)

@@ -1,20 +1,27 @@
 """The ledger against real llama.cpp (tests/oracle.py): random runs and the exact boundary.
 
-Every pair (M-RoPE, RoPE, non-causal) runs seeded random scripts -- text, images, generated
-tokens, every policy -- with the ledger's plans carried out by real llama.cpp calls and the
-sequence's cells compared to the ledger after every step. A failure names its seed; replay it
-with ``python tests/oracle.py --pair PAIR --seed SEED --runs 1 -v``. The larger sweep is
-``python tests/oracle.py --runs 200``.
+Every pair (M-RoPE, RoPE, non-causal, and the hybrid-memory qwen35 and lfm2) runs seeded random
+scripts -- text, images, generated tokens, every policy -- with the ledger's plans carried out
+by real llama.cpp calls and the sequence's cells compared to the ledger after every step; on
+the hybrid pairs the logits the engine samples from after every reuse, checkpoint restore and
+re-prefill are compared with a fresh prefill of what the ledger says the sequence holds. A
+failure names its seed; replay it with ``python tests/oracle.py --pair PAIR --seed SEED --runs
+1 -v``. The larger sweep is ``python tests/oracle.py --runs 200``.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Iterator
 
+import llama_cpp
 import pytest
 from oracle import (
     ALL,
+    FRESH_TOLERANCE,
+    HYBRID,
+    PAIRS,
     SHAPES,
     Drivers,
     Picture,
@@ -22,15 +29,22 @@ from oracle import (
     stop_exactness,
 )
 
-from slotwise_core.tiny_models import TinyPair
+from infer_service.runtime import Runtime, TokenBatch
+from slotwise_core.tiny_models import TinyPair, write_tiny_models
 
 # Runs per pair in CI (seeds 0..N-1); each run is a few dozen to a few hundred decodes.
 RUNS_PER_PAIR = 200
+# The hybrid pairs' runs also prefill every checked sequence again: fewer of them (about 12 s a
+# pair on a 2-core machine); `python tests/oracle.py --runs 600 --pair qwen35` sweeps further.
+RUNS_PER_HYBRID_PAIR = 100
 
 
 @pytest.fixture(scope="module")
-def drivers(tiny: dict[str, TinyPair]) -> Iterator[Drivers]:
-    d = Drivers(tiny)
+def drivers(
+    tiny: dict[str, TinyPair], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Drivers]:
+    hybrid = write_tiny_models(tmp_path_factory.mktemp("hybrid-models"), HYBRID)
+    d = Drivers({**tiny, **hybrid})
     yield d
     d.close()
 
@@ -65,6 +79,81 @@ def test_random_runs_match_llama_cpp(drivers: Drivers, pair: str) -> None:
     assert 0 < c["accepted"] < c["drafted"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", HYBRID)
+def test_hybrid_runs_match_a_fresh_prefill(drivers: Drivers, pair: str) -> None:
+    """Hybrid memory: the attention cells are the ledger's after every plan and step (and the
+    recurrent state has seen up to the ledger's last cell), and the logits the engine samples
+    from after every reuse, checkpoint restore and re-prefill are a fresh prefill's."""
+    sweep = drivers.sweep(pair, range(RUNS_PER_HYBRID_PAIR))
+    print(sweep.summary())
+    if sweep.failures:
+        seed, message = sweep.failures[0]
+        seeds = [s for s, _ in sweep.failures]
+        pytest.fail(
+            f"{len(seeds)} of {sweep.runs} {pair} runs disagree with llama.cpp (seeds {seeds[:20]})"
+            f"; replay: python tests/oracle.py --pair {pair} --seed {seed} --runs 1 -v\n{message}"
+        )
+    c = sweep.counts
+    assert c["media_decodes"] > 0 and c["generated"] > 0 and c["multi_seq_decodes"] > 0
+    assert c["checks_mid_media"] > 0
+    # every eviction is a Reprefill (AUTO, SHIFT and GAP resolve to it); STOP still stops
+    assert c["Reprefill"] > 0 and c["Shift"] == c["Gap"] == 0
+    assert c["stop_boundaries"] > 0
+    assert c["prompts_truncated"] > 0 and c["prompts_rejected"] > 0
+    assert c["resends"] > 0 and c["cells_reused"] > 0
+    # checkpoints saved, dropped past the run's number and restored: by a request that reuses
+    # part of its sequence and by a Reprefill that keeps a pinned prefix; and without one, the
+    # sequence decoded from position 0
+    assert c["checkpoints"] > 0 and c["checkpoint_restores"] > 0
+    assert c["restores"] > 0 and c["reprefills_from_checkpoint"] > 0 and c["decoded_from_0"] > 0
+    # the fresh-prefill check fired after each kind of event, within its tolerance
+    assert c["fresh_checks"] > 0
+    assert c["fresh_after_reuse"] > 0 and c["fresh_after_restore"] > 0
+    assert c["fresh_after_reprefill"] > 0
+    assert sweep.max_logit_diff <= FRESH_TOLERANCE
+    # drafts asked for, none made: a rejected draft cannot be cut out of a recurrent state
+    assert c["drafts_asked"] > 0 and c["drafted"] == 0
+
+
+def _corrupting_restore(rt: Runtime) -> None:
+    """Runtime.restore, then one more token decoded into the sequence in llama.cpp, and its
+    attention cell taken out again: the recurrent state has seen a token the ledger does not
+    hold (restored as a checkpoint with the position of the one it replaces, so that the cut
+    passes and the recurrent cell sits where the ledger says). Only the fresh-prefill check
+    can tell."""
+    restore, batch = rt.restore, TokenBatch(1, rt.num_slots)  # (not the step's batch)
+
+    def corrupted(seq: int, state: bytes, pos: int) -> None:
+        restore(seq, state, pos)
+        batch.clear()
+        batch.add([65], pos, seq, logits_last=False)
+        assert llama_cpp.llama_decode(rt.ctx, batch.native) == 0
+        saw_more = bytearray(rt.checkpoint(seq))
+        # (header: magic, seq id; then cell count 1 and the cell's position)
+        struct.pack_into("<i", saw_more, 12, struct.unpack_from("<i", state, 12)[0])
+        restore(seq, bytes(saw_more), pos)
+
+    rt.restore = corrupted  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("pair", HYBRID)
+def test_a_recurrent_state_that_saw_more_fails_the_fresh_check(drivers: Drivers, pair: str) -> None:
+    oracles = [drivers.get(pair, shape) for shape in range(len(SHAPES[pair]))]
+    for oracle in oracles:
+        _corrupting_restore(oracle.rt)
+    try:
+        sweep = drivers.sweep(pair, range(40), keep_going=False)
+    finally:
+        for oracle in oracles:
+            del oracle.rt.restore  # back to the class's method
+    assert sweep.failures, "no run restored a checkpoint?"
+    seed, message = sweep.failures[0]
+    assert f"seed={seed} pair={pair}" in message
+    assert "differ from a fresh prefill's" in message, message  # (its cells were right)
+    assert "restore" in message or "reprefill" in message
+
+
 # Images in context; on M-RoPE the images' cells far outnumber their positions.
 BOUNDARY_PROMPTS: dict[str, list[tuple[int, ...] | Picture]] = {
     "mrope": [
@@ -76,11 +165,21 @@ BOUNDARY_PROMPTS: dict[str, list[tuple[int, ...] | Picture]] = {
     ],
     "rope": [tuple(range(40, 52)), Picture(90, 60, 1), (5,), Picture(30, 30, 2), (7, 8)],
     "noncausal": [tuple(range(40, 52)), Picture(90, 60, 1), (9,), Picture(70, 120, 2), (3, 4)],
+    "qwen35": [
+        tuple(range(40, 52)),
+        Picture(224, 224, 1),  # 49 cells, 7 positions
+        tuple(range(60, 65)),
+        Picture(196, 140, 2),  # 24 cells, 6 positions
+        tuple(range(70, 73)),
+    ],
+    "lfm2": [tuple(range(40, 52)), Picture(90, 60, 1), (5,), Picture(30, 30, 2), (7, 8)],
 }
+# (cells, positions) of the media boundary's image, Picture(224, 224, 3) on M-RoPE pairs
+MEDIA_SHAPES = {"mrope": (64, 8), "qwen35": (49, 7)}
 
 
 @pytest.mark.parametrize("shape", range(3))
-@pytest.mark.parametrize("pair", ALL)
+@pytest.mark.parametrize("pair", PAIRS)
 def test_stop_boundary_is_llama_cpp_full(drivers: Drivers, pair: str, shape: int) -> None:
     """STOP ends exactly when llama.cpp is full: the token before fits, the next one fails."""
     oracle = drivers.get(pair, shape)
@@ -91,6 +190,9 @@ def test_stop_boundary_is_llama_cpp_full(drivers: Drivers, pair: str, shape: int
     assert b.rc_last_replayed == 0, "the last token the ledger allowed fits in a fresh replay"
     if pair == "mrope":
         assert b.prompt_cells - b.prompt_positions == (64 - 8) + (35 - 7)
+    if pair == "qwen35":
+        assert b.prompt_cells - b.prompt_positions == (49 - 7) + (24 - 6)
+    if oracle.rt.uses_mrope:
         # position-based accounting (n_past vs n_ctx) would believe this much is still free
         assert b.believed_free_by_positions == b.prompt_cells - b.prompt_positions
     else:
@@ -98,17 +200,17 @@ def test_stop_boundary_is_llama_cpp_full(drivers: Drivers, pair: str, shape: int
 
 
 @pytest.mark.parametrize("shape", range(3))
-@pytest.mark.parametrize("pair", ALL)
+@pytest.mark.parametrize("pair", PAIRS)
 def test_media_boundary(drivers: Drivers, pair: str, shape: int) -> None:
     """An image one cell too big for the free cells fails in llama.cpp (in its last piece, when
     it takes several batches), and the ledger refuses it before any piece; an exact fit fills
     the sequence."""
     oracle = drivers.get(pair, shape)
-    picture = Picture(224, 224, 3) if pair == "mrope" else Picture(50, 80, 3)
+    picture = Picture(224, 224, 3) if pair in MEDIA_SHAPES else Picture(50, 80, 3)
     cells, positions, rc, num_pieces = media_boundary(oracle, picture)
-    assert (cells, positions) == ((64, 8) if pair == "mrope" else (64, 64))
+    assert (cells, positions) == MEDIA_SHAPES.get(pair, (64, 64))
     assert rc == 1
-    assert num_pieces == math.ceil(64 / oracle.rt.batch_size)  # (rope, shape 2: 48 + 16)
+    assert num_pieces == math.ceil(cells / oracle.rt.batch_size)  # (rope, shape 2: 48 + 16)
 
 
 def test_an_oracle_failure_names_the_run(drivers: Drivers) -> None:
