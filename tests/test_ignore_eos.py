@@ -8,11 +8,11 @@ import math
 
 import grpc
 import pytest
+from test_infer_service import run, text_prompt
 
 from slotwise.v1 import infer_pb2
 from slotwise_core.tiny_models import token_id
 from support.rpc import request as make_request
-from test_infer_service import run, text_prompt
 
 EOG = ("<|im_end|>", "<|endoftext|>")  # the tiny vocabulary's end-of-generation tokens
 
