@@ -32,8 +32,9 @@ from slotwise_core.tiny_models import write_tiny_models
 
 ROW_DECODED = "hybrid, chat resent whole: prompt cells decoded, checkpoints / none"
 ROW_BYTES = "hybrid: checkpoint bytes per slot"
-ROW_TURNS = "hybrid, chat resent whole: turns served, slotwise / llama-server"
-ROWS = (ROW_DECODED, ROW_BYTES, ROW_TURNS)
+ROW_TURNS = "hybrid, chat resent whole: turns served, checkpoints / none"
+ROW_TURNS_SERVER = "hybrid, chat resent whole: turns served, slotwise / llama-server"
+ROWS = (ROW_DECODED, ROW_BYTES, ROW_TURNS)  # (and ROW_TURNS_SERVER with --llama-server)
 SYSTEM = "You are a careful assistant. Answer in one short sentence. " * 2
 
 
@@ -88,10 +89,9 @@ def bench_hybrid(b: Bench) -> None:
         f"{info.stats.num_checkpoints} checkpoints saved, {info.stats.num_checkpoint_restores} "
         f"restored, {info.stats.num_shifts} evictions"
     )
-    server_turns: float | None = None
+    server_turns = 0
     if theirs:
-        n = len(theirs["checkpoints"])
-        server_turns = n
+        n = server_turns = len(theirs["checkpoints"])
         mine = decoded(ours["checkpoints"], n) / max(1, decoded(ours["none"], n))
         ratio = decoded(theirs["checkpoints"]) / max(1, decoded(theirs["none"]))
         note += (
@@ -109,11 +109,17 @@ def bench_hybrid(b: Bench) -> None:
     )  # fmt: skip
     b.rows.append(
         Row(
-            ROW_TURNS, served, "turns", server_turns,
-            served / server_turns if server_turns else None,
-            note=f"of {turns}; llama-server answers 400 once the chat passes its context",
+            ROW_TURNS, served, "turns", both, served / both if both else None,
+            note=f"of {turns}; without checkpoints a turn is refused once the chat passes the slot",
         )
     )  # fmt: skip
+    if server_turns:
+        b.rows.append(
+            Row(
+                ROW_TURNS_SERVER, served, "turns", server_turns, served / server_turns,
+                note=f"of {turns}; llama-server answers 400 once the chat passes its context",
+            )
+        )  # fmt: skip
 
 
 def _slotwise_chat(

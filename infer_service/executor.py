@@ -354,11 +354,18 @@ class Executor:
             if ledger.num_cells - reuse.num_cells >= WORTH_KEEPING and job.resume is None:
                 self.stash(slot)  # what the cut drops may be resumed later
         restore: list[Item] = []
+        # (what is decoded again of the turn's own items is still its prompt; what is decoded
+        # again of the session before it is not)
+        again_in_turn: list[Item] = []
         if reprefill is not None and (si, so) > (reprefill, 0):
             # the saved state holds less than the turn reuses: the rest is decoded again
             restore = ledger.redo(reprefill, si, so)
+            again_in_turn = ledger.redo(max(reprefill, start), si, so) if si >= start else []
             si, so = reprefill, 0
+        uncut = ledger.segments
         rest = [*self._rewind(slot, ledger, si, so, held=reprefill), *rest]
+        # (cut back before the turn began: the session's own items, decoded again)
+        again_before = [seg.item for seg in uncut[len(ledger.segments) : min(start, si)]]
         if restore:
             self.stats.num_session_reprefills += 1
             self.stats.num_session_reprefill_cells += sum(i.num_cells for i in restore)
@@ -420,9 +427,14 @@ class Executor:
         )
         slot.prefilling = True
         slot.reply_index = max((i.message_index for i in kept), default=0)
+        prompt = [*again_in_turn, *kept]
         slot.usage = Usage(
-            num_prompt_cells=num_reused + sum(i.num_cells for i in kept),
-            num_prompt_positions=num_reused_positions + sum(i.num_positions for i in kept),
+            num_prompt_cells=num_reused
+            + sum(i.num_cells for i in prompt)
+            - sum(i.num_cells for i in again_before),
+            num_prompt_positions=num_reused_positions
+            + sum(i.num_positions for i in prompt)
+            - sum(i.num_positions for i in again_before),
             num_reused_cells=num_reused,
         )
         slot.t_start = time.perf_counter()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench, shared, spec
+from benchmarks import bench, hybrid, shared, spec
 from benchmarks.stall import ROOM_KEPT, StallRun, _Reader, _time_alone
 from slotwise_core.tiny_models import TinyPair
 
@@ -44,6 +44,7 @@ EXPECTED = [
     spec.ROW_BESIDE,
     spec.ROW_STREAMS4,
     *shared.ROWS,
+    *hybrid.ROWS,
 ]
 STALL_SERVER_ROWS = (
     bench.ROW_STALL_SERVER,
@@ -81,8 +82,13 @@ def test_bench_smoke_on_tiny_rope(
             v = r[key]
             if v is not None:
                 assert math.isfinite(v) and v > 0, (name, key, v)
-        if name not in (bench.ROW_COUNT, bench.ROW_PREPARE, spec.ROW_BESIDE):
+        if name not in (bench.ROW_COUNT, bench.ROW_PREPARE, spec.ROW_BESIDE, hybrid.ROW_BYTES):
             assert r["ratio"] is not None, name
+    # the hybrid chat: checkpoints spare most of the prompts (counts: the same on any machine),
+    # and it goes on past the slot where no checkpoints would stop it
+    assert rows[hybrid.ROW_DECODED]["ratio"] < 0.5, rows[hybrid.ROW_DECODED]["note"]
+    assert rows[hybrid.ROW_TURNS]["ours"] == 6 and rows[hybrid.ROW_TURNS]["ratio"] > 1
+    assert hybrid.ROW_TURNS_SERVER not in rows
     # the image travels once, as its file
     assert rows[bench.ROW_PREPARE_BYTES]["ratio"] <= 1.25
     # no llama-server given: its rows are skipped, not printed empty

@@ -163,7 +163,9 @@ def test_a_killed_replica_s_sessions_continue_elsewhere_from_their_last_turn(
         failover = time.monotonic() - t0
         assert done.finished is not None and not done.finished.error
         assert again[0].num_prompt_cells == started[0].num_prompt_cells
-        assert again[0].num_reused_cells == started[0].num_reused_cells
+        # (what the other replica decodes again of the reply, its checkpoint being older than
+        # the session's last turn, is not counted as reused: it was not)
+        assert again[0].num_reused_cells <= started[0].num_reused_cells
         now = owners(cluster)
         assert now[victim_sid].alive
         info = client.get_session(victim_sid)
