@@ -236,13 +236,30 @@ class Calls:
 
     def tokenize(
         self, text: str, add_special: bool, parse_special: bool, with_pieces: bool,
-        timeout: float | None,
+        timeout: float | None, max_tokens: int = 0,
     ) -> Call[Tokens]:  # fmt: skip
         request = prep_pb2.TokenizeRequest(
             text=text, add_special=add_special, parse_special=parse_special,
-            with_pieces=with_pieces,
+            with_pieces=with_pieces, max_tokens=max_tokens,
         )  # fmt: skip
         return self._call("prep", PREP_SERVICE, "Tokenize", request, Tokens.from_pb, timeout)
+
+    def tokenize_batch(
+        self, texts: Sequence[str], add_special: bool | Sequence[bool], parse_special: bool,
+        timeout: float | None,
+    ) -> Call[list[Tokens]]:  # fmt: skip
+        specials = [add_special] * len(texts) if isinstance(add_special, bool) else add_special
+        request = prep_pb2.TokenizeBatchRequest(
+            texts=[
+                prep_pb2.TokenizeRequest(text=t, add_special=a, parse_special=parse_special)
+                for t, a in zip(texts, specials, strict=True)
+            ]
+        )
+
+        def read(r: prep_pb2.TokenizeBatchResponse) -> list[Tokens]:
+            return [Tokens.from_pb(t) for t in r.texts]
+
+        return self._call("prep", PREP_SERVICE, "TokenizeBatch", request, read, timeout)
 
     def detokenize(self, token_ids: Sequence[int], timeout: float | None) -> Call[Tokens]:
         request = prep_pb2.DetokenizeRequest(token_ids=list(token_ids))

@@ -33,7 +33,7 @@ from clients.client import (
     Tls,
     Unit,
 )
-from slotwise_core.limits import DEFAULT_MAX_IMAGES
+from slotwise_core.limits import DEFAULT_MAX_IMAGES, DEFAULT_MAX_MESSAGES
 
 EXIT_OK, EXIT_SERVER, EXIT_USAGE = 0, 1, 2
 
@@ -175,9 +175,9 @@ def generation_arguments(p: argparse.ArgumentParser, *, keep_default: int | str 
 
 
 def http_arguments(p: argparse.ArgumentParser, *, max_images: bool = True) -> None:
-    """max_images: the gateway's own --max-images (`slotwise serve` has prep's, which it
-    honours too). The defaults are MediaPolicy's and GatewayConfig's, not imported: every
-    command builds this parser, and the gateway's imports are not light."""
+    """max_images: the gateway's own --max-images and --max-messages (`slotwise serve` has
+    prep's, which it honours too). The defaults are MediaPolicy's and GatewayConfig's, not
+    imported: every command builds this parser, and the gateway's imports are not light."""
     g = p.add_argument_group("HTTP API")
     g.add_argument("--model-name", default="slotwise", help="the model's id in /v1/models")
     g.add_argument(
@@ -215,6 +215,16 @@ def http_arguments(p: argparse.ArgumentParser, *, max_images: bool = True) -> No
             help="images per request (default %(default)s, prep's): more are refused (400) "
             "before any is fetched or decoded",
         )  # fmt: skip
+        g.add_argument(
+            "--max-messages", type=positive_int, default=DEFAULT_MAX_MESSAGES,
+            help="chat messages per request (default %(default)s, prep's): more are refused "
+            "(400) before any is read",
+        )  # fmt: skip
+    g.add_argument(
+        "--max-completions", type=positive_int, default=32,
+        help="generations one llama-server /completion starts, its prompts x n_cmpl (default "
+        "%(default)s): more are refused (400) before any starts",
+    )  # fmt: skip
     g.add_argument(
         "--max-body-mb", type=positive_int, default=64,
         help="request body size (default %(default)s): larger is refused (413) as it comes in",
@@ -224,6 +234,12 @@ def http_arguments(p: argparse.ArgumentParser, *, max_images: bool = True) -> No
     )
 
 
+def _max_messages(args: argparse.Namespace) -> int:
+    """The gateway's --max-messages, or prep's where the parser has that one (serve)."""
+    own = getattr(args, "max_messages", None)
+    return int(own if own is not None else getattr(args, "prep_max_messages", DEFAULT_MAX_MESSAGES))
+
+
 def gateway_config(
     args: argparse.Namespace,
     prep: str,
@@ -231,9 +247,10 @@ def gateway_config(
     token: str | None,
     keys: Any = None,
     max_images: int | None = None,
+    max_messages: int | None = None,
 ):
     """keys: the callers' keys (slotwise_core.keys.Keys), which the services hold too;
-    max_images: where the parser has no --max-images of the gateway's own (prep's)."""
+    max_images, max_messages: where the parser has no such flag of the gateway's own (prep's)."""
     from clients.gateway import GatewayConfig
     from clients.gateway.media import MediaPolicy, check_allow_patterns
 
@@ -259,6 +276,8 @@ def gateway_config(
         cors_origins=tuple(args.cors_origins),
         ui=not args.no_ui,
         max_body_bytes=args.max_body_mb << 20,
+        max_messages=_max_messages(args) if max_messages is None else max_messages,
+        max_completions=args.max_completions,
     )
 
 

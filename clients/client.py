@@ -299,11 +299,27 @@ class SlotwiseClient(_Client):
         parse_special: bool = True,
         with_pieces: bool = False,
         timeout: float | None = None,
+        max_tokens: int = 0,
     ) -> Tokens:
         """The text's token ids as it is (no chat template, no media), as llama-server's
-        /tokenize; with_pieces: each token's bytes too."""
-        call = self._calls.tokenize(text, add_special, parse_special, with_pieces, timeout)
+        /tokenize; with_pieces: each token's bytes too; max_tokens > 0: a text of more tokens
+        is refused (OUT_OF_RANGE) before they are sent."""
+        call = self._calls.tokenize(
+            text, add_special, parse_special, with_pieces, timeout, max_tokens
+        )
         return self._unary(call)
+
+    def tokenize_batch(
+        self,
+        texts: Sequence[str],
+        *,
+        add_special: bool | Sequence[bool] = False,
+        parse_special: bool = True,
+        timeout: float | None = None,
+    ) -> list[Tokens]:
+        """Several texts in one call, each as tokenize does it (add_special: for all, or one
+        per text); at most slotwise_core.limits.MAX_TOKENIZE_TEXTS."""
+        return self._unary(self._calls.tokenize_batch(texts, add_special, parse_special, timeout))
 
     def detokenize(self, token_ids: Sequence[int], *, timeout: float | None = None) -> Tokens:
         """Each token's bytes and the text they make."""
@@ -493,10 +509,26 @@ class AsyncSlotwiseClient(_Client):
         parse_special: bool = True,
         with_pieces: bool = False,
         timeout: float | None = None,
+        max_tokens: int = 0,
     ) -> Tokens:
         """See SlotwiseClient.tokenize."""
-        call = self._calls.tokenize(text, add_special, parse_special, with_pieces, timeout)
+        call = self._calls.tokenize(
+            text, add_special, parse_special, with_pieces, timeout, max_tokens
+        )
         return await self._unary(call)
+
+    async def tokenize_batch(
+        self,
+        texts: Sequence[str],
+        *,
+        add_special: bool | Sequence[bool] = False,
+        parse_special: bool = True,
+        timeout: float | None = None,
+    ) -> list[Tokens]:
+        """See SlotwiseClient.tokenize_batch."""
+        return await self._unary(
+            self._calls.tokenize_batch(texts, add_special, parse_special, timeout)
+        )
 
     async def detokenize(self, token_ids: Sequence[int], *, timeout: float | None = None) -> Tokens:
         """See SlotwiseClient.detokenize."""

@@ -103,7 +103,9 @@ def parser() -> argparse.ArgumentParser:
 def start_arguments(s: Mapping[str, Any]) -> tuple[Path, Path | None, dict[str, Any]]:
     """The model, the projector and `start`'s arguments from settings named as OPTIONS names
     them (this service's parser and `slotwise serve` alike)."""
-    limits = Limits(s["max_pixels"], s["max_side"], s["max_images"], s["max_total_pixels"])
+    limits = Limits(
+        s["max_pixels"], s["max_side"], s["max_images"], s["max_total_pixels"], s["max_messages"]
+    )
     arguments = {
         "threads": s["threads"],
         "limits": limits,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -68,31 +70,37 @@ class _Template:
         template that moves text, like Mistral's tools before the last user message), is no
         boundary: its messages' text goes with the next boundary's message, which holds them
         (holders[i]). The last message holds what has no boundary after it.
+
+        The cut after message i is the rendering of messages[:i + 1]; a long conversation
+        learns most of them from one rendering instead (`_Cuts`), so that their cost grows
+        with the number of messages, not with its square.
         """
         full = self.render(turns, add_generation_prompt=True, tools=tools)
         n = len(turns)
+        cuts = _Cuts(self, turns, tools, full)
         pieces = [""] * (n + 1)
         holders = list(range(n))
-        done, group = "", []
+        done, group = 0, []
         for i in range(n):
             group.append(i)
-            try:
-                cut = self.render(turns[: i + 1], add_generation_prompt=False, tools=tools)
-            except TemplateError:
-                continue
-            if cut.startswith(done) and full.startswith(cut):
-                pieces[i], done = cut[len(done) :], cut
+            cut = cuts.at(i)  # (a prefix of full, or None: both prefixes, a longer one goes on)
+            if cut is not None and cut >= done:
+                pieces[i], done = full[done:cut], cut
                 for j in group:
                     holders[j] = i
                 group = []
         if group:  # no boundary after them: the last message holds them and the rest
-            pieces[n - 1] += full[len(done) :]
+            pieces[n - 1] += full[done:]
             for j in group:
                 holders[j] = n - 1
         else:
-            pieces[n] = full[len(done) :]
+            pieces[n] = full[done:]
+        # where each message's piece ends (an unfold of message i moves text from piece i + 1
+        # to piece i: the ends after i stay where they were)
+        ends = list(itertools.accumulate(map(len, pieces)))
         for i in range(n - 1):
-            self._unfold(turns, pieces, holders, i, tools)
+            if cuts.may_fold(i, pieces[i + 1], ends[i]):
+                self._unfold(turns, pieces, holders, i, tools)
         return pieces, holders
 
     def _unfold(
@@ -132,6 +140,174 @@ class _Template:
                 if end < len(piece):
                     pieces[i], pieces[i + 1] = pieces[i] + piece[:end], piece[end:]
                 return
+
+
+# A conversation of at most this many messages renders every prefix (exact, and cheap: 64
+# prefixes of at most 64 messages); a longer one learns its cuts (_Cuts).
+EXACT_PIECES = 64
+# Messages rendered in prefixes, all of one conversation's together, beyond the three whole
+# renderings a long one costs: as many as this many whole renderings hold (a template can take
+# 30 us a message: Mistral's), or EXACT_MESSAGES, whichever is more. Past it, a cut that could
+# not be learnt is no boundary (its message goes with the next boundary's).
+MAX_PREFIX_RENDERINGS = 16
+EXACT_MESSAGES = 1 << 15  # (every prefix of 256 messages)
+_MARK = re.compile("\ue000slotwise-([0-9]+)\ue001")
+
+
+class _Cuts:
+    """Where the rendering of messages[:i + 1] ends in the whole one, for every i.
+
+    At most EXACT_PIECES messages: each prefix rendered, as the definition says. More: the
+    conversation is rendered once more with a sentinel for each message's content, which says
+    where every content is and what the template wrote between two of them (the gap). The cut
+    in the gap after message i, for a pair of roles (role i, role i + 1), is learnt from the
+    first such pair's exact rendering: what follows the cut there (the next turn's header) is
+    where the cut is in every other gap that ends with it. The last pair of each kind is
+    rendered exactly too, to check what was learnt; a kind that fails is rendered exactly for
+    each of its pairs, the latest first (a session continues at the end), within the bound
+    above. A template that moves, copies or changes a message's content (but for trimming it)
+    learns nothing: every cut is rendered, within the same bound.
+    tests/test_hostile_prep.py checks the learnt cuts against the exact ones.
+    """
+
+    def __init__(
+        self, template: _Template, turns: Sequence[TemplateMessage], tools: Tools, full: str
+    ):
+        self.template, self.turns, self.tools, self.full = template, turns, tools, full
+        self.n = len(turns)
+        self.budget = max(MAX_PREFIX_RENDERINGS * self.n, EXACT_MESSAGES)
+        self.exact: dict[int, int | None] = {}
+        self.learnt: dict[int, int | None] = {}
+        self.contents: list[tuple[int, int]] | None = None  # (start, end) of each, learnt
+        if self.n > EXACT_PIECES:
+            self._learn()
+
+    def at(self, i: int) -> int | None:
+        """The cut after message i: the length of the prefix's rendering when the whole one
+        begins with it, else None (no boundary)."""
+        if self.n <= EXACT_PIECES:
+            return self._render(i)
+        if i in self.learnt:
+            return self.learnt[i]
+        return self.exact.get(i)
+
+    def may_fold(self, i: int, next_piece: str, end: int) -> bool:
+        """Whether message i's content may have been folded into the next piece (_unfold then
+        renders to see): in a long conversation, only if that piece shows it, its content is
+        not where its own piece ends (`end`) or before, and within the bound on rendering."""
+        if self.n <= EXACT_PIECES:
+            return True
+        content = self.turns[i].content
+        shown = any(c and c in next_piece for c in (content, content.strip()))
+        if not shown or self.budget < i + 2:
+            return False
+        if self.contents is not None and self.contents[i][1] <= end:
+            return False
+        self.budget -= i + 2
+        return True
+
+    def _render(self, i: int) -> int | None:
+        try:
+            cut = self.template.render(
+                self.turns[: i + 1], add_generation_prompt=False, tools=self.tools
+            )
+        except TemplateError:
+            return None
+        return len(cut) if self.full.startswith(cut) else None
+
+    def _exactly(self, i: int) -> int | None:
+        """The exact cut, within the bound (past it: None, no boundary)."""
+        if i not in self.exact:
+            if self.budget < i + 1:
+                return None
+            self.budget -= i + 1
+            self.exact[i] = self._render(i)
+        return self.exact[i]
+
+    def _learn(self) -> None:
+        whole = self.template.render(self.turns, add_generation_prompt=False, tools=self.tools)
+        common = _common_prefix(whole, self.full)
+        self.learnt[self.n - 1] = len(whole) if common == len(whole) else None
+        self.contents = self._locate(whole)
+        kinds: dict[tuple[str, str], list[int]] = {}
+        for i in range(self.n - 1):
+            kinds.setdefault((self.turns[i].role, self.turns[i + 1].role), []).append(i)
+        rest: list[int] = []
+        for pairs in kinds.values():
+            header = self._header(pairs, whole)
+            for i in pairs:
+                cut = self._cut(i, header, whole)
+                if cut is None:
+                    rest.append(i)
+                else:
+                    self.learnt[i] = cut if cut <= common else None
+        for i in sorted(rest, reverse=True):  # (the latest first: a session continues there)
+            self.learnt[i] = self._exactly(i)
+
+    def _locate(self, whole: str) -> list[tuple[int, int]] | None:
+        """Where each message's content is in the whole rendering, from one rendering with a
+        sentinel for each content; None when the template does more with a content than write
+        it, or trim it, once and in order."""
+        marked = [replace(t, content=f"\ue000slotwise-{i}\ue001") for i, t in enumerate(self.turns)]
+        try:
+            text = self.template.render(marked, add_generation_prompt=False, tools=self.tools)
+        except TemplateError:
+            return None
+        found = list(_MARK.finditer(text))
+        if [int(m.group(1)) for m in found] == list(range(self.n)):
+            gaps = [text[a.end() : b.start()] for a, b in itertools.pairwise(found)]
+            gaps = [text[: found[0].start()], *gaps, text[found[-1].end() :]]
+            return _place(whole, [t.content for t in self.turns], gaps)
+        return None
+
+    def _header(self, pairs: list[int], whole: str) -> str | None:
+        """What follows the cut in the gap after the first of these pairs (the next message's
+        header), checked on the last of them; None when the cut is not in that gap."""
+        if self.contents is None:
+            return None
+        first = pairs[0]
+        cut = self._exactly(first)
+        end, start = self.contents[first][1], self.contents[first + 1][0]
+        if cut is None or not end <= cut <= start:
+            return None
+        header = whole[cut:start]
+        last = pairs[-1]
+        if last != first and self._exactly(last) != self._cut(last, header, whole):
+            return None
+        return header
+
+    def _cut(self, i: int, header: str | None, whole: str) -> int | None:
+        if header is None or self.contents is None:
+            return None
+        end, start = self.contents[i][1], self.contents[i + 1][0]
+        cut = start - len(header)
+        return cut if cut >= end and whole.startswith(header, cut) else None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix (compared in C, a halving at a time)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if a[lo:mid] == b[lo:mid] else (lo, mid - 1)
+    return lo
+
+
+def _place(whole: str, contents: list[str], gaps: list[str]) -> list[tuple[int, int]] | None:
+    """(start, end) of each content in `whole`, which is gaps[0] content[0] gaps[1] ...
+    content[n - 1] gaps[n], each content as it is or trimmed; None when it is not."""
+    if not whole.startswith(gaps[0]):
+        return None
+    at, out = len(gaps[0]), []
+    for content, gap in zip(contents, gaps[1:], strict=True):
+        for shown in (content, content.strip()):
+            if whole.startswith(shown, at) and whole.startswith(gap, at + len(shown)):
+                out.append((at, at + len(shown)))
+                at += len(shown) + len(gap)
+                break
+        else:
+            return None
+    return out if at == len(whole) else None
 
 
 class ChatTemplate(_Template):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prep_service.image_cache import DEFAULT_IMAGE_CACHE_BYTES
 from slotwise_core.images import DEFAULT_MAX_PIXELS, DEFAULT_MAX_TOTAL_PIXELS
-from slotwise_core.limits import DEFAULT_MAX_IMAGES
+from slotwise_core.limits import DEFAULT_MAX_IMAGES, DEFAULT_MAX_MESSAGES
 from slotwise_core.options import option, positive_int
 from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -19,6 +19,8 @@ OPTIONS = (
     option("--max-side", type=int, default=0, help="downscale images above this side"),
     option("--max-images", type=positive_int, default=DEFAULT_MAX_IMAGES,
            help="images per request"),
+    option("--max-messages", type=positive_int, default=DEFAULT_MAX_MESSAGES,
+           help="messages of one chat (more are refused before the template renders any)"),
     option("--max-total-pixels", type=int, default=DEFAULT_MAX_TOTAL_PIXELS,
            help="pixels of all images of one request together (checked before decoding)"),
     option("--max-message-mb", type=positive_int, default=DEFAULT_MAX_MESSAGE_BYTES >> 20),

@@ -542,17 +542,23 @@ def _media(c: native.RawChunk, image: ImageRef, msg: int, group: int) -> MediaCh
 def _merge_runs(
     plan: list[tuple[TemplateMessage, list[int]]],
 ) -> list[tuple[TemplateMessage, list[int]]]:
-    """Consecutive user (or assistant) turns as one, their contents joined."""
-    out: list[tuple[TemplateMessage, list[int]]] = []
+    """Consecutive user (or assistant) turns as one, their contents joined (each run joined
+    once: a run of 4,000 messages is not copied 4,000 times)."""
+    runs: list[list[tuple[TemplateMessage, list[int]]]] = []
     for turn, sources in plan:
-        if out and out[-1][0].role == turn.role and turn.role in ("user", "assistant"):
-            last, last_sources = out[-1]
-            joined = replace(
-                last,
-                content=f"{last.content}\n\n{turn.content}",
-                tool_calls=last.tool_calls + turn.tool_calls,
-            )
-            out[-1] = (joined, last_sources + sources)
+        last = runs[-1][-1][0] if runs else None
+        if last is not None and last.role == turn.role and turn.role in ("user", "assistant"):
+            runs[-1].append((turn, sources))
         else:
-            out.append((turn, sources))
+            runs.append([(turn, sources)])
+    out: list[tuple[TemplateMessage, list[int]]] = []
+    for run in runs:
+        first = run[0][0]
+        if len(run) > 1:
+            first = replace(
+                first,
+                content="\n\n".join(t.content for t, _ in run),
+                tool_calls=tuple(c for t, _ in run for c in t.tool_calls),
+            )
+        out.append((first, [m for _, sources in run for m in sources]))
     return out

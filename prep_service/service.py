@@ -35,6 +35,7 @@ from slotwise_core.images import (
     image_facts,
     image_size,
 )
+from slotwise_core.limits import DEFAULT_MAX_MESSAGES, MAX_TOKENIZE_TEXTS
 from slotwise_core.serving import abort, current_tenant
 
 log = logging.getLogger("slotwise.prep")
@@ -51,6 +52,15 @@ class Limits:
     max_side: int = 0  # > 0: downscale larger images so neither side exceeds it
     max_images: int = 64
     max_total_pixels: int = DEFAULT_MAX_TOTAL_PIXELS  # all images of one request together
+    max_messages: int = DEFAULT_MAX_MESSAGES  # a chat's, before its template renders any
+
+
+class TooManyTokens(ValueError):
+    """A text past a Tokenize's max_tokens: refused before its tokens are sent."""
+
+    def __init__(self, num_tokens: int, max_tokens: int):
+        super().__init__(f"the text is {num_tokens} tokens: at most {max_tokens} here")
+        self.num_tokens, self.max_tokens = num_tokens, max_tokens
 
 
 class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
@@ -95,14 +105,32 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
         )
 
     async def Tokenize(self, request, context):
-        def work() -> prep_pb2.TokenizeResponse:
-            ids = self.preparer.tokenize(
-                request.text, add_special=request.add_special, parse_special=request.parse_special
+        return await self._run(lambda: self._tokenize(request), context)
+
+    async def TokenizeBatch(self, request, context):
+        """Every text in one call, on one worker: a prompt of 20,000 strings is one round trip,
+        not 20,000 (their count is bounded, their bytes by the message size)."""
+        if len(request.texts) > MAX_TOKENIZE_TEXTS:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(request.texts)} texts in one call: at most {MAX_TOKENIZE_TEXTS}",
+                field="texts",
             )
-            pieces = self.preparer.pieces(ids) if request.with_pieces else []
-            return prep_pb2.TokenizeResponse(token_ids=ids, pieces=pieces)
+
+        def work() -> prep_pb2.TokenizeBatchResponse:
+            return prep_pb2.TokenizeBatchResponse(texts=[self._tokenize(t) for t in request.texts])
 
         return await self._run(work, context)
+
+    def _tokenize(self, request) -> prep_pb2.TokenizeResponse:
+        ids = self.preparer.tokenize(
+            request.text, add_special=request.add_special, parse_special=request.parse_special
+        )
+        if request.max_tokens and len(ids) > request.max_tokens:
+            raise TooManyTokens(len(ids), request.max_tokens)
+        pieces = self.preparer.pieces(ids) if request.with_pieces else []
+        return prep_pb2.TokenizeResponse(token_ids=ids, pieces=pieces)
 
     async def Detokenize(self, request, context):
         def work() -> prep_pb2.DetokenizeResponse:
@@ -161,6 +189,14 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
     async def _run(self, work, context):
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+        except TooManyTokens as e:
+            await abort(
+                context,
+                grpc.StatusCode.OUT_OF_RANGE,
+                str(e),
+                reason="TOO_MANY_TOKENS",
+                metadata={"num_tokens": str(e.num_tokens), "max_tokens": str(e.max_tokens)},
+            )
         except (InputError, ImageError, TemplateError) as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except UnsupportedError as e:
@@ -207,6 +243,12 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
 
     def _request(self, request, *, sizes_allowed: bool, tenant: str) -> list[Message] | RawPrompt:
         which = request.WhichOneof("input")
+        if which == "chat" and len(request.chat.messages) > self.limits.max_messages:
+            # (before anything is read of them: the template's cost grows with their number)
+            raise InputError(
+                f"{len(request.chat.messages)} messages in one request: at most "
+                f"{self.limits.max_messages} (--max-messages)"
+            )
         self._check_total_pixels(request)
         n_images = 0
         files: list[tuple[bytes, str]] = []  # the encoded images, in order

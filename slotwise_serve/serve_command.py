@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--http-port", type=int, help="also serve the OpenAI-compatible HTTP API on this port"
     )
-    http_arguments(p, max_images=False)  # prep's --max-images is the gateway's too
+    http_arguments(p, max_images=False)  # prep's --max-images and --max-messages: the gateway's
     return p
 
 
@@ -118,8 +118,9 @@ def main(argv: list[str]) -> int:
 
     def gateway(s: Services) -> Any:  # one keys file for all three: callers' keys go on
         return gateway_config(
-            args, s.prep_address, s.infer_address, None, keys, max_images=args.prep_max_images
-        )
+            args, s.prep_address, s.infer_address, None, keys,
+            max_images=args.prep_max_images, max_messages=args.prep_max_messages,
+        )  # fmt: skip
 
     http = (gateway, args.http_port) if args.http_port is not None else None
     try:

@@ -51,3 +51,31 @@ def test_other_biases_outside_the_range_are_refused(prep_servers, infer_server, 
         run(server.port, req)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "logit_bias" in (e.value.details() or "")
+
+
+@pytest.fixture
+def http_stack(loop_thread, tiny, prep_servers):
+    from support.http_stack import Stacks
+
+    stacks = Stacks(loop_thread, tiny, prep_servers)
+    yield stacks.start("rope")
+    stacks.close()
+
+
+def test_the_native_api_takes_ignore_eos_and_false_biases(http_stack) -> None:
+    import httpx
+
+    end = token_id("<|im_end|>")
+    with httpx.Client(base_url=http_stack.url, timeout=120) as api:
+        body = {"prompt": "hi", "n_predict": 12, "temperature": 0, "return_tokens": True}
+        forced = api.post("/completion", json={**body, "logit_bias": [[end, 100]]})
+        assert forced.status_code == 200 and forced.json()["tokens_predicted"] <= 1
+        ignored = api.post(
+            "/completion", json={**body, "logit_bias": [[end, 100]], "ignore_eos": True}
+        )
+        assert ignored.status_code == 200, ignored.text
+        assert ignored.json()["tokens_predicted"] == 12 and end not in ignored.json()["tokens"]
+        plain = api.post("/completion", json=body).json()["tokens"]
+        banned = api.post("/completion", json={**body, "logit_bias": [[plain[0], False]]})
+        assert banned.status_code == 200, banned.text
+        assert plain[0] not in banned.json()["tokens"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -28,12 +29,19 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
-from clients.client import AsyncSlotwiseClient
+from clients.client import AsyncSlotwiseClient, SlotwiseError
 from clients.gateway import anthropic_api, llama_server_api, media, openai_api
 from clients.gateway.anthropic_api import CountRequest, Messages, MessagesRequest
-from clients.gateway.errors import ApiError, invalid
+from clients.gateway.bodies import BodyError, BoundedRoute
+from clients.gateway.errors import (
+    ApiError,
+    bad_request,
+    check_message_count,
+    from_slotwise,
+    invalid,
+)
 from clients.gateway.llama_options import native_error, read_body
-from clients.gateway.llama_server_api import LlamaServer
+from clients.gateway.llama_server_api import DEFAULT_MAX_COMPLETIONS, LlamaServer
 from clients.gateway.llama_slots import Slots
 from clients.gateway.media import MediaPolicy
 from clients.gateway.responses_api import Responses, ResponsesRequest
@@ -41,6 +49,7 @@ from clients.gateway.schema import ChatCompletionRequest, CompletionRequest, Emb
 from clients.gateway.turns import conversation_key
 from clients.gateway.ui_api import add_ui, is_open_path
 from slotwise_core.keys import Keys, bearer, callers, reload_on_sighup
+from slotwise_core.limits import DEFAULT_MAX_MESSAGES
 
 __all__ = ["GatewayConfig", "conversation_key", "create_app"]
 
@@ -63,6 +72,9 @@ class GatewayConfig:
     cors_origins: tuple[str, ...] = ()
     ui: bool = True  # the web page at / (its API under /slotwise/ is there either way)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # 413 beyond: nothing larger is read in
+    max_messages: int = DEFAULT_MAX_MESSAGES  # a chat's (400 beyond, before any is read)
+    # generations one /completion starts (its prompts x n_cmpl): 400 beyond, before any starts
+    max_completions: int = DEFAULT_MAX_COMPLETIONS
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -82,6 +94,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(
         title="slotwise", summary="OpenAI and Anthropic APIs over slotwise", lifespan=lifespan
     )
+    app.router.route_class = BoundedRoute  # (every body read with bodies.parse's bounds)
     app.state.closing = closing
     # bodies sent without a Content-Length (chunked) are counted as they come in, and refused
     # past the limit (an HTTPException(413), which too_large below answers); a declared
@@ -151,7 +164,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 return error(path, refused)
             _CALLER_KEY.set(key)
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > config.max_body_bytes:
+        if re.fullmatch("[0-9]+", declared) and int(declared[:20]) > config.max_body_bytes:
             requests.labels("too_large", "413").inc()
             return error(path, too_big)  # (before a byte of it is read)
         t0 = time.perf_counter()
@@ -173,6 +186,25 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def unreadable(request: Request, e: RequestValidationError) -> JSONResponse:
         return error(request.url.path, invalid(e.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        """Starlette's and FastAPI's own refusals (a body refused as it was read, an unknown
+        path, a method the path lacks), in the API's shape rather than {"detail": ...}."""
+        if isinstance(e, BodyError):
+            return error(request.url.path, bad_request(e.message, e.param))
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return error(request.url.path, ApiError(e.status_code, str(e.detail), type=kind))
+
+    @app.exception_handler(SlotwiseError)
+    async def services_error(request: Request, e: SlotwiseError) -> JSONResponse:
+        """A refusal of the services that no API translated itself."""
+        return error(request.url.path, from_slotwise(e))
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, e: Exception) -> JSONResponse:
+        """A fault of the gateway's own (logged by the server): still the API's error shape."""
+        return error(request.url.path, ApiError(500, f"internal error: {e!r}", type="server_error"))
 
     def route(method: str, path: str) -> Callable[[Any], Any]:
         """Both /v1{path} and {path}."""
@@ -218,6 +250,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @route("POST", "/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Response:
+        check_message_count(len(body.messages), config.max_messages, "messages")
         name = model_name(body.model)
         return await openai_api.chat_completion(client(), body, config.media, name)
 
@@ -231,6 +264,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @route("POST", "/responses")
     async def create_response(body: ResponsesRequest) -> Response:
+        if isinstance(body.input, list):
+            check_message_count(len(body.input), config.max_messages, "input")
         return await Responses(client(), config.media, model_name(body.model)).create(body)
 
     @route("GET", "/responses/{response_id}")
@@ -243,10 +278,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @route("POST", "/messages")
     async def messages(body: MessagesRequest) -> Response:
+        check_message_count(len(body.messages), config.max_messages, "messages")
         return await Messages(client(), config.media, model_name(body.model)).create(body)
 
     @route("POST", "/messages/count_tokens")
     async def count_tokens(body: CountRequest) -> dict[str, int]:
+        check_message_count(len(body.messages), config.max_messages, "messages")
         return await Messages(client(), config.media, model_name(body.model)).count_tokens(body)
 
     add_llama_server(app, route, client, config)
@@ -266,7 +303,8 @@ def add_llama_server(
     def native() -> LlamaServer:
         return LlamaServer(
             client(), model=config.model_name, media=config.media, slots=slots, ui=config.ui,
-            cors=bool(config.cors_origins),
+            cors=bool(config.cors_origins), max_messages=config.max_messages,
+            max_completions=config.max_completions,
         )  # fmt: skip
 
     def post(*paths: str) -> Callable[[Any], Any]:
@@ -286,7 +324,7 @@ def add_llama_server(
         return await native().infill(await read_body(request))
 
     @post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
+    async def tokenize(request: Request) -> Response:
         return await native().tokenize(await read_body(request))
 
     @post("/detokenize")

@@ -5,6 +5,11 @@
 400 invalid_request_error (`context_length_exceeded` for a prompt that can never fit), 401 with
 --api-key, 404 for an unknown model, 413 for a body past --max-body-mb, 429 when the queue is
 full (with Retry-After), 503 while loading or draining. Bad input never gets a 500.
+
+Every gRPC status of the services has its HTTP status (_BY_CODE, complete: a test walks
+grpc.StatusCode): CANCELLED is 503 with Retry-After (a call the services ended, not the caller:
+the caller that went away hears nothing), ABORTED 409, UNKNOWN and a status grpc adds later 502;
+only INTERNAL and DATA_LOSS are 500, each with its message in the API's error shape.
 """
 
 from __future__ import annotations
@@ -70,6 +75,12 @@ def invalid(errors: Sequence[Mapping[str, Any]], *where: str) -> ApiError:
 
 
 _BY_CODE = {
+    grpc.StatusCode.OK: (502, "server_error"),  # (a failure with OK: the services misspoke)
+    # the services ended the call (a shutdown, a request of the same caller that failed, a
+    # transport reset): nothing was wrong with the request, and a retry may succeed
+    grpc.StatusCode.CANCELLED: (503, "server_error"),
+    grpc.StatusCode.UNKNOWN: (502, "server_error"),
+    grpc.StatusCode.ABORTED: (409, "invalid_request_error"),  # a conflict: retry the sequence
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
@@ -88,15 +99,19 @@ _BY_CODE = {
 
 def from_slotwise(e: SlotwiseError) -> ApiError:
     """A gRPC error of prep or infer, as the OpenAI API would say it."""
-    status, kind = _BY_CODE.get(e.code(), (500, "server_error"))
+    status, kind = _BY_CODE.get(e.code(), (502, "server_error"))
     code: str | None = e.reason.lower() or None
     param = next(iter(e.field_violations), None)
+    message, retry_after = e.message, e.retry_delay
+    if e.code() is grpc.StatusCode.CANCELLED:
+        message = f"the services ended this call before it finished ({e.message}): retry"
+        code, retry_after = code or "cancelled", retry_after or 1.0
     if e.reason == "PROMPT_TOO_LONG":
         code, param = "context_length_exceeded", "messages"
     elif e.reason in ("STORAGE_FULL", "STORAGE_FAILED", "SESSION_NOT_SAVED"):
         status, kind = 503, "server_error"
-    return ApiError(status, e.message, type=kind, code=code, param=param,
-                    retry_after=e.retry_delay if status == 429 else None,
+    return ApiError(status, message, type=kind, code=code, param=param,
+                    retry_after=retry_after if status in (429, 503) else None,
                     metadata=dict(e.metadata))  # fmt: skip
 
 
@@ -113,3 +128,14 @@ async def call(awaitable: Awaitable[T]) -> T:
     """A call of the services, a refusal raised as the API's error."""
     with translated():
         return await awaitable
+
+
+def check_message_count(count: int, limit: int, param: str) -> None:
+    """Refuse a chat of more than `limit` messages before any is read (the template renders each
+    one, and prep refuses past its own --max-messages)."""
+    if count > limit:
+        raise bad_request(
+            f"{count} messages in one request; at most {limit} are taken (--max-messages)",
+            param,
+            code="too_many_messages",
+        )

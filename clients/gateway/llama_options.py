@@ -10,6 +10,8 @@ unless they hold their no-op value, never ignored.
 from __future__ import annotations
 
 import json
+import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +20,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from clients.client import Speculative
+from clients.gateway.bodies import parse
 from clients.gateway.errors import ApiError, invalid
 from clients.gateway.options import speculative_of
 from clients.gateway.schema import MAX_N, SlotwiseOptions
@@ -102,27 +105,42 @@ def _json_type(value: object) -> str:
     return "array" if isinstance(value, list) else "object"
 
 
-def get(body: dict[str, Any], name: str, kind: str, default: Any) -> Any:
-    """body[name] when present and not null (llama-server's json_value), else default."""
+def get(body: dict[str, Any], name: str, kind: str, default: Any, *, bits: int = 32) -> Any:
+    """body[name] when present and not null (llama-server's json_value), else default. An
+    integer is one of `bits` bits, signed, as llama-server's C++ reads it (a number past that
+    is refused, by name: it would reach protobuf, or an exponent, as it is)."""
     value = body.get(name)
     if value is None:
         return default
     found = _json_type(value)
-    if kind == "integer" and found == "number":
-        return int(value)
     if found != ("number" if kind in ("integer", "number") else kind):
         want = "number" if kind == "integer" else kind
         raise bad(f"Field '{name}': type must be {want}, but is {found}")
-    return float(value) if kind == "number" else value
+    if kind == "integer":
+        if not -(1 << (bits - 1)) <= value < 1 << (bits - 1):
+            raise bad(f"Field '{name}': {value} is out of range (a {bits}-bit integer)")
+        return int(value)
+    if kind == "number":
+        return number(value, name)
+    return value
+
+
+def number(value: float, name: str) -> float:
+    """A JSON number as a double; an integer too large for one is refused by name."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise bad(f"Field '{name}': {value} is out of range (a double)") from None
 
 
 async def read_body(request: Request) -> dict[str, Any]:
+    """The body's object, read with bodies.parse's bounds (nesting, numbers JSON has not)."""
     raw = await request.body()
     if not raw.strip():
         return {}
     try:
-        body = json.loads(raw)
-    except ValueError as e:
+        body = parse(raw)
+    except json.JSONDecodeError as e:
         raise bad(f"the body is not JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
@@ -229,7 +247,10 @@ class Settings:
             "stream": self.stream,
         }
         if full:
-            p["logit_bias"] = [{"bias": b, "token": t} for t, b in self.logit_bias]
+            # (a ban is -infinity, which llama-server's JSON writes as null)
+            p["logit_bias"] = [
+                {"bias": b if math.isfinite(b) else None, "token": t} for t, b in self.logit_bias
+            ]
         p |= {"n_probs": self.n_probs, "min_keep": 0}
         if full:
             p |= {
@@ -272,8 +293,9 @@ def _samplers(value: Any) -> tuple[str, ...]:
 
 
 def _logit_bias(value: Any, tokenized: dict[str, list[int]]) -> list[tuple[int, float]]:
-    """[[token or text, bias or false], ...] or {"token": bias}; a text biases each of its
-    tokens (tokenized: those texts, tokenized beforehand)."""
+    """[[token or text, bias or false], ...] or {"token or text": bias}; a text biases each of
+    its tokens, as llama-server does in either form (tokenized: those texts, tokenized
+    beforehand: bias_texts)."""
     if not isinstance(value, list | dict):
         raise bad("Field 'logit_bias': give [[token, bias], ...] or {\"token\": bias}")
     pairs: list[Any] = list(value.items()) if isinstance(value, dict) else value
@@ -288,19 +310,38 @@ def _logit_bias(value: Any, tokenized: dict[str, list[int]]) -> list[tuple[int, 
             raise bad("logit_bias: a bias is a number, or false")
         if isinstance(who, int) and not isinstance(who, bool):
             ids = [who]
-        elif isinstance(who, str) and who.lstrip("-").isdigit() and isinstance(value, dict):
-            ids = [int(who)]
+        elif isinstance(who, str) and _is_id(who) and isinstance(value, dict):
+            ids = [int(who) if len(who) < 20 else 1 << 63]  # (past int64: none either way)
         elif isinstance(who, str):
             ids = tokenized[who]
         else:
             raise bad("logit_bias: a token is an id or a text")
-        out += [(t, float(bias)) for t in ids]
+        if any(not 0 <= t < 1 << 31 for t in ids):
+            raise bad(f"logit_bias: {who} is not a token id")
+        out += [(t, number(bias, "logit_bias")) for t in ids]
     return out
 
 
+def _is_id(key: str) -> bool:
+    """An object form's key that is a token id (the rest are texts, tokenized)."""
+    return re.fullmatch(r"-?[0-9]+", key) is not None
+
+
 def bias_texts(value: Any) -> list[str]:
+    """The texts a logit_bias names, in either form, to be tokenized before settings_of."""
+    if isinstance(value, dict):
+        return [k for k in value if not _is_id(k)]
     pairs = value if isinstance(value, list) else []
     return [p[0] for p in pairs if isinstance(p, list) and p and isinstance(p[0], str)]
+
+
+def n_cmpl_of(body: dict[str, Any]) -> int:
+    """The completions each prompt asks for (read before any prompt is: they are bounded
+    together)."""
+    n = get(body, "n_cmpl", "integer", get(body, "n", "integer", 1))
+    if not 1 <= n <= MAX_N:
+        raise bad(f"n_cmpl: 1 to {MAX_N} completions")
+    return int(n)
 
 
 def settings_of(body: dict[str, Any], tokenized: dict[str, list[int]]) -> Settings:
@@ -340,7 +381,7 @@ def settings_of(body: dict[str, Any], tokenized: dict[str, list[int]]) -> Settin
     s.repeat_penalty = get(body, "repeat_penalty", "number", s.repeat_penalty)
     s.presence_penalty = get(body, "presence_penalty", "number", s.presence_penalty)
     s.frequency_penalty = get(body, "frequency_penalty", "number", s.frequency_penalty)
-    seed = get(body, "seed", "integer", -1)
+    seed = get(body, "seed", "integer", -1, bits=64)
     s.seed = RANDOM_SEED if seed in (-1, RANDOM_SEED) else seed & 0xFFFFFFFF
     stop = get(body, "stop", "array", [])
     if not all(isinstance(x, str) for x in stop):
@@ -363,9 +404,7 @@ def settings_of(body: dict[str, Any], tokenized: dict[str, list[int]]) -> Settin
     s.return_tokens = get(body, "return_tokens", "boolean", False)
     s.cache_prompt = get(body, "cache_prompt", "boolean", True)
     s.id_slot = get(body, "id_slot", "integer", -1)
-    s.n_cmpl = get(body, "n_cmpl", "integer", get(body, "n", "integer", 1))
-    if not 1 <= s.n_cmpl <= MAX_N:
-        raise bad(f"n_cmpl: 1 to {MAX_N} completions")
+    s.n_cmpl = n_cmpl_of(body)
     s.response_fields = get(body, "response_fields", "array", [])
     if "logit_bias" in body and body["logit_bias"] is not None:
         s.logit_bias = _logit_bias(body["logit_bias"], tokenized)

@@ -8,7 +8,9 @@ tenants, limits, images (multimodal_data, at the media marker /props names) and 
 A native slot (id_slot, /slots/{id}) is a session (llama_slots.py).
 
 Its bodies are read in llama_options.py. README.md ("llama-server's native API") lists where
-slotwise answers differently, and why.
+slotwise answers differently, and why. A request's work is bounded before it starts: the
+generations one /completion starts (max_completions), the tokens a /tokenize answers with, the
+texts tokenized (all of one request in one TokenizeBatch call), a chat's messages.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import json
 import math
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,13 +41,21 @@ from clients.client import (
 )
 from clients.gateway import options, sse
 from clients.gateway.choices import choices, interleaved, start_all, wholes
-from clients.gateway.errors import ApiError, call, from_slotwise, invalid, translated
+from clients.gateway.errors import (
+    ApiError,
+    call,
+    check_message_count,
+    from_slotwise,
+    invalid,
+    translated,
+)
 from clients.gateway.llama_options import (
     ERROR_TYPES,
     Settings,
     bad,
     bias_texts,
     get,
+    n_cmpl_of,
     native_error,
     settings_of,
 )
@@ -68,6 +79,7 @@ from clients.gateway.turns import (
     per_token,
 )
 from slotwise.v1 import prompt_pb2
+from slotwise_core.limits import DEFAULT_MAX_MESSAGES, MAX_TOKENIZE_TEXTS
 
 __all__ = ["NATIVE_PATHS", "LlamaServer", "error_response", "is_native"]
 
@@ -83,6 +95,12 @@ NATIVE_PATHS = frozenset(
     }
 )  # fmt: skip
 
+# what one request may ask of the services, bounded before any of it starts
+DEFAULT_MAX_COMPLETIONS = 32  # generations of one /completion (prompts x n_cmpl)
+MAX_TOKENIZE_TOKENS = 1 << 20  # tokens a /tokenize answers with (about 4 MB of text)
+MAX_PIECE_TOKENS = 1 << 16  # ... with each one's piece (an object each: 1 GB for 2 MB of text)
+TOKEN_IDS = 1 << 31  # ids are int32 on the wire (a vocabulary is far smaller)
+
 # -- errors ----------------------------------------------------------------------------------
 
 
@@ -93,6 +111,29 @@ def is_native(path: str) -> bool:
 def error_response(e: ApiError) -> JSONResponse:
     headers = {"Retry-After": str(max(1, math.ceil(e.retry_after)))} if e.retry_after else None
     return JSONResponse(error_body(e), status_code=e.status, headers=headers)
+
+
+def check_token_id(t: int, field: str) -> None:
+    """A token id as the contract carries one (int32): past that it is named here, not by
+    protobuf's range error (prep then refuses an id outside the vocabulary)."""
+    if not -TOKEN_IDS <= t < TOKEN_IDS:
+        raise bad(f"Field '{field}': {t} is not a token id")
+
+
+def too_many_tokens(field: str, limit: int) -> ApiError:
+    return bad(f"Field '{field}': more than {limit} tokens; send it in parts")
+
+
+async def json_response(build: Callable[[], Any]) -> Response:
+    """A large answer built and written as JSON off the event loop (as JSONResponse writes it),
+    so that /health and every other request go on meanwhile."""
+
+    def write() -> bytes:
+        return json.dumps(
+            build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")
+        ).encode()
+
+    return Response(await asyncio.to_thread(write), media_type="application/json")
 
 
 def error_body(e: ApiError) -> dict[str, Any]:
@@ -170,9 +211,12 @@ class LlamaServer:
         slots: Slots,
         ui: bool,
         cors: bool,
+        max_messages: int = DEFAULT_MAX_MESSAGES,
+        max_completions: int = DEFAULT_MAX_COMPLETIONS,
     ):
         self.client, self.model, self.media, self.slots = client, model, media, slots
         self.ui, self.cors = ui, cors
+        self.max_messages, self.max_completions = max_messages, max_completions
 
     async def info(self) -> ModelInfo:
         return await call(self.client.model_info())
@@ -182,42 +226,93 @@ class LlamaServer:
 
     # -- tokens -----------------------------------------------------------------------------
 
-    async def tokens_of(self, value: Any, *, add_special: bool, parse_special: bool) -> list[int]:
+    async def tokens_of(
+        self,
+        value: Any,
+        *,
+        add_special: bool,
+        parse_special: bool,
+        field: str = "prompt",
+        max_tokens: int = 0,
+    ) -> list[int]:
         """llama-server's tokenize_mixed: a text, or texts and token ids mixed; a text first
-        in line gets the vocabulary's special tokens (BOS) when add_special."""
+        in line gets the vocabulary's special tokens (BOS) when add_special. Every text in one
+        call (at most MAX_TOKENIZE_TEXTS); max_tokens > 0: more tokens are refused (400)."""
         parts = value if isinstance(value, list) else [value]
+        for part in parts:
+            if isinstance(part, int) and not isinstance(part, bool):
+                check_token_id(part, field)
+            elif not isinstance(part, str):
+                raise bad(f'"{field}" elements must be strings or token ids')
+        texts = [p for p in parts if isinstance(p, str)]
+        if len(texts) > MAX_TOKENIZE_TEXTS:
+            raise bad(f'"{field}": {len(texts)} texts, at most {MAX_TOKENIZE_TEXTS} in a request')
+        specials = [add_special and k == 0 for k, p in enumerate(parts) if isinstance(p, str)]
+        got = await self.tokenize_texts(texts, specials, parse_special, field, max_tokens)
+        tokenized = iter(got)
         out: list[int] = []
-        for k, part in enumerate(parts):
-            if isinstance(part, str):
-                got = await call(
-                    self.client.tokenize(
-                        part, add_special=add_special and k == 0, parse_special=parse_special
-                    )
-                )
-                out += got.token_ids
-            elif isinstance(part, int) and not isinstance(part, bool):
-                out.append(part)
-            else:
-                raise bad('"prompt" elements must be strings or token ids')
+        for part in parts:
+            out += next(tokenized) if isinstance(part, str) else [part]
+            if max_tokens and len(out) > max_tokens:
+                raise too_many_tokens(field, max_tokens)
         return out
 
-    async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def tokenize_texts(
+        self,
+        texts: list[str],
+        add_special: list[bool],
+        parse_special: bool,
+        field: str,
+        max_tokens: int = 0,
+    ) -> list[tuple[int, ...]]:
+        """Each text's tokens: one Tokenize for one text (refused by prep past max_tokens,
+        before they are sent), one TokenizeBatch for several (a prompt of 20,000 strings is one
+        round trip)."""
+        if not texts:
+            return []
+        if len(texts) > 1:
+            many = self.client.tokenize_batch(
+                texts, add_special=add_special, parse_special=parse_special
+            )
+            return [t.token_ids for t in await call(many)]
+        try:
+            one = await self.client.tokenize(
+                texts[0], add_special=add_special[0], parse_special=parse_special,
+                max_tokens=max_tokens,
+            )  # fmt: skip
+        except SlotwiseError as e:
+            too_many = e.reason == "TOO_MANY_TOKENS"
+            raise too_many_tokens(field, max_tokens) if too_many else from_slotwise(e) from None
+        return [one.token_ids]
+
+    async def tokenize(self, body: dict[str, Any]) -> Response:
+        """The content's tokens, at most MAX_TOKENIZE_TOKENS (MAX_PIECE_TOKENS with each one's
+        piece): refused past them, and written as JSON off the event loop."""
         if "content" not in body:
-            return {"tokens": []}
+            return JSONResponse({"tokens": []})
+        pieces = get(body, "with_pieces", "boolean", False)
         ids = await self.tokens_of(
             body["content"],
             add_special=get(body, "add_special", "boolean", False),
             parse_special=get(body, "parse_special", "boolean", True),
+            field="content",
+            max_tokens=MAX_PIECE_TOKENS if pieces else MAX_TOKENIZE_TOKENS,
         )
-        if not get(body, "with_pieces", "boolean", False):
-            return {"tokens": ids}
-        pieces = (await call(self.client.detokenize(ids))).pieces if ids else ()
-        return {"tokens": [{"id": t, "piece": _piece(p)} for t, p in zip(ids, pieces, strict=True)]}
+        if not pieces:
+            return await json_response(lambda: {"tokens": ids})
+        shown = (await call(self.client.detokenize(ids))).pieces if ids else ()
+        return await json_response(
+            lambda: {
+                "tokens": [{"id": t, "piece": _piece(p)} for t, p in zip(ids, shown, strict=True)]
+            }
+        )
 
     async def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         ids = get(body, "tokens", "array", [])
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise bad("Field 'tokens': type must be array of numbers")
+        for t in ids:
+            check_token_id(t, "tokens")
         if not ids:
             return {"content": ""}
         return {"content": (await call(self.client.detokenize(ids))).text}
@@ -227,7 +322,7 @@ class LlamaServer:
     async def chat_prompt(self, body: dict[str, Any]) -> Prepared:
         """The prompt a chat becomes, with llama-server's checks: a final assistant message is
         continued (prefilled), not answered."""
-        messages = chat_body(body)
+        messages = chat_body(body, self.max_messages)
         continued = continuation(
             messages, body.get("continue_final_message"), body.get("add_generation_prompt", True)
         )
@@ -286,17 +381,11 @@ class LlamaServer:
         if prompts is None:
             if "prompt" not in body:
                 raise bad('"prompt" is required')
+            values = split_prompts(body["prompt"])
+            self._check_fan_out(len(values), n_cmpl_of(body))
             info = await self.info()
-            prompts = [await self.prompt(p, info) for p in split_prompts(body["prompt"])]
-        else:
-            info = await self.info()
-        texts = bias_texts(body.get("logit_bias"))
-        tokenized = {
-            t: await self.tokens_of(t, add_special=False, parse_special=False) for t in texts
-        }
-        s = settings_of(body, tokenized)
-        if s.ignore_eos and info.eos_token_id >= 0:
-            s.logit_bias.append((info.eos_token_id, float("-inf")))
+            prompts = [await self.prompt(p, info) for p in values]
+        s = settings_of(body, await self._bias_texts(body.get("logit_bias")))
         runs = [
             _Run(i * s.n_cmpl + j, p, s, req)
             for i, p in enumerate(prompts)
@@ -307,6 +396,26 @@ class LlamaServer:
             if s.id_slot < server.num_slots:  # (llama-server takes any slot for another id)
                 return await self.slots.run(self.client, s.id_slot, runs[0], self._respond)
         return await self._respond(runs)
+
+    def _check_fan_out(self, num_prompts: int, n_cmpl: int) -> None:
+        """Refuse a /completion of more generations than max_completions before any prompt is
+        prepared: started all at once, they would fill the queue that every caller shares (and
+        fail in part, the rest cancelled)."""
+        if num_prompts * n_cmpl > self.max_completions:
+            raise bad(
+                f"{num_prompts} prompts x n_cmpl {n_cmpl} = {num_prompts * n_cmpl} completions: "
+                f"at most {self.max_completions} in one request (--max-completions); send the "
+                "prompts in several requests"
+            )
+
+    async def _bias_texts(self, value: Any) -> dict[str, list[int]]:
+        """The texts logit_bias names, tokenized as llama-server does (no BOS, special tokens
+        as text), in one call."""
+        texts = list(dict.fromkeys(bias_texts(value)))
+        if len(texts) > MAX_TOKENIZE_TEXTS:
+            raise bad(f"logit_bias: {len(texts)} texts, at most {MAX_TOKENIZE_TEXTS}")
+        ids = await self.tokenize_texts(texts, [False] * len(texts), False, "logit_bias")
+        return {t: list(i) for t, i in zip(texts, ids, strict=True)}
 
     def _turn(self, p: Prompt, s: Settings) -> TurnRequest:
         o = s.slotwise
@@ -330,6 +439,7 @@ class LlamaServer:
             # no reuse across requests: a salt no other request has
             cache_salt=o.cache_salt if s.cache_prompt else f"no-cache-{uuid.uuid4().hex}",
             speculative=s.speculative,
+            ignore_eos=s.ignore_eos,  # (every end-of-generation token, banned by the engine)
         )
 
     async def _respond(self, runs: list[_Run]) -> Response:
@@ -394,17 +504,7 @@ class LlamaServer:
             if body.get("prompt")
             else []
         )
-        extra_tokens: list[int] = []
-        if "rep" in fim:
-            extra_tokens += [fim["rep"], *await plain("myproject\n")]
-        for chunk in extra:
-            if "sep" in fim:
-                extra_tokens += [fim["sep"], *await plain(chunk.get("filename", "tmp") + "\n")]
-            else:
-                extra_tokens += await plain("\n\n--- snippet ---\n\n")
-            extra_tokens += await plain(chunk["text"])
-        if "sep" in fim:
-            extra_tokens += [fim["sep"], *await plain("filename\n")]
+        extra_tokens = await self._extra_tokens(extra, fim)
         # what llama-server cuts the prefix, suffix and extra context to, with its defaults
         # (--batch-size 2048, --n-predict -1)
         n_batch, n_predict, n_ctx = 2048, -1, server.num_cells_per_slot
@@ -416,6 +516,23 @@ class LlamaServer:
             head.insert(0, info.bos_token_id)
         extra_kept = extra_tokens[len(extra_tokens) - take_extra :] if take_extra else []
         return [*extra_kept, *head, fim["suf"], *suffix[:take_suffix], fim["mid"]]
+
+    async def _extra_tokens(self, extra: list[dict[str, str]], fim: dict[str, int]) -> list[int]:
+        """format_prompt_infill's extra context: [REP myproject] then each chunk's [SEP]
+        filename (or a snippet line) and text, then [SEP filename]; its texts in one call."""
+        sep = [fim["sep"]] if "sep" in fim else []
+        texts = ["myproject\n"] if "rep" in fim else []
+        for chunk in extra:
+            head = chunk.get("filename", "tmp") + "\n" if sep else "\n\n--- snippet ---\n\n"
+            texts += [head, chunk["text"]]
+        texts += ["filename\n"] if sep else []
+        if len(texts) > MAX_TOKENIZE_TEXTS:
+            raise bad(f"input_extra: {len(extra)} chunks, more than one request takes")
+        tokens = iter(await self.tokenize_texts(texts, [False] * len(texts), False, "input_extra"))
+        out = [fim["rep"], *next(tokens)] if "rep" in fim else []
+        for _ in extra:
+            out += [*sep, *next(tokens), *next(tokens)]
+        return out + ([*sep, *next(tokens)] if sep else [])
 
     # -- the server ---------------------------------------------------------------------------
 
@@ -747,7 +864,10 @@ def _normalized(values: list[float], norm: int) -> list[float]:
     elif norm == 2:
         scale = math.sqrt(sum(v * v for v in values))
     else:
-        scale = sum(abs(v) ** norm for v in values) ** (1.0 / norm)
+        try:
+            scale = sum(abs(v) ** norm for v in values) ** (1.0 / norm)
+        except OverflowError:  # (a p-norm of a large p: a double's infinity, as in C++)
+            scale = math.inf
     return [v / scale for v in values] if scale > 0 else [0.0 for _ in values]
 
 
@@ -765,9 +885,10 @@ def _base64(data: Any, media: MediaPolicy) -> bytes:
 # -- chats ------------------------------------------------------------------------------------
 
 
-def chat_body(body: dict[str, Any]) -> list[ChatMessage]:
+def chat_body(body: dict[str, Any], max_messages: int = DEFAULT_MAX_MESSAGES) -> list[ChatMessage]:
     """The messages of a chat body, with llama-server's checks (oaicompat_chat_params_parse);
-    no messages at all is refused (llama-server prompts with the generation prompt alone)."""
+    no messages at all is refused (llama-server prompts with the generation prompt alone), nor
+    more than max_messages."""
     if "messages" not in body:
         raise bad("'messages' is required")
     messages = body["messages"]
@@ -775,6 +896,7 @@ def chat_body(body: dict[str, Any]) -> list[ChatMessage]:
         raise bad("Expected 'messages' to be an array")
     if not messages:
         raise bad("'messages' must not be empty: slotwise needs something to prompt with")
+    check_message_count(len(messages), max_messages, "messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):

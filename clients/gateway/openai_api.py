@@ -139,9 +139,13 @@ def constraint_of(body: SamplingRequest) -> Constraint | None:
 
 def logit_bias_of(body: SamplingRequest) -> dict[int, float]:
     try:
-        return {int(k): float(v) for k, v in (body.logit_bias or {}).items()}
+        bias = {int(k): float(v) for k, v in (body.logit_bias or {}).items()}
     except ValueError:
         raise bad_request("logit_bias: keys are token ids", "logit_bias") from None
+    for t in bias:
+        if not 0 <= t < 1 << 31:  # (an int32 on the wire; prep knows the vocabulary's size)
+            raise bad_request(f"logit_bias: {t} is not a token id", "logit_bias")
+    return bias
 
 
 def sampling_of(body: SamplingRequest) -> dict[str, Any]:

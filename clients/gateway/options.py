@@ -101,6 +101,8 @@ def speculative_of(nested: Any, body: Mapping[str, Any]) -> Speculative | None:
     }
     if nested is None and not flat:
         return None
+    if nested is not None and not isinstance(nested, dict):
+        raise bad_request("speculative: give an object of its options", "speculative")
     try:
         o = SpeculativeOptions.model_validate({**(nested or {}), **flat})
     except ValidationError as e:

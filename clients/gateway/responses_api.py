@@ -51,7 +51,7 @@ from clients.gateway.turns import Text, TurnEnd, TurnRequest, refuse, start_turn
 from clients.tool_calls import parse_reply
 from slotwise_core.limits import MAX_TOKENS, MAX_TOP_LOGPROBS, MAX_TURN_NOTE
 
-_ID = re.compile(r"resp_([0-9a-f]{32})_([0-9]+)")
+_ID = re.compile(r"resp_([0-9a-f]{32})_([0-9]{1,9})")  # (a turn's number: never 4,300 digits)
 _MAX_NOTE = MAX_TURN_NOTE - (4 << 10)  # (with room to spare)
 _CHAIN_FIXED = ("instructions", "tools")  # refused if a continuation changes them
 _CLEANUPS: set[asyncio.Task[None]] = set()

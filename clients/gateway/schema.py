@@ -18,6 +18,7 @@ from slotwise_core.limits import (
     MAX_TOKENS,
     MAX_TOP_LOGPROBS,
     MAX_TURN_NOTE,
+    SESSION_ID_PATTERN,
 )
 
 MAX_N = 8  # choices per request
@@ -78,7 +79,7 @@ class SlotwiseOptions(BaseModel):
     discard_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
     unit: Literal["token", "message"] | None = None
     truncate: bool = True  # drop the oldest units of a prompt that cannot fit
-    session_id: str | None = None
+    session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
     # KV reused only with the same salt
     cache_salt: str = Field(default="", max_length=MAX_CACHE_SALT)
     # a session turn's note, kept with the turn (GET /slotwise/sessions/{id} shows it again)

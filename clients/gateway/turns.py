@@ -68,6 +68,7 @@ class TurnRequest:
     expect_turns: int | None = None  # a session turn: only if it has this many turns
     cache_salt: str = ""  # KV reused only between requests of the same salt (and tenant)
     speculative: Speculative | None = None  # drafts verified in the batch (None: the server's)
+    ignore_eos: bool = False  # end-of-generation tokens are never sampled
     note: Callable[[Prepared], bytes] | None = None  # a session turn's note, once prepared
 
 
@@ -294,6 +295,7 @@ async def start_turn(client: AsyncSlotwiseClient, req: TurnRequest) -> tuple[Tur
             turn_note=req.note(prepared) if req.note is not None else b"",
             cache_salt=req.cache_salt,
             speculative=req.speculative,
+            ignore_eos=req.ignore_eos,
             **options,
         )
         try:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Query
+from fastapi import Path as InPath
 from fastapi.responses import FileResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,7 +23,12 @@ from clients.gateway import sse
 from clients.gateway.errors import call, from_slotwise
 from slotwise.v1 import infer_pb2
 from slotwise_core.enum_names import short_name as _name  # CELL_KIND_MEDIA -> "media"
-from slotwise_core.limits import DEFAULT_WATCH_MS, MAX_TITLE_CHARS, MIN_WATCH_MS
+from slotwise_core.limits import (
+    DEFAULT_WATCH_MS,
+    MAX_TITLE_CHARS,
+    MIN_WATCH_MS,
+    SESSION_ID_PATTERN,
+)
 
 __all__ = ["UI_DIR", "add_ui", "is_open_path", "view_json"]
 
@@ -31,6 +37,10 @@ UI_DIR = Path(__file__).with_name("ui")
 
 def is_open_path(path: str) -> bool:
     return path == "/" or path.startswith("/ui/")
+
+
+# (refused here, as infer would, before it goes into a call's metadata)
+SessionId = Annotated[str, InPath(pattern=SESSION_ID_PATTERN)]
 
 
 class Title(BaseModel):
@@ -78,7 +88,7 @@ def add_ui(
         return session_json(await call(client().create_session(title=body.title)))
 
     @app.get("/slotwise/sessions/{session_id}")
-    async def get(session_id: str) -> dict[str, Any]:
+    async def get(session_id: SessionId) -> dict[str, Any]:
         s = await call(client().get_session(session_id, num_records=256))
         turns = [
             {
@@ -98,11 +108,11 @@ def add_ui(
         return {**session_json(s), "turns": turns}
 
     @app.patch("/slotwise/sessions/{session_id}")
-    async def rename(session_id: str, body: Title) -> dict[str, Any]:
+    async def rename(session_id: SessionId, body: Title) -> dict[str, Any]:
         return session_json(await call(client().rename_session(session_id, body.title)))
 
     @app.delete("/slotwise/sessions/{session_id}")
-    async def delete(session_id: str) -> dict[str, Any]:
+    async def delete(session_id: SessionId) -> dict[str, Any]:
         await call(client().delete_session(session_id))
         return {"id": session_id, "deleted": True}
 

@@ -233,16 +233,18 @@ class CountTokensResponse(_message.Message):
     def __init__(self, num_cells: _Optional[int] = ..., num_positions: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkCount, _Mapping]]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "add_special", "parse_special", "with_pieces")
+    __slots__ = ("text", "add_special", "parse_special", "with_pieces", "max_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_FIELD_NUMBER: _ClassVar[int]
     PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
     WITH_PIECES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     add_special: bool
     parse_special: bool
     with_pieces: bool
-    def __init__(self, text: _Optional[str] = ..., add_special: _Optional[bool] = ..., parse_special: _Optional[bool] = ..., with_pieces: _Optional[bool] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, text: _Optional[str] = ..., add_special: _Optional[bool] = ..., parse_special: _Optional[bool] = ..., with_pieces: _Optional[bool] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "pieces")
@@ -265,3 +267,15 @@ class DetokenizeResponse(_message.Message):
     pieces: _containers.RepeatedScalarFieldContainer[bytes]
     text: str
     def __init__(self, pieces: _Optional[_Iterable[bytes]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class TokenizeBatchRequest(_message.Message):
+    __slots__ = ("texts",)
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedCompositeFieldContainer[TokenizeRequest]
+    def __init__(self, texts: _Optional[_Iterable[_Union[TokenizeRequest, _Mapping]]] = ...) -> None: ...
+
+class TokenizeBatchResponse(_message.Message):
+    __slots__ = ("texts",)
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedCompositeFieldContainer[TokenizeResponse]
+    def __init__(self, texts: _Optional[_Iterable[_Union[TokenizeResponse, _Mapping]]] = ...) -> None: ...

@@ -59,6 +59,11 @@ class PrepServiceStub:
                 request_serializer=slotwise_dot_v1_dot_prep__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=slotwise_dot_v1_dot_prep__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.TokenizeBatch = channel.unary_unary(
+                '/slotwise.v1.PrepService/TokenizeBatch',
+                request_serializer=slotwise_dot_v1_dot_prep__pb2.TokenizeBatchRequest.SerializeToString,
+                response_deserializer=slotwise_dot_v1_dot_prep__pb2.TokenizeBatchResponse.FromString,
+                _registered_method=True)
 
 
 class PrepServiceServicer:
@@ -98,6 +103,14 @@ class PrepServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TokenizeBatch(self, request, context):
+        """Several texts in one call, each as Tokenize takes it (llama-server's prompts of texts and
+        token ids mixed, its logit_bias texts): at most 65,536 texts (more: INVALID_ARGUMENT).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrepServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +138,11 @@ def add_PrepServiceServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=slotwise_dot_v1_dot_prep__pb2.DetokenizeRequest.FromString,
                     response_serializer=slotwise_dot_v1_dot_prep__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'TokenizeBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenizeBatch,
+                    request_deserializer=slotwise_dot_v1_dot_prep__pb2.TokenizeBatchRequest.FromString,
+                    response_serializer=slotwise_dot_v1_dot_prep__pb2.TokenizeBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +280,33 @@ class PrepService:
             '/slotwise.v1.PrepService/Detokenize',
             slotwise_dot_v1_dot_prep__pb2.DetokenizeRequest.SerializeToString,
             slotwise_dot_v1_dot_prep__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenizeBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slotwise.v1.PrepService/TokenizeBatch',
+            slotwise_dot_v1_dot_prep__pb2.TokenizeBatchRequest.SerializeToString,
+            slotwise_dot_v1_dot_prep__pb2.TokenizeBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
