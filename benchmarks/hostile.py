@@ -49,7 +49,7 @@ class Seen:
 
 async def measure(model: Path, *, tokens: int, grammar_ms: int, threads: int) -> list[Seen]:
     from infer_service.__main__ import start as start_infer
-    from infer_service.runtime import RuntimeConfig
+    from infer_service.runner.runtime import RuntimeConfig
     from prep_service.__main__ import start as start_prep
 
     prep = await start_prep(model, None, threads=threads)

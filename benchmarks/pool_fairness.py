@@ -65,7 +65,7 @@ async def _b(bob: AsyncSlotwiseClient) -> tuple[float, float, str]:
 
 async def measure(model: Path, *, ctx: int, tokens: int, threads: int, keys: Path) -> list[Seen]:
     from infer_service.__main__ import start as start_infer
-    from infer_service.runtime import RuntimeConfig
+    from infer_service.runner.runtime import RuntimeConfig
     from prep_service.__main__ import start as start_prep
     from slotwise_core.keys import Keys
     from slotwise_core.serving import Security

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 from infer_service.events import TokenDelta
-from infer_service.executor import Executor
-from infer_service.ledger import ContextConfig, Item
-from infer_service.runtime import Runtime, RuntimeConfig, SamplingConfig
-from infer_service.slots import EngineStats, Job, Slot
+from infer_service.kv.ledger import ContextConfig, Item
+from infer_service.runner.executor import Executor
+from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
+from infer_service.runner.slots import EngineStats, Job, Slot
 
 TEXT = (Path(__file__).parent / "texts").glob("*")
 

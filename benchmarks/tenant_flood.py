@@ -47,7 +47,7 @@ async def measure(
     chat_template: str | None,
 ) -> Waited:
     from infer_service.__main__ import start as start_infer
-    from infer_service.runtime import RuntimeConfig
+    from infer_service.runner.runtime import RuntimeConfig
     from prep_service.__main__ import start as start_prep
     from slotwise_core.serving import Security
 

@@ -13,21 +13,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infer_service.draft_model import DraftModel
-from infer_service.drafting import SpecConfig, SpecType
-from infer_service.embedder import Embedder
-from infer_service.engine import Engine
+from infer_service.api.metrics import engine_metrics
+from infer_service.api.options import OPTIONS
+from infer_service.api.protobuf import GenerateLimits, speculative_of
+from infer_service.api.servicer import InferServicer
+from infer_service.engine.client import EngineFacade
+from infer_service.engine.loop import Engine
+from infer_service.engine.scheduler import TenantLimits
 from infer_service.events import ProblemError
-from infer_service.facade import EngineFacade
-from infer_service.media import VerifiedMedia
-from infer_service.metrics import engine_metrics
-from infer_service.options import OPTIONS
-from infer_service.runtime import Runtime, RuntimeConfig
-from infer_service.scheduler import TenantLimits
-from infer_service.service import InferServicer
-from infer_service.session_store import SessionStore
-from infer_service.sessions import SessionLimits
-from infer_service.wire import GenerateLimits, speculative_of
+from infer_service.runner.draft_model import DraftModel
+from infer_service.runner.embedder import Embedder
+from infer_service.runner.media import VerifiedMedia
+from infer_service.runner.runtime import Runtime, RuntimeConfig
+from infer_service.sessions.session import SessionLimits
+from infer_service.sessions.store import SessionStore
+from infer_service.spec.drafting import SpecConfig, SpecType
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.metrics import ServiceMetrics
 from slotwise_core.model_files import ModelMismatchError

@@ -1,5 +1,5 @@
 """What a generation reports, as domain objects; converted to protobuf only at the edge
-(infer_service/wire.py)."""
+(infer_service/api/protobuf.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import enum
 import errno
 from dataclasses import dataclass, field
 
-from infer_service.ledger import Policy
+from infer_service.kv.ledger import Policy
 
 
 class Persistence(enum.Enum):
@@ -90,6 +90,10 @@ class Problem:
     metadata: tuple[tuple[str, str], ...] = ()
     retry_after: float | None = None  # seconds (google.rpc.RetryInfo)
     field: str = ""  # the request field at fault (google.rpc.BadRequest)
+
+
+class CorruptSessionError(ValueError):
+    """A session file that cannot be read (raised by the store, met by the runner too)."""
 
 
 class ProblemError(RuntimeError):

@@ -20,7 +20,7 @@ MAX_NGRAM = 64  # speculative ngram_size_n
 MAX_TOKENIZE_TEXTS = 1 << 16
 
 MAX_TITLE_CHARS = 200  # a session's title
-# a session's id as infer takes it (infer_service/session_store.py): the edge refuses any other
+# a session's id as infer takes it (infer_service/sessions/store.py): the edge refuses any other
 # before it goes into a call's metadata (a NUL there fails the call inside grpc)
 SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 MIN_WATCH_MS, DEFAULT_WATCH_MS = 100, 250  # WatchSlots' min_interval_ms

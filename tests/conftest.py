@@ -75,7 +75,7 @@ def infer_server(
 ) -> Iterator[Callable[..., Any]]:
     """start(pair, **RuntimeConfig fields and start() options) -> RunningInfer; stopped after."""
     from infer_service.__main__ import start
-    from infer_service.runtime import RuntimeConfig
+    from infer_service.runner.runtime import RuntimeConfig
 
     started: list[Any] = []
     start_options = {

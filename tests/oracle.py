@@ -1,7 +1,7 @@
 """The oracle: the ledger against real llama.cpp, decode for decode, no gRPC in between.
 
 A driver owns one ``Runtime`` (three sequences, each with a tight ``ctx_size``) and drives the
-engine's own executor (infer_service/executor.py) on it: the code that carries out the
+engine's own executor (infer_service/runner/executor.py) on it: the code that carries out the
 ledger's plans, batches the text of several sequences into one ``llama_decode``, encodes
 images on its worker and decodes them in pieces. Three runs go side by side, one per sequence.
 A run is a random script of chat turns -- text of random length (byte tokens 0..255),
@@ -84,7 +84,6 @@ import numpy as np
 from llama_cpp import mtmd_cpp
 from PIL import Image, ImageDraw
 
-from infer_service.drafting import SpecConfig, SpecType
 from infer_service.events import (
     ContextShift,
     Event,
@@ -94,8 +93,7 @@ from infer_service.events import (
     Started,
     TokenDelta,
 )
-from infer_service.executor import Ending, Executor, media_cache_key
-from infer_service.ledger import (
+from infer_service.kv.ledger import (
     Admission,
     CannotFit,
     ContextConfig,
@@ -109,9 +107,11 @@ from infer_service.ledger import (
     Segment,
     Shift,
 )
-from infer_service.media import MediaHandle
-from infer_service.runtime import Runtime, RuntimeConfig, SamplingConfig
-from infer_service.slots import EngineStats, Job, Slot
+from infer_service.runner.executor import Ending, Executor, media_cache_key
+from infer_service.runner.media import MediaHandle
+from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
+from infer_service.runner.slots import EngineStats, Job, Slot
+from infer_service.spec.drafting import SpecConfig, SpecType
 from slotwise_core import native
 from slotwise_core.tiny_models import ALL, HYBRID, TinyPair, write_tiny_models
 

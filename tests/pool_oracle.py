@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infer_service.events import FinishReason, ProblemError, Started
-from infer_service.executor import Executor
-from infer_service.ledger import ContextConfig, Item, Ledger, Policy
-from infer_service.runtime import Runtime, RuntimeConfig, SamplingConfig
-from infer_service.slots import EngineStats, Job, Slot
+from infer_service.kv.ledger import ContextConfig, Item, Ledger, Policy
+from infer_service.runner.executor import Executor
+from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
+from infer_service.runner.slots import EngineStats, Job, Slot
 from slotwise_core.tiny_models import TinyPair, write_tiny_models
 
 NUM_SLOTS = 3

@@ -27,7 +27,7 @@ from clients.client import (
     Started,
     collect,
 )
-from infer_service.session_store import SessionStore
+from infer_service.sessions.store import SessionStore
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.tiny_models import TinyPair
 from support.cluster import NGINX, Cluster, Proc

@@ -55,7 +55,7 @@ def constrained(
 @pytest.fixture(scope="module")
 def servers(prep_servers: Callable[[str], int], loop_thread, tiny) -> Any:
     from infer_service.__main__ import start
-    from infer_service.runtime import RuntimeConfig
+    from infer_service.runner.runtime import RuntimeConfig
 
     running = {}
     for name in ("mrope", "rope"):
@@ -261,8 +261,8 @@ def test_draft_4_exclusive_bounds() -> None:
 def test_a_lazy_grammar_keeps_only_the_text_a_trigger_may_begin_in(tiny) -> None:
     """Free text of any length costs a bounded tail per token; a trigger after 3000
     characters of it is still found, and one anchored at the beginning never is."""
-    from infer_service.runtime import Runtime, RuntimeConfig
-    from infer_service.sampling import _TRIGGER_REACH, Constraint, SamplerSpec, SlotSampler
+    from infer_service.runner.runtime import Runtime, RuntimeConfig
+    from infer_service.runner.sampling import _TRIGGER_REACH, Constraint, SamplerSpec, SlotSampler
 
     rt = Runtime(RuntimeConfig(tiny["rope"].model, None, ctx_size=256, threads=1))
     try:

@@ -20,7 +20,7 @@ import pytest
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from infer_service.wire import event_pb
+from infer_service.api.protobuf import event_pb
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2_grpc, prompt_pb2
 from slotwise_core.descriptors import MediaChunk, PreparedPrompt, TextChunk
 
@@ -195,7 +195,8 @@ def test_infer_events_write_the_golden_bytes(name: str) -> None:
 
 
 def test_infer_reads_the_golden_prompt_as_its_servicer_does() -> None:
-    """infer_service.service parses a GenerateRequest and calls PreparedPrompt.from_pb on it."""
+    """infer_service.api.servicer parses a GenerateRequest and calls PreparedPrompt.from_pb on
+    it."""
     request_bytes = wire(infer_pb2.GenerateRequest(prompt=golden_prompt(), max_tokens=4))
     request = infer_pb2.GenerateRequest.FromString(request_bytes)
     prompt = PreparedPrompt.from_pb(request.prompt)

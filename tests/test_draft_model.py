@@ -11,13 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from infer_service.draft_model import DraftModel
-from infer_service.drafting import SpecConfig, SpecType
 from infer_service.events import Event, TokenDelta
-from infer_service.executor import Executor
-from infer_service.ledger import Item
-from infer_service.runtime import Runtime, RuntimeConfig, SamplingConfig
-from infer_service.slots import EngineStats, Job, Slot
+from infer_service.kv.ledger import Item
+from infer_service.runner.draft_model import DraftModel
+from infer_service.runner.executor import Executor
+from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
+from infer_service.runner.slots import EngineStats, Job, Slot
+from infer_service.spec.drafting import SpecConfig, SpecType
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infer_service.drafting import NO_TOKEN, DraftLength, NgramIndex, StepCost
+from infer_service.spec.drafting import NO_TOKEN, DraftLength, NgramIndex, StepCost
 
 
 def reference(tokens: list[int], n: int, limit: int, min_hits: int = 1) -> list[int]:

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.client import NO_RETRY, Message, RetryPolicy, SlotwiseClient, SlotwiseError
 from infer_service.__main__ import start as start_infer
-from infer_service.runtime import RuntimeConfig
+from infer_service.runner.runtime import RuntimeConfig
 from prep_service.__main__ import start as start_prep
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core import native, serving
@@ -244,7 +244,7 @@ def test_a_sequence_llama_cpp_refuses_ends_alone(
 ) -> None:
     """When llama_decode refuses a batch, each sequence is decoded again on its own: only the
     one llama.cpp refuses ends (ERROR), the others go on with every token."""
-    from infer_service.ledger import Item
+    from infer_service.kv.ledger import Item
 
     server = infer_server("rope", ctx_size=1024, parallel=2)
     text = prepare(prep_servers("rope"), raw="Two streams side by side")

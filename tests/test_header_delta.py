@@ -1,5 +1,5 @@
-"""A turn's delta of a session header (infer_service/header_delta.py): applied to the header
-it was made from it gives the new one exactly, and its size is the turn's. Pure: ledgers
+"""A turn's delta of a session header (infer_service/sessions/header_delta.py): applied to the
+header it was made from it gives the new one exactly, and its size is the turn's. Pure: ledgers
 driven as the engine drives them (shifts, gaps, re-prefills and rolled-back replies)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ledger import FakeSequence, carry_out, decode, scenarios
 
-from infer_service.header_delta import apply, diff, records_diff, segments_diff
-from infer_service.ledger import CannotFit, Fits, Item, Ledger
+from infer_service.kv.ledger import CannotFit, Fits, Item, Ledger
+from infer_service.sessions.header_delta import apply, diff, records_diff, segments_diff
 
 
 def header(ledger: Ledger, turn: int, records: list[dict[str, Any]]) -> dict[str, Any]:

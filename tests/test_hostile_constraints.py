@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
-from infer_service.sampling import _PARSES
+from infer_service.runner.sampling import _PARSES
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.tiny_models import token_id
 from support.rpc import channel, fields_of, prepare, reason_of, rpc_error, run
@@ -32,7 +32,7 @@ from support.wait import wait_until
 @pytest.fixture(scope="module")
 def server(loop_thread, tiny) -> Any:
     from infer_service.__main__ import start
-    from infer_service.runtime import RuntimeConfig
+    from infer_service.runner.runtime import RuntimeConfig
 
     pair = tiny["rope"]
     config = RuntimeConfig(

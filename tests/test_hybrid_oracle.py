@@ -24,7 +24,7 @@ import pytest
 from oracle import FRESH_TOLERANCE, HYBRID, FreshPrefill, compare_logits, exact_kernels
 from pool_oracle import NUM_SLOTS, PoolOracle
 
-from infer_service.runtime import Runtime, RuntimeConfig
+from infer_service.runner.runtime import Runtime, RuntimeConfig
 from slotwise_core.tiny_models import TinyPair, write_tiny_models
 
 CELLS = 224  # the pool (as pool_oracle.open_pool)

@@ -30,7 +30,7 @@ def heavy(tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
 @pytest.fixture
 def services(loop_thread: LoopThread, heavy: TinyPair) -> Iterator[tuple[int, object]]:
     from infer_service.__main__ import start as start_infer
-    from infer_service.runtime import RuntimeConfig
+    from infer_service.runner.runtime import RuntimeConfig
     from prep_service.__main__ import start as start_prep
 
     prep = loop_thread.run(start_prep(heavy.model, heavy.mmproj, threads=1))

@@ -1,4 +1,4 @@
-"""Lanes (infer_service/io_lanes.py): a key's work in order, other keys' beside it."""
+"""Lanes (infer_service/sessions/io_lanes.py): a key's work in order, other keys' beside it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from infer_service.io_lanes import Lanes
+from infer_service.sessions.io_lanes import Lanes
 
 
 def test_a_key_s_work_runs_in_order_and_another_key_does_not_wait_behind_it() -> None:

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pool_oracle import PoolOracle, open_pool
 
-from infer_service.kv_pool import Pool
-from infer_service.ledger import Item, Ledger, Segment, atoms, num_pinned
+from infer_service.kv.ledger import Item, Ledger, Segment, atoms, num_pinned
+from infer_service.kv.pool import Pool
 
 HOLDERS = (10, 11)
 SLOTS = (0, 1, 2)
@@ -173,9 +173,9 @@ def test_prompts_that_together_overflow_the_pool_wait_then_one_ends_pool_full(ti
     one of them ends RESOURCE_EXHAUSTED (POOL_FULL, retry after) and the other runs to its
     end. No decode fails."""
     from infer_service.events import ErrorKind, Reason
-    from infer_service.executor import Executor
-    from infer_service.runtime import SamplingConfig
-    from infer_service.slots import EngineStats, Job, Slot
+    from infer_service.runner.executor import Executor
+    from infer_service.runner.runtime import SamplingConfig
+    from infer_service.runner.slots import EngineStats, Job, Slot
 
     rt = open_pool(tiny["rope"], cells=256, batch=256)
     slots = [Slot(seq) for seq in range(rt.num_slots)]

@@ -1,4 +1,4 @@
-"""The cells a person is shown (infer_service/kv_view.py), against the ledger they come from:
+"""The cells a person is shown (infer_service/kv/view.py), against the ledger they come from:
 runs tile the sequence exactly and merge what belongs together; an eviction is placed where it
 began and named by what it took. Pure: random ledgers driven as the engine drives them."""
 
@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from test_ledger import FakeSequence, carry_out, decode, scenarios
 
-from infer_service.kv_view import PREVIEW_CHARS, CellKind, CellRun, at_cell, runs
-from infer_service.ledger import CannotFit, Fits, Item, Ledger, Reprefill, Segment
+from infer_service.kv.ledger import CannotFit, Fits, Item, Ledger, Reprefill, Segment
+from infer_service.kv.view import PREVIEW_CHARS, CellKind, CellRun, at_cell, runs
 
 
 def read(token_ids: Sequence[int]) -> str:

@@ -86,15 +86,15 @@ def test_import_linter_sees_a_lazy_import_a_forbidden_contract_forbids(
 
 def test_the_pure_logic_imports_the_stdlib_only() -> None:
     for name in (
-        "infer_service/ledger", "infer_service/text_stream", "infer_service/header_delta",
-        "infer_service/step_budget",
-        "slotwise_core/keys", "slotwise_core/enum_names",
+        "infer_service/kv/ledger", "infer_service/runner/text_stream",
+        "infer_service/sessions/header_delta", "infer_service/runner/step_budget",
+        "infer_service/spec/drafting", "slotwise_core/keys", "slotwise_core/enum_names",
     ):  # fmt: skip
         path = ROOT / f"{name}.py"
         outside = imports(path) - set(sys.stdlib_module_names) - {"__future__"}
         assert not outside, f"{name} imports {outside}"
-    for name in ("state_cache", "kv_view", "kv_pool"):  # (they build on the ledger)
-        found = imports(ROOT / "infer_service" / f"{name}.py")
+    for name in ("host_cache", "view", "pool"):  # (they build on the ledger)
+        found = imports(ROOT / "infer_service" / "kv" / f"{name}.py")
         assert found - set(sys.stdlib_module_names) - {"__future__", "infer_service"} == set()
 
 

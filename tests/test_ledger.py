@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infer_service.ledger import (
+from infer_service.kv.ledger import (
     Admission,
     CannotFit,
     EvictionUnit,
@@ -400,7 +400,7 @@ def test_programming_errors_raise() -> None:
 
 def test_importing_the_ledger_loads_no_llama_grpc_protobuf_or_numpy() -> None:
     code = (
-        "import sys, infer_service.ledger; "
+        "import sys, infer_service.kv.ledger; "
         "print([m for m in ('llama_cpp', 'grpc', 'google.protobuf', 'numpy') if m in sys.modules])"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infer_service.ledger import (
+from infer_service.kv.host_cache import reuse_of
+from infer_service.kv.ledger import (
     CannotFit,
     Fits,
     Item,
@@ -26,7 +27,6 @@ from infer_service.ledger import (
     Reprefill,
     atoms,
 )
-from infer_service.state_cache import reuse_of
 
 
 class Refused(Exception):

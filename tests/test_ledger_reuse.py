@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infer_service.ledger import (
+from infer_service.kv.ledger import (
     CannotFit,
     EvictionUnit,
     Fits,
@@ -654,7 +654,7 @@ def test_units_a_truncation_dropped_become_history() -> None:
 def test_a_take_too_large_to_fit_at_once_is_made_smaller() -> None:
     """The executor's text takes: 125 pinned cells and 100 others in 256; 179 tokens at once
     cannot fit (148 to evict, 100 evictable), fewer can, evicting what is not pinned."""
-    from infer_service.executor import fitting_take
+    from infer_service.runner.executor import fitting_take
 
     ledger = Ledger(256, can_shift=True, n_ctx_train=4096, policy=Policy.REPREFILL, keep=125)
     ledger.append(Item.text(tuple(range(125)), 0))

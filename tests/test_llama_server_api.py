@@ -323,7 +323,7 @@ def test_slots_and_their_files_are_each_tenant_s_own(
     from clients.gateway import GatewayConfig
     from clients.gateway.serve import start_gateway
     from infer_service.__main__ import start as start_infer
-    from infer_service.runtime import RuntimeConfig
+    from infer_service.runner.runtime import RuntimeConfig
     from prep_service.__main__ import start as start_prep
     from slotwise_core.keys import Keys
     from slotwise_core.serving import Security

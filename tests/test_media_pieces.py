@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from llama_cpp import mtmd_cpp
 
-from infer_service.media import media_handle
-from infer_service.runtime import Runtime, RuntimeConfig
+from infer_service.runner.media import media_handle
+from infer_service.runner.runtime import Runtime, RuntimeConfig
 from slotwise_core.images import decode_image
 from slotwise_core.native import Bitmap
 from support.media import image_bytes

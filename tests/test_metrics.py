@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from infer_service.__main__ import start as start_infer
-from infer_service.runtime import RuntimeConfig
+from infer_service.runner.runtime import RuntimeConfig
 from prep_service.__main__ import start as start_prep
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 from slotwise_core.serving import Security

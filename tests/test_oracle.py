@@ -29,7 +29,7 @@ from oracle import (
     stop_exactness,
 )
 
-from infer_service.runtime import Runtime, TokenBatch
+from infer_service.runner.runtime import Runtime, TokenBatch
 from slotwise_core.tiny_models import TinyPair, write_tiny_models
 
 # Runs per pair in CI (seeds 0..N-1); each run is a few dozen to a few hundred decodes.

@@ -26,7 +26,7 @@ def pool(
 ) -> Iterator[Callable[[str], SlotwiseClient]]:
     """client(key): prep and infer (the pool) on one keys file."""
     from infer_service.__main__ import start as start_infer
-    from infer_service.runtime import RuntimeConfig
+    from infer_service.runner.runtime import RuntimeConfig
     from prep_service.__main__ import start as start_prep
     from slotwise_core.serving import Security
 

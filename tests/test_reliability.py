@@ -40,10 +40,10 @@ from test_sessions import (
     status_of,
 )
 
+from infer_service.api.mailbox import Mailbox
 from infer_service.events import PrefillProgress, TokenDelta
-from infer_service.mailbox import Mailbox
-from infer_service.session_store import SessionStore
-from infer_service.sessions import Lifecycle
+from infer_service.sessions.session import Lifecycle
+from infer_service.sessions.store import SessionStore
 from slotwise.v1 import infer_pb2, prep_pb2, prompt_pb2
 from support.media import image_bytes
 from support.rpc import Stream, channel
@@ -204,7 +204,8 @@ def test_an_infer_process_whose_engine_dies_exits_70(tiny, prep_servers) -> None
     script = textwrap.dedent(
         f"""
         import sys
-        from infer_service import executor, __main__ as infer_main
+        from infer_service import __main__ as infer_main
+        from infer_service.runner import executor
         def step(self, slots):
             raise SystemExit("injected: the engine thread dies")
         executor.Executor.step = step
@@ -564,7 +565,7 @@ def test_a_turn_that_sets_only_policy_keeps_the_sessions_keep(
 
 def test_a_stalled_readers_shifts_and_deltas_fold() -> None:
     from infer_service.events import ContextShift
-    from infer_service.ledger import Policy
+    from infer_service.kv.ledger import Policy
 
     events = []
     for k in range(1000):

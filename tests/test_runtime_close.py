@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from infer_service.runtime import Runtime, RuntimeConfig
+from infer_service.runner.runtime import Runtime, RuntimeConfig
 from slotwise_core.native import NativeError
 from slotwise_core.tiny_models import TinyPair
 from support.wait import wait_until

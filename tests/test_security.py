@@ -28,7 +28,7 @@ from clients.client import (
     Tls,
 )
 from infer_service.__main__ import start as start_infer
-from infer_service.runtime import RuntimeConfig
+from infer_service.runner.runtime import RuntimeConfig
 from prep_service import __main__ as prep_main
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 from slotwise_core.images import decode_image

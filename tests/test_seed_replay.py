@@ -28,8 +28,8 @@ from oracle import (
     stop_exactness,
 )
 
-from infer_service.ledger import EvictionUnit, Item, Ledger, Policy
-from infer_service.runtime import SamplingConfig
+from infer_service.kv.ledger import EvictionUnit, Item, Ledger, Policy
+from infer_service.runner.runtime import SamplingConfig
 from slotwise_core import native
 from slotwise_core.tiny_models import TinyPair
 

@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from infer_service.session_store import SessionStore, Unused
+from infer_service.sessions.store import SessionStore, Unused
 
 
 def backdate(root: Path, session_id: str, when: float) -> None:

@@ -21,8 +21,8 @@ from oracle import KvProbe, segment_cells
 
 from clients.client import Constraint, Message, SlotwiseClient, collect
 from infer_service.__main__ import start
-from infer_service.runtime import RuntimeConfig
-from infer_service.session_store import (
+from infer_service.runner.runtime import RuntimeConfig
+from infer_service.sessions.store import (
     MAX_JOURNAL_ENTRIES,
     Generation,
     SessionStore,

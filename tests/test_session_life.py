@@ -19,10 +19,10 @@ from test_metrics import scrape, value
 
 from clients.client import NO_RETRY, Constraint, Message, SlotwiseClient, SlotwiseError, collect
 from infer_service.__main__ import start
-from infer_service.runtime import RuntimeConfig
-from infer_service.session_persistence import _SWEEP as SWEEP_LANE
-from infer_service.session_store import SessionStore
-from infer_service.sessions import SessionLimits, TenantSessions
+from infer_service.runner.runtime import RuntimeConfig
+from infer_service.sessions.persistence import _SWEEP as SWEEP_LANE
+from infer_service.sessions.session import SessionLimits, TenantSessions
+from infer_service.sessions.store import SessionStore
 from slotwise_core.keys import Keys
 from slotwise_core.serving import Security
 from slotwise_core.tiny_models import TinyPair

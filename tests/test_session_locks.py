@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from test_session_journal import other_process_locks
 
-from infer_service import session_store
-from infer_service.session_store import Generation, SessionStore
+from infer_service.sessions import store as session_store
+from infer_service.sessions.store import Generation, SessionStore
 from support.wait import wait_until
 
 linux = pytest.mark.skipif(not Path("/proc/locks").exists(), reason="reads /proc/locks (Linux)")
@@ -29,7 +29,7 @@ linux = pytest.mark.skipif(not Path("/proc/locks").exists(), reason="reads /proc
 _WRITER = """
 import sys
 from pathlib import Path
-from infer_service import session_store
+from infer_service.sessions import store as session_store
 if sys.argv[2] == "lockf":
     session_store._OFD_LOCKS = False
 session_store.SessionStore(Path(sys.argv[1])).save("s", {"t": "there"}, b"")

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import pytest
 
-from infer_service.session_store import SessionStore
+from infer_service.sessions.store import SessionStore
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 from slotwise_core.tiny_models import TinyPair
 from support.loop import LoopThread
@@ -201,7 +201,7 @@ class Servers:
         **config: Any,
     ) -> Any:  # fmt: skip
         from infer_service.__main__ import start
-        from infer_service.runtime import RuntimeConfig
+        from infer_service.runner.runtime import RuntimeConfig
 
         pair = self.tiny[name]
         config.setdefault("threads", 1)

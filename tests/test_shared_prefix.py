@@ -36,7 +36,7 @@ def servers(loop_thread: LoopThread, tiny: dict[str, TinyPair]) -> Iterator[Call
     """start(kv_unified, parallel, ctx_size) -> (prep address, infer address, infer, its
     metrics port)."""
     from infer_service.__main__ import start as start_infer
-    from infer_service.runtime import RuntimeConfig
+    from infer_service.runner.runtime import RuntimeConfig
     from prep_service.__main__ import start as start_prep
 
     pair = tiny["mrope"]
@@ -130,8 +130,8 @@ def test_a_pinned_system_message_with_an_image_is_decoded_once(servers) -> None:
         assert info.pool.num_cells_used == in_use  # read from llama.cpp's own state
         assert (info.stats.num_shared_prefixes, info.stats.num_shared_cells) == (1, keep)
         # another tenant is told the pool's size, and nothing of this one's part of it
-        from infer_service.slots import TenantStats
-        from infer_service.wire import server_info_pb
+        from infer_service.api.protobuf import server_info_pb
+        from infer_service.runner.slots import TenantStats
 
         snap = engine.call(engine.snapshot).result(timeout=30)
         other = server_info_pb(engine.rt, snap, TenantStats(), "someone else")
@@ -217,7 +217,7 @@ def test_the_kv_view_shows_a_shared_prefix_once_and_to_its_tenant_only(servers) 
         assert sum(r.num_cells for r in seen.runs) == seen.num_cells - keep
         assert seen.runs[0].message_index == 1
     # another tenant is shown no prefix of this one's (nor its slots)
-    from infer_service.wire import slots_pb
+    from infer_service.api.protobuf import slots_pb
 
     pictures, shared = infer.engine.call(
         lambda: (infer.engine.slot_pictures(), infer.engine.shared_pictures())

@@ -15,8 +15,8 @@ import pytest
 
 from clients.client import Message, SlotwiseClient, SlotwiseError, collect
 from infer_service.__main__ import start
-from infer_service.runtime import RuntimeConfig
-from infer_service.session_store import SessionStore, StaleSessionError
+from infer_service.runner.runtime import RuntimeConfig
+from infer_service.sessions.store import SessionStore, StaleSessionError
 from slotwise_core.tiny_models import TinyPair
 from support.cluster import Proc
 from support.hold import PrefillHold

@@ -1,5 +1,6 @@
 """A long prompt does not stall the slots that generate: while they do, it enters the cache in
-pieces (infer_service/step_budget.py), and every engine step still gives each of them a token.
+pieces (infer_service/runner/step_budget.py), and every engine step still gives each of them a
+token.
 
 The engine's own executor on the tiny pair, stepped by hand: each step is looked at, no time is
 measured."""
@@ -16,11 +17,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from infer_service.events import Event, PrefillProgress, TokenDelta
-from infer_service.executor import Executor
-from infer_service.ledger import Item
-from infer_service.runtime import Runtime, RuntimeConfig, SamplingConfig, physical_cores
-from infer_service.slots import EngineStats, Job, Slot
-from infer_service.step_budget import ALIGN, MIN_PIECE, PIECES, prefill_budget
+from infer_service.kv.ledger import Item
+from infer_service.runner.executor import Executor
+from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig, physical_cores
+from infer_service.runner.slots import EngineStats, Job, Slot
+from infer_service.runner.step_budget import ALIGN, MIN_PIECE, PIECES, prefill_budget
 
 BATCH = 512
 

@@ -16,8 +16,8 @@ from typing import Any
 from test_tenants import ACME, GLOBEX, tenancy  # noqa: F401 (the fixture)
 
 from clients.client import Message, SlotwiseClient, collect
-from infer_service.kv_view import SlotPicture, SlotState
-from infer_service.wire import slot_view
+from infer_service.api.protobuf import slot_view
+from infer_service.kv.view import SlotPicture, SlotState
 from slotwise.v1 import infer_pb2
 from support.media import image_bytes
 

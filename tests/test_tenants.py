@@ -72,7 +72,7 @@ def tenancy(
     from clients.gateway import GatewayConfig
     from clients.gateway.serve import start_gateway
     from infer_service.__main__ import start as start_infer
-    from infer_service.runtime import RuntimeConfig
+    from infer_service.runner.runtime import RuntimeConfig
     from prep_service.__main__ import start as start_prep
     from slotwise_core.serving import Security
 
@@ -256,7 +256,7 @@ def test_one_tenant_s_flood_does_not_hold_up_another(tenancy, fair: bool) -> Non
 
 
 def test_per_tenant_limits_answer_429_with_retry_after(tenancy) -> None:
-    from infer_service.scheduler import TenantLimits
+    from infer_service.engine.scheduler import TenantLimits
 
     t = tenancy(parallel=2, tenant_limits=TenantLimits(max_active=1, max_queued=1))
     engine = t.running.engine

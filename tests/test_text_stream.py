@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infer_service.text_stream import TextStream, utf8_tail
+from infer_service.runner.text_stream import TextStream, utf8_tail
 
 
 def stream_all(

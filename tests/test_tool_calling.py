@@ -77,7 +77,7 @@ SCHEMAS = {t.name: t.parameters for t in (WEATHER, ADD)}
 def family(loop_thread: LoopThread, tiny: dict[str, TinyPair]) -> Iterator[Callable[[str], Any]]:
     """template -> a client on a prep server with that template and one shared infer server."""
     from infer_service.__main__ import start as start_infer
-    from infer_service.runtime import RuntimeConfig
+    from infer_service.runner.runtime import RuntimeConfig
     from prep_service.__main__ import start as start_prep
 
     pair = tiny["mrope"]

@@ -9,7 +9,7 @@ import gc
 import grpc
 import pytest
 
-from infer_service.media import PREPROCESSED_BYTES_PER_PIXEL, Verified, VerifiedMedia
+from infer_service.runner.media import PREPROCESSED_BYTES_PER_PIXEL, Verified, VerifiedMedia
 from slotwise.v1 import prompt_pb2
 from slotwise_core import native
 from slotwise_core.descriptors import MediaChunk
@@ -79,7 +79,7 @@ def test_a_hit_is_still_held_to_its_counts_and_its_media_id(prep_servers, infer_
 
 
 def entry(mtmd: native.Multimodal, seed: int, side: int) -> Verified:
-    from infer_service.media import _verify_image
+    from infer_service.runner.media import _verify_image
 
     rgb = decode_image(image_bytes(side, side, seed=seed))
     image = MediaChunk(rgb.media_id, 0, 0, rgb.width, rgb.height, b"")

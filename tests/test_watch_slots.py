@@ -143,7 +143,7 @@ def test_watching_sends_a_view_when_something_changed_and_ends_on_drain(
     prep_servers, loop_thread, tiny
 ) -> None:
     from infer_service.__main__ import start
-    from infer_service.runtime import RuntimeConfig
+    from infer_service.runner.runtime import RuntimeConfig
 
     pair = tiny["rope"]
     server = loop_thread.run(start(RuntimeConfig(pair.model, pair.mmproj, ctx_size=512, threads=1)))
@@ -203,7 +203,7 @@ def test_titles_are_kept_renamed_checked_and_saved(prep_servers, infer_server, t
 
 
 def test_watches_are_bounded_per_tenant(prep_servers, infer_server) -> None:
-    from infer_service.service import MAX_WATCHES_PER_TENANT
+    from infer_service.api.servicer import MAX_WATCHES_PER_TENANT
 
     server = infer_server("rope", ctx_size=256)
     with client_of(prep_servers("rope"), server.port) as c:

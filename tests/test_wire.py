@@ -1,12 +1,12 @@
-"""The infer side's one mapping to the contract (infer_service/wire.py): every domain member has
-its proto twin, a request's unset enum reads as the default, and the finish reason's number (a
-turn record on disk keeps it) is the contract's."""
+"""The infer side's one mapping to the contract (infer_service/api/protobuf.py): every domain
+member has its proto twin, a request's unset enum reads as the default, and the finish reason's
+number (a turn record on disk keeps it) is the contract's."""
 
 from __future__ import annotations
 
-from infer_service import wire
+from infer_service.api import protobuf as wire
 from infer_service.events import FinishReason, Persistence
-from infer_service.ledger import EvictionUnit, Policy
+from infer_service.kv.ledger import EvictionUnit, Policy
 from slotwise.v1 import infer_pb2
 
 

@@ -109,7 +109,7 @@ def events(media_id: str) -> dict[str, object]:
         TokenLogprobs,
         Usage,
     )
-    from infer_service.ledger import Policy
+    from infer_service.kv.ledger import Policy
 
     return {
         "started": Started(
@@ -180,7 +180,7 @@ def as_rgb(prompt):
 
 
 def fixtures(prompt) -> dict[str, Message]:
-    from infer_service.wire import event_pb
+    from infer_service.api.protobuf import event_pb
 
     """name -> message: the prompt plus the event fixtures (events made from its media id)."""
     media_id = next(c.media.media_id for c in prompt.chunks if c.WhichOneof("kind") == "media")

@@ -59,7 +59,7 @@ class Stacks:
         from clients.gateway import GatewayConfig
         from clients.gateway.serve import start_gateway
         from infer_service.__main__ import start
-        from infer_service.runtime import RuntimeConfig
+        from infer_service.runner.runtime import RuntimeConfig
 
         if prep_port is None:
             prep_port = (

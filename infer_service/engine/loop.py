@@ -1,8 +1,10 @@
 """The engine: one thread that owns llama.cpp, and the loop that ties its three parts.
 
-- the scheduler (infer_service/scheduler.py): the wait queue, which job starts, in which slot;
-- the executor (infer_service/executor.py): every llama.cpp call for a slot, a step at a time;
-- the session manager (infer_service/session_manager.py): sessions, their saves and swaps.
+- the scheduler (infer_service/engine/scheduler.py): the wait queue, which job starts, and
+  in which slot;
+- the executor (infer_service/runner/executor.py): every llama.cpp call for a slot, a step at
+  a time;
+- the session manager (infer_service/sessions/manager.py): sessions, their saves and swaps.
 
 Handlers talk to the engine through `submit`, `call` and the job's `emit` callback; they never
 touch llama.cpp. A finished request leaves its sequence in the slot: the next request that
@@ -21,7 +23,7 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
-from infer_service.draft_model import DraftModel
+from infer_service.engine.scheduler import Reservation, Scheduler, TenantLimits
 from infer_service.events import (
     ErrorKind,
     Finished,
@@ -33,17 +35,14 @@ from infer_service.events import (
     Rejected,
     storage_problem,
 )
-from infer_service.executor import Ending, Executor, StepOutcome
-from infer_service.io_lanes import run_unless_cancelled
-from infer_service.kv_pool import PoolFigures
-from infer_service.kv_view import SharedPicture, SlotPicture, SlotState, runs
-from infer_service.ledger import Segment
-from infer_service.runtime import Runtime
-from infer_service.scheduler import Reservation, Scheduler, TenantLimits
-from infer_service.session_manager import SessionManager
-from infer_service.session_store import SessionStore
-from infer_service.sessions import TurnRecord, owner_of
-from infer_service.slots import (
+from infer_service.kv.host_cache import ReuseKey
+from infer_service.kv.ledger import Segment
+from infer_service.kv.pool import PoolFigures
+from infer_service.kv.view import SharedPicture, SlotPicture, SlotState, runs
+from infer_service.runner.draft_model import DraftModel
+from infer_service.runner.executor import Ending, Executor, StepOutcome
+from infer_service.runner.runtime import Runtime
+from infer_service.runner.slots import (
     EngineStats,
     EngineStoppedError,
     Job,
@@ -55,7 +54,10 @@ from infer_service.slots import (
     prompt_items,
     too_long,
 )
-from infer_service.state_cache import ReuseKey
+from infer_service.sessions.io_lanes import run_unless_cancelled
+from infer_service.sessions.manager import SessionManager
+from infer_service.sessions.session import TurnRecord, owner_of
+from infer_service.sessions.store import SessionStore
 
 __all__ = [
     "Engine",

@@ -27,6 +27,15 @@ from slotwise_core.images import (
 from slotwise_core.lru import SizedLRU
 
 
+@dataclass(frozen=True)
+class Pixels:
+    """What a session keeps of an image it holds, to decode it again: its size and hash."""
+
+    width: int
+    height: int
+    media_id: str  # the image's content hash (several slices of one image share it)
+
+
 class StaleDescriptorError(ValueError):
     """The descriptor was made for another model, or its counts are not what libmtmd says."""
 

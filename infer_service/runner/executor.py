@@ -5,7 +5,7 @@ the cache (seq_rm / seq_add / seq_clear) -> llama_decode -> the ledger's `append
 one piece (at most a batch) of each slot's media chunk into the cache, then every slot's next
 text (one generated token, or up to batch_size prompt tokens) into ONE llama_decode, and
 samples every slot whose logits came out of it. While some slots generate, a prompt (or an
-image's embeddings) goes in pieces (infer_service/step_budget.py), so that their tokens keep
+image's embeddings) goes in pieces (infer_service/runner/step_budget.py), so that their tokens keep
 coming while it prefills.
 
 Images are encoded on a worker beside llama_decode: the other slots keep decoding while one
@@ -38,10 +38,9 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 from llama_cpp import mtmd_cpp
 
-from infer_service.draft_model import DraftModel
-from infer_service.drafting import NO_TOKEN, Speculation, StepCost
 from infer_service.events import (
     ContextShift,
+    CorruptSessionError,
     ErrorKind,
     Event,
     FinishReason,
@@ -53,10 +52,8 @@ from infer_service.events import (
     TokenDelta,
     Usage,
 )
-from infer_service.grammar_lane import GrammarLane, GrammarTooCostly
-from infer_service.kv_pool import Holder, Pool, PoolFigures, Share
-from infer_service.kv_view import ShiftMark, at_cell, runs
-from infer_service.ledger import (
+from infer_service.kv.host_cache import StateCache, reuse_of
+from infer_service.kv.ledger import (
     CannotFit,
     ContextConfig,
     Fits,
@@ -71,14 +68,17 @@ from infer_service.ledger import (
     atoms,
     num_pinned,
 )
-from infer_service.media import MediaHandle
-from infer_service.runtime import EmbeddingCache, Runtime
-from infer_service.sampling import ConstraintError, GrammarDeadEnd, SlotSampler
-from infer_service.session_store import CorruptSessionError
-from infer_service.slots import EngineStats, Job, MediaPiece, SessionError, Slot, too_long
-from infer_service.state_cache import StateCache, reuse_of
-from infer_service.step_budget import prefill_budget
-from infer_service.text_stream import TextStream
+from infer_service.kv.pool import Holder, Pool, PoolFigures, Share
+from infer_service.kv.view import ShiftMark, at_cell, runs
+from infer_service.runner.draft_model import DraftModel
+from infer_service.runner.grammar_lane import GrammarLane, GrammarTooCostly
+from infer_service.runner.media import MediaHandle
+from infer_service.runner.runtime import EmbeddingCache, Runtime
+from infer_service.runner.sampling import ConstraintError, GrammarDeadEnd, SlotSampler
+from infer_service.runner.slots import EngineStats, Job, MediaPiece, SessionError, Slot, too_long
+from infer_service.runner.step_budget import prefill_budget
+from infer_service.runner.text_stream import TextStream
+from infer_service.spec.drafting import NO_TOKEN, Speculation, StepCost
 from slotwise_core import native
 
 log = logging.getLogger("slotwise.engine")

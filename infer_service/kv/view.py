@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from infer_service.ledger import Ledger, Segment
+from infer_service.kv.ledger import Ledger, Segment
 
 __all__ = [
     "CellKind",

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from infer_service.events import ErrorKind, Reason
-from infer_service.sessions import Lifecycle, Session, owner_of
-from infer_service.slots import SessionError
+from infer_service.runner.slots import SessionError
+from infer_service.sessions.session import Lifecycle, Session, owner_of
 
 S = Lifecycle
 # state -> the states it may move to (None: the table forgets the id)

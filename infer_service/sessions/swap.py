@@ -18,12 +18,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from infer_service.executor import Executor
-from infer_service.media import MediaHandle, media_handle
-from infer_service.session_persistence import Persistence
-from infer_service.session_store import CorruptSessionError, ledger_digest
-from infer_service.sessions import Pixels, Session
-from infer_service.slots import EngineStats, Slot
+from infer_service.events import CorruptSessionError
+from infer_service.runner.executor import Executor
+from infer_service.runner.media import MediaHandle, Pixels, media_handle
+from infer_service.runner.slots import EngineStats, Slot
+from infer_service.sessions.persistence import Persistence
+from infer_service.sessions.session import Session
+from infer_service.sessions.store import ledger_digest
 from slotwise_core.native import Bitmap
 
 log = logging.getLogger("slotwise.engine")

@@ -4,7 +4,7 @@ a journal of what each completed turn changed since (appended and fsynced per tu
 Layout of ROOT (which several replicas may share: a volume on NFSv4, EFS, CephFS, ...):
   <session_id>.session    magic, header length, generation, lineage, JSON header, KV state
   <session_id>.turns      entries after that checkpoint: magic, length, crc32, generation, a
-                          JSON delta of the header (infer_service/header_delta.py)
+                          JSON delta of the header (infer_service/sessions/header_delta.py)
   media/<media_id>.rgb    raw RGB pixels, content-addressed, written once
   .locks/<n>.lock         POSIX locks: per session (striped), and one for the pixels
   .tmp-*                  a write in progress (removed at startup once older than an hour)
@@ -64,7 +64,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from infer_service import header_delta
+from infer_service.events import CorruptSessionError
+from infer_service.sessions import header_delta
 from slotwise_core.images import media_id as pixels_id
 
 FORMAT_VERSION = 1
@@ -86,10 +87,6 @@ _STALE_TMP_SECONDS = 3600.0  # another replica's write in progress is younger th
 
 class SessionIdError(ValueError):
     """An id that could escape the directory or is too long."""
-
-
-class CorruptSessionError(ValueError):
-    """A session file that cannot be read."""
 
 
 class Generation(NamedTuple):

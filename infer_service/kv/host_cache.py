@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infer_service.ledger import Item, Ledger
+from infer_service.kv.ledger import Item, Ledger
 
 
 @dataclass(frozen=True)

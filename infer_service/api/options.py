@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from infer_service.drafting import SpecConfig, SpecType
-from infer_service.runtime import RuntimeConfig
-from infer_service.sessions import SessionLimits
-from infer_service.wire import GenerateLimits
+from infer_service.api.protobuf import GenerateLimits
+from infer_service.runner.runtime import RuntimeConfig
+from infer_service.sessions.session import SessionLimits
+from infer_service.spec.drafting import SpecConfig, SpecType
 from slotwise_core.options import option, positive_int
 from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
 

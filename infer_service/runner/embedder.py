@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
-from infer_service.runtime import Runtime, TokenBatch
+from infer_service.runner.runtime import Runtime, TokenBatch
 from slotwise_core import native
 
 log = logging.getLogger("slotwise.embed")

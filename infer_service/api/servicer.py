@@ -1,7 +1,8 @@
-"""InferService: the gRPC edge. A request's options become checked domain values in wire.py,
-what the model must judge (a constraint, the images) is checked here off the event loop, and
-the job goes to the engine through its facade (infer_service/facade.py); answers and errors go
-back through wire.py. A ProblemError raised anywhere in a handler is the call's status."""
+"""InferService: the gRPC edge. A request's options become checked domain values in
+api/protobuf.py, what the model must judge (a constraint, the images) is checked here off the
+event loop, and the job goes to the engine through its client (infer_service/engine/client.py);
+answers and errors go back through api/protobuf.py. A ProblemError raised anywhere in a handler
+is the call's status."""
 
 from __future__ import annotations
 
@@ -15,33 +16,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from infer_service.embedder import Embedder, EmbedError
-from infer_service.events import (
-    ErrorKind,
-    Event,
-    Finished,
-    Problem,
-    ProblemError,
-    Reason,
-    Rejected,
-    storage_problem,
-)
-from infer_service.facade import EngineFacade
-from infer_service.mailbox import EventRelay, Mailbox
-from infer_service.media import MediaLimits, StaleDescriptorError, VerifiedMedia, verify_prompt
-from infer_service.runtime import Runtime, SamplingConfig
-from infer_service.sampling import (
-    Constraint,
-    ConstraintError,
-    SamplerSpec,
-    check_spec,
-    json_schema_grammar,
-)
-from infer_service.scheduler import Reservation
-from infer_service.session_store import SessionIdError, check_session_id
-from infer_service.sessions import MAX_RECORDS, SessionView
-from infer_service.slots import EngineStoppedError, Job, TenantStats, prompt_items
-from infer_service.wire import (
+from infer_service.api.mailbox import EventRelay, Mailbox
+from infer_service.api.protobuf import (
     GenerateLimits,
     GenerateParams,
     abort_problem,
@@ -57,6 +33,36 @@ from infer_service.wire import (
     slots_pb,
     title_of,
 )
+from infer_service.engine.client import EngineFacade
+from infer_service.engine.scheduler import Reservation
+from infer_service.events import (
+    ErrorKind,
+    Event,
+    Finished,
+    Problem,
+    ProblemError,
+    Reason,
+    Rejected,
+    storage_problem,
+)
+from infer_service.runner.embedder import Embedder, EmbedError
+from infer_service.runner.media import (
+    MediaLimits,
+    StaleDescriptorError,
+    VerifiedMedia,
+    verify_prompt,
+)
+from infer_service.runner.runtime import Runtime, SamplingConfig
+from infer_service.runner.sampling import (
+    Constraint,
+    ConstraintError,
+    SamplerSpec,
+    check_spec,
+    json_schema_grammar,
+)
+from infer_service.runner.slots import EngineStoppedError, Job, TenantStats, prompt_items
+from infer_service.sessions.session import MAX_RECORDS, SessionView
+from infer_service.sessions.store import SessionIdError, check_session_id
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.descriptors import PreparedPrompt
 from slotwise_core.limits import DEFAULT_WATCH_MS, MIN_WATCH_MS

@@ -11,7 +11,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-from infer_service.drafting import SpecConfig, Speculation
 from infer_service.events import (
     ErrorKind,
     Event,
@@ -22,15 +21,15 @@ from infer_service.events import (
     Usage,
     problem,
 )
-from infer_service.kv_pool import Share
-from infer_service.kv_view import MAX_SHIFT_MARKS, SequenceRuns, ShiftMark
-from infer_service.ledger import CannotFit, ContextConfig, Item, Ledger
-from infer_service.media import MediaHandle, media_key
-from infer_service.runtime import SamplingConfig
-from infer_service.sampling import Constraint, SamplerSpec, SlotSampler
-from infer_service.sessions import Pixels
-from infer_service.state_cache import ReuseKey
-from infer_service.text_stream import TextStream
+from infer_service.kv.host_cache import ReuseKey
+from infer_service.kv.ledger import CannotFit, ContextConfig, Item, Ledger
+from infer_service.kv.pool import Share
+from infer_service.kv.view import MAX_SHIFT_MARKS, SequenceRuns, ShiftMark
+from infer_service.runner.media import MediaHandle, Pixels, media_key
+from infer_service.runner.runtime import SamplingConfig
+from infer_service.runner.sampling import Constraint, SamplerSpec, SlotSampler
+from infer_service.runner.text_stream import TextStream
+from infer_service.spec.drafting import SpecConfig, Speculation
 from slotwise_core.descriptors import MediaChunk, PreparedPrompt
 from slotwise_core.keys import DEFAULT_TENANT
 

@@ -30,9 +30,9 @@ import numpy as np
 import re2
 
 from infer_service.events import TokenChoice, TokenLogprobs
-from infer_service.grammar_lane import GrammarLane, GrammarTooCostly
-from infer_service.runtime import Runtime, SamplingConfig
-from infer_service.text_stream import utf8_tail
+from infer_service.runner.grammar_lane import GrammarLane, GrammarTooCostly
+from infer_service.runner.runtime import Runtime, SamplingConfig
+from infer_service.runner.text_stream import utf8_tail
 from slotwise_core.grammar_limits import LimitError, check_grammar
 from slotwise_core.json_grammar import json_schema_to_gbnf
 from slotwise_core.limits import MAX_TOP_LOGPROBS
@@ -203,7 +203,7 @@ def _compile(pattern: str) -> Any:
 class SlotSampler:
     """One request's sampling state. Engine thread only; `close` frees the native samplers.
 
-    The grammar's calls run on `lane` (infer_service/grammar_lane.py), each under the
+    The grammar's calls run on `lane` (infer_service/runner/grammar_lane.py), each under the
     budget; the engine thread hands them copies of the logits, never the context's own.
     """
 

@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterable
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from infer_service.engine import Engine, EngineStoppedError
-from infer_service.kv_pool import PoolFigures
-from infer_service.slots import EngineStats
+from infer_service.engine.loop import Engine, EngineStoppedError
+from infer_service.kv.pool import PoolFigures
+from infer_service.runner.slots import EngineStats
 from slotwise_core.metrics import ServiceMetrics
 
 

@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from infer_service.ledger import Segment
+from infer_service.kv.ledger import Segment
 
 PrefixKey = tuple[Hashable, tuple[object, ...]]  # (whose: tenant and salt, the prefix's atoms)
 

@@ -10,19 +10,11 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
-from infer_service.ledger import ContextConfig, EvictionUnit, Ledger, Policy
-from infer_service.media import MediaHandle
-from infer_service.runtime import SamplingConfig
+from infer_service.kv.ledger import ContextConfig, EvictionUnit, Ledger, Policy
+from infer_service.runner.media import MediaHandle, Pixels
+from infer_service.runner.runtime import SamplingConfig
 from slotwise_core.descriptors import Fingerprint
 from slotwise_core.keys import DEFAULT_TENANT
-
-
-@dataclass(frozen=True)
-class Pixels:
-    width: int
-    height: int
-    media_id: str  # the image's content hash (several slices of one image share it)
-
 
 MAX_RECORDS = 256  # turn records a session keeps (the oldest go first)
 
@@ -74,7 +66,7 @@ class TurnRecord:
 
 class Lifecycle(Enum):
     """Where a session is in its life; one state per session, changed on the engine thread
-    only, by the moves `SessionTable.move` allows (infer_service/session_table.py)."""
+    only, by the moves `SessionTable.move` allows (infer_service/sessions/table.py)."""
 
     STORED = "stored"  # its sequence is in no slot (its state: its ledger, and its files)
     RESIDENT = "resident"  # its sequence is in a slot, between turns
@@ -86,7 +78,7 @@ class Lifecycle(Enum):
 
 @dataclass
 class DiskState:
-    """What persistence knows of a session's files (infer_service/session_persistence.py)."""
+    """What persistence knows of a session's files (infer_service/sessions/persistence.py)."""
 
     dirty: bool = False  # the newest save asked for is not on disk yet (or failed)
     num_saves: int = 0

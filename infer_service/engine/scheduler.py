@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from infer_service.events import ErrorKind, Problem, Reason
-from infer_service.ledger import Item, Ledger
-from infer_service.session_manager import SessionManager
-from infer_service.slots import Job, QueueFullError, Slot
-from infer_service.state_cache import StateCache, reuse_of
+from infer_service.kv.host_cache import StateCache, reuse_of
+from infer_service.kv.ledger import Item, Ledger
+from infer_service.runner.slots import Job, QueueFullError, Slot
+from infer_service.sessions.manager import SessionManager
 
 
 class Reservation:

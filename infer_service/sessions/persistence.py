@@ -1,8 +1,8 @@
 """A session's files: a journal entry per completed turn, checkpoints of its KV state, what
 another replica did to them (sync), and the collection of pixels no session needs.
 
-Disk work runs on io lanes (infer_service/io_lanes.py): a session's in the order it was asked
-for, another session's beside it, pixel collection in a lane of its own. What runs on the
+Disk work runs on io lanes (infer_service/sessions/io_lanes.py): a session's in the order it was
+asked for, another session's beside it, pixel collection in a lane of its own. What runs on the
 engine thread here only builds headers and queues writes; the KV state a checkpoint holds is
 copied out of llama.cpp by the caller, when `checkpoint_due` (or a swap-out, an idle session,
 a stop) says one is worth it.
@@ -24,10 +24,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from infer_service import header_delta
 from infer_service.events import ErrorKind, Problem, ProblemError, Reason, problem, storage_problem
-from infer_service.io_lanes import Lanes
-from infer_service.session_store import (
+from infer_service.runner.slots import EngineStoppedError, resolve
+from infer_service.sessions import header_delta
+from infer_service.sessions.io_lanes import Lanes
+from infer_service.sessions.session import Session
+from infer_service.sessions.store import (
     CorruptSessionError,
     Generation,
     SessionStore,
@@ -35,8 +37,6 @@ from infer_service.session_store import (
     Unused,
     ledger_digest,
 )
-from infer_service.sessions import Session
-from infer_service.slots import EngineStoppedError, resolve
 from slotwise_core.descriptors import Fingerprint
 
 log = logging.getLogger("slotwise.engine")

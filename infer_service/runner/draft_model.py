@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import llama_cpp
 import numpy as np
 
-from infer_service.runtime import Runtime, RuntimeConfig
+from infer_service.runner.runtime import Runtime, RuntimeConfig
 from slotwise_core import native
 
 log = logging.getLogger("slotwise.engine")

@@ -20,7 +20,6 @@ from typing import Any
 
 import grpc
 
-from infer_service.drafting import SpecConfig, SpecType
 from infer_service.events import (
     ContextShift,
     ErrorKind,
@@ -37,13 +36,14 @@ from infer_service.events import (
     TokenLogprobs,
     Usage,
 )
-from infer_service.kv_pool import PoolFigures
-from infer_service.kv_view import CellKind, CellRun, SharedPicture, SlotPicture, SlotState
-from infer_service.ledger import ContextConfig, EvictionUnit, Policy
-from infer_service.runtime import SamplingConfig
-from infer_service.session_store import SessionIdError, check_session_id
-from infer_service.sessions import SessionView, public_id, scoped
-from infer_service.slots import TenantStats
+from infer_service.kv.ledger import ContextConfig, EvictionUnit, Policy
+from infer_service.kv.pool import PoolFigures
+from infer_service.kv.view import CellKind, CellRun, SharedPicture, SlotPicture, SlotState
+from infer_service.runner.runtime import SamplingConfig
+from infer_service.runner.slots import TenantStats
+from infer_service.sessions.session import SessionView, public_id, scoped
+from infer_service.sessions.store import SessionIdError, check_session_id
+from infer_service.spec.drafting import SpecConfig, SpecType
 from slotwise.v1 import infer_pb2
 from slotwise_core.descriptors import DescriptorError, PreparedPrompt, TextChunk, memory_kind_pb
 from slotwise_core.enum_names import from_numbers, to_numbers

@@ -15,13 +15,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
-from infer_service.engine import Engine, EngineSnapshot
-from infer_service.kv_view import SharedPicture, SlotPicture
-from infer_service.ledger import ContextConfig
-from infer_service.runtime import SamplingConfig
-from infer_service.scheduler import Reservation
-from infer_service.sessions import Session, SessionView, owner_of
-from infer_service.slots import EngineStoppedError, Job
+from infer_service.engine.loop import Engine, EngineSnapshot
+from infer_service.engine.scheduler import Reservation
+from infer_service.kv.ledger import ContextConfig
+from infer_service.kv.view import SharedPicture, SlotPicture
+from infer_service.runner.runtime import SamplingConfig
+from infer_service.runner.slots import EngineStoppedError, Job
+from infer_service.sessions.session import Session, SessionView, owner_of
 
 T = TypeVar("T")
 

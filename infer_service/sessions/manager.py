@@ -1,11 +1,11 @@
 """The session manager: the sessions this replica knows, their turns and their slots.
 
 It ties three pieces, each in a module of its own:
-- the table (infer_service/session_table.py): every session in one lifecycle state, moved
+- the table (infer_service/sessions/table.py): every session in one lifecycle state, moved
   only as the table allows;
-- swaps (infer_service/session_swap.py): the read before a swap-in, a session into and out
+- swaps (infer_service/sessions/swap.py): the read before a swap-in, a session into and out
   of a slot, its media chunks while it is in one;
-- persistence (infer_service/session_persistence.py): a journal entry per completed turn,
+- persistence (infer_service/sessions/persistence.py): a journal entry per completed turn,
   checkpoints of the KV state, what other replicas did (sync), pixel collection.
 
 Everything here runs on the engine thread; disk work goes to the io lanes and comes back as
@@ -48,14 +48,19 @@ from dataclasses import replace
 from typing import Any
 
 from infer_service.events import ErrorKind, Problem, ProblemError, Reason, problem
-from infer_service.executor import Executor
-from infer_service.ledger import ContextConfig, Ledger
-from infer_service.runtime import SamplingConfig
-from infer_service.session_persistence import Changed, Persistence, Used
-from infer_service.session_store import SessionStore
-from infer_service.session_swap import Swapper
-from infer_service.session_table import SessionTable, busy, not_found
-from infer_service.sessions import (
+from infer_service.kv.ledger import ContextConfig, Ledger
+from infer_service.runner.executor import Executor
+from infer_service.runner.runtime import SamplingConfig
+from infer_service.runner.slots import (
+    EngineStats,
+    EngineStoppedError,
+    Job,
+    SessionError,
+    Slot,
+    resolve,
+)
+from infer_service.sessions.persistence import Changed, Persistence, Used
+from infer_service.sessions.session import (
     Lifecycle,
     Session,
     SessionLimits,
@@ -63,7 +68,9 @@ from infer_service.sessions import (
     TurnRecord,
     owner_of,
 )
-from infer_service.slots import EngineStats, EngineStoppedError, Job, SessionError, Slot, resolve
+from infer_service.sessions.store import SessionStore
+from infer_service.sessions.swap import Swapper
+from infer_service.sessions.table import SessionTable, busy, not_found
 from slotwise_core.descriptors import Fingerprint
 
 log = logging.getLogger("slotwise.engine")

@@ -1,0 +1,1 @@
+"""Sessions: their lifecycle, table, swaps, journal and checkpoints on disk."""
