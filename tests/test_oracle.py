@@ -25,6 +25,7 @@ from oracle import (
     SHAPES,
     Drivers,
     Picture,
+    Sweep,
     media_boundary,
     stop_exactness,
 )
@@ -49,10 +50,8 @@ def drivers(
     d.close()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("pair", ALL)
-def test_random_runs_match_llama_cpp(drivers: Drivers, pair: str) -> None:
-    sweep = drivers.sweep(pair, range(RUNS_PER_PAIR))
+def _no_disagreement(sweep: Sweep, pair: str) -> None:
+    """The sweep's figures, and its first disagreement with llama.cpp (with how to replay it)."""
     print(sweep.summary())
     if sweep.failures:
         seed, message = sweep.failures[0]
@@ -61,6 +60,13 @@ def test_random_runs_match_llama_cpp(drivers: Drivers, pair: str) -> None:
             f"{len(seeds)} of {sweep.runs} {pair} runs disagree with llama.cpp (seeds {seeds[:20]})"
             f"; replay: python tests/oracle.py --pair {pair} --seed {seed} --runs 1 -v\n{message}"
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", ALL)
+def test_random_runs_match_llama_cpp(drivers: Drivers, pair: str) -> None:
+    sweep = drivers.sweep(pair, range(RUNS_PER_PAIR))
+    _no_disagreement(sweep, pair)
     c = sweep.counts
     # the random scripts really exercise every plan and boundary
     assert c["media_decodes"] > 0 and c["generated"] > 0
@@ -86,14 +92,7 @@ def test_hybrid_runs_match_a_fresh_prefill(drivers: Drivers, pair: str) -> None:
     recurrent state has seen up to the ledger's last cell), and the logits the engine samples
     from after every reuse, checkpoint restore and re-prefill are a fresh prefill's."""
     sweep = drivers.sweep(pair, range(RUNS_PER_HYBRID_PAIR))
-    print(sweep.summary())
-    if sweep.failures:
-        seed, message = sweep.failures[0]
-        seeds = [s for s, _ in sweep.failures]
-        pytest.fail(
-            f"{len(seeds)} of {sweep.runs} {pair} runs disagree with llama.cpp (seeds {seeds[:20]})"
-            f"; replay: python tests/oracle.py --pair {pair} --seed {seed} --runs 1 -v\n{message}"
-        )
+    _no_disagreement(sweep, pair)
     c = sweep.counts
     assert c["media_decodes"] > 0 and c["generated"] > 0 and c["multi_seq_decodes"] > 0
     assert c["checks_mid_media"] > 0
