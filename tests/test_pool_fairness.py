@@ -118,3 +118,41 @@ def test_a_long_pinned_generation_is_put_aside_for_another_tenant(
     # put aside in host memory and back: the same tokens as alone
     assert result["tokens"] == list(alone.token_ids)
     assert alice.server_info().stats.num_preemptions > 0  # (counted as the tenant's own)
+
+
+def test_a_generation_put_aside_for_a_session_goes_on_when_the_session_idles(
+    pool: Callable[[str], Any],
+) -> None:
+    """The put-aside generation waits only for the session's turn: once the session idles,
+    it is swapped out and the generation goes on, to the same tokens as alone."""
+    alice, bob = pool(ALICE), pool(BOB)
+    prompt = alice.prepare([Message.user(words(185))])  # ~740 cells, all pinned
+    options = {"max_tokens": 250, "temperature": 0, "keep": prompt.num_cells, "ignore_eos": True}
+    alone = collect(alice.generate(prompt, **options))
+    seen: list[int] = []
+    result: dict[str, Any] = {}
+
+    def generate() -> None:
+        out: list[int] = []
+        for event in alice.generate(prompt, **options):
+            out.extend(getattr(event, "token_ids", None) or ())
+            seen.append(len(out))
+        result["tokens"] = out
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    try:
+        wait_until(lambda: seen and seen[-1] >= 20, what="alice generating")
+        session = bob.create_session(keep=8)
+        turn = collect(
+            bob.generate(
+                bob.prepare([Message.user(words(120, 1))]), session_id=session.session_id,
+                max_tokens=4,
+            )
+        )  # fmt: skip
+        assert turn.finished.reason.value in ("stop", "length"), turn.finished
+    finally:
+        thread.join()  # (it ends: the idle session makes way)
+    assert result["tokens"] == list(alone.token_ids)
+    assert alice.server_info().stats.num_preemptions > 0
+    assert bob.server_info().stats.num_sessions_reclaimed == 1

@@ -387,7 +387,12 @@ class Engine:
         )
 
     def _has_work(self) -> bool:
-        runnable = any(s.job and not self.executor.waits_for_encode(s) for s in self.slots)
+        runnable = any(
+            s.job
+            and not self.executor.waits_for_encode(s)
+            and (s.preempted is None or self.executor.can_resume(s))
+            for s in self.slots
+        )
         return runnable or self.scheduler.has_startable()
 
     def _admit_waiting(self) -> None:

@@ -646,9 +646,10 @@ class Executor:
         with requests in slots), the one of it holding the most cells. Session turns stay."""
         assert self.pool is not None
         held: dict[str, int] = {}
-        for s in self.slots:
-            if s.job is not None and s.preempted is None:
-                held[s.job.tenant] = held.get(s.job.tenant, 0) + self.own_cells(s)
+        for s in self.slots:  # (a generation put aside still claims its cells)
+            if s.job is not None:
+                mine = self.own_cells(s) if s.preempted is None else s.num_cells
+                held[s.job.tenant] = held.get(s.job.tenant, 0) + mine
         fair = self.pool.num_cells // max(1, len(held | {tenant: 0}))
         candidates = [
             s for s in self.slots
@@ -674,22 +675,55 @@ class Executor:
         log.info("slot %d: put aside in host memory (%d cells) for another tenant's prompt",
                  slot.seq, slot.num_cells)  # fmt: skip
 
+    def _short_of(self, slot: Slot) -> int:
+        """(pool) The cells a put-aside generation lacks to go on, beside what the prompts being
+        prefilled still need (else it would be put aside again at once)."""
+        assert slot.ledger is not None
+        wanted = sum(
+            i.num_cells
+            for s in self.slots
+            if s.job and s.prefilling and s.preempted is None
+            for i in s.pending
+        )
+        return slot.ledger.num_cells + 1 + wanted - self.pool_free()
+
+    def _reclaimable(self, keeper: Slot) -> tuple[int, int]:
+        """(pool) Cells no request uses: idle holders' and idle stateless slots' (freed here),
+        and idle sessions' (the engine swaps them out after the step; with a shared prefix
+        counted whole: its holder is idle then, unless a request shares it too)."""
+        assert self.pool is not None
+        idle = [s for s in self.slots if s is not keeper and s.job is None]
+        mine = sum(h.num_cells for h in self.pool.idle())
+        mine += sum(self.own_cells(s) for s in idle if s.owner is None)
+        return mine, sum(s.num_cells for s in idle if s.owner is not None)
+
+    def can_resume(self, slot: Slot) -> bool:
+        """(pool) A generation put aside could go on now (the engine steps for it then, and
+        does not spin while it cannot)."""
+        if slot.preempted is None or slot.ledger is None or self.pool is None:
+            return False
+        short = self._short_of(slot)
+        return short <= 0 or sum(self._reclaimable(slot)) >= short
+
     def _resume(self, slots: Sequence[Slot]) -> None:
-        """Generations put aside go on, oldest first, once the pool has room for them beside
-        what the prompts being prefilled still need (else they would be put aside again)."""
+        """Generations put aside go on once the pool has room for them. What no request uses
+        makes way (idle sessions after the step), but only where that is enough: a cache is not
+        emptied for a generation that must wait for another's end anyway."""
         if self.pool is None:
             return
-        wanted = sum(
-            i.num_cells for s in slots if s.job and s.prefilling for i in s.pending
-        )  # fmt: skip
         for slot in slots:
             if slot.preempted is None or slot.ledger is None:
                 continue
-            short = slot.ledger.num_cells + 1 + wanted - self.pool_free()
+            short = self._short_of(slot)
             if short > 0:
-                self._reclaim(short, slot)  # (what no request uses: idle holders and slots)
-            if self.pool_free() - wanted < slot.ledger.num_cells + 1:
-                return
+                mine, sessions = self._reclaimable(slot)
+                if mine + sessions < short:
+                    continue  # (until a generation ends)
+                self._reclaim(min(short, mine), slot)
+                short = self._short_of(slot)
+                if short > 0:
+                    self._outcome.pool_wanted += short  # (idle sessions go after the step)
+                    continue
             state, slot.preempted = slot.preempted, None
             if not self.rt.state_set(slot.seq, state):  # (another layout? decoded again)
                 log.warning("slot %d: its state did not load; decoded again", slot.seq)
@@ -771,6 +805,7 @@ class Executor:
         return self.take_outcome()
 
     def _step(self, slots: Sequence[Slot]) -> None:
+        self._preempting = []  # (a step that raised leaves none behind)
         self._resume(slots)
         broken = self._collect_encodes()
         self._num_generating = sum(
@@ -800,7 +835,8 @@ class Executor:
             self._forget_unwanted_media(slots)
         victims, self._preempting = self._preempting, []
         for slot in victims:
-            if slot.job is not None and slot.preempted is None and not slot.prefilling:
+            job = slot.job
+            if job and job.session_id is None and slot.preempted is None and not slot.prefilling:
                 self._preempt(slot)
 
     def _forget_unwanted_media(self, slots: Sequence[Slot]) -> None:
