@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -366,9 +365,10 @@ def test_a_large_fan_out_never_fails_another_caller_s_completion(services: Servi
     completions meanwhile); the largest fan-out taken runs beside other callers' requests,
     which all succeed."""
     big = {"prompt": [f"p{i}" for i in range(1000)], "n_cmpl": 8, "n_predict": 2}
-    t0 = time.monotonic()
+    before = prep_calls(services, "Prepare")
     r = post(services.url + "/completion", json.dumps(big))
-    assert r.status_code == 400 and time.monotonic() - t0 < 5, r.text
+    assert r.status_code == 400, r.text
+    assert prep_calls(services, "Prepare") == before  # (refused before a prompt is prepared)
     largest = {"prompt": [f"p{i}" for i in range(16)], "n_cmpl": 2, "n_predict": 2}
     results: list[int] = []
 
@@ -404,25 +404,26 @@ def test_tokenize_with_pieces_is_bounded_in_tokens(services: Services) -> None:
     assert plain.status_code == 200 and len(plain.json()["tokens"]) == MAX_PIECE_TOKENS + 1
 
 
-def test_health_answers_while_a_large_tokenize_with_pieces_is_written(
-    services: Services,
+def test_a_large_tokenize_with_pieces_is_written_off_the_event_loop(
+    services: Services, loop_thread: LoopThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The answer's JSON (an object per piece) is built on a worker thread: /health and every
+    other request go on meanwhile (it stalled them 14-27 s on the event loop)."""
+    from clients.gateway import llama_server_api
+
+    writers: list[threading.Thread] = []
+
+    class Recording:
+        def dumps(self, *args: Any, **kwargs: Any) -> str:
+            writers.append(threading.current_thread())
+            return json.dumps(*args, **kwargs)
+
+    monkeypatch.setattr(llama_server_api, "json", Recording())
     text = "y" * MAX_PIECE_TOKENS
-    done: list[httpx.Response] = []
-    thread = threading.Thread(
-        target=lambda: done.append(
-            post(services.url + "/tokenize", json.dumps({"content": text, "with_pieces": True}))
-        )
-    )
-    thread.start()
-    slowest = 0.0
-    while thread.is_alive():
-        t0 = time.monotonic()
-        assert httpx.get(services.url + "/health", timeout=10).status_code == 200
-        slowest = max(slowest, time.monotonic() - t0)
-    thread.join()
-    assert done[0].status_code == 200 and len(done[0].json()["tokens"]) == MAX_PIECE_TOKENS
-    assert slowest < 2.0
+    r = post(services.url + "/tokenize", json.dumps({"content": text, "with_pieces": True}))
+    assert r.status_code == 200 and len(r.json()["tokens"]) == MAX_PIECE_TOKENS
+    assert writers and loop_thread.thread not in writers
+    assert httpx.get(services.url + "/health", timeout=10).status_code == 200
 
 
 def test_many_strings_are_tokenized_in_one_call(services: Services) -> None:
@@ -436,13 +437,11 @@ def test_many_strings_are_tokenized_in_one_call(services: Services) -> None:
         post(services.url + "/tokenize", json.dumps({"content": s})).json() for s in mixed[::2]
     ]
     assert r.json()["tokens"] == [t for a in alone for t in (*a["tokens"], 72)]
-    t0 = time.monotonic()
     big = post(services.url + "/tokenize", json.dumps({"content": strings}))
     bias = [[s + str(k), 0.5] for k, s in enumerate(strings)]
     body = {"prompt": "hi", "n_predict": 1, "logit_bias": bias}
     biased = post(services.url + "/completion", json.dumps(body))
     assert big.status_code == 200 and biased.status_code == 200, (big.text[:200], biased.text)
-    assert time.monotonic() - t0 < 10
     assert prep_calls(services, "TokenizeBatch") == calls[0] + 3
     assert prep_calls(services, "Tokenize") == calls[1] + 10  # (the ten texts alone, above)
 
