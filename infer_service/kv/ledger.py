@@ -466,6 +466,10 @@ class Ledger:
         return self._num_cells
 
     @property
+    def num_segments(self) -> int:
+        return len(self._segments)
+
+    @property
     def num_pinned_segments(self) -> int:
         return self._num_pinned_segments
 

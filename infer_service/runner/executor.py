@@ -234,7 +234,7 @@ class Executor:
         ledger = slot.ledger
         if not self.rt.recurrent or ledger is None or not ledger.max_marks or slot.piece:
             return
-        n = len(ledger.segments)
+        n = ledger.num_segments
         if not n or n in ledger.marks:
             return
         due = due or n == ledger.num_pinned_segments
@@ -664,7 +664,7 @@ class Executor:
     def _preempt(self, slot: Slot) -> None:
         """Put a generation aside: its whole state to host memory, its cells freed. It goes on
         where it stopped once the pool has room again (`_resume`)."""
-        state = bytes(self.rt.state_get(slot.seq))
+        state = self.rt.state_get(slot.seq)  # (its own buffer: no second copy)
         self.rt.seq_clear(slot.seq)
         if self.pool is not None:
             self.pool.unshare(slot.seq)

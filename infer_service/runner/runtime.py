@@ -236,9 +236,9 @@ class Runtime:
         )
         return memoryview(buf)[:n]
 
-    def state_set(self, seq: int, data: bytes | bytearray) -> bool:
+    def state_set(self, seq: int, data: bytes | bytearray | memoryview) -> bool:
         """Load a saved state into seq; False (and seq left empty) when it does not fit."""
-        if isinstance(data, bytearray):
+        if isinstance(data, bytearray | memoryview):
             buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
         else:
             buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)

@@ -156,7 +156,7 @@ class Slot:
     checkpoint_at: frozenset[int] = frozenset()
     # (pool) a generation put aside for another tenant's prompt: its whole state, in host
     # memory, until the pool has room for it again (its cells are no longer in llama.cpp)
-    preempted: bytes | None = None
+    preempted: memoryview | None = None
     # the latest shifts in this slot (each names whose sequence it was), newest first
     shifts: deque[ShiftMark] = field(default_factory=lambda: deque(maxlen=MAX_SHIFT_MARKS))
     num_shift_marks: int = 0  # (a mark's id: per slot, so that it tells nothing of others)
