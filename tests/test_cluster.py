@@ -93,14 +93,21 @@ def owners(cluster: Cluster) -> dict[str, Proc]:
 
 def spread_sessions(client: SlotwiseClient, cluster: Cluster, per_replica: int) -> list[str]:
     """Session ids that nginx's hash spreads over every replica, `per_replica` each: created
-    through nginx, then read back from each replica (the spare ones deleted)."""
-    for i in range(12 * per_replica):
-        client.create_session(f"s{i:02d}")
+    through nginx until every replica holds its share (the hash runs over ports that change from
+    run to run, so no fixed list of ids is sure to reach them all), the spare ones deleted."""
     by_replica: dict[str, list[str]] = {}
-    for sid, proc in sorted(owners(cluster).items()):
-        by_replica.setdefault(proc.name, []).append(sid)
+    for i in range(64 * per_replica):
+        if len(by_replica) == len(cluster.infer) and all(
+            len(sids) >= per_replica for sids in by_replica.values()
+        ):
+            break
+        client.create_session(f"s{i:03d}")
+        by_replica = {}
+        for sid, proc in sorted(owners(cluster).items()):
+            by_replica.setdefault(proc.name, []).append(sid)
     assert len(by_replica) == len(cluster.infer), f"hash used only {sorted(by_replica)}"
     chosen = [sid for sids in by_replica.values() for sid in sids[:per_replica]]
+    assert len(chosen) == per_replica * len(cluster.infer), by_replica
     for sid in set(owners(cluster)) - set(chosen):
         client.delete_session(sid)
     return chosen
