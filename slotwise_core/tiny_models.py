@@ -5,7 +5,8 @@ generated text is gibberish. What *is* real is everything llama.cpp / libmtmd co
 architecture: image token counts and positions, M-RoPE vs. plain RoPE, K-shift support, the
 non-causal image decode, KV-cache cell usage and the chat template / special tokens.
 
-Pairs (all tensors F32, text n_embd 64, 2 layers, context_length 4096, ~271-token vocab):
+Pairs (all tensors F32, text n_embd 64, 2 layers, context_length 4096, a 271-token vocab that
+qwen2a and gemma4 extend with their wrapper tokens):
 
 * ``mrope``     -- text ``qwen2vl`` + projector ``qwen2vl_merger`` (M-RoPE, dynamic resolution:
   a 1288x784 image is 1288 cells / 46 positions; ``llama_memory_can_shift`` is false).
@@ -28,6 +29,33 @@ last tokens (``llama_memory_seq_rm(seq, p, -1)``) fails; ``llama_model_is_hybrid
   projector wraps images in tokens the shared vocabulary lacks); every image is 64 cells / 64
   positions.
 
+Audio pairs (``AUDIO``; written only when named): an audio-only mmproj with a whisper-style
+tower (``tiny_audio``; 128 mel bins, a sound is cut into 30 s windows). An audio chunk has
+n_pos == n_tokens; a sound over 30 s is one audio chunk per window, wrapped once.
+
+* ``ultravox``  -- text ``llama`` (as ``rope``) + projector ``ultravox`` (stack factor 16):
+  94 cells per window (a 2 s sound is 94, 35 s 94 + 94), no wrapper tokens.
+* ``qwen2a``    -- text ``qwen2`` + projector ``qwen2a`` (avg-pool by 2): 750 cells per window,
+  wrapped in ``<|audio_bos|>`` ... ``<|audio_eos|>`` (this pair's vocabulary adds the two).
+
+2026 families (``FAMILIES_2026``; written only when named):
+
+* ``qwen3vl``   -- text ``qwen3vl`` (Qwen3-VL: q/k norms, interleaved M-RoPE;
+  ``llama_memory_can_shift`` is false) + the ``qwen35`` pair's projector ``qwen3vl_merger``:
+  a 224x224 image is 49 cells / 7 positions, 448x336 154 / 14.
+* ``gemma4``    -- text ``gemma4`` (layer 0 slides over 512 tokens, layer 1 attends to all:
+  ``llama_model_n_swa`` 512; K-shift capable only with ``swa_full``, llama.cpp's default) + one
+  mmproj with two towers: vision ``gemma4v`` (48 px cells, 70 to 1120 an image: 224x224 is 81
+  cells, 640x480 130, n_pos == n_tokens, decoded non-causally) and audio ``gemma4a`` (a
+  conformer; no padding to 30 s: 2 s is 50 cells, 35 s 750 + 125; causal). Wrapped in
+  ``<|image>`` ... ``<image|>`` and ``<|audio>`` ... ``<audio|>`` (this pair's own tokens).
+
+``BROKEN`` (written only when named):
+
+* ``ultravox8`` -- ``ultravox`` with stack factor 8 (Ultravox v0.5's): libmtmd counts 187 cells
+  per window, the encoder makes 188 and llama.cpp aborts the process (GGML_ABORT "Invalid
+  number of output tokens"); encode it only in a child process.
+
 Usage: ``slotwise-tiny-models OUT_DIR [--only NAME ...]`` or
 ``python -m slotwise_core.tiny_models OUT_DIR``.
 """
@@ -42,10 +70,15 @@ from pathlib import Path
 
 import numpy as np
 
+from slotwise_core import tiny_audio
+
 __all__ = [
     "ALL",
+    "AUDIO",
+    "BROKEN",
     "CHAT_TEMPLATE",
     "CONTEXT_LENGTH",
+    "FAMILIES_2026",
     "HYBRID",
     "SPECIAL_TOKENS",
     "TinyPair",
@@ -56,6 +89,11 @@ __all__ = [
 ALL: tuple[str, ...] = ("mrope", "rope", "noncausal")
 # Not in ALL: what tests and the demo write by default stays as it was.
 HYBRID: tuple[str, ...] = ("qwen35", "lfm2")
+AUDIO: tuple[str, ...] = ("ultravox", "qwen2a")
+FAMILIES_2026: tuple[str, ...] = ("qwen3vl", "gemma4")
+# Pairs llama.cpp cannot serve as they are: tokenizing promises a count encoding breaks.
+BROKEN: tuple[str, ...] = ("ultravox8",)
+_NAMES = ALL + HYBRID + AUDIO + FAMILIES_2026 + BROKEN
 
 CONTEXT_LENGTH = 4096
 
@@ -91,7 +129,10 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 # empty array silently and llama.cpp then fails with "cannot find tokenizer merges".
 _MERGES: tuple[tuple[str, str], ...] = (("Ġ", "t"), ("h", "e"), ("i", "n"), ("Ġt", "he"))
 
-_SEEDS = {"mrope": 1001, "rope": 1002, "noncausal": 1003, "qwen35": 1004, "lfm2": 1005}
+_SEEDS = {
+    "mrope": 1001, "rope": 1002, "noncausal": 1003, "qwen35": 1004, "lfm2": 1005,
+    "ultravox": 1006, "qwen2a": 1007, "ultravox8": 1008, "qwen3vl": 1009, "gemma4": 1010,
+}  # fmt: skip
 _STD = 0.02
 
 _RMS_EPS = 1e-6
@@ -176,12 +217,13 @@ def _bytes_to_unicode() -> list[str]:
     return [table[b] for b in range(256)]
 
 
-def _vocab() -> tuple[list[str], list[int]]:
+def _vocab(extra: Sequence[str] = ()) -> tuple[list[str], list[int]]:
+    """extra: a pair's own control tokens, after the shared ones (the others' ids stay)."""
     tokens = _bytes_to_unicode()  # token id == byte value for the first 256 ids
     tokens += [a + b for a, b in _MERGES]
     types = [_TOKEN_NORMAL] * len(tokens)
-    tokens += list(SPECIAL_TOKENS)
-    types += [_TOKEN_CONTROL] * len(SPECIAL_TOKENS)
+    tokens += [*SPECIAL_TOKENS, *extra]
+    types += [_TOKEN_CONTROL] * (len(SPECIAL_TOKENS) + len(extra))
     return tokens, types
 
 
@@ -197,11 +239,12 @@ def token_id(piece: str) -> int:
     return _TOKENS.index(piece)
 
 
-def _add_tokenizer(w, pre: str) -> None:
+def _add_tokenizer(w, pre: str, extra: Sequence[str] = ()) -> None:
+    tokens, types = _vocab(extra) if extra else (_TOKENS, _TOKEN_TYPES)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", pre)
-    w.add_token_list(_TOKENS)
-    w.add_token_types(_TOKEN_TYPES)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
     w.add_token_merges([f"{a} {b}" for a, b in _MERGES])
     w.add_bos_token_id(_TOKENS.index("<|endoftext|>"))
     w.add_eos_token_id(_TOKENS.index("<|im_end|>"))
@@ -267,9 +310,10 @@ def _text_kv(
     extra: Callable[[object], None] | None = None,
     size: Text = TINY,
     kv_heads: Sequence[int] | None = None,
+    tokens: Sequence[str] = (),
 ):
     """kv_heads: a per-layer head_count_kv array instead of size.kv_heads (LFM2 marks its
-    convolution layers with 0)."""
+    convolution layers with 0). tokens: the pair's own control tokens (see _vocab)."""
 
     def add(w) -> None:
         w.add_string("general.name", f"slotwise-tiny-{arch}")
@@ -284,18 +328,22 @@ def _text_kv(
             w.add_array(f"{arch}.attention.head_count_kv", list(kv_heads))
         w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", _RMS_EPS)
         w.add_float32(f"{arch}.rope.freq_base", 10000.0)
-        w.add_uint32(f"{arch}.vocab_size", _N_VOCAB)
+        w.add_uint32(f"{arch}.vocab_size", _N_VOCAB + len(tokens))
         if extra is not None:
             extra(w)
-        _add_tokenizer(w, pre)
+        _add_tokenizer(w, pre, tokens)
 
     return add
 
 
-def _text_tensors(seed: int, gemma: bool = False, size: Text = TINY) -> _Tensors:
+def _text_tensors(
+    seed: int, gemma: bool = False, size: Text = TINY, n_tokens: int = 0, qk_norm: bool = False
+) -> _Tensors:
+    """n_tokens: how many control tokens the pair adds to the vocabulary; qk_norm: q/k RMS
+    norms (gemma has them too, with its post-norms)."""
     t = _Tensors(seed)
     n, n_kv = size.width, size.head_dim * size.kv_heads
-    t.rand("token_embd.weight", n, _N_VOCAB)  # output.weight is tied to it
+    t.rand("token_embd.weight", n, _N_VOCAB + n_tokens)  # output.weight is tied to it
     t.ones("output_norm.weight", n)
     for i in range(size.layers):
         p = f"blk.{i}"
@@ -308,9 +356,10 @@ def _text_tensors(seed: int, gemma: bool = False, size: Text = TINY) -> _Tensors
         t.linear(f"{p}.ffn_gate", n, size.ff)
         t.linear(f"{p}.ffn_up", n, size.ff)
         t.linear(f"{p}.ffn_down", size.ff, n)
-        if gemma:
+        if gemma or qk_norm:
             t.ones(f"{p}.attn_q_norm.weight", size.head_dim)
             t.ones(f"{p}.attn_k_norm.weight", size.head_dim)
+        if gemma:
             t.ones(f"{p}.post_attention_norm.weight", n)
             t.ones(f"{p}.post_ffw_norm.weight", n)
     return t
@@ -425,11 +474,13 @@ def _lfm2_tensors(seed: int, size: Text = _HYBRID_TEXT) -> _Tensors:
 
 def _clip_kv(
     projector: str, v: Vision, n_layer: int, image_size: int, patch_size: int,
-    extra: dict[str, int],
+    extra: dict[str, int], mixed: bool = False,
 ):  # fmt: skip
+    """mixed: an audio tower shares the file; each modality names its own projector."""
+
     def add(w) -> None:
         w.add_string("general.name", f"slotwise-tiny-mmproj-{projector}")
-        w.add_string("clip.projector_type", projector)
+        w.add_string(f"clip.{'vision.' if mixed else ''}projector_type", projector)
         w.add_bool("clip.has_vision_encoder", True)
         w.add_uint32("clip.vision.embedding_length", v.width)
         w.add_uint32("clip.vision.feed_forward_length", v.ff)
@@ -540,6 +591,41 @@ def _mmproj_qwen3vl(seed: int, v: Vision) -> tuple[Callable[[object], None], _Te
     return add, t
 
 
+# learned x and y tables: 1120 tokens (libmtmd's cap) of 3x3 patches in one row is the longest
+# side an image can have; a shorter table aborts encoding a 48000x48 image (real ones: 10240)
+_GEMMA4V_POSITIONS = 1120 * 3
+
+
+def _mmproj_gemma4v(seed: int, v: Vision) -> tuple[Callable[[object], None], _Tensors]:
+    # Gemma 4's tower: 16 px patches (no bias), learned x/y position tables, 2D RoPE, RMS
+    # norms, per-head q/k norms, post-norms, GeGLU FFN, 3x3 avg-pool, RMS norm + projection.
+    patch, merge = 16, 3
+    t = _Tensors(seed)
+    t.rand("v.patch_embd.weight", patch, patch, 3, v.width)
+    t.rand("v.position_embd.weight", v.width, _GEMMA4V_POSITIONS, 2)
+    head_dim = v.width // v.heads
+    for i in range(v.layers):
+        p = f"v.blk.{i}"
+        for proj in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            t.linear(f"{p}.{proj}", v.width, v.width)
+        t.ones(f"{p}.attn_q_norm.weight", head_dim)
+        t.ones(f"{p}.attn_k_norm.weight", head_dim)
+        for norm in ("ln1", "ln2", "attn_post_norm", "ffn_post_norm"):
+            t.ones(f"{p}.{norm}.weight", v.width)
+        t.linear(f"{p}.ffn_gate", v.width, v.ff)
+        t.linear(f"{p}.ffn_up", v.width, v.ff)
+        t.linear(f"{p}.ffn_down", v.ff, v.width)
+    t.rand("mm.input_projection.weight", v.width, _N_EMBD)  # ne[1]: the text width
+    extra = {"clip.vision.projector.scale_factor": merge}
+    kv = _clip_kv("gemma4v", v, v.layers, 224, patch, extra, mixed=True)
+
+    def add(w) -> None:
+        kv(w)
+        w.add_bool("clip.use_gelu", True)
+
+    return add, t
+
+
 # ---------------------------------------------------------------------------------------------
 # pairs
 
@@ -595,12 +681,91 @@ def _write_lfm2(d: Path, seed: int, v: Vision) -> None:
     _write(d / "mmproj.gguf", "clip", kv, t)
 
 
+# audio pairs (their mmproj holds no vision tower; the Vision argument is unused)
+
+_ULTRAVOX_STACK = 16  # Ultravox v0.4's stack factor; v0.5 has 8 (BROKEN: see ultravox8)
+# what mtmd wraps qwen2a audio in: the qwen2a pair's own control tokens
+_QWEN2A_TOKENS = ("<|audio_bos|>", "<|audio_eos|>")
+
+
+def _write_ultravox(d: Path, seed: int, v: Vision, stack: int = _ULTRAVOX_STACK) -> None:
+    _write(d / "model.gguf", "llama", _text_kv("llama", "gpt-2"), _text_tensors(seed))
+    t, a = _Tensors(seed + 1), tiny_audio.Audio()
+    tiny_audio.ultravox_tensors(t, a, _N_EMBD, stack)
+    stack_key = {"clip.audio.projector.stack_factor": stack}
+    _write(d / "mmproj.gguf", "clip", tiny_audio.audio_kv("ultravox", a, _N_EMBD, stack_key), t)
+
+
+def _write_ultravox8(d: Path, seed: int, v: Vision) -> None:
+    _write_ultravox(d, seed, v, stack=8)
+
+
+def _write_qwen2a(d: Path, seed: int, v: Vision) -> None:
+    kv = _text_kv("qwen2", "qwen2", tokens=_QWEN2A_TOKENS)
+    _write(d / "model.gguf", "qwen2", kv, _text_tensors(seed, n_tokens=len(_QWEN2A_TOKENS)))
+    t, a = _Tensors(seed + 1), tiny_audio.Audio()
+    tiny_audio.qwen2a_tensors(t, a, _N_EMBD)
+    _write(d / "mmproj.gguf", "clip", tiny_audio.audio_kv("qwen2a", a, _N_EMBD, {}), t)
+
+
+# the families of 2026 (FAMILIES_2026)
+
+
+def _write_qwen3vl(d: Path, seed: int, v: Vision) -> None:
+    def sections(w) -> None:
+        # interleaved M-RoPE (IMROPE); sum must be head_dim / 2
+        w.add_array("qwen3vl.rope.dimension_sections", [2, 3, 3, 0])
+
+    kv = _text_kv("qwen3vl", "qwen2", sections)
+    _write(d / "model.gguf", "qwen3vl", kv, _text_tensors(seed, qk_norm=True))
+    kv, t = _mmproj_qwen3vl(seed + 1, v)
+    _write(d / "mmproj.gguf", "clip", kv, t)
+
+
+# Gemma 4: layer 0 slides over the last _GEMMA4_SWA tokens, layer 1 attends to all (the real
+# models interleave 5 sliding layers to 1 full one); images and audio in one mmproj.
+_GEMMA4_SWA = 512
+_GEMMA4_TOKENS = ("<|image>", "<image|>", "<|audio>", "<audio|>")  # what mtmd wraps media in
+
+
+def _gemma4_kv(w) -> None:
+    w.add_array("gemma4.attention.sliding_window_pattern", [True, False])
+    w.add_uint32("gemma4.attention.sliding_window", _GEMMA4_SWA)
+    w.add_uint32("gemma4.attention.key_length_swa", TINY.head_dim)
+    w.add_uint32("gemma4.attention.value_length_swa", TINY.head_dim)
+    w.add_uint32("gemma4.embedding_length_per_layer_input", 0)  # no per-layer embeddings
+    w.add_float32("gemma4.rope.freq_base_swa", 10000.0)
+    w.add_float32("gemma4.final_logit_softcapping", 30.0)
+
+
+def _write_gemma4(d: Path, seed: int, v: Vision) -> None:
+    kv = _text_kv("gemma4", "gpt-2", _gemma4_kv, tokens=_GEMMA4_TOKENS)
+    t = _text_tensors(seed, gemma=True, n_tokens=len(_GEMMA4_TOKENS))
+    t.ones("rope_freqs.weight", TINY.head_dim // 2)  # the full-attention layers' rope factors
+    _write(d / "model.gguf", "gemma4", kv, t)
+    vision_kv, t = _mmproj_gemma4v(seed + 1, v)
+    a = tiny_audio.Audio()
+    tiny_audio.gemma4a_tensors(t, a, _N_EMBD)
+    audio_kv = tiny_audio.audio_kv("gemma4a", a, _N_EMBD, {}, mixed=True)
+
+    def both(w) -> None:
+        vision_kv(w)
+        audio_kv(w)
+
+    _write(d / "mmproj.gguf", "clip", both, t)
+
+
 _WRITERS: dict[str, Callable[[Path, int, Vision], None]] = {
     "mrope": _write_mrope,
     "rope": _write_rope,
     "noncausal": _write_noncausal,
     "qwen35": _write_qwen35,
     "lfm2": _write_lfm2,
+    "ultravox": _write_ultravox,
+    "qwen2a": _write_qwen2a,
+    "ultravox8": _write_ultravox8,
+    "qwen3vl": _write_qwen3vl,
+    "gemma4": _write_gemma4,
 }
 
 
@@ -612,7 +777,7 @@ def write_tiny_models(
     names = list(dict.fromkeys(names))
     unknown = [n for n in names if n not in _WRITERS]
     if unknown:
-        raise ValueError(f"unknown tiny model(s) {unknown}; choose from {list(ALL + HYBRID)}")
+        raise ValueError(f"unknown tiny model(s) {unknown}; choose from {list(_NAMES)}")
     pairs: dict[str, TinyPair] = {}
     for name in names:
         d = out_dir / name
@@ -630,9 +795,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=ALL + HYBRID,
+        choices=_NAMES,
         metavar="NAME",
-        help=f"subset of {', '.join(ALL + HYBRID)} (default: {', '.join(ALL)})",
+        help=f"subset of {', '.join(_NAMES)} (default: {', '.join(ALL)})",
     )
     parser.add_argument(
         "--vision-width", type=int, default=Vision.width, help="vision tower width (x32)"
