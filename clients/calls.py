@@ -34,6 +34,7 @@ from clients.requests import (
     prepare_request,
 )
 from clients.types import (
+    Audio,
     Count,
     Embedding,
     ImageInput,
@@ -207,7 +208,7 @@ class Calls:
     def prepare(
         self,
         prompt: PromptInput,
-        images: Sequence[ImageInput],
+        images: Sequence[ImageInput | Audio],
         add_special: bool,
         first_message: int,
         timeout: float | None,
@@ -222,7 +223,7 @@ class Calls:
     def count(
         self,
         prompt: PromptInput,
-        images: Sequence[ImageInput],
+        images: Sequence[ImageInput | Audio],
         add_special: bool,
         first_message: int,
         timeout: float | None,

@@ -86,6 +86,7 @@ from clients.requests import (
     sampling_pb,
 )
 from clients.types import (
+    Audio,
     ChunkCount,
     Constraint,
     Count,
@@ -260,7 +261,7 @@ class SlotwiseClient(_Client):
     def prepare(
         self,
         prompt: PromptInput,
-        images: Sequence[ImageInput] = (),
+        images: Sequence[ImageInput | Audio] = (),
         *,
         add_special: bool = True,
         first_message: int = 0,
@@ -280,7 +281,7 @@ class SlotwiseClient(_Client):
     def count(
         self,
         prompt: PromptInput,
-        images: Sequence[ImageInput] = (),
+        images: Sequence[ImageInput | Audio] = (),
         *,
         add_special: bool = True,
         first_message: int = 0,
@@ -333,7 +334,7 @@ class SlotwiseClient(_Client):
     def generate(
         self,
         prompt: PromptOrPrepared,
-        images: Sequence[ImageInput] = (),
+        images: Sequence[ImageInput | Audio] = (),
         *,
         timeout: float | None = None,
         prepare_timeout: float | None = None,
@@ -443,7 +444,7 @@ class AsyncSlotwiseClient(_Client):
     async def _generate(
         self,
         prompt: PromptOrPrepared,
-        images: Sequence[ImageInput],
+        images: Sequence[ImageInput | Audio],
         timeout: float | None,
         prepare_timeout: float | None,
         options: dict[str, Any],
@@ -472,7 +473,7 @@ class AsyncSlotwiseClient(_Client):
     async def prepare(
         self,
         prompt: PromptInput,
-        images: Sequence[ImageInput] = (),
+        images: Sequence[ImageInput | Audio] = (),
         *,
         add_special: bool = True,
         first_message: int = 0,
@@ -488,7 +489,7 @@ class AsyncSlotwiseClient(_Client):
     async def count(
         self,
         prompt: PromptInput,
-        images: Sequence[ImageInput] = (),
+        images: Sequence[ImageInput | Audio] = (),
         *,
         add_special: bool = True,
         first_message: int = 0,
@@ -542,7 +543,7 @@ class AsyncSlotwiseClient(_Client):
     def generate(
         self,
         prompt: PromptOrPrepared,
-        images: Sequence[ImageInput] = (),
+        images: Sequence[ImageInput | Audio] = (),
         *,
         timeout: float | None = None,
         prepare_timeout: float | None = None,

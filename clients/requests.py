@@ -17,10 +17,12 @@ from typing import Any
 
 from clients.enums import Policy, ToolChoice, Unit, to_pb
 from clients.types import (
+    Audio,
     Constraint,
     ImageInput,
     ImageSize,
     Message,
+    Part,
     PromptInput,
     Speculative,
     Tool,
@@ -37,9 +39,33 @@ __all__ = [
     "create_session_request",
     "generate_request",
     "image_pb",
+    "part_pb",
     "prepare_request",
     "sampling_pb",
 ]
+
+
+def audio_pb(audio: Audio, *, sizes_allowed: bool) -> prep_pb2.Audio:
+    """An Audio -> prep_pb2.Audio (a file's bytes, float32 samples, or a length to count)."""
+    if audio.seconds is not None:
+        if not sizes_allowed:
+            raise ValueError(f"a sound given by its length ({audio.seconds} s) can only be counted")
+        return prep_pb2.Audio(seconds=audio.seconds)
+    if audio.pcm is not None:
+        return prep_pb2.Audio(pcm_f32=bytes(audio.pcm))
+    data = audio.data
+    return prep_pb2.Audio(
+        data=Path(data).read_bytes() if isinstance(data, os.PathLike) else bytes(data or b"")
+    )
+
+
+def part_pb(part: Part, *, sizes_allowed: bool) -> prep_pb2.Part:
+    """One message part (text, image or sound) -> prep_pb2.Part."""
+    if isinstance(part, str):
+        return prep_pb2.Part(text=part)
+    if isinstance(part, Audio):
+        return prep_pb2.Part(audio=audio_pb(part, sizes_allowed=sizes_allowed))
+    return prep_pb2.Part(image=image_pb(part, sizes_allowed=sizes_allowed))
 
 
 def image_pb(image: ImageInput, *, sizes_allowed: bool) -> prep_pb2.Image:
@@ -81,12 +107,7 @@ def chat_pb(
     for m in messages:
         if not isinstance(m, Message):
             raise TypeError(f"expected Message, got {type(m).__name__}")
-        parts = [
-            prep_pb2.Part(text=p)
-            if isinstance(p, str)
-            else prep_pb2.Part(image=image_pb(p, sizes_allowed=sizes_allowed))
-            for p in m.parts
-        ]
+        parts = [part_pb(p, sizes_allowed=sizes_allowed) for p in m.parts]
         calls = [
             prep_pb2.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments)
             for c in m.tool_calls
@@ -119,7 +140,7 @@ def chat_pb(
 
 def _input_fields(
     prompt: PromptInput,
-    images: Sequence[ImageInput],
+    images: Sequence[ImageInput | Audio],
     add_special: bool,
     first_message: int,
     *,
@@ -132,11 +153,11 @@ def _input_fields(
             raise ValueError("first_message applies to messages, not to a raw prompt")
         if tools is not None:
             raise ValueError("tools go with messages, not with a raw prompt")
-        raw = prep_pb2.RawPrompt(
-            text=prompt,
-            images=[image_pb(im, sizes_allowed=sizes_allowed) for im in images],
-            add_special=add_special,
-        )
+        raw = prep_pb2.RawPrompt(text=prompt, add_special=add_special)
+        if any(isinstance(m, Audio) for m in images):  # images and sounds, in marker order
+            raw.media.extend(part_pb(m, sizes_allowed=sizes_allowed) for m in images)
+        else:
+            raw.images.extend(image_pb(im, sizes_allowed=sizes_allowed) for im in images)  # type: ignore[arg-type]
         return {"raw": raw}
     if images:
         raise ValueError("images= goes with a raw prompt; put images in the messages' parts")
@@ -148,7 +169,7 @@ def _input_fields(
 
 def prepare_request(
     prompt: PromptInput,
-    images: Sequence[ImageInput] = (),
+    images: Sequence[ImageInput | Audio] = (),
     *,
     add_special: bool = True,
     first_message: int = 0,
@@ -165,7 +186,7 @@ def prepare_request(
 
 def count_request(
     prompt: PromptInput,
-    images: Sequence[ImageInput] = (),
+    images: Sequence[ImageInput | Audio] = (),
     *,
     add_special: bool = True,
     first_message: int = 0,

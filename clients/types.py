@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
 
 __all__ = [
+    "Audio",
     "ChunkCount",
     "Constraint",
     "Count",
@@ -61,13 +62,36 @@ class ImageSize:
     height: int
 
 
+@dataclass(frozen=True, repr=False)
+class Audio:
+    """A sound, for models whose projector takes audio (GetModelInfo's supports_audio): a WAV,
+    MP3 or FLAC file (`data`: its bytes, or a path), mono float32 little-endian samples at the
+    model's audio_sample_rate (`pcm`), or, for counting only, a length (`seconds`)."""
+
+    data: bytes | os.PathLike[Any] | None = None
+    pcm: bytes | None = None
+    seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        given = [v for v in (self.data, self.pcm, self.seconds) if v is not None]
+        if len(given) != 1:
+            raise ValueError("Audio takes one of data, pcm or seconds")
+
+    def __repr__(self) -> str:  # never print the sound
+        if self.seconds is not None:
+            return f"Audio(seconds={self.seconds})"
+        if isinstance(self.data, os.PathLike):
+            return f"Audio({os.fspath(self.data)!r})"
+        return f"Audio({len(self.data or self.pcm or b'')} bytes{' of PCM' if self.pcm else ''})"
+
+
 if TYPE_CHECKING:
     ImageInput: TypeAlias = (
         bytes | bytearray | os.PathLike[Any] | PILImage | ImageSize | tuple[int, int]
     )
 else:  # the same, less the type of PIL images (is_pil_image tells those)
     ImageInput = bytes | bytearray | os.PathLike | ImageSize | tuple[int, int]
-Part: TypeAlias = str | ImageInput
+Part: TypeAlias = str | ImageInput | Audio
 
 
 def is_pil_image(value: object) -> TypeGuard[PILImage]:
@@ -150,10 +174,11 @@ class Speculative:
 
 @dataclass(frozen=True)
 class Message:
-    """One chat message: a role and parts, each text (`str`) or an image.
+    """One chat message: a role and parts, each text (`str`), an image or a sound (`Audio`).
 
     Images: encoded file `bytes` (PNG, JPEG, WebP, GIF, BMP), a `pathlib.Path` (a plain `str` is
     text, never a path), a PIL image, or, for counting only, `ImageSize` / `(width, height)`.
+    Sounds: `Audio(data)` (a WAV, MP3 or FLAC file), or `Message.user(..., audio=...)`.
     An assistant message may carry the tool calls it made; a `tool` message answers one
     (tool_call_id, and the function's name).
     """
@@ -173,7 +198,8 @@ class Message:
         tool_call_id: str = "",
         name: str = "",
     ):
-        one = isinstance(parts, str | bytes | bytearray | os.PathLike) or is_pil_image(parts)
+        one = isinstance(parts, str | bytes | bytearray | os.PathLike | Audio)
+        one = one or is_pil_image(parts)
         one = one or is_size(parts)  # (w, h) is one size, not two parts
         items: tuple[Part, ...] = (parts,) if one else tuple(parts)  # type: ignore[assignment,arg-type]
         object.__setattr__(self, "role", role)
@@ -191,7 +217,10 @@ class Message:
         return cls("system", parts)
 
     @classmethod
-    def user(cls, *parts: Part) -> Message:
+    def user(cls, *parts: Part, audio: Audio | bytes | os.PathLike[Any] | None = None) -> Message:
+        """A user message; `audio` (a sound file's bytes or path, or an Audio) comes last."""
+        if audio is not None:
+            parts = (*parts, audio if isinstance(audio, Audio) else Audio(audio))
         return cls("user", parts)
 
     @classmethod
@@ -233,6 +262,8 @@ class ModelInfo:
     add_bos: bool = False
     fim: dict[str, int] = field(default_factory=dict)  # pre, suf, mid, rep, sep -> token id
     memory_kind: str = "attention"  # attention, hybrid (Qwen3.5, LFM2) or recurrent
+    audio_sample_rate: int = 0  # the rate Audio(pcm=...) samples are at (0: no audio)
+    max_audio_seconds: float = 0.0  # the longest sound prep takes
 
     @classmethod
     def from_pb(cls, pb: prep_pb2.ModelInfo) -> ModelInfo:
@@ -258,6 +289,8 @@ class ModelInfo:
                 if pb.HasField(f"fim_{name}_token_id")
             },
             memory_kind=memory_kind(pb.memory_kind),
+            audio_sample_rate=pb.audio_sample_rate,
+            max_audio_seconds=pb.max_audio_seconds,
         )
 
 
@@ -322,6 +355,8 @@ class ServerInfo:
     stats: EngineStats
     pool: KvPool | None = None  # (--kv-unified)
     memory_kind: str = "attention"  # attention, hybrid (Qwen3.5, LFM2) or recurrent
+    audio_sample_rate: int = 0  # the rate Audio(pcm=...) samples are at (0: no audio)
+    max_audio_seconds: float = 0.0  # the longest sound prep takes
     num_checkpoints_per_slot: int = 0  # (hybrid, recurrent) --ctx-checkpoints
     num_checkpoint_bytes: int = 0  # ... one checkpoint's bytes (0 until one was saved)
 
@@ -369,10 +404,11 @@ class ServerInfo:
 @dataclass(frozen=True)
 class ChunkCount:
     message_index: int
-    media_group: int  # 0: plain text; k > 0: born of the k-th image
+    media_group: int  # 0: plain text; k > 0: born of the k-th image or sound
     is_media: bool
     num_cells: int
     num_positions: int
+    is_audio: bool = False  # a media chunk of a sound
 
 
 @dataclass(frozen=True)
@@ -384,7 +420,14 @@ class Count:
     @classmethod
     def from_pb(cls, pb: prep_pb2.CountTokensResponse) -> Count:
         chunks = tuple(
-            ChunkCount(c.message_index, c.media_group, c.is_media, c.num_cells, c.num_positions)
+            ChunkCount(
+                c.message_index,
+                c.media_group,
+                c.is_media,
+                c.num_cells,
+                c.num_positions,
+                c.is_audio,
+            )
             for c in pb.chunks
         )
         return cls(pb.num_cells, pb.num_positions, chunks)
@@ -440,6 +483,7 @@ class Prepared:
                     c.WhichOneof("kind") == "media",
                     _chunk_cells(c),
                     c.media.num_positions if c.WhichOneof("kind") == "media" else _chunk_cells(c),
+                    c.media.WhichOneof("pixels") in ("audio", "pcm"),
                 )
                 for c in self.prompt.chunks
             ),

@@ -104,8 +104,9 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[Path, Path | None, dict[str, 
     """The model, the projector and `start`'s arguments from settings named as OPTIONS names
     them (this service's parser and `slotwise serve` alike)."""
     limits = Limits(
-        s["max_pixels"], s["max_side"], s["max_images"], s["max_total_pixels"], s["max_messages"]
-    )
+        s["max_pixels"], s["max_side"], s["max_images"], s["max_total_pixels"], s["max_messages"],
+        s["max_audio_seconds"],
+    )  # fmt: skip
     arguments = {
         "threads": s["threads"],
         "limits": limits,

@@ -10,6 +10,7 @@ from slotwise_core.images import DEFAULT_MAX_PIXELS, DEFAULT_MAX_TOTAL_PIXELS
 from slotwise_core.limits import DEFAULT_MAX_IMAGES, DEFAULT_MAX_MESSAGES
 from slotwise_core.options import option, positive_int
 from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
+from slotwise_core.sounds import DEFAULT_MAX_SECONDS, MAX_SOUNDS_PER_REQUEST
 
 OPTIONS = (
     option("--model", type=Path, required=True, help="text model GGUF (loaded vocab-only)"),
@@ -18,7 +19,10 @@ OPTIONS = (
     option("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, help="pixels of one image"),
     option("--max-side", type=int, default=0, help="downscale images above this side"),
     option("--max-images", type=positive_int, default=DEFAULT_MAX_IMAGES,
-           help="images per request"),
+           help="images and sounds per request"),
+    option("--max-audio-seconds", type=float, default=DEFAULT_MAX_SECONDS,
+           help="the longest sound (read from its header, before decoding); one request's "
+           f"sounds together: {MAX_SOUNDS_PER_REQUEST} times this"),
     option("--max-messages", type=positive_int, default=DEFAULT_MAX_MESSAGES,
            help="messages of one chat (more are refused before the template renders any)"),
     option("--max-total-pixels", type=int, default=DEFAULT_MAX_TOTAL_PIXELS,

@@ -1,4 +1,4 @@
-"""Text + images -> PreparedPrompt, with every count read from libmtmd."""
+"""Text + images + sounds -> PreparedPrompt, with every count read from libmtmd."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from prep_service.tools import (
     template_format,
     template_tools,
 )
-from slotwise_core import model_files, native
+from slotwise_core import model_files, native, sounds
 from slotwise_core.descriptors import Chunk, Fingerprint, MediaChunk, PreparedPrompt, TextChunk
 from slotwise_core.images import RgbImage
 
@@ -60,7 +60,27 @@ class ImageRef:
         return f"ImageRef({self.width}x{self.height}, {self.media_id[:12] or 'size only'})"
 
 
-Part = str | ImageRef
+@dataclass(frozen=True, repr=False)
+class AudioRef:
+    """A sound as prepare needs it: its length in samples at the projector's rate, its hash and
+    its bytes (a file, or float32 samples); or (CountTokens) just a length."""
+
+    num_samples: int
+    media_id: str = ""
+    data: bytes = b""  # a WAV, MP3 or FLAC file
+    pcm: bytes = b""  # or float32 samples
+
+    def __repr__(self) -> str:  # never print the sound
+        return f"AudioRef({self.num_samples} samples, {self.media_id[:12] or 'length only'})"
+
+
+Media = ImageRef | AudioRef
+Part = str | Media
+
+
+def _held(media: Media) -> bool:
+    """A medium a session holds: only its marker is rendered (see PrepServicer._request)."""
+    return (media.num_samples if isinstance(media, AudioRef) else media.width) == 0
 
 
 @dataclass(frozen=True)
@@ -75,7 +95,7 @@ class Message:
 @dataclass(frozen=True)
 class RawPrompt:
     text: str
-    images: Sequence[ImageRef] = ()
+    images: Sequence[Media] = ()  # images and sounds, in the order of their markers
     add_special: bool = True
 
 
@@ -97,6 +117,7 @@ class ModelInfo:
     add_bos: bool = False
     fim: dict[str, int] = field(default_factory=dict)  # pre, suf, mid, rep, sep: token ids
     memory_kind: str = "attention"  # attention, hybrid or recurrent (slotwise_core.native)
+    audio_sample_rate: int = 0  # what the audio projector takes (0: no audio)
 
 
 @dataclass
@@ -104,7 +125,7 @@ class _Segment:
     """Text to tokenize together: one chat message (or the whole raw prompt)."""
 
     text: str
-    images: list[ImageRef] = field(default_factory=list)
+    images: list[Media] = field(default_factory=list)
     message_index: int = 0
     add_special: bool = False
     first_group: int = 1  # media group number of this segment's first image
@@ -166,6 +187,9 @@ class Preparer:
             add_bos=bool(llama_cpp.llama_vocab_get_add_bos(self._vocab)),
             fim=_fim_tokens(self._vocab),
             memory_kind=native.memory_kind(self._model),
+            audio_sample_rate=self.mtmd.sample_rate
+            if self.mtmd and self.mtmd.supports_audio
+            else 0,
         )
 
     def close(self) -> None:
@@ -219,6 +243,35 @@ class Preparer:
                 )
         return [native.token_piece(self._vocab, t) for t in token_ids]
 
+    def sound(self, data: bytes, *, max_seconds: float) -> AudioRef:
+        """A sound file's length as libmtmd decodes it, refused before decoding when its header
+        says it is too long."""
+        self._check_kinds([AudioRef(1)])
+        assert self.mtmd is not None
+        sounds.sound_header(data, max_seconds=max_seconds)
+        try:
+            n = self.mtmd.sound_length(data)
+        except ValueError as e:
+            raise sounds.AudioError(str(e)) from None
+        sounds.check_seconds(n / self.mtmd.sample_rate, max_seconds)
+        return AudioRef(n, sounds.audio_id(data), data=data)
+
+    def samples(self, pcm: bytes, *, max_seconds: float) -> AudioRef:
+        """A sound given as float32 samples at the projector's rate."""
+        self._check_kinds([AudioRef(1)])
+        assert self.mtmd is not None
+        n = sounds.check_pcm(pcm, self.mtmd.sample_rate, max_seconds)
+        return AudioRef(n, sounds.pcm_id(pcm), pcm=pcm)
+
+    def sound_of_length(self, seconds: float, *, max_seconds: float) -> AudioRef:
+        """A sound counted by its length alone (CountTokens)."""
+        self._check_kinds([AudioRef(1)])
+        assert self.mtmd is not None
+        if not seconds > 0:
+            raise sounds.AudioError(f"a sound's length must be positive, got {seconds}")
+        sounds.check_seconds(seconds, max_seconds)
+        return AudioRef(max(sounds.MIN_SAMPLES, round(seconds * self.mtmd.sample_rate)))
+
     @property
     def tool_format(self) -> ToolFormat:
         return template_format(self.template.source if self.template else None)
@@ -252,7 +305,7 @@ class Preparer:
             if n_markers != len(request.images):
                 raise InputError(
                     f"raw prompt has {n_markers} media markers ({self.marker!r}) "
-                    f"but {len(request.images)} images"
+                    f"but {len(request.images)} images and sounds"
                 )
             return [_Segment(request.text, list(request.images), 0, request.add_special)]
         if not request:
@@ -263,7 +316,7 @@ class Preparer:
             except ValueError as e:
                 raise InputError(str(e)) from None
         turns = []
-        images: list[list[ImageRef]] = []
+        images: list[list[Media]] = []
         for i, message in enumerate(request):
             if message.role not in ROLES:
                 raise InputError(
@@ -279,13 +332,13 @@ class Preparer:
                     if self.marker in part:
                         raise InputError(
                             f"message {i} part {j}: text contains the media marker "
-                            f"{self.marker!r}; send images as image parts"
+                            f"{self.marker!r}; send images and sounds as their own parts"
                         )
                     text.append(part)
                 else:
                     text.append(self.marker)
             turns.append(self._template_message(message, "".join(text)))
-            images.append([p for p in message.parts if isinstance(p, ImageRef)])
+            images.append([p for p in message.parts if not isinstance(p, str)])
         if self.template is None:
             raise UnsupportedError(
                 "the model has no chat template: start prep with --chat-template NAME|FILE "
@@ -299,7 +352,7 @@ class Preparer:
         # each message's piece: a rendered turn made of several messages is the first one's,
         # and a turn the template gave no boundary of its own is its holder's
         texts = [""] * len(turns)
-        owned: list[list[ImageRef]] = [[] for _ in turns]
+        owned: list[list[Media]] = [[] for _ in turns]
         held_by = list(range(len(turns)))  # message -> the message whose piece holds it
         for k, ((_, sources), piece) in enumerate(zip(plan, pieces, strict=False)):
             holder = plan[holders[k]][1]
@@ -410,9 +463,9 @@ class Preparer:
         return [s for s in rest if s.text]
 
     def _tokenize(self, segment: _Segment) -> list[Chunk]:
-        if any(im.width == 0 for im in segment.images):
+        if any(_held(m) for m in segment.images):
             raise InputError(
-                "this chat template moves text across messages, so the images before "
+                "this chat template moves text across messages, so the media before "
                 "first_message are part of what is returned: send first_message 0"
             )
         if not segment.images:
@@ -420,18 +473,34 @@ class Preparer:
                 self._vocab, segment.text, add_special=segment.add_special, parse_special=True
             )
             return [TextChunk(tuple(tokens), segment.message_index)] if tokens else []
-        if self.mtmd is None:
-            raise UnsupportedError("this model was loaded without an mmproj: it takes no images")
-        # counted from their sizes (placeholder bitmaps): prep never preprocesses pixels;
-        # infer tokenizes the real ones and checks that its counts are these
-        bitmaps = [native.Bitmap(im.width, im.height) for im in segment.images]
+        self._check_kinds(segment.images)
+        assert self.mtmd is not None
+        # counted from their sizes and lengths (placeholder bitmaps): prep never preprocesses
+        # pixels or samples; infer tokenizes the real ones and checks that its counts are these
+        bitmaps = [_placeholder(m) for m in segment.images]
         raw = self.mtmd.count(segment.text, bitmaps, add_special=segment.add_special)
         groups = [self._group_shape(b) for b in bitmaps]
         return _group(raw, groups, segment)
 
+    def _check_kinds(self, media: Sequence[Media]) -> None:
+        if self.mtmd is None:
+            raise UnsupportedError(
+                "this model was loaded without an mmproj: it takes no images or sounds"
+            )
+        if not self.mtmd.supports_audio and any(isinstance(m, AudioRef) for m in media):
+            raise UnsupportedError(
+                self.mtmd.audio_refusal or "this model's projector takes images, not audio"
+            )
+        if not self.mtmd.supports_vision and any(isinstance(m, ImageRef) for m in media):
+            raise UnsupportedError("this model's projector takes audio, not images")
+
     def _shape_of(self, bitmap: native.Bitmap) -> tuple[native.RawChunk, ...]:
         assert self.mtmd is not None
         return tuple(self.mtmd.media_group(bitmap))
+
+
+def _audio_rate(mtmd: native.Multimodal | None) -> int:
+    return mtmd.sample_rate if mtmd is not None and mtmd.supports_audio else 0
 
 
 def _n_ctx_train(model: int) -> int:
@@ -462,8 +531,14 @@ def mtmd_default_marker() -> str:
     return marker.decode() if isinstance(marker, bytes) else str(marker)
 
 
+def _placeholder(media: Media) -> native.Bitmap:
+    if isinstance(media, AudioRef):
+        return native.Bitmap.of_sound(media.num_samples, "pcm" if media.pcm else "audio")
+    return native.Bitmap(media.width, media.height)
+
+
 def _numbered_images(segments: list[_Segment]) -> list[_Segment]:
-    """Give every image its 1-based media group number across the whole prompt."""
+    """Give every image and sound its 1-based media group number across the whole prompt."""
     n = 0
     for s in segments:
         s.first_group = n + 1
@@ -477,8 +552,10 @@ def _group(
     """Attach group numbers, cutting off the wrapper tokens libmtmd merged into neighbours.
 
     libmtmd writes e.g. `<|vision_start|>` into the text chunk before an image and
-    `<|vision_end|>` into the one after. Tokenizing the image alone gives its group's shape;
-    those wrapper tokens are cut from the neighbours so that the group leaves the cache whole.
+    `<|vision_end|>` into the one after (`<|audio_bos|>` ... around a sound). Tokenizing the
+    medium alone gives its group's shape (a sound longer than the projector's window: several
+    media chunks); those wrapper tokens are cut from the neighbours so that the group leaves the
+    cache whole.
     """
     out: list[Chunk] = []
     msg = segment.message_index
@@ -502,13 +579,13 @@ def _group(
         if lead:
             prev = out.pop() if out else None
             if not isinstance(prev, TextChunk) or prev.token_ids[-len(lead) :] != lead:
-                raise native.NativeError("libmtmd's image wrapper tokens are not where expected")
+                raise native.NativeError("libmtmd's media wrapper tokens are not where expected")
             if prev.token_ids[: -len(lead)]:
                 out.append(TextChunk(prev.token_ids[: -len(lead)], msg, prev.media_group))
             out.append(TextChunk(lead, msg, group))
         for g, c in zip(shape[first : last + 1], raw[i : i + last - first + 1], strict=True):
             if g.is_media != c.is_media or g.num_cells != c.num_cells:
-                raise native.NativeError("an image tokenized alone differs from in context")
+                raise native.NativeError("a medium tokenized alone differs from in context")
             if c.is_media:
                 out.append(_media(c, image, msg, group))
             else:
@@ -518,14 +595,19 @@ def _group(
         if trail:
             nxt = raw[i] if i < len(raw) else None
             if nxt is None or nxt.is_media or nxt.token_ids[: len(trail)] != trail:
-                raise native.NativeError("libmtmd's image wrapper tokens are not where expected")
+                raise native.NativeError("libmtmd's media wrapper tokens are not where expected")
             out.append(TextChunk(trail, msg, group))
             rest = nxt.token_ids[len(trail) :]
             raw[i] = native.RawChunk(False, len(rest), len(rest), rest)
     return out
 
 
-def _media(c: native.RawChunk, image: ImageRef, msg: int, group: int) -> MediaChunk:
+def _media(c: native.RawChunk, image: Media, msg: int, group: int) -> MediaChunk:
+    if isinstance(image, AudioRef):
+        return MediaChunk(
+            image.media_id, c.num_cells, c.num_positions, image.num_samples, 1, b"", msg, group,
+            kind="pcm" if image.pcm else "audio", audio=image.data, pcm=image.pcm,
+        )  # fmt: skip
     return MediaChunk(
         media_id=image.media_id,
         num_cells=c.num_cells,

@@ -14,6 +14,7 @@ import grpc
 from prep_service.chat import TemplateError
 from prep_service.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageCache
 from prep_service.preparer import (
+    AudioRef,
     ImageRef,
     InputError,
     Message,
@@ -36,7 +37,15 @@ from slotwise_core.images import (
     image_size,
 )
 from slotwise_core.limits import DEFAULT_MAX_MESSAGES, MAX_TOKENIZE_TEXTS
+from slotwise_core.lru import SizedLRU
 from slotwise_core.serving import abort, current_tenant
+from slotwise_core.sounds import (
+    DEFAULT_MAX_SECONDS,
+    MAX_SOUNDS_PER_REQUEST,
+    AudioError,
+    AudioTooLongError,
+    audio_id,
+)
 
 log = logging.getLogger("slotwise.prep")
 
@@ -53,6 +62,7 @@ class Limits:
     max_images: int = 64
     max_total_pixels: int = DEFAULT_MAX_TOTAL_PIXELS  # all images of one request together
     max_messages: int = DEFAULT_MAX_MESSAGES  # a chat's, before its template renders any
+    max_audio_seconds: float = DEFAULT_MAX_SECONDS  # one sound's length (its header's)
 
 
 class TooManyTokens(ValueError):
@@ -75,6 +85,9 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
         self.preparer = preparer
         self.limits = limits
         self.image_cache = ImageCache(image_cache_bytes)
+        # a sound file's length by its hash and tenant (a chat resends its sounds every turn:
+        # each is decoded once); an entry is an int, so the bound is a count
+        self._sound_lengths: SizedLRU[tuple[str, str], int] = SizedLRU(4096, lambda _: 1)
         # mtmd_tokenize is thread-safe: calls proceed in parallel, off the event loop
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prep")
 
@@ -101,6 +114,8 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                 add_bos=i.add_bos,
                 **{f"fim_{name}_token_id": t for name, t in i.fim.items()},
                 memory_kind=memory_kind_pb(i.memory_kind),
+                audio_sample_rate=i.audio_sample_rate,
+                max_audio_seconds=self.limits.max_audio_seconds if i.supports_audio else 0,
             )
         )
 
@@ -177,6 +192,7 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                         message_index=c.message_index,
                         media_group=c.media_group,
                         is_media=isinstance(c, MediaChunk),
+                        is_audio=isinstance(c, MediaChunk) and c.is_audio,
                         num_cells=c.num_cells,
                         num_positions=c.num_positions,
                     )
@@ -197,7 +213,9 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                 reason="TOO_MANY_TOKENS",
                 metadata={"num_tokens": str(e.num_tokens), "max_tokens": str(e.max_tokens)},
             )
-        except (InputError, ImageError, TemplateError) as e:
+        except AudioTooLongError as e:
+            await abort(context, grpc.StatusCode.OUT_OF_RANGE, str(e), reason="AUDIO_TOO_LONG")
+        except (InputError, ImageError, AudioError, TemplateError) as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except UnsupportedError as e:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -287,11 +305,46 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                 )
             return result
 
+        seconds = 0.0  # the request's sounds together
+
+        def audio(pb, where: str, parts: list[Any]) -> None:
+            nonlocal n_images, seconds
+            n_images += 1
+            if n_images > self.limits.max_images:
+                raise InputError(
+                    f"more than {self.limits.max_images} images and sounds in one request"
+                )
+            try:
+                ref = self._sound(pb, sizes_allowed, tenant)
+            except AudioError as e:
+                raise type(e)(f"{where}: {e}") from None
+            rate = self.preparer.info.audio_sample_rate
+            seconds += ref.num_samples / rate
+            if seconds > MAX_SOUNDS_PER_REQUEST * self.limits.max_audio_seconds:
+                raise AudioTooLongError(
+                    f"{where}: the sounds of this request are {seconds:.1f} s together, over "
+                    f"{MAX_SOUNDS_PER_REQUEST} x --max-audio-seconds"
+                )
+            parts.append(ref)
+
+        def medium(pb, where: str, parts: list[Any]) -> None:
+            kind = pb.WhichOneof("kind")
+            if kind == "image":
+                image(pb.image, where, parts)
+            elif kind == "audio":
+                audio(pb.audio, where, parts)
+            else:
+                raise InputError(f"{where}: a raw prompt's media are images or sounds, not {kind}")
+
         if which == "raw":
             raw = request.raw
-            images: list[ImageRef] = []
+            if raw.images and raw.media:
+                raise InputError("a raw prompt has images or media, not both")
+            images: list[Any] = []
             for k, im in enumerate(raw.images):
                 image(im, f"image {k}", images)
+            for k, part in enumerate(raw.media):
+                medium(part, f"medium {k}", images)
             return with_images(RawPrompt(raw.text, images, raw.add_special))
         if which == "chat":
             messages = []
@@ -301,14 +354,16 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                     kind = p.WhichOneof("kind")
                     if kind == "text":
                         parts.append(p.text)
-                    elif kind == "image" and i < request.first_message:
+                    elif kind in ("image", "audio") and i < request.first_message:
                         # a session holds it: only its marker is rendered, never decoded or
-                        # counted (a long session's earlier images cost nothing, and no limit)
-                        parts.append(ImageRef(0, 0))
-                    elif kind == "image":
-                        image(p.image, f"message {i} part {j}", parts)
+                        # counted (a long session's earlier media cost nothing, and no limit)
+                        parts.append(ImageRef(0, 0) if kind == "image" else AudioRef(0))
+                    elif kind in ("image", "audio"):
+                        medium(p, f"message {i} part {j}", parts)
                     else:
-                        raise InputError(f"message {i} part {j} is empty (neither text nor image)")
+                        raise InputError(
+                            f"message {i} part {j} is empty (neither text, image nor audio)"
+                        )
                 calls = [
                     ToolCall(c.id, c.name, _json_object(c.arguments_json, f"message {i} call {k}"))
                     for k, c in enumerate(m.tool_calls)
@@ -316,6 +371,26 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                 messages.append(Message(m.role, parts, calls, m.tool_call_id, m.name))
             return with_images(messages)
         raise InputError("request has neither chat nor raw input")
+
+    def _sound(self, pb, sizes_allowed: bool, tenant: str) -> AudioRef:
+        """A sound part as prepare takes it: a file's length from libmtmd's decoder (once per
+        file and tenant), float32 samples as they are, or (CountTokens) a length alone."""
+        source, limit = pb.WhichOneof("source"), self.limits.max_audio_seconds
+        if source == "pcm_f32":
+            return self.preparer.samples(pb.pcm_f32, max_seconds=limit)
+        if source == "seconds" and sizes_allowed:
+            return self.preparer.sound_of_length(pb.seconds, max_seconds=limit)
+        if source == "seconds":
+            raise InputError("Prepare needs the sound itself, not just its length")
+        if source != "data":
+            raise InputError("audio has neither data, pcm_f32 nor seconds")
+        key = (tenant, audio_id(pb.data))
+        n = self._sound_lengths.get(key)
+        if n is None:
+            ref = self.preparer.sound(pb.data, max_seconds=limit)
+            self._sound_lengths.put(key, ref.num_samples)
+            return ref
+        return AudioRef(n, key[1], data=pb.data)
 
     def _image_facts(self, files: list[tuple[bytes, str]], tenant: str) -> list[ImageFacts]:
         """Each file's facts, in order: from the cache, or decoded (a file sent twice, once).

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from slotwise.v1 import prompt_pb2
 from slotwise_core.images import media_id
+from slotwise_core.sounds import audio_id, pcm_id
 
 
 class DescriptorError(ValueError):
@@ -15,6 +16,16 @@ class DescriptorError(ValueError):
 def memory_kind_pb(kind: str) -> int:
     """A model's memory kind ("attention", "hybrid", "recurrent") as the contract's enum."""
     return int(prompt_pb2.MemoryKind.Value(f"MEMORY_KIND_{kind.upper()}"))
+
+
+def content_id(kind: str, width: int, height: int, data: bytes) -> str:
+    """The media_id of a medium's bytes: an image's raw RGB pixels, a sound's file ("audio")
+    or its float32 samples ("pcm")."""
+    if kind == "audio":
+        return audio_id(data)
+    if kind == "pcm":
+        return pcm_id(data)
+    return media_id(width, height, data)
 
 
 @dataclass(frozen=True)
@@ -56,10 +67,20 @@ class MediaChunk:
     message_index: int = 0
     media_group: int = 0
     encoded: bytes = b""  # an image file that decodes to exactly the pixels (see prompt.proto)
+    # "image"; or a sound (width: its samples, height 1), "audio": its file as it came, in
+    # `audio`, or "pcm": its float32 samples, in `pcm` (empty both: counted, not prepared)
+    kind: str = "image"
+    audio: bytes = b""
+    pcm: bytes = b""
+
+    @property
+    def is_audio(self) -> bool:
+        return self.kind != "image"
 
     def __repr__(self) -> str:  # never print pixels
+        size = f"{self.width} samples" if self.is_audio else f"{self.width}x{self.height}"
         return (
-            f"MediaChunk({self.media_id[:12]}, {self.width}x{self.height}, "
+            f"MediaChunk({self.media_id[:12]}, {size}, "
             f"cells={self.num_cells}, positions={self.num_positions}, "
             f"message={self.message_index}, group={self.media_group})"
         )
@@ -119,7 +140,11 @@ def _chunk_to_pb(chunk: Chunk) -> prompt_pb2.Chunk:
             width=chunk.width,
             height=chunk.height,
         )
-        if chunk.encoded:  # the compressed form travels when there is one
+        if chunk.audio:
+            media.audio = chunk.audio
+        elif chunk.pcm:
+            media.pcm = chunk.pcm
+        elif chunk.encoded:  # the compressed form travels when there is one
             media.encoded = chunk.encoded
         else:
             media.rgb = chunk.rgb
@@ -142,7 +167,10 @@ def _chunk_from_pb(pb: prompt_pb2.Chunk) -> Chunk:
         raise DescriptorError(f"media chunk {m.media_id!r} has zero cells or positions")
     if m.width == 0 or m.height == 0:
         raise DescriptorError(f"media chunk {m.media_id!r} has no size")
-    if m.WhichOneof("pixels") == "encoded":
+    source = m.WhichOneof("pixels")
+    if source in ("audio", "pcm"):
+        return _sound_from_pb(pb, source)
+    if source == "encoded":
         # decoded (off the event loop) and checked against media_id by infer's verification
         return MediaChunk(
             m.media_id, m.num_cells, m.num_positions, m.width, m.height, b"",
@@ -158,4 +186,24 @@ def _chunk_from_pb(pb: prompt_pb2.Chunk) -> Chunk:
     return MediaChunk(
         m.media_id, m.num_cells, m.num_positions, m.width, m.height, m.rgb,
         pb.message_index, pb.media_group,
+    )  # fmt: skip
+
+
+def _sound_from_pb(pb: prompt_pb2.Chunk, source: str) -> MediaChunk:
+    m = pb.media
+    if m.height != 1:
+        raise DescriptorError(f"media chunk {m.media_id!r}: a sound's height is 1, not {m.height}")
+    data = m.audio if source == "audio" else m.pcm
+    if source == "pcm" and len(data) != 4 * m.width:
+        raise DescriptorError(
+            f"media chunk {m.media_id!r}: {len(data)} bytes of float32 PCM are not "
+            f"{m.width} samples"
+        )
+    # (a file's length is only known once decoded: infer's verification checks it)
+    if (audio_id if source == "audio" else pcm_id)(data) != m.media_id:
+        raise DescriptorError(f"media chunk {m.media_id!r}: media_id is not the hash of its sound")
+    return MediaChunk(
+        m.media_id, m.num_cells, m.num_positions, m.width, 1, b"", pb.message_index,
+        pb.media_group, kind=source, audio=data if source == "audio" else b"",
+        pcm=data if source == "pcm" else b"",
     )  # fmt: skip

@@ -19,6 +19,8 @@ os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort must not attach gdb 
 import llama_cpp
 from llama_cpp import mtmd_cpp
 
+from slotwise_core import audio_windows, sounds
+
 _LOG_LOCK = threading.Lock()
 _log_callbacks: list[object] = []  # ctypes callbacks must outlive every native call
 
@@ -172,12 +174,27 @@ def tokenize_text(vocab: int, text: str, *, add_special: bool, parse_special: bo
 
 @dataclass(frozen=True)
 class Bitmap:
-    """An RGB image for libmtmd. rgb None is a placeholder: counted by size, never encoded."""
+    """An RGB image for libmtmd. rgb None is a placeholder: counted by size, never encoded.
+
+    A sound (kind "audio": a WAV, MP3 or FLAC file; "pcm": float32 samples) is `width`
+    samples long, height 1; its bytes are in `sound` (None: a placeholder of that length)."""
 
     width: int
     height: int
     rgb: bytes | None = None
     media_id: str | None = None
+    kind: str = "image"
+    sound: bytes | None = None
+
+    @classmethod
+    def of_sound(
+        cls, n_samples: int, kind: str, sound: bytes | None = None, media_id: str | None = None
+    ) -> Bitmap:
+        return cls(n_samples, 1, None, media_id, kind, sound)
+
+    @property
+    def is_audio(self) -> bool:
+        return self.kind != "image"
 
 
 @dataclass(frozen=True)
@@ -211,7 +228,12 @@ class Multimodal:
         self.uses_mrope = bool(mtmd_cpp.mtmd_decode_use_mrope(ctx))
         self.non_causal = bool(mtmd_cpp.mtmd_decode_use_non_causal(ctx, None))
         self.supports_vision = bool(mtmd_cpp.mtmd_support_vision(ctx))
-        self.supports_audio = bool(mtmd_cpp.mtmd_support_audio(ctx))
+        takes_audio = bool(mtmd_cpp.mtmd_support_audio(ctx))
+        self.sample_rate = int(mtmd_cpp.mtmd_get_audio_sample_rate(ctx)) if takes_audio else 0
+        # why this projector's sounds are refused ("": they are not): one its encoder would
+        # abort the process on
+        self.audio_refusal = audio_windows.refusal(mmproj) if takes_audio else ""
+        self.supports_audio = takes_audio and not self.audio_refusal
 
     def close(self) -> None:
         if self.ctx:
@@ -230,7 +252,7 @@ class Multimodal:
         handles: list[int] = []
         try:
             for b in bitmaps:  # one by one: a bad one must not leak those made before it
-                handles.append(_make_bitmap(b))
+                handles.append(self._make_bitmap(b))
             data = text.encode()
             inp = mtmd_cpp.mtmd_input_text(data, len(data), add_special, parse_special)
             array = (mtmd_cpp.mtmd_bitmap_p_ctypes * max(1, len(handles)))(*handles)
@@ -241,7 +263,7 @@ class Multimodal:
                     f"than images ({len(handles)})"
                 )
             if rc != 0:
-                raise ValueError(f"libmtmd could not preprocess an image (mtmd_tokenize rc={rc})")
+                raise ValueError(f"libmtmd could not preprocess the media (mtmd_tokenize rc={rc})")
             for h in handles:
                 mtmd_cpp.mtmd_bitmap_free(h)
             handles = []
@@ -256,9 +278,59 @@ class Multimodal:
             return chunks.describe()
 
     def media_group(self, bitmap: Bitmap) -> list[RawChunk]:
-        """The chunks libmtmd makes of one image alone: its wrapper text and media chunks."""
-        placeholder = Bitmap(bitmap.width, bitmap.height)
+        """The chunks libmtmd makes of one medium alone: its wrapper text and media chunks."""
+        placeholder = Bitmap(bitmap.width, bitmap.height, kind=bitmap.kind)
         return self.count(self.marker, [placeholder], add_special=False)
+
+    def sound_length(self, data: bytes) -> int:
+        """The samples a sound file decodes to at the projector's rate (libmtmd's decoder:
+        what infer will decode it to). Check its header's length first (sounds.sound_header):
+        the whole sound is decoded here."""
+        handle = self._decode_sound(data, placeholder=True)
+        try:
+            return int(mtmd_cpp.mtmd_bitmap_get_nx(handle))
+        finally:
+            mtmd_cpp.mtmd_bitmap_free(handle)
+
+    def check_audio(self) -> None:
+        if not self.supports_audio:
+            raise ValueError(self.audio_refusal or "this model's projector takes no audio")
+
+    def _decode_sound(self, data: bytes, *, placeholder: bool) -> int:
+        self.check_audio()
+        buf = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))  # (no copy)
+        handle = mtmd_cpp.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), placeholder)
+        if not handle:
+            raise ValueError("libmtmd could not decode the sound (not a WAV, MP3 or FLAC file?)")
+        if not mtmd_cpp.mtmd_bitmap_is_audio(handle):
+            mtmd_cpp.mtmd_bitmap_free(handle)
+            raise ValueError("the file is not a sound")
+        return handle
+
+    def _make_bitmap(self, bitmap: Bitmap) -> int:
+        if not bitmap.is_audio:
+            return _make_bitmap(bitmap)
+        self.check_audio()
+        if bitmap.width < sounds.MIN_SAMPLES:
+            raise ValueError(f"a sound must have at least {sounds.MIN_SAMPLES} samples")
+        if bitmap.sound is None:  # a placeholder: counted by length, never encoded
+            handle = mtmd_cpp.mtmd_bitmap_init_from_audio(bitmap.width, None)
+        elif bitmap.kind == "pcm":
+            if len(bitmap.sound) != 4 * bitmap.width:
+                raise ValueError(f"{len(bitmap.sound)} bytes of PCM are not {bitmap.width} samples")
+            data = ctypes.cast(ctypes.c_char_p(bitmap.sound), ctypes.POINTER(ctypes.c_float))
+            handle = mtmd_cpp.mtmd_bitmap_init_from_audio(bitmap.width, data)
+        else:
+            handle = self._decode_sound(bitmap.sound, placeholder=False)
+            n = int(mtmd_cpp.mtmd_bitmap_get_nx(handle))
+            if n != bitmap.width:
+                mtmd_cpp.mtmd_bitmap_free(handle)
+                raise ValueError(f"the sound decodes to {n} samples here, not {bitmap.width}")
+        if not handle:
+            raise NativeError("mtmd_bitmap_init_from_audio failed")
+        if bitmap.media_id:
+            mtmd_cpp.mtmd_bitmap_set_id(handle, bitmap.media_id.encode())
+        return handle
 
 
 class NativeChunks:

@@ -11,7 +11,15 @@ import pytest
 
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")
 
-from slotwise_core.tiny_models import ALL, HYBRID, TinyPair, write_tiny_models
+from slotwise_core.tiny_models import (
+    ALL,
+    AUDIO,
+    BROKEN,
+    FAMILIES_2026,
+    HYBRID,
+    TinyPair,
+    write_tiny_models,
+)
 from support.loop import LoopThread
 
 T = TypeVar("T")
@@ -19,7 +27,8 @@ T = TypeVar("T")
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyPair]:
-    return write_tiny_models(tmp_path_factory.mktemp("tiny-models"), [*ALL, *HYBRID])
+    names = [*ALL, *HYBRID, *AUDIO, *FAMILIES_2026, *BROKEN]
+    return write_tiny_models(tmp_path_factory.mktemp("tiny-models"), names)
 
 
 @pytest.fixture(scope="session")

@@ -659,7 +659,8 @@ class FreshPrefill:
                 positions = rt.media_positions(handle.chunk, seg.pos_start)
                 for at in range(0, seg.num_cells, rt.batch_size):
                     n = min(rt.batch_size, seg.num_cells - at)
-                    if rt.decode_embeddings(embd, positions, at, n, 0) != 0:
+                    nc = rt.non_causal(handle.chunk)
+                    if rt.decode_embeddings(embd, positions, at, n, 0, nc) != 0:
                         raise OracleError("the fresh prefill's media decode failed")
                 continue
             tokens, at = seg.token_ids, 0
@@ -1434,9 +1435,10 @@ def media_boundary(oracle: Oracle, picture: Picture) -> tuple[int, int, int, int
             saved = rt.checkpoint(SEQ) if rt.recurrent else None
             pieces = range(0, media.num_cells, rt.batch_size)
             num_pieces = len(pieces)
+            whole = rt.non_causal(chunk)
             rcs = [
                 rt.decode_embeddings(
-                    embd, positions, at, min(rt.batch_size, media.num_cells - at), SEQ
+                    embd, positions, at, min(rt.batch_size, media.num_cells - at), SEQ, whole
                 )
                 for at in pieces
             ]

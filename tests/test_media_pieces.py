@@ -30,9 +30,10 @@ def logits_after_image(pair, pieces: int, *, helper: bool) -> np.ndarray:
             end = rt.decode_media(handle.chunk, embd, 4, 0, n_batch=pieces)
         else:
             positions = rt.media_positions(handle.chunk, 4)
-            step = n if rt.mtmd.non_causal else pieces
+            whole = rt.non_causal(handle.chunk)
+            step = n if whole else pieces
             for off in range(0, n, step):
-                assert rt.decode_embeddings(embd, positions, off, min(step, n - off), 0) == 0
+                assert rt.decode_embeddings(embd, positions, off, min(step, n - off), 0, whole) == 0
             end = 4 + int(mtmd_cpp.mtmd_input_chunk_get_n_pos(handle.chunk))
         rt.batch.clear()
         last = rt.batch.add([5], end, 0, logits_last=True)

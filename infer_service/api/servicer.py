@@ -68,6 +68,7 @@ from slotwise_core.descriptors import PreparedPrompt
 from slotwise_core.limits import DEFAULT_WATCH_MS, MIN_WATCH_MS
 from slotwise_core.native import NativeError
 from slotwise_core.serving import current_tenant
+from slotwise_core.sounds import DEFAULT_MAX_SECONDS
 
 __all__ = ["GenerateLimits", "InferServicer"]
 
@@ -94,6 +95,12 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         self.limits = limits
         self.embedder = embedder
         self.verified = verified  # images checked before: a resent one is not decoded again
+        mtmd = runtime.mtmd
+        self.media_limits = MediaLimits(
+            runtime.ubatch_size,
+            bool(mtmd and mtmd.non_causal),
+            max_samples=round(DEFAULT_MAX_SECONDS * (mtmd.sample_rate if mtmd else 0)),
+        )
         self.draining = draining or asyncio.Event()
         self._watches: Counter[str] = Counter()  # WatchSlots calls open, by tenant
         self._relays: dict[asyncio.AbstractEventLoop, EventRelay] = {}
@@ -222,7 +229,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             _borrowing, rt, _sampler_fields, rt, request, params.sampling
         )
         tenant = current_tenant()
-        limits = MediaLimits(rt.ubatch_size, bool(rt.mtmd and rt.mtmd.non_causal))
+        limits = self.media_limits
         try:
             media, decoded = await asyncio.to_thread(
                 _borrowing, rt, verify_prompt, prompt, fingerprint=rt.fingerprint, mtmd=rt.mtmd,

@@ -917,9 +917,11 @@ class Executor:
         assert piece is not None
         item, offset = piece.item, piece.offset
         n = item.num_cells - offset
-        if not (self.rt.mtmd and self.rt.mtmd.non_causal):
+        if not piece.non_causal:
             n = min(n, self._prefill_budget(slot))
-        rc = self.rt.decode_embeddings(piece.embd, piece.positions, offset, n, slot.seq)
+        rc = self.rt.decode_embeddings(
+            piece.embd, piece.positions, offset, n, slot.seq, piece.non_causal
+        )
         if rc != 0:
             raise native.NativeError(f"llama_decode of media failed (rc={rc})")
         piece.offset += n
@@ -950,7 +952,8 @@ class Executor:
             )
         positions = self.rt.media_positions(handle.chunk, slot.ledger.next_pos)
         slot.ledger.append(item)  # the whole chunk: a failure or cancel before the last piece
-        slot.piece = MediaPiece(item, embd, positions)  # removes it again (_drop_piece)
+        # (removed again by _drop_piece)
+        slot.piece = MediaPiece(item, embd, positions, self.rt.non_causal(handle.chunk))
         return True
 
     def _drop_piece(self, slot: Slot) -> None:

@@ -25,15 +25,24 @@ from slotwise_core.images import (
     media_id,
 )
 from slotwise_core.lru import SizedLRU
+from slotwise_core.sounds import DEFAULT_MAX_SECONDS, MAX_SOUNDS_PER_REQUEST
 
 
 @dataclass(frozen=True)
 class Pixels:
-    """What a session keeps of an image it holds, to decode it again: its size and hash."""
+    """What a session keeps of a medium it holds, to decode it again: its size (a sound's: its
+    samples, height 1), its hash and its kind (image, or a sound's: audio, pcm)."""
 
     width: int
     height: int
-    media_id: str  # the image's content hash (several slices of one image share it)
+    media_id: str  # the content hash (several slices of one image share it)
+    kind: str = "image"
+
+    def bitmap(self, data: bytes) -> native.Bitmap:
+        """The bitmap of this medium's bytes (raw RGB, or the sound's)."""
+        if self.kind == "image":
+            return native.Bitmap(self.width, self.height, data, self.media_id)
+        return native.Bitmap.of_sound(self.width, self.kind, data, self.media_id)
 
 
 class StaleDescriptorError(ValueError):
@@ -98,6 +107,8 @@ class VerifiedMedia(SizedLRU[str, Verified]):
 
 
 def image_key(image: MediaChunk) -> str:
+    if image.is_audio:  # (its media_id is the hash of the bytes it came in, checked on reading)
+        return f"{image.kind}:{image.media_id}"
     if not image.encoded:
         return f"rgb:{image.media_id}"
     digest = hashlib.blake2b(image.encoded, digest_size=16).hexdigest()
@@ -112,6 +123,12 @@ class MediaLimits:
     # for all the images of one request together, checked before anything is decoded
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_total_pixels: int = DEFAULT_MAX_TOTAL_PIXELS
+    # a sound's samples, and all of one request's together (--max-audio-seconds)
+    max_samples: int = round(DEFAULT_MAX_SECONDS * 16_000)
+
+    @property
+    def max_total_samples(self) -> int:
+        return MAX_SOUNDS_PER_REQUEST * self.max_samples
 
 
 def verify_prompt(
@@ -159,7 +176,7 @@ def verify_prompt(
             for m in media:
                 if (m.media_id, m.width, m.height) != first:
                     raise ValueError(f"media group {group} holds chunks of more than one image")
-                if limits.non_causal and m.num_cells > limits.ubatch_size:
+                if limits.non_causal and not m.is_audio and m.num_cells > limits.ubatch_size:
                     raise ValueError(
                         f"media {m.media_id[:12]} has {m.num_cells} cells; this projector "
                         f"attends non-causally so it must fit one ubatch: start the server "
@@ -167,6 +184,10 @@ def verify_prompt(
                     )
             assert mtmd is not None
             image = media[0]
+            if image.is_audio and not mtmd.supports_audio:
+                raise StaleDescriptorError(
+                    mtmd.audio_refusal or "this server's projector takes no audio"
+                )
             key = f"{scope}\0{image_key(image)}"
             verified = cache.get(key) if cache is not None else None
             if verified is None or verified.media_id != image.media_id:
@@ -184,21 +205,33 @@ def verify_prompt(
 
 
 def _check_sizes(prompt: PreparedPrompt, limits: MediaLimits) -> None:
-    """Every chunk of one image names one size; no image, and not all of them together, has
-    more pixels than the limits allow (nothing is decoded yet)."""
+    """Every chunk of one medium names one size; no image or sound, and not all of them
+    together, is larger than the limits allow (nothing is decoded yet)."""
     sizes: dict[str, tuple[int, int]] = {}
+    samples: dict[str, int] = {}
     for m in prompt.media:
         size = sizes.setdefault(m.media_id, (m.width, m.height))
+        if m.is_audio:
+            samples[m.media_id] = m.width
         if size != (m.width, m.height):
             raise ValueError(
                 f"media {m.media_id[:12]} is {size[0]}x{size[1]} in one chunk and "
                 f"{m.width}x{m.height} in another"
             )
-        if m.width * m.height > limits.max_pixels:
+        if m.is_audio and m.width > limits.max_samples:
+            raise ValueError(
+                f"sound {m.media_id[:12]} is {m.width} samples, over {limits.max_samples}"
+            )
+        if not m.is_audio and m.width * m.height > limits.max_pixels:
             raise ValueError(
                 f"media {m.media_id[:12]} is {m.width}x{m.height}, over {limits.max_pixels} pixels"
             )
-    total = sum(w * h for w, h in sizes.values())
+    if sum(samples.values()) > limits.max_total_samples:
+        raise ValueError(
+            f"the sounds of this prompt have {sum(samples.values())} samples together, over "
+            f"{limits.max_total_samples}"
+        )
+    total = sum(w * h for m, (w, h) in sizes.items() if m not in samples)
     if total > limits.max_total_pixels:
         raise ValueError(
             f"the images of this prompt have {total} pixels together, over "
@@ -223,10 +256,26 @@ def _pixels_of(image: MediaChunk) -> bytes:
 
 
 def _verify_image(mtmd: native.Multimodal, image: MediaChunk, rgb: bytes | None) -> Verified:
-    """Decode (unless its pixels are at hand) and tokenize an image: what libmtmd makes of it,
-    its media chunks shared."""
-    rgb = rgb if rgb is not None else _pixels_of(image)
-    bitmap = native.Bitmap(image.width, image.height, rgb, image.media_id)
+    """Decode (unless its pixels are at hand) and tokenize an image (or a sound: libmtmd
+    decodes it to the samples it must have): what libmtmd makes of it, its media chunks
+    shared."""
+    if image.is_audio:
+        rgb = image.audio or image.pcm  # (their hash was checked when the descriptor was read)
+        bitmap = native.Bitmap.of_sound(image.width, image.kind, rgb, image.media_id)
+    else:
+        rgb = rgb if rgb is not None else _pixels_of(image)
+        bitmap = native.Bitmap(image.width, image.height, rgb, image.media_id)
+    try:
+        return _tokenized(mtmd, image, bitmap, rgb)
+    except ValueError as e:  # libmtmd's decoder, or a length that is not the descriptor's
+        if not image.is_audio:
+            raise
+        raise StaleDescriptorError(f"sound {image.media_id[:12]}: {e}") from None
+
+
+def _tokenized(
+    mtmd: native.Multimodal, image: MediaChunk, bitmap: native.Bitmap, rgb: bytes
+) -> Verified:
     with mtmd.tokenize(mtmd.marker, [bitmap], add_special=False) as ours:
         group = ours.describe()
         handles = tuple(

@@ -345,6 +345,9 @@ class Runtime:
         n = int(mtmd_cpp.mtmd_input_chunk_get_n_tokens(chunk))
         if not self.uses_mrope:
             return np.arange(pos, pos + n, dtype=np.int32)
+        if mtmd_cpp.mtmd_input_chunk_get_type(chunk) == mtmd_cpp.MTMD_INPUT_CHUNK_TYPE_AUDIO:
+            # a sound's embeddings are a line: every section advances with them (M-RoPE 1D)
+            return np.tile(np.arange(pos, pos + n, dtype=np.int32), (4, 1))
         image = mtmd_cpp.mtmd_input_chunk_get_tokens_image(chunk)
         out = np.empty((4, n), dtype=np.int32)
         for i in range(n):
@@ -352,13 +355,23 @@ class Runtime:
             out[0, i], out[1, i], out[2, i], out[3, i] = p.t, p.y, p.x, p.z
         return out
 
+    def non_causal(self, chunk: int) -> bool:
+        """Whether this media chunk is decoded with non-causal attention (Gemma 3's images,
+        say; never a sound): then it must go whole, in one ubatch."""
+        return bool(self.mtmd and mtmd_cpp.mtmd_decode_use_non_causal(self.mtmd.ctx, chunk))
+
     def decode_embeddings(
-        self, embeddings: np.ndarray, positions: np.ndarray, offset: int, n: int, seq: int
+        self,
+        embeddings: np.ndarray,
+        positions: np.ndarray,
+        offset: int,
+        n: int,
+        seq: int,
+        non_causal: bool = False,
     ) -> int:
         """Decode embeddings [offset, offset + n) of one media chunk into seq (its positions
         from media_positions); returns llama_decode's rc. A piece of a chunk decodes between
-        other slots' steps; a non-causal projector's chunk must go whole (one ubatch). Wipes
-        all logits."""
+        other slots' steps; a non-causal chunk must go whole (one ubatch). Wipes all logits."""
         assert self.mtmd is not None
         piece = np.ascontiguousarray(embeddings.reshape(-1, self.n_embd)[offset : offset + n])
         if positions.ndim == 1:
@@ -378,7 +391,6 @@ class Runtime:
             seq_id=seq_ids,
             logits=logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
-        non_causal = self.mtmd.non_causal
         if non_causal:
             llama_cpp.llama_set_causal_attn(self.ctx, False)
         try:

@@ -112,7 +112,7 @@ def prompt_items(prompt: PreparedPrompt) -> tuple[list[Item], dict[str, Pixels]]
             k = slices.get(c.media_group, 0)
             slices[c.media_group] = k + 1
             key = media_key(c.media_id, k)
-            pixels[key] = Pixels(c.width, c.height, c.media_id)
+            pixels[key] = Pixels(c.width, c.height, c.media_id, c.kind)
             items.append(
                 Item(c.num_cells, c.num_positions, c.message_index, media_id=key, group=group)
             )
@@ -129,6 +129,7 @@ class MediaPiece:
     item: Item
     embd: np.ndarray
     positions: np.ndarray
+    non_causal: bool = False  # decoded whole, with non-causal attention
     offset: int = 0  # embeddings decoded so far
 
 

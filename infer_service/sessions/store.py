@@ -5,7 +5,7 @@ Layout of ROOT (which several replicas may share: a volume on NFSv4, EFS, CephFS
   <session_id>.session    magic, header length, generation, lineage, JSON header, KV state
   <session_id>.turns      entries after that checkpoint: magic, length, crc32, generation, a
                           JSON delta of the header (infer_service/sessions/header_delta.py)
-  media/<media_id>.rgb    raw RGB pixels, content-addressed, written once
+  media/<media_id>.rgb    raw RGB pixels (or a sound's bytes), content-addressed, written once
   .locks/<n>.lock         POSIX locks: per session (striped), and one for the pixels
   .tmp-*                  a write in progress (removed at startup once older than an hour)
 
@@ -66,7 +66,7 @@ from typing import Any, NamedTuple
 
 from infer_service.events import CorruptSessionError
 from infer_service.sessions import header_delta
-from slotwise_core.images import media_id as pixels_id
+from slotwise_core.descriptors import content_id
 
 FORMAT_VERSION = 1
 _MAGIC_V1 = b"SLOTWISE-SESSION"  # magic, u64 header length (generation 0)
@@ -512,13 +512,14 @@ class SessionStore:
     def delete_media(self, media_id: str) -> None:
         self._media_path(media_id).unlink(missing_ok=True)
 
-    def load_media(self, media_id: str, width: int, height: int) -> bytes:
-        """The pixels whose hash is media_id (CorruptSessionError if missing or damaged)."""
+    def load_media(self, media_id: str, width: int, height: int, kind: str = "image") -> bytes:
+        """The pixels (or a sound's bytes) whose hash is media_id (CorruptSessionError if
+        missing or damaged)."""
         try:
             rgb = self._media_path(media_id).read_bytes()
         except FileNotFoundError:
             raise CorruptSessionError(f"pixels of media {media_id[:12]} are missing") from None
-        if pixels_id(width, height, rgb) != media_id:
+        if content_id(kind, width, height, rgb) != media_id:
             raise CorruptSessionError(f"pixels of media {media_id[:12]} are damaged")
         return rgb
 

@@ -25,7 +25,6 @@ from infer_service.runner.slots import EngineStats, Slot
 from infer_service.sessions.persistence import Persistence
 from infer_service.sessions.session import Session
 from infer_service.sessions.store import ledger_digest
-from slotwise_core.native import Bitmap
 
 log = logging.getLogger("slotwise.engine")
 
@@ -159,13 +158,13 @@ class Swapper:
                 store = self.persistence.store
                 if store is None:
                     raise CorruptSessionError(f"pixels of media {px.media_id[:12]} are gone")
-                rgb = store.load_media(px.media_id, px.width, px.height)
+                rgb = store.load_media(px.media_id, px.width, px.height, px.kind)
             handle = session.media[key] = self._media_handle(key, px, rgb)
         return handle
 
     def _media_handle(self, key: str, px: Pixels, rgb: bytes) -> MediaHandle:
         assert self.rt.mtmd is not None
-        return media_handle(self.rt.mtmd, key, Bitmap(px.width, px.height, rgb, px.media_id))
+        return media_handle(self.rt.mtmd, key, px.bitmap(rgb))
 
     # -- on the io lane -----------------------------------------------------------------------
 
@@ -206,7 +205,7 @@ class Swapper:
             # what fails here is tried again as the turn decodes it, and reported to that turn
             with contextlib.suppress(Exception):
                 if rgb is None:
-                    rgb = store.load_media(px.media_id, px.width, px.height)
+                    rgb = store.load_media(px.media_id, px.width, px.height, px.kind)
                 media[key] = self._media_handle(key, px, rgb)
         exact = start == len(saved.kv_ledger) if kv_state else False
         return _Prefetched(kv_state if start else b"", media, start, exact)

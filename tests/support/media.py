@@ -1,9 +1,11 @@
-"""Real encoded images made with Pillow."""
+"""Real encoded images (made with Pillow) and sounds (WAV files made with the wave module)."""
 
 from __future__ import annotations
 
 import io
+import wave
 
+import numpy as np
 from PIL import Image
 
 
@@ -20,4 +22,17 @@ def image_bytes(
             px[x, y] = (v, 255 - v, (v * 3) % 256) if mode == "RGB" else px[x, y]
     buf = io.BytesIO()
     img.save(buf, fmt)
+    return buf.getvalue()
+
+
+def wav_bytes(seconds: float, rate: int = 16_000, *, seed: int = 0, channels: int = 1) -> bytes:
+    """A real 16-bit WAV file: a tone whose pitch depends on seed."""
+    t = np.arange(int(seconds * rate)) / rate
+    tone = (np.sin(2 * np.pi * (220 + 40 * seed) * t) * 8000).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.repeat(tone, channels).tobytes())
     return buf.getvalue()

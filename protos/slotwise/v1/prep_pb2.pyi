@@ -39,7 +39,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("fingerprint", "media_marker", "uses_mrope", "media_non_causal", "supports_vision", "supports_audio", "n_ctx_train", "num_vocab", "bos_token_id", "eos_token_id", "has_chat_template", "model_description", "chat_template", "add_bos", "fim_pre_token_id", "fim_suf_token_id", "fim_mid_token_id", "fim_rep_token_id", "fim_sep_token_id", "memory_kind")
+    __slots__ = ("fingerprint", "media_marker", "uses_mrope", "media_non_causal", "supports_vision", "supports_audio", "n_ctx_train", "num_vocab", "bos_token_id", "eos_token_id", "has_chat_template", "model_description", "chat_template", "add_bos", "fim_pre_token_id", "fim_suf_token_id", "fim_mid_token_id", "fim_rep_token_id", "fim_sep_token_id", "memory_kind", "audio_sample_rate", "max_audio_seconds")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MEDIA_MARKER_FIELD_NUMBER: _ClassVar[int]
     USES_MROPE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,8 @@ class ModelInfo(_message.Message):
     FIM_REP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIM_SEP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
     fingerprint: _prompt_pb2.Fingerprint
     media_marker: str
     uses_mrope: bool
@@ -80,7 +82,9 @@ class ModelInfo(_message.Message):
     fim_rep_token_id: int
     fim_sep_token_id: int
     memory_kind: _prompt_pb2.MemoryKind
-    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., media_marker: _Optional[str] = ..., uses_mrope: _Optional[bool] = ..., media_non_causal: _Optional[bool] = ..., supports_vision: _Optional[bool] = ..., supports_audio: _Optional[bool] = ..., n_ctx_train: _Optional[int] = ..., num_vocab: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., model_description: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., fim_pre_token_id: _Optional[int] = ..., fim_suf_token_id: _Optional[int] = ..., fim_mid_token_id: _Optional[int] = ..., fim_rep_token_id: _Optional[int] = ..., fim_sep_token_id: _Optional[int] = ..., memory_kind: _Optional[_Union[_prompt_pb2.MemoryKind, str]] = ...) -> None: ...
+    audio_sample_rate: int
+    max_audio_seconds: float
+    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., media_marker: _Optional[str] = ..., uses_mrope: _Optional[bool] = ..., media_non_causal: _Optional[bool] = ..., supports_vision: _Optional[bool] = ..., supports_audio: _Optional[bool] = ..., n_ctx_train: _Optional[int] = ..., num_vocab: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., model_description: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., fim_pre_token_id: _Optional[int] = ..., fim_suf_token_id: _Optional[int] = ..., fim_mid_token_id: _Optional[int] = ..., fim_rep_token_id: _Optional[int] = ..., fim_sep_token_id: _Optional[int] = ..., memory_kind: _Optional[_Union[_prompt_pb2.MemoryKind, str]] = ..., audio_sample_rate: _Optional[int] = ..., max_audio_seconds: _Optional[float] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
     __slots__ = ("info",)
@@ -104,13 +108,25 @@ class Image(_message.Message):
     size: ImageSize
     def __init__(self, data: _Optional[bytes] = ..., size: _Optional[_Union[ImageSize, _Mapping]] = ...) -> None: ...
 
+class Audio(_message.Message):
+    __slots__ = ("data", "pcm_f32", "seconds")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    PCM_F32_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    pcm_f32: bytes
+    seconds: float
+    def __init__(self, data: _Optional[bytes] = ..., pcm_f32: _Optional[bytes] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class Part(_message.Message):
-    __slots__ = ("text", "image")
+    __slots__ = ("text", "image", "audio")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
     text: str
     image: Image
-    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[Image, _Mapping]] = ...) -> None: ...
+    audio: Audio
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[Image, _Mapping]] = ..., audio: _Optional[_Union[Audio, _Mapping]] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("id", "name", "arguments_json")
@@ -169,14 +185,16 @@ class ToolCalling(_message.Message):
     def __init__(self, format: _Optional[_Union[ToolFormat, str]] = ..., constraint: _Optional[_Union[_prompt_pb2.Constraint, _Mapping]] = ...) -> None: ...
 
 class RawPrompt(_message.Message):
-    __slots__ = ("text", "images", "add_special")
+    __slots__ = ("text", "images", "add_special", "media")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
     text: str
     images: _containers.RepeatedCompositeFieldContainer[Image]
     add_special: bool
-    def __init__(self, text: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., add_special: _Optional[bool] = ...) -> None: ...
+    media: _containers.RepeatedCompositeFieldContainer[Part]
+    def __init__(self, text: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., add_special: _Optional[bool] = ..., media: _Optional[_Iterable[_Union[Part, _Mapping]]] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
     __slots__ = ("chat", "raw", "first_message")
@@ -209,18 +227,20 @@ class CountTokensRequest(_message.Message):
     def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ..., raw: _Optional[_Union[RawPrompt, _Mapping]] = ..., first_message: _Optional[int] = ...) -> None: ...
 
 class ChunkCount(_message.Message):
-    __slots__ = ("message_index", "media_group", "is_media", "num_cells", "num_positions")
+    __slots__ = ("message_index", "media_group", "is_media", "num_cells", "num_positions", "is_audio")
     MESSAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     MEDIA_GROUP_FIELD_NUMBER: _ClassVar[int]
     IS_MEDIA_FIELD_NUMBER: _ClassVar[int]
     NUM_CELLS_FIELD_NUMBER: _ClassVar[int]
     NUM_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    IS_AUDIO_FIELD_NUMBER: _ClassVar[int]
     message_index: int
     media_group: int
     is_media: bool
     num_cells: int
     num_positions: int
-    def __init__(self, message_index: _Optional[int] = ..., media_group: _Optional[int] = ..., is_media: _Optional[bool] = ..., num_cells: _Optional[int] = ..., num_positions: _Optional[int] = ...) -> None: ...
+    is_audio: bool
+    def __init__(self, message_index: _Optional[int] = ..., media_group: _Optional[int] = ..., is_media: _Optional[bool] = ..., num_cells: _Optional[int] = ..., num_positions: _Optional[int] = ..., is_audio: _Optional[bool] = ...) -> None: ...
 
 class CountTokensResponse(_message.Message):
     __slots__ = ("num_cells", "num_positions", "chunks")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18slotwise/v1/prompt.proto\x12\x0bslotwise.v1\",\n\x0b\x46ingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06mmproj\x18\x02 \x01(\t\"\"\n\tTextChunk\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"\x93\x01\n\nMediaChunk\x12\x10\n\x08media_id\x18\x01 \x01(\t\x12\x11\n\tnum_cells\x18\x02 \x01(\r\x12\x15\n\rnum_positions\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x0e\n\x06height\x18\x05 \x01(\r\x12\r\n\x03rgb\x18\x06 \x01(\x0cH\x00\x12\x11\n\x07\x65ncoded\x18\x07 \x01(\x0cH\x00\x42\x08\n\x06pixels\"\x8d\x01\n\x05\x43hunk\x12\x15\n\rmessage_index\x18\x01 \x01(\r\x12\x13\n\x0bmedia_group\x18\x02 \x01(\r\x12&\n\x04text\x18\x03 \x01(\x0b\x32\x16.slotwise.v1.TextChunkH\x00\x12(\n\x05media\x18\x04 \x01(\x0b\x32\x17.slotwise.v1.MediaChunkH\x00\x42\x06\n\x04kind\"\x8d\x01\n\x0ePreparedPrompt\x12-\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32\x18.slotwise.v1.Fingerprint\x12\"\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x12.slotwise.v1.Chunk\x12\x11\n\tnum_cells\x18\x03 \x01(\r\x12\x15\n\rnum_positions\x18\x04 \x01(\r\"X\n\nConstraint\x12\x11\n\x07grammar\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x18\n\x10trigger_patterns\x18\x03 \x03(\tB\x06\n\x04kind*w\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15MEMORY_KIND_ATTENTION\x10\x01\x12\x16\n\x12MEMORY_KIND_HYBRID\x10\x02\x12\x19\n\x15MEMORY_KIND_RECURRENT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18slotwise/v1/prompt.proto\x12\x0bslotwise.v1\",\n\x0b\x46ingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06mmproj\x18\x02 \x01(\t\"\"\n\tTextChunk\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"\xb3\x01\n\nMediaChunk\x12\x10\n\x08media_id\x18\x01 \x01(\t\x12\x11\n\tnum_cells\x18\x02 \x01(\r\x12\x15\n\rnum_positions\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x0e\n\x06height\x18\x05 \x01(\r\x12\r\n\x03rgb\x18\x06 \x01(\x0cH\x00\x12\x11\n\x07\x65ncoded\x18\x07 \x01(\x0cH\x00\x12\x0f\n\x05\x61udio\x18\x08 \x01(\x0cH\x00\x12\r\n\x03pcm\x18\t \x01(\x0cH\x00\x42\x08\n\x06pixels\"\x8d\x01\n\x05\x43hunk\x12\x15\n\rmessage_index\x18\x01 \x01(\r\x12\x13\n\x0bmedia_group\x18\x02 \x01(\r\x12&\n\x04text\x18\x03 \x01(\x0b\x32\x16.slotwise.v1.TextChunkH\x00\x12(\n\x05media\x18\x04 \x01(\x0b\x32\x17.slotwise.v1.MediaChunkH\x00\x42\x06\n\x04kind\"\x8d\x01\n\x0ePreparedPrompt\x12-\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32\x18.slotwise.v1.Fingerprint\x12\"\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x12.slotwise.v1.Chunk\x12\x11\n\tnum_cells\x18\x03 \x01(\r\x12\x15\n\rnum_positions\x18\x04 \x01(\r\"X\n\nConstraint\x12\x11\n\x07grammar\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x18\n\x10trigger_patterns\x18\x03 \x03(\tB\x06\n\x04kind*w\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15MEMORY_KIND_ATTENTION\x10\x01\x12\x16\n\x12MEMORY_KIND_HYBRID\x10\x02\x12\x19\n\x15MEMORY_KIND_RECURRENT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TEXTCHUNK'].fields_by_name['token_ids']._loaded_options = None
   _globals['_TEXTCHUNK'].fields_by_name['token_ids']._serialized_options = b'\020\001'
-  _globals['_MEMORYKIND']._serialized_start=651
-  _globals['_MEMORYKIND']._serialized_end=770
+  _globals['_MEMORYKIND']._serialized_start=683
+  _globals['_MEMORYKIND']._serialized_end=802
   _globals['_FINGERPRINT']._serialized_start=41
   _globals['_FINGERPRINT']._serialized_end=85
   _globals['_TEXTCHUNK']._serialized_start=87
   _globals['_TEXTCHUNK']._serialized_end=121
   _globals['_MEDIACHUNK']._serialized_start=124
-  _globals['_MEDIACHUNK']._serialized_end=271
-  _globals['_CHUNK']._serialized_start=274
-  _globals['_CHUNK']._serialized_end=415
-  _globals['_PREPAREDPROMPT']._serialized_start=418
-  _globals['_PREPAREDPROMPT']._serialized_end=559
-  _globals['_CONSTRAINT']._serialized_start=561
-  _globals['_CONSTRAINT']._serialized_end=649
+  _globals['_MEDIACHUNK']._serialized_end=303
+  _globals['_CHUNK']._serialized_start=306
+  _globals['_CHUNK']._serialized_end=447
+  _globals['_PREPAREDPROMPT']._serialized_start=450
+  _globals['_PREPAREDPROMPT']._serialized_end=591
+  _globals['_CONSTRAINT']._serialized_start=593
+  _globals['_CONSTRAINT']._serialized_end=681
 # @@protoc_insertion_point(module_scope)

@@ -33,7 +33,7 @@ class TextChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MediaChunk(_message.Message):
-    __slots__ = ("media_id", "num_cells", "num_positions", "width", "height", "rgb", "encoded")
+    __slots__ = ("media_id", "num_cells", "num_positions", "width", "height", "rgb", "encoded", "audio", "pcm")
     MEDIA_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CELLS_FIELD_NUMBER: _ClassVar[int]
     NUM_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class MediaChunk(_message.Message):
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     RGB_FIELD_NUMBER: _ClassVar[int]
     ENCODED_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    PCM_FIELD_NUMBER: _ClassVar[int]
     media_id: str
     num_cells: int
     num_positions: int
@@ -48,7 +50,9 @@ class MediaChunk(_message.Message):
     height: int
     rgb: bytes
     encoded: bytes
-    def __init__(self, media_id: _Optional[str] = ..., num_cells: _Optional[int] = ..., num_positions: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., rgb: _Optional[bytes] = ..., encoded: _Optional[bytes] = ...) -> None: ...
+    audio: bytes
+    pcm: bytes
+    def __init__(self, media_id: _Optional[str] = ..., num_cells: _Optional[int] = ..., num_positions: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., rgb: _Optional[bytes] = ..., encoded: _Optional[bytes] = ..., audio: _Optional[bytes] = ..., pcm: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("message_index", "media_group", "text", "media")
