@@ -10,15 +10,30 @@ from typing import Any
 import grpc
 import pytest
 
-from clients.client import NO_RETRY, Audio, Message, Shift, SlotwiseClient, SlotwiseError, collect
+from clients.client import (
+    NO_RETRY,
+    Audio,
+    Message,
+    Policy,
+    Shift,
+    SlotwiseClient,
+    SlotwiseError,
+    collect,
+)
 from infer_service.sessions.store import SessionStore
 from prep_service.service import Limits
 from slotwise.v1 import prompt_pb2
 from support.media import image_bytes, wav_bytes
 
-# cells of one 30 s window (each sound is padded to whole windows), and the wrapper tokens
-WINDOW = {"ultravox": 94, "qwen2a": 750}
-WRAPPER = {"ultravox": 0, "qwen2a": 2}
+# the cells of a 2 s and of a 35 s sound's media chunks, as libmtmd counts them: whisper-style
+# towers pad each 30 s window (ultravox 94, qwen2a 750 cells a window); gemma4a does not (25
+# cells a second, a 30 s window at most)
+CHUNKS = {
+    "ultravox": ([94], [94, 94]),
+    "qwen2a": ([750], [750, 750]),
+    "gemma4": ([50], [750, 125]),
+}
+WRAPPER = {"ultravox": 0, "qwen2a": 2, "gemma4": 2}  # <|audio_bos|> ... <|audio_eos|> and kin
 
 
 @pytest.fixture
@@ -32,22 +47,23 @@ def served(prep_servers: Callable[[str], int], infer_server: Callable[..., Any])
     return open_pair
 
 
-@pytest.mark.parametrize("name", ["ultravox", "qwen2a"])
+@pytest.mark.parametrize("name", CHUNKS)
 def test_a_sound_is_counted_exactly_and_generates(name: str, served) -> None:
     with served(name) as client:
         info = client.model_info()
-        assert info.supports_audio and not info.supports_vision
+        assert info.supports_audio and info.supports_vision == (name == "gemma4")
         short, long = wav_bytes(2.0), wav_bytes(35.0, rate=44_100, seed=1)
         chat = [Message.user("Listen:", audio=short), Message.user("and", audio=long)]
         prepared = client.prepare(chat)
         chunks = prepared.count().chunks
         media = [c for c in chunks if c.is_media]
         # 2 s: one window; 35 s: two windows of one group (evicted together)
-        assert [c.num_cells for c in media] == [WINDOW[name]] * 3
+        two, thirty_five = CHUNKS[name]
+        assert [c.num_cells for c in media] == [*two, *thirty_five]
         assert all(c.is_audio and c.num_positions == c.num_cells for c in media)
         assert [c.media_group for c in media] == [1, 2, 2]
         group_cells = [sum(c.num_cells for c in chunks if c.media_group == g) for g in (1, 2)]
-        assert group_cells == [WINDOW[name] + WRAPPER[name], 2 * WINDOW[name] + WRAPPER[name]]
+        assert group_cells == [sum(two) + WRAPPER[name], sum(thirty_five) + WRAPPER[name]]
         # a length alone counts the same as the sound itself
         by_length = client.count(
             [Message.user("Listen:", Audio(seconds=2.0)), Message.user("and", Audio(seconds=35.0))]
@@ -93,12 +109,17 @@ def sound_ids(prepared) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("on_session", [True, False], ids=["session", "resent"])
+@pytest.mark.parametrize(
+    ("on_session", "policy"),
+    [(True, Policy.SHIFT), (True, Policy.GAP), (True, Policy.REPREFILL), (False, Policy.AUTO)],
+    ids=["session-shift", "session-gap", "session-reprefill", "resent"],
+)
 def test_a_long_chat_with_sounds_goes_past_the_context_evicting_them_whole(
-    on_session: bool, served, tmp_path
+    on_session: bool, policy: Policy, served, tmp_path
 ) -> None:
     """20 turns, a 2 s sound every third one (94 cells each), in 1,024 cells: the chat goes
-    on past the context, and every sound that leaves leaves whole (its group at once)."""
+    on past the context, and every sound that leaves leaves whole (its group at once), under
+    every policy that evicts."""
     with served("ultravox", ctx_size=1024, sessions_dir=tmp_path) as client:
         if on_session:
             client.create_session("talk")
@@ -110,9 +131,13 @@ def test_a_long_chat_with_sounds_goes_past_the_context_evicting_them_whole(
                 Message.user(ask, audio=wav_bytes(2.0, seed=k)) if k % 3 == 0 else Message.user(ask)
             )
             sent = [*messages, user]
-            options = {"session_id": "talk"} if on_session else {}
+            options: dict[str, Any] = {"policy": policy}
+            if on_session:
+                options["session_id"] = "talk"
             prepared, done, shifts = chat_turn(client, sent, first if on_session else 0, **options)
             assert done.finished.error == "", (k, done.finished.error)
+            assert all(sh.policy is (policy if policy is not Policy.AUTO else Policy.SHIFT)
+                       for sh in shifts), shifts  # fmt: skip
             sent_sounds |= sound_ids(prepared)
             for sh in shifts:
                 evicted.extend(sh.media_ids_evicted)
@@ -229,3 +254,20 @@ def test_sounds_that_cannot_be_served_are_refused_before_decoding(
             client.prepare([Message.user("Listen:", audio=wav_bytes(1.0))])
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "images, not audio" in e.value.message
+
+
+def test_images_and_sounds_together_on_gemma4(served) -> None:
+    """Gemma 4's one projector file holds both towers: an image (decoded non-causally, whole)
+    and a sound (causally) in one prompt, each its own group, counted and generated."""
+    with served("gemma4") as client:
+        chat = [Message.user(image_bytes(224, 224), "and", Audio(wav_bytes(2.0)), "say?")]
+        prepared = client.prepare(chat)
+        media = [c for c in prepared.count().chunks if c.is_media]
+        assert [(c.media_group, c.is_audio, c.num_cells) for c in media] == [
+            (1, False, 81),
+            (2, True, 50),
+        ]
+        done = collect(client.generate(prepared, max_tokens=4, temperature=0))
+        assert done.finished.error == "" and done.finished.usage.num_prompt_cells == (
+            prepared.num_cells
+        )
