@@ -51,6 +51,8 @@ def check_embedding_sizes(model: Path, mmproj: Path) -> None:
     n_embd = _field(text, f"{arch}.embedding_length")
     proj = GGUFReader(mmproj)
     n_proj = _field(proj, "clip.vision.projection_dim")
+    if n_proj is None:  # an audio tower alone (Ultravox, Qwen2-Audio)
+        n_proj = _field(proj, "clip.audio.projection_dim")
     if n_proj is None:
         n_proj = _projector_output_from_tensors(proj)
     if n_embd is None or n_proj is None:

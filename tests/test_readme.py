@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from support.media import image_bytes
+from support.media import image_bytes, wav_bytes
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -49,6 +49,7 @@ def test_the_http_api_examples_run(
     openai_block = next(i for i, c in enumerate(blocks) if "from openai import OpenAI" in c)
     others = blocks[openai_block + 1 :]
     infer = infer_server("mrope", ctx_size=4096, parallel=2)
+    sound = infer_server("ultravox", ctx_size=1024)
     prep = f"127.0.0.1:{prep_servers('mrope')}"
     gateway = loop_thread.run(
         start_gateway(GatewayConfig(prep, f"127.0.0.1:{infer.port}"), "127.0.0.1", 0)
@@ -56,16 +57,18 @@ def test_the_http_api_examples_run(
     scope: dict[str, object] = {}
     try:
         (tmp_path / "cat.jpg").write_bytes(image_bytes(224, 160, "JPEG"))
+        (tmp_path / "question.wav").write_bytes(wav_bytes(2.0))
         monkeypatch.chdir(tmp_path)
         for code in [blocks[openai_block], *others]:
             code = code.replace("127.0.0.1:8080", f"127.0.0.1:{gateway.port}")
-            code = code.replace("127.0.0.1:50051", prep).replace(
-                "127.0.0.1:50052", f"127.0.0.1:{infer.port}"
+            pair = "ultravox" if "audio=" in code else "mrope"  # (the audio example's model)
+            code = code.replace("127.0.0.1:50051", f"127.0.0.1:{prep_servers(pair)}").replace(
+                "127.0.0.1:50052", f"127.0.0.1:{(infer if pair == 'mrope' else sound).port}"
             )
             exec(compile(code, str(README), "exec"), scope)
     finally:
         loop_thread.run(gateway.stop())
-    assert {"reply", "call", "second", "message", "done"} <= set(scope)
+    assert {"reply", "call", "second", "message", "done", "heard"} <= set(scope)
     reply = scope["reply"]
     assert reply.choices[0].finish_reason in ("stop", "length")  # type: ignore[attr-defined]
     assert scope["call"].function.name == "get_weather"  # type: ignore[attr-defined]
