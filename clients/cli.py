@@ -4,6 +4,11 @@ Their argument groups, the HTTP API's options and config (`slotwise serve` share
 codes and UsageError. The command tree (the parser, `main`, serve, demo, bench) is slotwise_cli's,
 above everything it dispatches to: these commands need only `pip install .` (no llama.cpp,
 Pillow, numpy or gguf).
+
+Media: `generate` and `count` take `--image PATH` and `--audio PATH` (a WAV, MP3 or FLAC file,
+for a model that takes audio), `count` also an image's size (`--image-size WxH`) or a sound's
+length (`--audio-seconds S`); each is repeatable, and they go in the order given (a `--raw`
+prompt's media markers take them so). `chat` attaches them with `/image PATH` and `/audio PATH`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from clients.client import (
+    Audio,
     Completion,
     Count,
     Delta,
@@ -56,6 +62,21 @@ def image_size(text: str) -> ImageSize:
     if w <= 0 or h <= 0:
         raise argparse.ArgumentTypeError(f"width and height must be positive, got {text!r}")
     return ImageSize(w, h)
+
+
+def audio_file(text: str) -> Audio:
+    """A sound file's path (read when the command runs: read_images)."""
+    return Audio(Path(text))
+
+
+def audio_seconds(text: str) -> Audio:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, e.g. 2.5, got {text!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"a sound's length must be positive, got {text!r}")
+    return Audio(seconds=seconds)
 
 
 def keep_value(text: str) -> int | str:
@@ -116,6 +137,8 @@ def connection_arguments(
 
 
 def prompt_arguments(p: argparse.ArgumentParser, *, sizes: bool) -> None:
+    """Images and sounds go into one list (`images`), in the order given: a raw prompt's media
+    markers take them in that order."""
     p.add_argument("--prompt", help="the user message (default: read stdin)")
     p.add_argument(
         "--image",
@@ -126,6 +149,15 @@ def prompt_arguments(p: argparse.ArgumentParser, *, sizes: bool) -> None:
         metavar="PATH",
         help="attach an image file (repeatable, in order)",
     )
+    p.add_argument(
+        "--audio",
+        dest="images",
+        action="append",
+        type=audio_file,
+        metavar="PATH",
+        help="attach a WAV, MP3 or FLAC file, for a model that takes audio (repeatable, in "
+        "order with --image)",
+    )
     if sizes:
         p.add_argument(
             "--image-size",
@@ -135,11 +167,20 @@ def prompt_arguments(p: argparse.ArgumentParser, *, sizes: bool) -> None:
             metavar="WxH",
             help="count an image by its size only (repeatable)",
         )
+        p.add_argument(
+            "--audio-seconds",
+            dest="images",
+            action="append",
+            type=audio_seconds,
+            metavar="S",
+            help="count a sound by its length only (repeatable)",
+        )
     p.add_argument("--system", help="a system message before the user message")
     p.add_argument(
         "--raw",
         action="store_true",
-        help="send --prompt as is (no chat template); each media marker takes the next image",
+        help="send --prompt as is (no chat template); each media marker takes the next image "
+        "or sound",
     )
 
 
@@ -209,11 +250,16 @@ def http_arguments(p: argparse.ArgumentParser, *, max_images: bool = True) -> No
         "public (an internal image store); repeatable. Default: public addresses only",
     )
     g.add_argument("--max-image-mb", type=positive_int, default=20, help="per image_url")
+    g.add_argument(
+        "--max-audio-mb", type=positive_int, default=32,
+        help="per sound (input_audio, a sound in multimodal_data), beside --max-image-mb's per "
+        "image (default %(default)s); a sound's length is prep's --max-audio-seconds",
+    )  # fmt: skip
     if max_images:
         g.add_argument(
             "--max-images", type=positive_int, default=DEFAULT_MAX_IMAGES,
-            help="images per request (default %(default)s, prep's): more are refused (400) "
-            "before any is fetched or decoded",
+            help="images and sounds per request (default %(default)s, prep's): more are "
+            "refused (400) before any is fetched or decoded",
         )  # fmt: skip
         g.add_argument(
             "--max-messages", type=positive_int, default=DEFAULT_MAX_MESSAGES,
@@ -268,6 +314,7 @@ def gateway_config(
         media=MediaPolicy(
             allow_http=args.allow_image_urls,
             max_bytes=args.max_image_mb << 20,
+            max_audio_bytes=args.max_audio_mb << 20,
             allow=allow_patterns(args.image_url_allow),
             max_images=args.max_images if max_images is None else max_images,
         ),
@@ -339,14 +386,20 @@ def read_token(path: Path | None) -> str | None:
 
 
 def read_images(paths: Sequence[Any]) -> list[Any]:
-    """Paths -> file bytes (sizes pass through); a missing file is a usage error."""
-    out = []
+    """Paths -> file bytes (an image's) or Audio of the bytes (a sound's); sizes and lengths
+    pass through. A missing file is a usage error."""
+    out: list[Any] = []
     for p in paths:
         if isinstance(p, Path):
             try:
                 out.append(p.read_bytes())
             except OSError as e:
                 raise UsageError(f"cannot read image {p}: {e.strerror or e}") from None
+        elif isinstance(p, Audio) and isinstance(p.data, Path):
+            try:
+                out.append(Audio(p.data.read_bytes()))
+            except OSError as e:
+                raise UsageError(f"cannot read sound {p.data}: {e.strerror or e}") from None
         else:
             out.append(p)
     return out
@@ -361,7 +414,7 @@ def prompt_input(args: argparse.Namespace) -> tuple[str | list[Message], list[An
             raise UsageError("--system does not go with --raw")
         return text, images
     if not text and not images:
-        raise UsageError("nothing to send: give --prompt (or text on stdin) or --image")
+        raise UsageError("nothing to send: give --prompt (or text on stdin), --image or --audio")
     messages = [Message.system(args.system)] if args.system else []
     messages.append(Message.user(*images, *([text] if text else [])))
     return messages, []
@@ -516,6 +569,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 CHAT_HELP = """commands:
   /image PATH   attach an image to your next message (repeatable)
+  /audio PATH   attach a sound (WAV, MP3 or FLAC) to your next message (repeatable)
   /reset        forget the conversation (the system message stays)
   /history      show the conversation's messages
   /help         this text
@@ -529,7 +583,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         marker = client.model_info().media_marker
         system = [Message.system(args.system)] if args.system else []
         history: list[Message] = list(system)
-        pending: list[bytes] = []
+        pending: list[bytes | Audio] = []
         failed = False
         if interactive:
             print("slotwise chat: type a message, /help for commands, /quit to leave", file=err)
@@ -549,11 +603,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     break
                 if command == "/help":
                     print(CHAT_HELP, file=err)
-                elif command == "/image":
+                elif command in ("/image", "/audio"):
                     path = Path(rest.strip()).expanduser()
+                    what = "image" if command == "/image" else "sound"
                     try:
-                        pending.append(path.read_bytes())
-                        print(f"[image {path} attached to your next message]", file=err)
+                        data = path.read_bytes()
+                        pending.append(data if what == "image" else Audio(data))
+                        print(f"[{what} {path} attached to your next message]", file=err)
                     except OSError as e:
                         print(f"[cannot read {path}: {e.strerror or e}]", file=err)
                 elif command == "/reset":
@@ -562,8 +618,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     print("[conversation forgotten]", file=err)
                 elif command == "/history":
                     for k, m in enumerate(history):
-                        images = f" [{m.num_images} image(s)]" if m.num_images else ""
-                        print(f"{k:3d} {m.role}:{images} {m.text[:70]!r}", file=err)
+                        print(f"{k:3d} {m.role}:{_media_note(m)} {m.text[:70]!r}", file=err)
                 else:
                     print(f"[unknown command {command}; /help lists them]", file=err)
                 continue
@@ -574,6 +629,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 history.pop()  # forget the failed turn; the user may try again
                 failed = True
     return EXIT_SERVER if failed else EXIT_OK
+
+
+def _media_note(m: Message) -> str:
+    sounds = sum(isinstance(p, Audio) for p in m.parts)
+    images = m.num_images - sounds  # (num_images counts every part that is not text)
+    return (f" [{images} image(s)]" if images else "") + (f" [{sounds} sound(s)]" if sounds else "")
 
 
 def chat_turn(
@@ -621,7 +682,7 @@ def print_count(c: Count, verbose: bool) -> None:
         f"{'chunk':>5}  {'message':>7}  {'group':>5}  {'kind':<5}  {'cells':>6}  {'positions':>9}"
     )
     for k, ch in enumerate(c.chunks):
-        kind = "media" if ch.is_media else "text"
+        kind = ("audio" if ch.is_audio else "media") if ch.is_media else "text"
         print(
             f"{k:>5}  {ch.message_index:>7}  {ch.media_group:>5}  {kind:<5}  "
             f"{ch.num_cells:>6}  {ch.num_positions:>9}"

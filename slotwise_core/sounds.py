@@ -13,8 +13,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-import miniaudio
-
 FORMATS = ("WAV", "MP3", "FLAC")
 DEFAULT_MAX_SECONDS = 600.0  # one sound; longer ones are refused, never decoded
 MAX_SOUNDS_PER_REQUEST = 4  # one request's sounds together: this many times the longest
@@ -47,7 +45,8 @@ def _hash(prefix: bytes, data: bytes) -> str:
 
 
 def sound_format(data: bytes) -> str:
-    """WAV, MP3 or FLAC, by the signature libmtmd looks for ("": none of them)."""
+    """WAV, MP3 or FLAC, by the signature libmtmd looks for ("": none of them). (A JPEG
+    begins FF D8: D8 lacks the MPEG sync's three high bits.)"""
     if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WAVE":
         return "WAV"
     if data[:4] == b"fLaC":
@@ -73,13 +72,6 @@ class SoundHeader:
         return self.num_frames / self.sample_rate if self.sample_rate else 0.0
 
 
-_INFO = {
-    "WAV": miniaudio.wav_get_info,
-    "MP3": miniaudio.mp3_get_info,
-    "FLAC": miniaudio.flac_get_info,
-}
-
-
 def sound_header(data: bytes, *, max_seconds: float = DEFAULT_MAX_SECONDS) -> SoundHeader:
     """The file's format and length, nothing decoded; refused when it is not a sound libmtmd
     reads, or longer than max_seconds."""
@@ -88,8 +80,11 @@ def sound_header(data: bytes, *, max_seconds: float = DEFAULT_MAX_SECONDS) -> So
     fmt = sound_format(data)
     if not fmt:
         raise AudioError("not a WAV, MP3 or FLAC file")
+    import miniaudio  # (the serve extra's: the client's install tells formats, never decodes)
+
+    info_of = {"WAV": miniaudio.wav_get_info, "MP3": miniaudio.mp3_get_info}
     try:
-        info = _INFO[fmt](data)
+        info = info_of.get(fmt, miniaudio.flac_get_info)(data)
     except Exception as e:  # miniaudio's DecodeError and whatever a damaged header raises
         raise AudioError(f"{fmt} file is truncated or corrupt: {e}") from None
     header = SoundHeader(fmt, int(info.sample_rate), int(info.nchannels), int(info.num_frames))

@@ -20,7 +20,7 @@ import pytest
 from clients.client import Constraint, SlotwiseClient
 from support.hold import PrefillHold
 from support.http_stack import Stack, Stacks, stacks_fixture
-from support.media import image_bytes
+from support.media import image_bytes, wav_bytes
 from support.procs import free_port, serve_argv
 from support.required import require_or_skip
 from support.wait import PATIENCE, wait_until
@@ -536,3 +536,62 @@ def test_the_page_draws_a_hybrid_sequence_s_recurrent_state(stacks, browser_page
     assert int(box.get_attribute("data-bytes")) == slot["num_recurrent_bytes"]
     assert int(box.get_attribute("data-checkpoints")) == slot["num_checkpoints"]
     assert "recurrent state" in box.inner_text() and "checkpoint" in box.inner_text()
+
+
+def test_a_person_sends_a_sound_and_sees_its_cells(stacks, browser_page, tmp_path: Path) -> None:
+    """A WAV attached as images are: it goes as an input_audio part, its cells are drawn as a
+    sound's (one 30 s window of the tiny ultravox pair: 94 cells), the next turn sends it as a
+    stand-in (the session holds it), and a model that takes no sound says so in words."""
+    s: Stack = stacks.start("ultravox", ctx_size=1024, parallel=2)
+    page, shot = browser_page, Shots(browser_page, tmp_path)
+    sound = tmp_path / "harbour.wav"
+    sound.write_bytes(wav_bytes(2.0))
+    api = httpx.Client(base_url=s.url, timeout=PATIENCE)
+
+    page.goto(s.url)
+    page.wait_for_selector('.slot[data-slot="1"]')
+    page.fill("#max-tokens", "4")
+    page.fill("#input", "What do you hear?")
+    page.set_input_files("#file", str(sound))
+    chip = page.wait_for_selector("#attachments .sound")
+    assert chip is not None and "harbour.wav" in chip.inner_text() and "2.0 s" in chip.inner_text()
+    shot("sound-attached")
+    page.click("#send")
+    page.wait_for_selector(".message.assistant .usage")
+    assert page.locator('.message.user .sound[data-name="harbour.wav"]').count() == 1
+    (session,) = api.get("/slotwise/sessions").json()["sessions"]
+    slot = _slot_of(page, session["id"])
+    sound_cells = f'.slot[data-slot="{slot}"] .seg[data-kind="audio"]'
+    page.wait_for_selector(sound_cells)
+    segs = segments(page, slot)
+    assert [(typ, cells) for kind, typ, cells in segs if kind == "audio"] == [("media", 94)]
+    prompt = sum(c for kind, typ, c in segs if kind != "free" and typ != "generated")
+    assert prompt == last_usage(page)["prompt-cells"]
+    assert "sound" in (page.locator(sound_cells).first.get_attribute("title") or "")
+    assert page.locator('#kv-legend .swatch[data-kind="audio"]').count() == 1
+    shot("sound-cells")
+
+    # the next turn: the session holds the sound, sent again as a stand-in; its cells stay
+    send(page, "And now?")
+    assert page.locator("#error").is_hidden()
+    page.wait_for_function(
+        f"document.querySelectorAll('{sound_cells}').length === 1"
+        f" && +document.querySelector('{sound_cells}').dataset.cells === 94"
+    )
+    # opened again from the sidebar: the sound's name comes back from the turn's note
+    page.click("#new-session")
+    page.locator(f'li.session[data-id="{session["id"]}"] .open').click()
+    page.wait_for_selector('.message.user .sound[data-name="harbour.wav"]')
+
+    # a model whose projector takes images only: the refusal in words, the turn given back
+    vision: Stack = stacks.start("mrope", ctx_size=512)
+    page.goto(vision.url)
+    page.wait_for_selector('.slot[data-slot="0"] .cells')
+    page.fill("#input", "Hear this")
+    page.set_input_files("#file", str(sound))
+    page.wait_for_selector("#attachments .sound")
+    page.click("#send")
+    page.wait_for_function("document.querySelector('#error').textContent.includes('not audio')")
+    assert page.input_value("#input") == "Hear this"
+    assert page.locator("#attachments .sound").count() == 1  # given back, to send elsewhere
+    shot("sound-refused")

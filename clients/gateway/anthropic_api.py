@@ -2,7 +2,9 @@
 /v1/messages/count_tokens (CountTokens: exact, images counted by their size).
 
 Content blocks map onto the chat the templates render: text and base64 images, `tool_use`
-blocks as an assistant message's calls, `tool_result` blocks as tool messages. Errors come in
+blocks as an assistant message's calls, `tool_result` blocks as tool messages; the API has no
+block for sound, and one of another type is refused naming it (`messages.N.content.M.type`,
+with where sounds go). Errors come in
 Anthropic's shape: {"type": "error", "error": {"type": ..., "message": ...}}.
 """
 
@@ -154,11 +156,19 @@ async def _messages(
                 out.append(Message.tool(str(block.get("tool_use_id", "")), text))
             elif kind == "thinking" or kind == "redacted_thinking":
                 continue  # (no model here thinks aloud: nothing of it is shown)
+            elif kind in ("audio", "input_audio"):  # (a block the Messages API does not have)
+                raise refuse(f"{where}.type", _NO_AUDIO)
             else:
                 raise refuse(f"{where}.type", f"{kind!r} is not a content block served here")
         if parts or calls:
             out.append(Message(m.role, parts or (), tool_calls=calls))
     return out
+
+
+_NO_AUDIO = (
+    "is not a content block of the Messages API (it has none for sound): send sounds as "
+    "input_audio parts to /v1/chat/completions"
+)
 
 
 def _is_image(block: dict[str, Any]) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -68,10 +69,47 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def invalid(errors: Sequence[Mapping[str, Any]], *where: str) -> ApiError:
     """A body's first validation error (pydantic's `errors()`), naming its field: `where` (the
     part of the body that was validated), then pydantic's path within it."""
-    first = errors[0] if errors else {}
-    path = [*where, *(str(x) for x in first.get("loc", ()) if x != "body")]
+    first = _telling(errors)
+    path = [*where, *_field_path(first)]
     param = ".".join(path) or None
     return bad_request(f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
+
+
+# the names pydantic gives a union's branches in an error's path (`str`, `list[...]`, ...)
+_BRANCH = re.compile(r"(str|int|float|bool|none|[a-z-]+\[.*\])")
+
+
+def _is_branch(x: object) -> bool:
+    return isinstance(x, str) and _BRANCH.fullmatch(x) is not None
+
+
+def _telling(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The first error, unless it is a union branch's that did not fit at all: content that is
+    neither a string nor a valid list of parts fails both, and the string's "Input should be a
+    valid string" comes first; the list's error, deeper, names what is wrong with the part."""
+    first = errors[0] if errors else {}
+    loc = tuple(first.get("loc", ()))
+    if loc and _is_branch(loc[-1]):
+        for e in errors[1:]:
+            other = tuple(e.get("loc", ()))
+            if other[: len(loc) - 1] == loc[:-1] and len(other) > len(loc):
+                return e
+    return first
+
+
+def _field_path(error: Mapping[str, Any]) -> list[str]:
+    """An error's path as the body names it: without pydantic's branch names, and with a tagged
+    union's tag once (a part's payload is named after its type: image_url's `image_url`, so
+    pydantic's path says it twice). A part of an unknown type is its `type`'s fault."""
+    loc = [x for x in error.get("loc", ()) if x != "body" and not _is_branch(x)]
+    path: list[str] = []
+    for k, x in enumerate(loc):
+        tag = k > 0 and isinstance(loc[k - 1], int) and k + 1 < len(loc) and loc[k + 1] == x
+        if not tag:
+            path.append(str(x))
+    if error.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+        path.append("type")
+    return path
 
 
 _BY_CODE = {

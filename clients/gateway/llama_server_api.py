@@ -4,7 +4,8 @@
 actions, /embedding, /rerank and the input_tokens counts answer with llama-server's field
 names, defaults and shapes, and its error body: {"error": {"code", "message", "type"}}. A
 completion is a turn (turns.py) like any other API's, on the same engine: shift policies,
-tenants, limits, images (multimodal_data, at the media marker /props names) and grammars.
+tenants, limits, images and sounds (multimodal_data, at the media markers /props names, each
+told by its bytes: sounds.py) and grammars.
 A native slot (id_slot, /slots/{id}) is a session (llama_slots.py).
 
 Its bodies are read in llama_options.py. README.md ("llama-server's native API") lists where
@@ -16,8 +17,6 @@ texts tokenized (all of one request in one TokenizeBatch call), a chat's message
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import json
 import math
@@ -69,6 +68,7 @@ from clients.gateway.openai_api import (
     prefilled,
 )
 from clients.gateway.schema import ChatMessage
+from clients.gateway.sounds import multimodal_item
 from clients.gateway.turns import (
     Progress,
     StreamClock,
@@ -350,13 +350,15 @@ class LlamaServer:
             data = value.get("multimodal_data") or []
             if not isinstance(text, str) or not isinstance(data, list):
                 raise bad('"prompt_string" must be a string, "multimodal_data" an array')
-            if data and not info.supports_vision:
+            # no projector at all, in llama-server's words; a projector that does not take the
+            # kind given is prep's to refuse (FAILED_PRECONDITION, 400), saying which it takes
+            if data and not info.mmproj_fingerprint:
                 raise bad(
                     "Multimodal data provided, but model does not support multimodal requests."
                 )
-            check_image_count(len(data), self.media, "multimodal_data")
-            images = [_base64(d, self.media) for d in data]
-            prepared = await call(self.client.prepare(text, images))
+            check_image_count(len(data), self.media, "multimodal_data", "images and sounds")
+            media = [multimodal_item(d, self.media, k) for k, d in enumerate(data)]
+            prepared = await call(self.client.prepare(text, media))
             return Prompt(prepared, await self.text_of(prepared))
         if isinstance(value, str):
             if not value:
@@ -871,17 +873,6 @@ def _normalized(values: list[float], norm: int) -> list[float]:
     return [v / scale for v in values] if scale > 0 else [0.0 for _ in values]
 
 
-def _base64(data: Any, media: MediaPolicy) -> bytes:
-    if not isinstance(data, str):
-        raise bad('"multimodal_data" must be an array of base64 strings')
-    if len(data) > media.max_bytes * 4 // 3 + 4:
-        raise bad(f"multimodal_data: an image of at most {media.max_bytes} bytes")
-    try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise bad("Invalid base64 value") from None
-
-
 # -- chats ------------------------------------------------------------------------------------
 
 
@@ -951,4 +942,6 @@ def _chat_part(part: Any) -> dict[str, Any]:
         return {"type": "text", "text": str(part.get("text", ""))}
     if kind == "input_image":
         return {"type": "image_url", "image_url": {"url": part.get("image_url", "")}}
-    raise bad("'type' must be one of 'input_text', 'input_image', or 'input_file'")
+    if kind == "input_audio":  # (the same part as Chat Completions': responses_api.py)
+        return {"type": "input_audio", "input_audio": part.get("input_audio")}
+    raise bad("'type' must be one of 'input_text', 'input_image', 'input_audio' or 'input_file'")

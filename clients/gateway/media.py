@@ -52,9 +52,12 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 @dataclass(frozen=True)
 class MediaPolicy:
     allow_http: bool = False
-    max_bytes: int = 20 << 20
+    max_bytes: int = 20 << 20  # per image (--max-image-mb)
+    max_audio_bytes: int = 32 << 20  # per sound (--max-audio-mb; sounds.py)
     timeout: float = 10.0
-    max_images: int = DEFAULT_MAX_IMAGES  # per request, counted before any is fetched or decoded
+    # images and sounds per request (prep's --max-images counts both), counted before any is
+    # fetched or decoded
+    max_images: int = DEFAULT_MAX_IMAGES
     # hosts (exact names) and networks (CIDRs) that may be fetched although not public
     allow: tuple[str, ...] = ()
 
@@ -88,23 +91,29 @@ def _is_network(pattern: str) -> bool:
         return False
 
 
-def check_image_count(count: int, policy: MediaPolicy, param: str) -> None:
-    """Refuse a request with more images than allowed, before any is fetched or decoded."""
+def check_image_count(count: int, policy: MediaPolicy, param: str, what: str = "images") -> None:
+    """Refuse a request with more images (and sounds: `what` says) than allowed, before any is
+    fetched or decoded."""
     if count > policy.max_images:
         raise bad_request(
-            f"{count} images in one request; at most {policy.max_images} are taken (--max-images)",
+            f"{count} {what} in one request; at most {policy.max_images} are taken (--max-images)",
             param,
             code="too_many_images",
         )
 
 
 def check_images(
-    contents: Iterable[object], is_image: Callable[[Any], bool], policy: MediaPolicy, param: str
+    contents: Iterable[object],
+    is_image: Callable[[Any], bool],
+    policy: MediaPolicy,
+    param: str,
+    is_sound: Callable[[Any], bool] = lambda _: False,
 ) -> None:
-    """check_image_count for a chat: its images are the parts (of the contents that are lists of
-    parts) that `is_image` says are."""
-    count = sum(is_image(part) for c in contents if isinstance(c, list) for part in c)
-    check_image_count(count, policy, param)
+    """check_image_count for a chat: its images and sounds are the parts (of the contents that
+    are lists of parts) that `is_image` and `is_sound` say are."""
+    parts = [part for c in contents if isinstance(c, list) for part in c]
+    images, sounds = sum(map(is_image, parts)), sum(map(is_sound, parts))
+    check_image_count(images + sounds, policy, param, "images and sounds" if sounds else "images")
 
 
 class _Refused(Exception):

@@ -2,9 +2,11 @@
 
 Each request becomes one TurnRequest per choice (`n` choices are n generations: every slot
 has a KV stream of its own, so a choice costs its prefill wherever it runs, and the engine
-runs them side by side in as many slots). Tools go to prep, which shows them as the chat
-template does and returns the grammar of a valid call; `response_format`, and llama-server's
-`grammar` and `json_schema` body fields, constrain the reply in the engine's sampler chain.
+runs them side by side in as many slots). A message's parts are text, images (image_url) and
+sounds (input_audio: sounds.py), counted in `usage` as the cells prep made of them. Tools go to
+prep, which shows them as the chat template does and returns the grammar of a valid call;
+`response_format`, and llama-server's `grammar` and `json_schema` body fields, constrain the
+reply in the engine's sampler chain.
 
 As llama-server answers them: replies carry `system_fingerprint` and `timings`, streams
 `timings_per_token` and `return_progress` when asked; a chat that ends with an assistant
@@ -27,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 
 from clients.client import (
     AsyncSlotwiseClient,
+    Audio,
     Constraint,
     Message,
     Prepared,
@@ -42,6 +45,7 @@ from clients.gateway.choices import choices, interleaved, start_all, wholes
 from clients.gateway.errors import ApiError, bad_request, call, translated
 from clients.gateway.media import MediaPolicy, check_images, image_bytes
 from clients.gateway.schema import (
+    AudioPart,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -51,6 +55,7 @@ from clients.gateway.schema import (
     SamplingRequest,
     ToolDef,
 )
+from clients.gateway.sounds import audio_part
 from clients.gateway.turns import (
     Keep,
     Progress,
@@ -73,7 +78,7 @@ SYSTEM_FINGERPRINT = "slotwise-0.1.0"
 
 
 async def chat_messages(messages: Sequence[ChatMessage], media: MediaPolicy) -> list[Message]:
-    check_images((m.content for m in messages), _is_image, media, "messages")
+    check_images((m.content for m in messages), _is_image, media, "messages", _is_sound)
     return [await _message(m, i, media) for i, m in enumerate(messages)]
 
 
@@ -81,9 +86,13 @@ def _is_image(part: object) -> bool:
     return isinstance(part, ImagePart)
 
 
+def _is_sound(part: object) -> bool:
+    return isinstance(part, AudioPart)
+
+
 async def _message(m: ChatMessage, i: int, media: MediaPolicy) -> Message:
     role = "system" if m.role == "developer" else m.role
-    parts: list[str | bytes] = []
+    parts: list[str | bytes | Audio] = []
     if m.content is None or isinstance(m.content, str):
         parts = [m.content or ""]
     else:
@@ -91,6 +100,10 @@ async def _message(m: ChatMessage, i: int, media: MediaPolicy) -> Message:
             if isinstance(part, ImagePart):
                 param = f"messages.{i}.content.{j}.image_url"
                 parts.append(await image_bytes(part.image_url.url, media, param))
+            elif isinstance(part, AudioPart):
+                sound = part.input_audio
+                where = f"messages.{i}.content.{j}.input_audio"
+                parts.append(audio_part(sound.data, sound.format, media, where))
             else:
                 parts.append(part.text)
     if role == "tool":

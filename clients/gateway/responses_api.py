@@ -9,6 +9,9 @@ to the session's replica like any session call. What GET needs to show a respons
 (its settings, the tool format) is the turn's note; its text and usage are the session's
 record of that turn.
 
+Input messages take text, images (input_image) and sounds (input_audio: the SDK's
+ResponseInputAudio part, Chat Completions' {data, format}; sounds.py).
+
 A chain is continued from its latest response only: a session is one line of turns, and
 slotwise continues it where it stands (branching from an older response is refused).
 """
@@ -30,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from clients.client import (
     AsyncSlotwiseClient,
+    Audio,
     Constraint,
     Message,
     Prepared,
@@ -47,6 +51,7 @@ from clients.gateway.errors import ApiError, bad_request, call, from_slotwise
 from clients.gateway.media import MediaPolicy, check_images, image_bytes
 from clients.gateway.openai_api import token_logprobs
 from clients.gateway.schema import SlotwiseOptions
+from clients.gateway.sounds import audio_part
 from clients.gateway.turns import Text, TurnEnd, TurnRequest, refuse, start_turn
 from clients.tool_calls import parse_reply
 from slotwise_core.limits import MAX_TOKENS, MAX_TOP_LOGPROBS, MAX_TURN_NOTE
@@ -125,7 +130,7 @@ class ResponsesRequest(_Open):
 async def _messages(items: str | list[InputItem], media: MediaPolicy) -> list[Message]:
     if isinstance(items, str):
         return [Message.user(items)]
-    check_images((item.content for item in items), _is_image, media, "input")
+    check_images((item.content for item in items), _is_image, media, "input", _is_sound)
     out: list[Message] = []
     for i, item in enumerate(items):
         kind = item.type or "message"
@@ -159,16 +164,20 @@ def _is_image(part: dict[str, Any]) -> bool:
     return part.get("type") == "input_image"
 
 
+def _is_sound(part: dict[str, Any]) -> bool:
+    return part.get("type") == "input_audio"
+
+
 def _text_of(parts: list[dict[str, Any]] | None) -> str:
     return "".join(p.get("text", "") for p in parts or () if isinstance(p, dict))
 
 
 async def _parts(
     content: str | list[dict[str, Any]] | None, media: MediaPolicy, where: str
-) -> list[str | bytes]:
+) -> list[str | bytes | Audio]:
     if content is None or isinstance(content, str):
         return [content or ""]
-    parts: list[str | bytes] = []
+    parts: list[str | bytes | Audio] = []
     for j, part in enumerate(content):
         kind = part.get("type")
         if kind in ("input_text", "output_text", "text"):
@@ -178,6 +187,13 @@ async def _parts(
             if not isinstance(url, str):
                 raise refuse(f"{where}.content.{j}", "an input_image needs image_url here")
             parts.append(await image_bytes(url, media, f"{where}.content.{j}.image_url"))
+        elif kind == "input_audio":
+            # (the SDK's ResponseInputAudio: Chat Completions' part, {data, format})
+            sound = part.get("input_audio")
+            param = f"{where}.content.{j}.input_audio"
+            if not isinstance(sound, dict):
+                raise bad_request(f"{param}: give {{data, format}}", param)
+            parts.append(audio_part(sound.get("data"), sound.get("format"), media, param))
         else:
             raise refuse(f"{where}.content.{j}.type", f"{kind!r} is not supported here")
     return parts or [""]

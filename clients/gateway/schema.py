@@ -43,7 +43,17 @@ class ImagePart(_Open):
     image_url: ImageUrl
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class InputAudio(_Open):
+    data: str  # the file's bytes, base64 (no data: prefix)
+    format: str  # wav, mp3 (OpenAI's) or flac (llama-server's): checked in sounds.audio_part
+
+
+class AudioPart(_Open):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
 
 
 class FunctionCall(_Open):

@@ -14,10 +14,12 @@ import hashlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from os import PathLike
 from typing import Any
 
 from clients.client import (
     AsyncSlotwiseClient,
+    Audio,
     Constraint,
     Delta,
     Finished,
@@ -101,6 +103,7 @@ class TurnEnd:
     warning: str = ""  # a completed session turn that was not saved
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # every token sampled
+    media: list[dict[str, Any]] = field(default_factory=list)  # prompt_media: the turn's own
 
     @property
     def finish_reason(self) -> str:
@@ -150,13 +153,15 @@ class TurnEnd:
             "capacity_cells": s.num_capacity_cells if s else 0,
             "shifts": u.num_shifts if u else 0,
             "evicted_cells": u.num_evicted_cells if u else 0,
-            "evicted_images": len(self.evicted_media),
+            "evicted_images": len(self.evicted_media),  # (its first name: sounds count too)
+            "evicted_media": len(self.evicted_media),  # images and sounds, each left whole
             "truncated_cells": s.num_truncated_cells if s else 0,
             "truncated_images": len(set(s.truncated_media_ids)) if s else 0,
             "saved": _SAVED.get(self.finished.persistence) if self.finished else None,
             "draft_tokens": u.num_draft_tokens if u else 0,
             "accepted_tokens": u.num_accepted_tokens if u else 0,
             "finish": self.finished.reason.value if self.finished else "unspecified",
+            "media": self.media,
         }
 
 
@@ -311,7 +316,9 @@ async def start_turn(client: AsyncSlotwiseClient, req: TurnRequest) -> tuple[Tur
     except (ValueError, TypeError) as e:  # a value the contract cannot carry
         raise bad_request(str(e)) from None
     fmt = prepared.tool_format if prepared.tool_constraint is not None else ToolFormat.UNSPECIFIED
-    return Turn(first_event, events, fmt), prepared
+    turn = Turn(first_event, events, fmt)
+    turn.end.media = prompt_media(prepared)
+    return turn, prepared
 
 
 def _options(
@@ -459,11 +466,33 @@ def conversation_key(prompt: Sequence[Message] | str | Prepared) -> str:
         for message in prompt:
             h.update(message.role.encode() + b"\0")
             for part in message.parts:
-                data = part.encode() if isinstance(part, str) else bytes(part)  # type: ignore[arg-type]
-                h.update(hashlib.blake2b(data, digest_size=16).digest())
+                h.update(hashlib.blake2b(_part_bytes(part), digest_size=16).digest())
             if message.role == "user":
                 break
     return f"conversation-{h.hexdigest()}"
+
+
+def _part_bytes(part: object) -> bytes:
+    """What of a message's part the conversation key digests (a sound: its file or samples)."""
+    if isinstance(part, str):
+        return part.encode()
+    if isinstance(part, Audio):  # (the edges send a file's bytes; a path is not read here)
+        return part.pcm or (b"" if isinstance(part.data, PathLike) else bytes(part.data or b""))
+    return bytes(part)  # type: ignore[call-overload]
+
+
+def prompt_media(prepared: Prepared) -> list[dict[str, Any]]:
+    """The prompt's images and sounds, in order: each one's media id, kind and cells (a sound
+    longer than the projector's window is several chunks of one id). The web page tells a
+    sound's cells from an image's by these ids (the KV view names media by id alone)."""
+    out: dict[str, dict[str, Any]] = {}
+    for c in prepared.prompt.chunks:
+        if c.WhichOneof("kind") != "media":
+            continue
+        kind = "audio" if c.media.WhichOneof("pixels") in ("audio", "pcm") else "image"
+        one = out.setdefault(c.media.media_id, {"id": c.media.media_id, "kind": kind, "cells": 0})
+        one["cells"] += c.media.num_cells
+    return list(out.values())
 
 
 def refuse(name: str, why: str = "is not supported by this server") -> ApiError:

@@ -196,14 +196,88 @@ function settings() {
 
 // ───────────────────────────── sessions ─────────────────────────────
 
+// ── sounds ──
+
+// 16 samples of silence (a 16 kHz mono WAV): what a held sound is sent as (wireContent).
+const STAND_IN_WAV =
+  "UklGRkQAAABXQVZFZm10IBAAAAABAAEAgD4AAAB9AAACABAAZGF0YSAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA==";
+const SOUND_FORMATS = {
+  "audio/wav": "wav", "audio/x-wav": "wav", "audio/wave": "wav", "audio/vnd.wave": "wav",
+  "audio/mpeg": "mp3", "audio/mp3": "mp3", "audio/flac": "flac", "audio/x-flac": "flac",
+};
+const SOUNDS_STORAGE = "slotwise.sounds";
+const MAX_SOUND_IDS = 1000;
+
+// wav, mp3 or flac by the file's type or name; "" for a sound the server does not take.
+function soundFormat(file) {
+  const byName = /\.(wav|mp3|flac)$/i.exec(file.name || "");
+  return SOUND_FORMATS[file.type] || (byName ? byName[1].toLowerCase() : "");
+}
+
+function isSoundFile(file) {
+  return file.type.startsWith("audio/") || !!soundFormat(file);
+}
+
+// The media ids of sounds this browser sent: the KV view names media by id alone, and the chat
+// stream's usage says which of a turn's media are sounds (usage.slotwise.media).
+function loadSoundIds() {
+  try {
+    const ids = JSON.parse(localStorage.getItem(SOUNDS_STORAGE) || "[]");
+    return new Set(Array.isArray(ids) ? ids.filter((x) => typeof x === "string") : []);
+  } catch {
+    return new Set();
+  }
+}
+
+function learnSounds(usage) {
+  const media = (usage.slotwise && usage.slotwise.media) || [];
+  const fresh = media.filter((m) => m.kind === "audio" && !state.sounds.has(m.id));
+  if (!fresh.length) return;
+  for (const m of fresh) state.sounds.add(m.id);
+  const kept = Array.from(state.sounds).slice(-MAX_SOUND_IDS);
+  state.sounds = new Set(kept);
+  localStorage.setItem(SOUNDS_STORAGE, JSON.stringify(kept));
+  rerenderKv();
+}
+
+const isSound = (mediaId) => !!mediaId && state.sounds.has(mediaId);
+
+// The length the browser reads from the file (null when it cannot tell, soon enough).
+function soundSeconds(dataUrl) {
+  return new Promise((resolve) => {
+    const audio = new Audio();
+    const done = (value) => {
+      clearTimeout(timer);
+      resolve(value);
+    };
+    const timer = setTimeout(() => done(null), 3000);
+    audio.preload = "metadata";
+    audio.onloadedmetadata = () => done(Number.isFinite(audio.duration) ? audio.duration : null);
+    audio.onerror = () => done(null);
+    audio.src = dataUrl;
+  });
+}
+
+// A sound in a message or the composer: its name and length, and a player while its bytes are
+// here (a session opened again has only its name).
+function soundChip(sound) {
+  const length = sound.seconds ? ` · ${sound.seconds.toFixed(1)} s` : "";
+  return el("span", { class: "sound", "data-name": sound.name || "", title: sound.name || "sound" },
+    el("span", { text: `♪ ${sound.name || "sound"}${length}` }),
+    sound.dataUrl ? el("audio", { controls: true, preload: "none", src: sound.dataUrl }) : null);
+}
+
 const state = {
   sessions: [],
   // The open session: id, title, and the messages exactly as the page sends them (system
   // first if any), so a KV segment's message_index points into this array.
-  current: null, // { id, title, messages: [{ role, text, images, thumbs, el }] }
+  current: null, // { id, title, messages: [{ role, text, images, thumbs, sounds, el }] }
   streaming: null, // AbortController of the reply being streamed
-  pending: [], // attachments: [{ dataUrl, thumb }]
+  // attachments, in the order picked: [{ kind: "image", dataUrl, thumb, name }] or
+  // [{ kind: "audio", dataUrl, data, format, name, seconds }]
+  pending: [],
   info: null,
+  sounds: loadSoundIds(), // media ids known to be sounds (the KV view names media by id only)
 };
 
 const sessionTitle = (s) => (s.title && s.title.trim()) || "Untitled";
@@ -337,8 +411,11 @@ async function openSession(id) {
       if (note) {
         if (note.system && messages.length === 0) messages.push({ role: "system", text: note.system });
         const thumbs = Array.isArray(note.thumbs) ? note.thumbs.filter((t) => typeof t === "string") : [];
-        // Older images are sent again as their thumbnails: the server keeps the real ones.
-        messages.push({ role: "user", text: note.user, images: thumbs, thumbs });
+        const names = Array.isArray(note.sounds) ? note.sounds.filter((t) => typeof t === "string") : [];
+        // Older images are sent again as their thumbnails, older sounds as stand-ins: the
+        // server keeps the real ones.
+        messages.push({ role: "user", text: note.user, images: thumbs, thumbs,
+          sounds: names.map((name) => ({ name })) });
       }
       messages.push({ role: "assistant", text: turn.text || "", usage: turn.usage || null });
     }
@@ -386,6 +463,8 @@ function messageElement(message, index) {
         node.append(el("div", { class: "thumbs" },
           ...thumbs.map((src) => el("img", { class: "thumb", src, alt: "attached image" }))));
       }
+      const sounds = message.sounds || [];
+      if (sounds.length) node.append(el("div", { class: "thumbs sounds" }, ...sounds.map(soundChip)));
     } else {
       content.innerHTML = renderMarkdown(message.text);
       if (message.usage) node.append(usageElement(message.usage));
@@ -436,6 +515,7 @@ function scrollToEnd() {
 // The note stored with the turn, so the page can show the user's side again after a reload.
 function makeNote(userMessage, system) {
   const note = { user: userMessage.text, thumbs: userMessage.thumbs };
+  if (userMessage.sounds.length) note.sounds = userMessage.sounds.map((s) => s.name);
   if (system) note.system = system;
   let text = JSON.stringify(note);
   if (text.length > 60000) {
@@ -451,9 +531,17 @@ function makeNote(userMessage, system) {
 
 // Images of messages the session already holds go as their thumbnails: the server prepares
 // only what follows the last reply, so resending full-size pictures would be bytes for nothing.
+// A sound the session holds goes as a stand-in (a few samples of silence) for the same reason:
+// prep renders only its marker. Images come first, then sounds, then the text: every turn
+// sends a message the same way, so the template writes it the same way.
 function wireContent(message, held) {
   const images = held ? message.thumbs || message.images : message.images;
   const parts = (images || []).map((url) => ({ type: "image_url", image_url: { url } }));
+  for (const sound of message.sounds || []) {
+    const real = !held && sound.data;
+    const input_audio = real ? { data: sound.data, format: sound.format } : { data: STAND_IN_WAV, format: "wav" };
+    parts.push({ type: "input_audio", input_audio });
+  }
   if (!parts.length) return message.text;
   parts.push({ type: "text", text: message.text });
   return parts;
@@ -480,11 +568,13 @@ async function send() {
     system = opts.system;
     added.push({ role: "system", text: system });
   }
+  const pictures = attachments.filter((a) => a.kind !== "audio");
   const userMessage = {
     role: "user",
     text,
-    images: attachments.map((a) => a.dataUrl),
-    thumbs: attachments.map((a) => a.thumb),
+    images: pictures.map((a) => a.dataUrl),
+    thumbs: pictures.map((a) => a.thumb),
+    sounds: attachments.filter((a) => a.kind === "audio"),
   };
   const reply = { role: "assistant", text: "" };
   added.push(userMessage);
@@ -582,6 +672,7 @@ async function send() {
   if (usage) {
     reply.usage = usage;
     replyEl.append(usageElement(usage));
+    learnSounds(usage);
   } else {
     // The session records a turn only when it completes, so a stopped or failed exchange stays
     // on screen but leaves the conversation sent next time (message indices stay the server's).
@@ -594,7 +685,8 @@ async function send() {
   scrollToEnd();
 
   if (firstTurn && !current.title) {
-    const title = text.trim().replace(/\s+/g, " ").slice(0, 40) || "Image";
+    const title = text.trim().replace(/\s+/g, " ").slice(0, 40) ||
+      (userMessage.sounds.length && !pictures.length ? "Sound" : "Image");
     try {
       await apiJson(`/slotwise/sessions/${encodeURIComponent(current.id)}`, { method: "PATCH", body: { title } });
       current.title = title;
@@ -642,6 +734,10 @@ function makeThumb(dataUrl) {
 
 async function addFiles(files) {
   for (const file of Array.from(files || [])) {
+    if (isSoundFile(file)) {
+      await addSound(file);
+      continue;
+    }
     if (!file.type.startsWith("image/")) continue;
     try {
       const dataUrl = await readAsDataUrl(file);
@@ -650,7 +746,7 @@ async function addFiles(files) {
         showError(`Cannot read the image ${file.name}`);
         continue;
       }
-      state.pending.push({ dataUrl, thumb, name: file.name });
+      state.pending.push({ kind: "image", dataUrl, thumb, name: file.name });
     } catch {
       showError(`Cannot read the image ${file.name}`);
     }
@@ -658,11 +754,28 @@ async function addFiles(files) {
   renderAttachments();
 }
 
+// A sound goes as an input_audio part: its bytes (base64) and its format.
+async function addSound(file) {
+  const format = soundFormat(file);
+  if (!format) {
+    showError(`${file.name}: sounds are taken as WAV, MP3 or FLAC files`);
+    return;
+  }
+  try {
+    const dataUrl = await readAsDataUrl(file);
+    const data = dataUrl.slice(dataUrl.indexOf(",") + 1);
+    const seconds = await soundSeconds(dataUrl);
+    state.pending.push({ kind: "audio", dataUrl, data, format, name: file.name, seconds });
+  } catch {
+    showError(`Cannot read the sound ${file.name}`);
+  }
+}
+
 function renderAttachments() {
   $("attachments").replaceChildren(
     ...state.pending.map((a, i) =>
-      el("div", { class: "attachment" },
-        el("img", { class: "thumb", src: a.thumb, alt: a.name || "image" }),
+      el("div", { class: `attachment${a.kind === "audio" ? " sound-attachment" : ""}` },
+        a.kind === "audio" ? soundChip(a) : el("img", { class: "thumb", src: a.thumb, alt: a.name || "image" }),
         el("button", { type: "button", class: "remove", "aria-label": `Remove ${a.name || "image"}`,
           text: "✕", onclick: () => { state.pending.splice(i, 1); renderAttachments(); } }))
     )
@@ -681,7 +794,7 @@ function wireComposer() {
     }
   });
   $("input").addEventListener("paste", (e) => {
-    const files = Array.from(e.clipboardData?.files || []).filter((f) => f.type.startsWith("image/"));
+    const files = Array.from(e.clipboardData?.files || []).filter((f) => f.type.startsWith("image/") || isSoundFile(f));
     if (files.length) {
       e.preventDefault();
       addFiles(files);
@@ -766,7 +879,7 @@ function segmentTitle(seg, messages) {
   if (seg.pinned) parts.push("pinned");
   const end = seg.pos_start + seg.num_positions;
   if (seg.kind === "media") {
-    parts.push(`image ${shortId(seg.media_id)}`, plural(seg.num_cells, "cell"),
+    parts.push(`${mediaWord(seg)} ${shortId(seg.media_id)}`, plural(seg.num_cells, "cell"),
       `${plural(seg.num_positions, "position")} (${seg.pos_start}–${end})`);
   } else {
     parts.push(seg.kind, plural(seg.num_cells, "cell"), `positions ${seg.pos_start}–${end}`);
@@ -775,8 +888,13 @@ function segmentTitle(seg, messages) {
   return parts.join(" · ");
 }
 
+const mediaWord = (seg) => (isSound(seg.media_id) ? "sound" : "image");
+
+// A segment's colour: pinned, a sound's cells (media the page knows as sounds), or its kind.
+const segKind = (seg) => (seg.pinned ? "pinned" : seg.kind === "media" && isSound(seg.media_id) ? "audio" : seg.kind);
+
 function unitText(unit) {
-  if (unit.kind === "media") return `image ${shortId(unit.media_id)} ${plural(unit.num_cells, "cell")}`;
+  if (unit.kind === "media") return `${mediaWord(unit)} ${shortId(unit.media_id)} ${plural(unit.num_cells, "cell")}`;
   const where = unit.message_index >= 0 ? `message ${unit.message_index} ` : "";
   return `${where}${unit.kind} ${plural(unit.num_cells, "cell")}`;
 }
@@ -840,11 +958,12 @@ function drawSlot(slot, capacity) {
       title: `another tenant · ${plural(used, "cell")}`, style: { flexGrow: String(used) } }));
   }
   for (const seg of slot.segments || []) {
-    const kind = seg.pinned ? "pinned" : seg.kind;
+    const kind = segKind(seg);
     const title = segmentTitle(seg, messages);
     const node = el("div", {
       class: "seg", "data-kind": kind, "data-type": seg.kind, "data-cells": seg.num_cells,
-      "data-message-index": seg.message_index, title, tabindex: messages ? "0" : null,
+      "data-message-index": seg.message_index, "data-media-id": seg.media_id || null, title,
+      tabindex: messages ? "0" : null,
       style: { flexGrow: String(seg.num_cells) },
     });
     if (messages) {
@@ -899,7 +1018,7 @@ function drawSharedPrefix(prefix, capacity) {
   const bar = el("div", { class: "bar", role: "img",
     "aria-label": `shared prefix #${prefix.holder}: ${prefix.num_cells} cells` });
   for (const seg of prefix.segments) {
-    bar.append(el("div", { class: "seg", "data-kind": seg.pinned ? "pinned" : seg.kind, "data-type": seg.kind,
+    bar.append(el("div", { class: "seg", "data-kind": segKind(seg), "data-type": seg.kind,
       "data-cells": seg.num_cells, title: segmentTitle(seg, null), style: { flexGrow: String(seg.num_cells) } }));
   }
   bar.append(el("div", { class: "seg", "data-kind": "free", "data-type": "free",
