@@ -40,15 +40,23 @@ drafts are asked for and never made, and in addition:
   which the cells cannot show. These runtimes keep f32 K/V cells without flash attention
   (``exact_kernels``), so that batching changes logits by ~1e-7, not ~1e-3.
 
+The 2026 families run the same scripts: ``qwen3vl`` (interleaved M-RoPE, no shift) and
+``gemma4``, whose layers alternate a 512-token sliding window and full attention (llama.cpp
+keeps two caches; with ``swa_full`` both have a sequence's cells, and it can shift) and whose
+images are decoded non-causally, each in one ubatch. Beside the full cache, compared as above,
+the window cache must hold exactly the ledger's cells within the window of its last position;
+cells it masks may be gone from it (``Oracle._verify_window`` says why that is honest).
+
 ``stop_exactness`` and ``media_boundary`` check the boundary itself, with images in context.
 
-Usage (tests/test_oracle.py runs seeds 0..199 of every attention pair and 0..99 of the hybrid
-ones; sweep further with other seeds)::
+Usage (tests/test_oracle.py runs seeds 0..199 of the first three attention pairs, 0..99 of the
+hybrid ones and of the 2026 families; sweep further with other seeds)::
 
     python tests/oracle.py --runs 200                    # every pair, seeds 0..199
     python tests/oracle.py --runs 1000 --seed 200        # 1000 more per pair
     python tests/oracle.py --runs 1000 --pair mrope      # one pair
     python tests/oracle.py --runs 600 --pair qwen35      # a hybrid pair
+    python tests/oracle.py --runs 400 --pair gemma4      # a 2026 family
     python tests/oracle.py --runs 1 --pair rope --seed 17 -v   # replay one failing seed
 
 A replayed seed runs alone: its batches differ from the sweep's, and so, rarely, its sampled
@@ -113,10 +121,11 @@ from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
 from infer_service.runner.slots import EngineStats, Job, Slot
 from infer_service.spec.drafting import SpecConfig, SpecType
 from slotwise_core import native
-from slotwise_core.tiny_models import ALL, HYBRID, TinyPair, write_tiny_models
+from slotwise_core.tiny_models import ALL, FAMILIES_2026, HYBRID, TinyPair, write_tiny_models
 
 __all__ = [
     "ALL",
+    "FAMILIES_2026",
     "HYBRID",
     "PAIRS",
     "SHAPES",
@@ -134,7 +143,7 @@ __all__ = [
     "open_runtime",
 ]
 
-PAIRS: tuple[str, ...] = (*ALL, *HYBRID)  # every pair the oracle drives
+PAIRS: tuple[str, ...] = (*ALL, *HYBRID, *FAMILIES_2026)  # every pair the oracle drives
 
 SEQ = 0
 UNTIL_FULL = 1 << 20  # a generation step that runs until the ledger says CannotFit
@@ -159,7 +168,8 @@ class ContextShape:
 
 # Tight contexts (n_ctx is padded to multiples of 256 per sequence: these are exact). Small
 # batches split prompts and images over several llama_decode calls / ubatches; the non-causal
-# pair needs the whole 64-cell image in one ubatch (and one batch).
+# pairs need a whole image in one ubatch (and one batch): noncausal's 64 cells, gemma4's 70..96
+# (images up to 200 px) or, where a ubatch takes them, up to 169 (up to 640 px: `_picture`).
 SHAPES: dict[str, tuple[ContextShape, ...]] = {
     "mrope": (ContextShape(256, 256, 256), ContextShape(512, 512, 96), ContextShape(256, 64, 32)),
     "rope": (ContextShape(256, 256, 256), ContextShape(512, 128, 128), ContextShape(256, 48, 32)),
@@ -180,7 +190,17 @@ SHAPES: dict[str, tuple[ContextShape, ...]] = {
         ContextShape(512, 128, 128, checkpoint_min_step=16),
         ContextShape(256, 48, 32, checkpoint_min_step=48),
     ),
+    # 2026 families: qwen3vl (IMROPE: images of fewer positions than cells, up to 196 cells,
+    # no shift); gemma4 (a 512-token sliding window beside full attention, can shift; images
+    # decoded non-causally, n_pos == n_tokens)
+    "qwen3vl": (ContextShape(256, 256, 256), ContextShape(512, 512, 96), ContextShape(256, 64, 32)),
+    "gemma4": (
+        ContextShape(256, 256, 96),
+        ContextShape(512, 512, 176),
+        ContextShape(256, 112, 96),
+    ),
 }
+GEMMA4_BIG_PICTURE_CELLS = 169  # gemma4's most cells for an image of up to 640x640 px
 MAX_CHECKPOINTS = 4  # (recurrent memory) the most checkpoints a run keeps per sequence
 GGML_TYPE_F32 = 0
 
@@ -250,6 +270,9 @@ class SeqCells:
     # (hybrid memory) the positions of the sequence's recurrent cells: () when it has none,
     # else one, the last position its state has seen; None: attention memory alone
     recurrent: tuple[int, ...] | None = None
+    # (sliding-window memory) the positions of the window cache's cells that llama.cpp writes
+    # out: those the window does not mask from the sequence's last position; None: no window
+    swa: np.ndarray | None = None
 
 
 class KvProbe:
@@ -270,6 +293,12 @@ class KvProbe:
     state), then its rows. That tail is exactly what ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``
     writes after the header (the checkpoints' bytes): checked byte for byte at calibration
     and by size on every read, so the attention part is parsed to its very end.
+
+    Sliding-window memory (the ``gemma4`` pair: src/llama-kv-cache-iswa.cpp ``state_write``)
+    writes two such caches: the full-attention layers' first (every cell: what ``read``
+    compares), then the window layers' (with ``swa_full``, llama.cpp's default, as many cells),
+    whose cells the window masks from the sequence's last position (``pos_max - pos >=
+    n_swa``) are left out. Both are parsed to the state's very end.
     """
 
     def __init__(self, rt: Runtime, seq: int = SEQ):
@@ -279,6 +308,9 @@ class KvProbe:
         self.hybrid = rt.memory_kind == "hybrid"
         if rt.memory_kind not in ("attention", "hybrid"):
             raise OracleError(f"no attention cells to probe: {rt.memory_kind} memory")
+        self.n_swa = int(llama_cpp.llama_model_n_swa(rt.model))
+        if self.n_swa and self.hybrid:
+            raise OracleError("hybrid memory with a sliding window: its layout is not parsed")
         rt.seq_clear(seq)
         rt.batch.clear()
         rt.batch.add([200, 201], 7, seq, logits_last=False)
@@ -311,6 +343,10 @@ class KvProbe:
                 raise OracleError("the sequence state's tail is not its recurrent checkpoint")
             if self._recurrent(tail) != (8,):
                 raise OracleError(f"recurrent cells {self._recurrent(tail)}, not (8,)")
+        if self.n_swa:
+            swa = self._window(self._attention_end(words, at, 2))
+            if swa.tolist() != [7, 8]:
+                raise OracleError(f"the window cache holds {swa.tolist()}, not [7, 8]")
         rt.seq_clear(seq)
 
     @staticmethod
@@ -345,30 +381,64 @@ class KvProbe:
             raise OracleError(f"llama_state_seq_get_data_ext wrote {n} of {size} bytes")
         return bytes(buf)
 
-    def _recurrent_at(self, words: np.ndarray, at: int, n: int) -> int:
-        """(hybrid) The byte offset where the recurrent state starts: after the `n` cells of
-        the stream whose cell_count is at word `at` (its K and V rows parsed to their end),
-        or after the counts when the sequence has no attention cells. It must be where the
-        recurrent part's own size says it starts."""
-        end = 4 * (at + 1)
-        if n:
-            data = memoryview(self._buf)
-            end += 4 * n * self.stride
-            v_trans, n_layer = struct.unpack_from("<II", data, end)
-            end += 8
-            if v_trans > 1 or not 0 < n_layer <= llama_cpp.llama_model_n_layer(self.rt.model):
-                raise OracleError(f"unexpected K/V header: v_trans {v_trans}, {n_layer} layers")
-            for _ in range(n_layer):  # K
+    def _rows_end(self, end: int, n: int) -> int:
+        """The byte offset after the K and V rows of `n` cells that start at byte `end`."""
+        data = memoryview(self._buf)
+        v_trans, n_layer = struct.unpack_from("<II", data, end)
+        end += 8
+        if v_trans > 1 or not 0 < n_layer <= llama_cpp.llama_model_n_layer(self.rt.model):
+            raise OracleError(f"unexpected K/V header: v_trans {v_trans}, {n_layer} layers")
+        for _ in range(n_layer):  # K
+            _, row = struct.unpack_from("<iQ", data, end)
+            end += 12 + row * n
+        for _ in range(n_layer):  # V (a layer without V is not written: sizes check it)
+            if v_trans:
+                _, el, width = struct.unpack_from("<iII", data, end)
+                end += 12 + el * width * n
+            else:
                 _, row = struct.unpack_from("<iQ", data, end)
                 end += 12 + row * n
-            for _ in range(n_layer):  # V (a layer without V is not written: sizes check it)
-                if v_trans:
-                    _, el, width = struct.unpack_from("<iII", data, end)
-                    end += 12 + el * width * n
-                else:
-                    _, row = struct.unpack_from("<iQ", data, end)
-                    end += 12 + row * n
+        return end
+
+    def _attention_end(self, words: np.ndarray, at: int, n: int) -> int:
+        """The byte offset after the (first) attention cache: after the `n` cells of the
+        stream whose cell_count is at word `at` (its K and V rows parsed to their end), or
+        after the counts when the sequence has no attention cells."""
+        end = 4 * (at + 1)
+        if n:
+            end = self._rows_end(end + 4 * n * self.stride, n)
             end += 4 * (int(words[2]) - 1 - (at - 3))  # the counts of the streams after it
+        return end
+
+    def _window(self, at: int) -> np.ndarray:
+        """(sliding window) The positions of the window cache's cells written from byte `at`
+        (its u32 n_stream) on, in cache order; its rows must end the state."""
+        data = memoryview(self._buf)
+        (n_stream,) = struct.unpack_from("<I", data, at)
+        if n_stream != self.rt.num_slots:
+            raise OracleError(f"the window cache has {n_stream} streams")
+        at += 4
+        pos = np.zeros(0, np.int32)
+        for _ in range(n_stream):
+            (n,) = struct.unpack_from("<I", data, at)
+            at += 4
+            if not n:
+                continue
+            if len(pos):
+                raise OracleError("two streams of the window cache hold the sequence")
+            meta = np.frombuffer(data, np.int32, n * self.stride, at).reshape(n, self.stride)
+            if not ((meta[:, 1] == 1).all() and (meta[:, -1] == self.seq).all()):
+                raise OracleError("a window cell of the sequence belongs to other sequences too")
+            pos = meta[:, 0].copy()
+            at = self._rows_end(at + 4 * n * self.stride, n)
+        if at != self._size:
+            raise OracleError(f"the window cache ends at byte {at} of {self._size}")
+        return pos
+
+    def _recurrent_at(self, words: np.ndarray, at: int, n: int) -> int:
+        """(hybrid) The byte offset where the recurrent state starts: after the attention
+        cache. It must be where the recurrent part's own size says it starts."""
+        end = self._attention_end(words, at, n)
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         partial = int(llama_cpp.llama_state_seq_get_size_ext(self.rt.ctx, self.seq, flags))
         if self._size - end != partial - 8:
@@ -401,7 +471,9 @@ class KvProbe:
         if n and not ((meta[:, 1] == 1).all() and (meta[:, -1] == self.seq).all()):
             raise OracleError("a cell of the sequence belongs to other sequences too")
         recurrent = self._recurrent(self._recurrent_at(words, at, n)) if self.hybrid else None
-        return SeqCells(meta[:, 0].copy(), meta[:, 4].copy() if self.has_tok else None, recurrent)
+        swa = self._window(self._attention_end(words, at, n)) if self.n_swa else None
+        tok = meta[:, 4].copy() if self.has_tok else None
+        return SeqCells(meta[:, 0].copy(), tok, recurrent, swa)
 
     def cells(self) -> tuple[np.ndarray, np.ndarray | None]:
         """(positions, token ids or None) of every cell of the sequence, in cache order."""
@@ -484,6 +556,9 @@ class RunSpec:
     # (recurrent memory) checkpoints its sequence keeps at once (0: none, every cut back
     # decodes the sequence again from position 0)
     checkpoints: int = 0
+    # every end-of-generation token banned: each Generate runs its full length (never drawn
+    # by make_spec; for scripts that must reach a length, whatever the greedy tokens are)
+    ignore_eos: bool = False
 
     def describe(self) -> str:
         parts = []
@@ -512,6 +587,7 @@ class RunSpec:
                 else ""
             )
             + (f" checkpoints={self.checkpoints}" if self.pair in HYBRID else "")
+            + (" ignore_eos" if self.ignore_eos else "")
         )
 
 
@@ -535,7 +611,7 @@ def make_spec(pair: str, seed: int) -> RunSpec:
         for _ in range(r.choice([0, 1, 1, 1, 2, 2, 3])):
             if r.random() < 0.7:
                 parts.append(_text(r))
-            parts.append(_picture(r, pair))
+            parts.append(_picture(r, pair, SHAPES[pair][shape]))
         parts.append(_text(r))  # generation needs the logits of a text decode
         truncate = r.random() < 0.5
         if i and r.random() < 0.3:
@@ -583,10 +659,14 @@ def _text(r: random.Random) -> tuple[int, ...]:
     return tuple(r.randrange(256) for _ in range(n))
 
 
-def _picture(r: random.Random, pair: str) -> Picture:
-    if pair in ("mrope", "qwen35"):  # dynamic resolution: the size sets cells and positions
+def _picture(r: random.Random, pair: str, shape: ContextShape) -> Picture:
+    if pair in ("mrope", "qwen35", "qwen3vl"):  # dynamic resolution: cells and positions
         hi = 448 if r.random() < 0.15 else 160
         return Picture(r.randint(28, hi), r.randint(28, hi), r.randrange(1 << 30))
+    if pair == "gemma4":  # dynamic resolution, 70 cells at the least, one ubatch a picture
+        big = r.random() < 0.15 and shape.ubatch_size >= GEMMA4_BIG_PICTURE_CELLS
+        hi = 640 if big else 200  # (up to 200 px: 70..96 cells)
+        return Picture(r.randint(16, hi), r.randint(16, hi), r.randrange(1 << 30))
     return Picture(r.randint(16, 200), r.randint(16, 200), r.randrange(1 << 30))
 
 
@@ -968,6 +1048,7 @@ class Oracle:
             max_tokens=max_tokens,
             session_id="run" if session else None,
             speculative=spec.spec,
+            logit_bias=self.rt.eog_bans if spec.ignore_eos else (),
         )
         shapes = [(i.num_cells, i.num_positions) for i in items[:8]]
         run.trail.append(
@@ -1212,6 +1293,8 @@ class Oracle:
                 )
             if want_rec:
                 want_min, want_max = max(want_min, want_rec[0]), min(want_max, want_rec[0])
+        if held.swa is not None:
+            want_min = self._verify_window(run, held.swa, want_pos, want_min, want_max, pmin)
         if (pmin, pmax) != (want_min, want_max):
             raise OracleError(f"seq_pos_min/max {pmin}/{pmax}, ledger {want_min}/{want_max}")
         whole = piece is None and not self.rt.uses_mrope and len(want_pos)
@@ -1219,6 +1302,48 @@ class Oracle:
             raise OracleError(f"seq_pos_max {pmax} but the ledger's next_pos is {ledger.next_pos}")
         run.counts["checks"] += 1
         run.counts["checks_mid_media"] += piece is not None
+
+    def _verify_window(
+        self, run: _Run, swa: np.ndarray, want_pos: np.ndarray, want_min: int, want_max: int,
+        pmin: int,
+    ) -> int:  # fmt: skip
+        """(sliding-window memory: gemma4) The window cache against the ledger; returns the
+        seq_pos_min llama.cpp must answer.
+
+        The full-attention cache holds every cell (compared in `verify`); the window cache
+        (with ``swa_full``, llama.cpp's default, as many cells) need not hold those its window
+        masks from the sequence's last position (``pos_max - pos >= n_swa``: STANDARD). Its
+        ``state_write`` leaves them out, so a sequence state loaded back lacks them; and
+        ``llama_kv_cache::find_slot`` may take such a cell as readily as an empty one, after
+        which ``apply_ubatch`` purges the sequence's positions up to it (keeping [pos_min,
+        pos_max] whole; with a stream per sequence, as here, only where the search wraps).
+        While the sequence only grows they stay masked for every later token: nothing attends
+        to them, whether they are there or not. So what is exact, and checked, is: the window
+        cache holds exactly the ledger's cells within the window of its last position (read
+        from the state, which leaves out the masked ones), and ``llama_memory_seq_pos_min``
+        (the window cache's answer) is a ledger position between the ledger's lowest and the
+        window's lowest. A sequence cut back so that cells it lacks are within the window
+        again fails here: llama.cpp would no longer attend to cells the ledger counts. Only
+        positions spread over n_swa or more (GAP runs, long contexts) mask anything; pairs
+        without a window are checked as before.
+        """
+        n_swa = self.probes[run.slot.seq].n_swa
+        window = want_pos[want_max - want_pos < n_swa]
+        run.counts["swa_checks"] += 1
+        if not np.array_equal(np.sort(swa), np.sort(window)):
+            raise OracleError(
+                f"the window cache holds {_ranges(swa)}, the ledger's cells within {n_swa} of "
+                f"{want_max}: {_ranges(window)}"
+            )
+        if not len(want_pos):
+            return want_min
+        if not (want_min <= pmin <= int(window.min()) and pmin in want_pos):
+            raise OracleError(
+                f"seq_pos_min {pmin}: not a ledger position in {want_min}..{int(window.min())}"
+            )
+        run.counts["swa_masked_checks"] += len(window) < len(want_pos)
+        run.counts["swa_purged_checks"] += pmin > want_min
+        return pmin
 
 
 def segment_cells(seg: Segment, mrope: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -1334,7 +1459,8 @@ def _alone(oracle: Oracle, policy: Policy) -> Iterator[_Run]:
 
 
 def _request(oracle: Oracle, run: _Run, items: Sequence[Item], max_tokens: int) -> None:
-    """One request on the run's sequence through the executor, to its end."""
+    """One request on the run's sequence through the executor, to its end (or its boundary:
+    no end-of-generation token stops it before)."""
     job = Job(
         list(items),
         MappingProxyType(run.media),
@@ -1343,6 +1469,7 @@ def _request(oracle: Oracle, run: _Run, items: Sequence[Item], max_tokens: int) 
         context=ContextConfig(run.spec.policy),
         max_tokens=max_tokens,
         session_id="boundary",
+        logit_bias=oracle.rt.eog_bans,
     )
     oracle.executor.start(run.slot, job, run.ledger, len(run.ledger.segments))
     while run.slot.job is not None and run.error is None:
@@ -1526,6 +1653,12 @@ class Sweep:
                 f"reprefill {c['fresh_after_reprefill']}; max |logit diff| "
                 f"{self.max_logit_diff:.2g}, greedy ties {c['fresh_ties']}",
             ]
+        if c["swa_checks"]:
+            lines.append(
+                f"  sliding window: {c['swa_checks']} checks of the window cache, "
+                f"{c['swa_masked_checks']} with ledger cells it masks, "
+                f"{c['swa_purged_checks']} with some of them gone from it"
+            )
         for seed, msg in self.failures[:5]:
             lines.append(f"  FAILED seed {seed}: {msg.splitlines()[0]}")
         return "\n".join(lines)

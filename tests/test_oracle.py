@@ -1,36 +1,45 @@
 """The ledger against real llama.cpp (tests/oracle.py): random runs and the exact boundary.
 
-Every pair (M-RoPE, RoPE, non-causal, and the hybrid-memory qwen35 and lfm2) runs seeded random
-scripts -- text, images, generated tokens, every policy -- with the ledger's plans carried out
-by real llama.cpp calls and the sequence's cells compared to the ledger after every step; on
-the hybrid pairs the logits the engine samples from after every reuse, checkpoint restore and
-re-prefill are compared with a fresh prefill of what the ledger says the sequence holds. A
-failure names its seed; replay it with ``python tests/oracle.py --pair PAIR --seed SEED --runs
-1 -v``. The larger sweep is ``python tests/oracle.py --runs 200``.
+Every pair (M-RoPE, RoPE, non-causal, the hybrid-memory qwen35 and lfm2, and the 2026 families
+qwen3vl and gemma4) runs seeded random scripts -- text, images, generated tokens, every policy
+-- with the ledger's plans carried out by real llama.cpp calls and the sequence's cells compared
+to the ledger after every step (gemma4: its sliding window's cache too); on the hybrid pairs the
+logits the engine samples from after every reuse, checkpoint restore and re-prefill are compared
+with a fresh prefill of what the ledger says the sequence holds. A failure names its seed;
+replay it with ``python tests/oracle.py --pair PAIR --seed SEED --runs 1 -v``. The larger sweep
+is ``python tests/oracle.py --runs 200``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import struct
 from collections.abc import Iterator
+from types import MappingProxyType
 
 import llama_cpp
 import pytest
 from oracle import (
     ALL,
+    FAMILIES_2026,
     FRESH_TOLERANCE,
     HYBRID,
     PAIRS,
+    SEQ,
     SHAPES,
     Drivers,
+    OracleError,
     Picture,
+    RunSpec,
     Sweep,
     media_boundary,
     stop_exactness,
 )
 
-from infer_service.runner.runtime import Runtime, TokenBatch
+from infer_service.kv.ledger import ContextConfig, EvictionUnit, Item, Policy
+from infer_service.runner.runtime import Runtime, SamplingConfig, TokenBatch
+from infer_service.runner.slots import Job
 from slotwise_core.tiny_models import TinyPair, write_tiny_models
 
 # Runs per pair in CI (seeds 0..N-1); each run is a few dozen to a few hundred decodes.
@@ -38,6 +47,10 @@ RUNS_PER_PAIR = 200
 # The hybrid pairs' runs also prefill every checked sequence again: fewer of them (about 12 s a
 # pair on a 2-core machine); `python tests/oracle.py --runs 600 --pair qwen35` sweeps further.
 RUNS_PER_HYBRID_PAIR = 100
+# The 2026 families (qwen3vl, gemma4): about 0.1 s a run on a 2-core machine, 20 s a pair at
+# 200; fewer here to keep CI short (`python tests/oracle.py --runs 400 --pair gemma4` sweeps
+# further: seeds 0..999 of each passed).
+RUNS_PER_2026_PAIR = 100
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +76,11 @@ def _no_disagreement(sweep: Sweep, pair: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pair", ALL)
+@pytest.mark.parametrize("pair", [*ALL, *FAMILIES_2026])
 def test_random_runs_match_llama_cpp(drivers: Drivers, pair: str) -> None:
-    sweep = drivers.sweep(pair, range(RUNS_PER_PAIR))
+    sweep = drivers.sweep(
+        pair, range(RUNS_PER_2026_PAIR if pair in FAMILIES_2026 else RUNS_PER_PAIR)
+    )
     _no_disagreement(sweep, pair)
     c = sweep.counts
     # the random scripts really exercise every plan and boundary
@@ -83,6 +98,10 @@ def test_random_runs_match_llama_cpp(drivers: Drivers, pair: str) -> None:
     assert c["resends"] > 0 and c["cells_reused"] > 0
     # drafts verified in the batch: some accepted, some given back, the cells checked after each
     assert 0 < c["accepted"] < c["drafted"]
+    # a sliding window (gemma4): its cache checked at every step, with cells it masks (GAP)
+    n_swa = llama_cpp.llama_model_n_swa(drivers.get(pair, 0).rt.model)
+    assert (c["swa_checks"] == c["checks"]) == (n_swa > 0)
+    assert (c["swa_masked_checks"] > 0) == (n_swa > 0)
 
 
 @pytest.mark.slow
@@ -172,9 +191,24 @@ BOUNDARY_PROMPTS: dict[str, list[tuple[int, ...] | Picture]] = {
         tuple(range(70, 73)),
     ],
     "lfm2": [tuple(range(40, 52)), Picture(90, 60, 1), (5,), Picture(30, 30, 2), (7, 8)],
+    "qwen3vl": [
+        tuple(range(40, 52)),
+        Picture(224, 224, 1),  # 49 cells, 7 positions
+        tuple(range(60, 65)),
+        Picture(196, 140, 2),  # 24 cells, 6 positions
+        tuple(range(70, 73)),
+    ],
+    "gemma4": [
+        tuple(range(40, 52)),
+        Picture(90, 60, 1),  # 77 cells (and positions), decoded non-causally
+        (9,),
+        Picture(70, 120, 2),
+        (3, 4),
+    ],
 }
-# (cells, positions) of the media boundary's image, Picture(224, 224, 3) on M-RoPE pairs
-MEDIA_SHAPES = {"mrope": (64, 8), "qwen35": (49, 7)}
+# (cells, positions) of the media boundary's image, Picture(224, 224, 3) on the pairs of
+# dynamic resolution (the others: Picture(50, 80, 3), 64 cells and positions)
+MEDIA_SHAPES = {"mrope": (64, 8), "qwen35": (49, 7), "qwen3vl": (49, 7), "gemma4": (81, 81)}
 
 
 @pytest.mark.parametrize("shape", range(3))
@@ -189,7 +223,7 @@ def test_stop_boundary_is_llama_cpp_full(drivers: Drivers, pair: str, shape: int
     assert b.rc_last_replayed == 0, "the last token the ledger allowed fits in a fresh replay"
     if pair == "mrope":
         assert b.prompt_cells - b.prompt_positions == (64 - 8) + (35 - 7)
-    if pair == "qwen35":
+    if pair in ("qwen35", "qwen3vl"):  # (the same projector)
         assert b.prompt_cells - b.prompt_positions == (49 - 7) + (24 - 6)
     if oracle.rt.uses_mrope:
         # position-based accounting (n_past vs n_ctx) would believe this much is still free
@@ -210,6 +244,51 @@ def test_media_boundary(drivers: Drivers, pair: str, shape: int) -> None:
     assert (cells, positions) == MEDIA_SHAPES.get(pair, (64, 64))
     assert rc == 1
     assert num_pieces == math.ceil(cells / oracle.rt.batch_size)  # (rope, shape 2: 48 + 16)
+
+
+def test_a_window_cache_missing_cells_in_the_window_fails(drivers: Drivers) -> None:
+    """gemma4's sliding window: llama.cpp's window cache may lack cells its window masks (a
+    loaded sequence state leaves them out); the oracle allows that, and fails once a cut back
+    brings such cells within the window again, where the ledger counts them."""
+    oracle = drivers.get("gemma4", 0)
+    rt = oracle.rt
+    n_swa = llama_cpp.llama_model_n_swa(rt.model)
+    spec = RunSpec(-1, "gemma4", 0, Policy.GAP, 10, 0.5, EvictionUnit.TOKEN, None, ())
+    run = oracle._begin(oracle.slots[0], spec)
+    try:
+        # 10 pinned tokens, then generated ones (no end of generation) until the window masks
+        # them: GAP keeps them at their positions
+        job = Job(
+            [Item.text(tuple(range(40, 50)), 0)],
+            MappingProxyType(run.media),
+            run.emit,
+            sampling=SamplingConfig(temperature=0),
+            context=ContextConfig(Policy.GAP, keep=10),
+            max_tokens=n_swa + 40,
+            logit_bias=rt.eog_bans,
+        )
+        oracle.executor.start(run.slot, job, run.ledger, 0)
+        while run.slot.job is not None and run.error is None:
+            oracle._step()
+        assert run.error is None, run.error
+        assert run.counts["Gap"] > 0 and run.ledger.next_pos > n_swa + 10
+        assert run.counts["swa_masked_checks"] > 0 and run.counts["swa_purged_checks"] == 0
+        state = bytes(rt.state_get(SEQ))  # (a stash, a swap or a preemption and back)
+        rt.seq_clear(SEQ)
+        # the runtime refuses such a state (the engine decodes the sequence again)...
+        assert not rt.state_set(SEQ, state)
+        assert llama_cpp.llama_memory_seq_pos_max(rt.memory, SEQ) == -1
+        # ... for what llama.cpp makes of it, loaded: the oracle sees it
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        assert llama_cpp.llama_state_seq_set_data(rt.ctx, buf, len(state), SEQ)
+        oracle.verify(run)  # the masked pinned cells are gone from the window cache alone
+        assert run.counts["swa_purged_checks"] == 1
+        assert llama_cpp.llama_memory_seq_pos_min(rt.memory, SEQ) > 9
+        rt.seq_rm(SEQ, run.ledger.truncate(1), -1)  # back to the pinned prefix
+        with pytest.raises(OracleError, match="the window cache holds"):
+            oracle.verify(run)
+    finally:
+        oracle._end(run)
 
 
 def test_an_oracle_failure_names_the_run(drivers: Drivers) -> None:

@@ -160,6 +160,7 @@ class Runtime:
         self.ubatch_size = llama_cpp.llama_n_ubatch(self.ctx)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
         self.n_embd = llama_cpp.llama_model_n_embd_inp(self.model)
+        self.n_swa = max(0, llama_cpp.llama_model_n_swa(self.model))  # (sliding window)
         self.can_shift = bool(llama_cpp.llama_memory_can_shift(self.memory))
         self.memory_kind = native.memory_kind(self.model)
         # a state per sequence that llama.cpp cannot cut back (only clear or restore)
@@ -237,12 +238,19 @@ class Runtime:
         return memoryview(buf)[:n]
 
     def state_set(self, seq: int, data: bytes | bytearray | memoryview) -> bool:
-        """Load a saved state into seq; False (and seq left empty) when it does not fit."""
+        """Load a saved state into seq; False (and seq left empty) when it does not fit, or
+        (a sliding-window model) reaches past the window, where it lost cells."""
         if isinstance(data, bytearray | memoryview):
             buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
         else:
             buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(data), seq) == 0:
+            self.seq_clear(seq)
+            return False
+        if self.n_swa and llama_cpp.llama_memory_seq_pos_max(self.memory, seq) >= self.n_swa:
+            # a sliding-window model's state leaves out the cells its window hides, and a
+            # later cut back or shift would need them: decoded again instead (llama-server
+            # re-processes its prompt there too)
             self.seq_clear(seq)
             return False
         return True
@@ -277,8 +285,7 @@ class Runtime:
         llama_state_get_data writes it: a u32-sized arch name, u32 n_stream, then per stream u32
         cell_count and per cell i32 pos, u32 n_seq_id, the cell ext on M-RoPE models (x, y,
         token), the sequence ids; then u32 v_trans and u32 n_layer, checked here. Only the
-        first cache is read (a sliding-window model's full one: with swa_full, the window's
-        holds the same cells)."""
+        first cache is read (a sliding-window model's full one)."""
         size = int(llama_cpp.llama_state_get_size(self.ctx))
         buf = bytearray(size)
         n = llama_cpp.llama_state_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(buf), size)
