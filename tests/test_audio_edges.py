@@ -136,6 +136,22 @@ def test_chat_completions_take_input_audio_and_count_its_cells(ultravox: Stack) 
     assert [m["kind"] for m in r2.usage.model_extra["slotwise"]["media"]] == ["audio", "audio"]
 
 
+@pytest.mark.parametrize("pair", ["ultravox", "qwen2a"])
+def test_a_sound_as_an_image_url_data_uri_is_a_sound(stacks: Stacks, pair: str) -> None:
+    """The issue's second row: a WAV sent as an image_url data URI is served as the sound it
+    is (libmtmd, and llama-server, tell a file by its bytes), with prep's exact count."""
+    stack = stacks.start(pair, ctx_size=2048)
+    sound = wav_bytes(2.0, seed=4)
+    with grpc_client(stack) as c:
+        expected = c.count([Message.user("Listen:", Audio(sound))]).num_cells
+    uri = {"type": "image_url", "image_url": {"url": f"data:audio/wav;base64,{b64(sound)}"}}
+    r = stack.client().chat.completions.create(
+        model="x", messages=listen(uri), max_tokens=2, temperature=0
+    )
+    assert r.usage is not None and r.usage.prompt_tokens == expected
+    assert [m["kind"] for m in r.usage.model_extra["slotwise"]["media"]] == ["audio"]
+
+
 def test_chat_completions_refuse_bad_sounds_by_field(ultravox: Stack) -> None:
     s, where = ultravox, "messages.0.content.1.input_audio"
     chat = "/v1/chat/completions"

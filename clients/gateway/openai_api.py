@@ -55,7 +55,7 @@ from clients.gateway.schema import (
     SamplingRequest,
     ToolDef,
 )
-from clients.gateway.sounds import audio_part
+from clients.gateway.sounds import audio_part, sound_format
 from clients.gateway.turns import (
     Keep,
     Progress,
@@ -99,7 +99,9 @@ async def _message(m: ChatMessage, i: int, media: MediaPolicy) -> Message:
         for j, part in enumerate(m.content):
             if isinstance(part, ImagePart):
                 param = f"messages.{i}.content.{j}.image_url"
-                parts.append(await image_bytes(part.image_url.url, media, param))
+                data = await image_bytes(part.image_url.url, media, param)
+                # a sound in an image_url is a sound, as libmtmd tells them (llama-server too)
+                parts.append(Audio(data) if sound_format(data) else data)
             elif isinstance(part, AudioPart):
                 sound = part.input_audio
                 where = f"messages.{i}.content.{j}.input_audio"
