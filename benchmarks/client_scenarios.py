@@ -31,29 +31,38 @@ ASK: Any = [{"role": "user", "content": "What is the weather in Oslo? Use the to
 TOKENS = 200
 
 
-def scenarios(base: str) -> dict[str, Callable[[], str]]:
-    import openai
-    from pydantic import BaseModel
+class _Scenarios:
+    """The scenarios against one server (``base``: its root), each a method returning "ok" or
+    what was wrong with its result."""
 
-    v1 = f"{base}/v1"
-    # (typed loosely: each scenario is written the way an app writes it, not to the stubs)
-    client: Any = openai.OpenAI(base_url=v1, api_key="unused", max_retries=0, timeout=300)
+    def __init__(self, base: str):
+        import openai
+        from pydantic import BaseModel
 
-    class City(BaseModel):
-        name: Literal["Oslo", "Lima"]
-        country: Literal["Norway", "Peru"]
+        self.base = base
+        self.v1 = f"{base}/v1"
+        # (typed loosely: each scenario is written the way an app writes it, not to the stubs)
+        self.client: Any = openai.OpenAI(
+            base_url=self.v1, api_key="unused", max_retries=0, timeout=300
+        )
 
-    def plain_langchain() -> str:
+        class City(BaseModel):
+            name: Literal["Oslo", "Lima"]
+            country: Literal["Norway", "Peru"]
+
+        self.City: Any = City
+
+    def plain_langchain(self) -> str:
         from langchain_openai import ChatOpenAI
 
         llm: Any = ChatOpenAI
-        llm = llm(base_url=v1, api_key="unused", model="gpt-4o-mini", max_tokens=16)
+        llm = llm(base_url=self.v1, api_key="unused", model="gpt-4o-mini", max_tokens=16)
         return _ok(isinstance(llm.invoke("Say hi").content, str))
 
-    def llm_cli() -> str:
+    def llm_cli(self) -> str:
         with tempfile.TemporaryDirectory() as d:
             Path(d, "extra-openai-models.yaml").write_text(
-                f'- model_id: s\n  model_name: gpt-4o-mini\n  api_base: "{v1}"\n'
+                f'- model_id: s\n  model_name: gpt-4o-mini\n  api_base: "{self.v1}"\n'
             )
             env = {**os.environ, "LLM_USER_PATH": d, "OPENAI_API_KEY": "unused"}
             exe = str(Path(sys.executable).parent / "llm")
@@ -66,28 +75,28 @@ def scenarios(base: str) -> dict[str, Callable[[], str]]:
             )
         return _ok(out.returncode == 0 and bool(out.stdout.strip()), out.stderr[-200:])
 
-    def hardcoded_name() -> str:
-        r = client.chat.completions.create(model="gpt-4o-mini", messages=ASK, max_tokens=16)
+    def hardcoded_name(self) -> str:
+        r = self.client.chat.completions.create(model="gpt-4o-mini", messages=ASK, max_tokens=16)
         return _ok(r.choices[0].message.content is not None)
 
-    def logprobs() -> str:
-        r = client.chat.completions.create(
+    def logprobs(self) -> str:
+        r = self.client.chat.completions.create(
             model="gpt-4o-mini", messages=ASK, max_tokens=8, logprobs=True, top_logprobs=3
         )
         content = r.choices[0].logprobs.content if r.choices[0].logprobs else None
         return _ok(bool(content) and all(len(t.top_logprobs) == 3 for t in content or ()))
 
-    def json_schema() -> str:
+    def json_schema(self) -> str:
         fmt = {
             "type": "json_schema",
             "json_schema": {"name": "w", "schema": WEATHER_SCHEMA, "strict": True},
         }
-        r = client.chat.completions.create(
+        r = self.client.chat.completions.create(
             model="gpt-4o-mini", messages=ASK, max_tokens=TOKENS, response_format=fmt
         )
         return _valid(r.choices[0].message.content or "")
 
-    def tools_required() -> str:
+    def tools_required(self) -> str:
         tool = {
             "type": "function",
             "function": {
@@ -96,7 +105,7 @@ def scenarios(base: str) -> dict[str, Callable[[], str]]:
                 "parameters": WEATHER_SCHEMA,
             },
         }
-        r = client.chat.completions.create(
+        r = self.client.chat.completions.create(
             model="gpt-4o-mini",
             messages=ASK,
             max_tokens=TOKENS,
@@ -106,22 +115,24 @@ def scenarios(base: str) -> dict[str, Callable[[], str]]:
         calls = r.choices[0].message.tool_calls or []
         return _valid(calls[0].function.arguments) if calls else "no tool call"
 
-    def n2() -> str:
-        r = client.chat.completions.create(model="gpt-4o-mini", messages=ASK, max_tokens=8, n=2)
+    def n2(self) -> str:
+        r = self.client.chat.completions.create(
+            model="gpt-4o-mini", messages=ASK, max_tokens=8, n=2
+        )
         return _ok(len(r.choices) == 2, f"{len(r.choices)} choices")
 
-    def responses() -> str:
-        r = client.responses.create(model="gpt-4o-mini", input="Say hi", max_output_tokens=16)
+    def responses(self) -> str:
+        r = self.client.responses.create(model="gpt-4o-mini", input="Say hi", max_output_tokens=16)
         return _ok(isinstance(r.output_text, str) and r.status in ("completed", "incomplete"))
 
-    def embeddings() -> str:
-        e = client.embeddings.create(model="text-embedding-3-small", input=["a", "b"])
+    def embeddings(self) -> str:
+        e = self.client.embeddings.create(model="text-embedding-3-small", input=["a", "b"])
         return _ok(len(e.data) == 2 and len(e.data[0].embedding) > 0)
 
-    def anthropic_messages() -> str:
+    def anthropic_messages(self) -> str:
         import anthropic
 
-        a = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=300)
+        a = anthropic.Anthropic(base_url=self.base, api_key="unused", max_retries=0, timeout=300)
         m = a.messages.create(
             model="claude-sonnet-4-5",
             max_tokens=16,
@@ -129,27 +140,29 @@ def scenarios(base: str) -> dict[str, Callable[[], str]]:
         )
         return _ok(m.content and m.content[0].type == "text")
 
-    def structured_langchain() -> str:
+    def structured_langchain(self) -> str:
         from langchain_openai import ChatOpenAI
 
         llm: Any = ChatOpenAI
-        llm = llm(base_url=v1, api_key="unused", model="gpt-4o-mini", max_tokens=TOKENS)
-        return _ok(isinstance(llm.with_structured_output(City).invoke("Name a city"), City))
+        llm = llm(base_url=self.v1, api_key="unused", model="gpt-4o-mini", max_tokens=TOKENS)
+        return _ok(
+            isinstance(llm.with_structured_output(self.City).invoke("Name a city"), self.City)
+        )
 
-    def instructor_json_schema() -> str:
+    def instructor_json_schema(self) -> str:
         import instructor
 
-        ic = instructor.from_openai(client, mode=instructor.Mode.JSON_SCHEMA)
+        ic = instructor.from_openai(self.client, mode=instructor.Mode.JSON_SCHEMA)
         city = ic.chat.completions.create(
             model="gpt-4o-mini",
-            response_model=City,
+            response_model=self.City,
             max_retries=0,
             max_tokens=TOKENS,
             messages=[{"role": "user", "content": "Name a city"}],
         )
-        return _ok(isinstance(city, City))
+        return _ok(isinstance(city, self.City))
 
-    def pydantic_ai_tool() -> str:
+    def pydantic_ai_tool(self) -> str:
         from pydantic_ai import Agent
         from pydantic_ai.models.openai import OpenAIChatModel
         from pydantic_ai.providers.openai import OpenAIProvider
@@ -162,7 +175,7 @@ def scenarios(base: str) -> dict[str, Callable[[], str]]:
             return f"sunny in {city}"
 
         model = OpenAIChatModel(
-            "gpt-4o-mini", provider=OpenAIProvider(base_url=v1, api_key="unused")
+            "gpt-4o-mini", provider=OpenAIProvider(base_url=self.v1, api_key="unused")
         )
         agent = Agent(model, tools=[get_weather], model_settings={"max_tokens": TOKENS})
         result = asyncio.run(agent.run("What is the weather in Oslo? Use the tool."))
@@ -170,20 +183,23 @@ def scenarios(base: str) -> dict[str, Callable[[], str]]:
             "" if calls else " (answered without the tool)"
         )
 
+
+def scenarios(base: str) -> dict[str, Callable[[], str]]:
+    s = _Scenarios(base)
     return {
-        "plain chat, langchain-openai": plain_langchain,
-        "plain chat, the llm CLI": llm_cli,
-        "openai SDK, model name gpt-4o-mini": hardcoded_name,
-        "logprobs=True, top_logprobs=3": logprobs,
-        "response_format json_schema": json_schema,
-        'tools, tool_choice="required"': tools_required,
-        "n=2": n2,
-        "client.responses.create": responses,
-        "client.embeddings.create": embeddings,
-        "anthropic messages.create": anthropic_messages,
-        "langchain with_structured_output(Model)": structured_langchain,
-        "instructor Mode.JSON_SCHEMA": instructor_json_schema,
-        "pydantic-ai Agent with a tool": pydantic_ai_tool,
+        "plain chat, langchain-openai": s.plain_langchain,
+        "plain chat, the llm CLI": s.llm_cli,
+        "openai SDK, model name gpt-4o-mini": s.hardcoded_name,
+        "logprobs=True, top_logprobs=3": s.logprobs,
+        "response_format json_schema": s.json_schema,
+        'tools, tool_choice="required"': s.tools_required,
+        "n=2": s.n2,
+        "client.responses.create": s.responses,
+        "client.embeddings.create": s.embeddings,
+        "anthropic messages.create": s.anthropic_messages,
+        "langchain with_structured_output(Model)": s.structured_langchain,
+        "instructor Mode.JSON_SCHEMA": s.instructor_json_schema,
+        "pydantic-ai Agent with a tool": s.pydantic_ai_tool,
     }
 
 
