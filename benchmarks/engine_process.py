@@ -33,17 +33,11 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.bench import (
-    PROMPTS,
-    BenchError,
-    RawContext,
-    RawModel,
-    Stream,
-    free_port,
-    gemma_path,
-    median,
-    streamed_rate,
-)
+from benchmarks.calls import PROMPTS
+from benchmarks.harness import gemma_path
+from benchmarks.reference import RawContext, RawModel
+from benchmarks.results import BenchError, Stream, median, streamed_rate
+from benchmarks.servers import free_port
 
 _METHOD = "/slotwise.bench.Engine/Generate"
 _END = -1

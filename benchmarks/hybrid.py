@@ -26,7 +26,9 @@ from typing import Any
 
 import grpc
 
-from benchmarks.bench import Bench, BenchError, Row, resent_turn, user_message
+from benchmarks.calls import resent_turn, user_message
+from benchmarks.harness import Bench
+from benchmarks.results import BenchError, Row
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc
 from slotwise_core.tiny_models import write_tiny_models
 
@@ -42,7 +44,7 @@ def turn_text(k: int) -> str:
     return f"Turn {k}: what would you say about the number {k}, and why?"
 
 
-def bench_hybrid(b: Bench) -> None:
+def run(b: Bench) -> None:
     o = b.o
     if o.model and o.mmproj:
         model, mmproj, what = o.model, o.mmproj, f"{o.model.name} + {o.mmproj.name}"

@@ -27,22 +27,17 @@ from typing import Any
 
 import grpc
 
-from benchmarks.bench import (
+from benchmarks.calls import (
     PROMPTS,
-    Bench,
-    BenchError,
-    Row,
-    Stream,
     chat_request,
-    compared,
     concurrently,
     generate,
-    median,
     prepare_text,
     prompt_tokens,
-    streamed_rate,
     user_message,
 )
+from benchmarks.harness import Bench
+from benchmarks.results import BenchError, Row, Stream, compared, median, streamed_rate
 from benchmarks.shared_prefix import run as run_in_process
 from benchmarks.stall import heavy_pair, stall_jpeg
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc
@@ -169,7 +164,7 @@ def holds(infer: infer_pb2_grpc.InferServiceStub, chats: Chats, num_tokens: int)
     return s.num_tokens >= num_tokens
 
 
-def bench_shared(b: Bench) -> None:
+def run(b: Bench) -> None:
     prep_svc = b.service("prep_service", ["--model", str(b.model), *template(b)])
     try:
         _bench_text(b, prep_pb2_grpc.PrepServiceStub(prep_svc.channel))

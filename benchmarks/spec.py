@@ -24,12 +24,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from slotwise.v1 import infer_pb2
-
-if TYPE_CHECKING:
-    from benchmarks.bench import Bench, LlamaServer, Row, Stream
+from benchmarks.calls import concurrently, generate, prepare_text
+from benchmarks.harness import Bench
+from benchmarks.results import Row, Stream, compared, streamed_rate
+from benchmarks.servers import LlamaServer
+from slotwise.v1 import infer_pb2, prep_pb2
 
 TEXTS = Path(__file__).parent / "texts"
 COPY_TASKS = ("copy", "edit", "json", "chat")
@@ -93,10 +94,7 @@ def said(a: list[int], b: list[int]) -> str:
     return "none (the same tokens)" if n is None else f"at token {n} of {max(len(a), len(b))}"
 
 
-def bench_spec(b: Bench) -> None:
-    from benchmarks.bench import prepare_text
-    from slotwise.v1 import prep_pb2
-
+def run(b: Bench) -> None:
     n = b.o.spec_tokens
     info = b.prep.GetModelInfo(prep_pb2.GetModelInfoRequest(), timeout=10).info
     lines: int | None = None
@@ -130,8 +128,6 @@ def _task(
     infer: Any,
     servers: dict[str, LlamaServer | None],
 ) -> None:
-    from benchmarks.bench import compared, generate, streamed_rate
-
     seen: dict[str, Stream] = {}
 
     def ours(key: str, spec: infer_pb2.SpeculativeOptions) -> Callable[[], float]:
@@ -171,8 +167,6 @@ def _task(
 def _beside_another_stream(b: Bench, prompt: Any, n: int, ctx: int) -> Row:
     """Where the engine without drafts first differs from itself when another stream shares
     its batch (the batch's kernels round differently: the same cause as drafts')."""
-    from benchmarks.bench import Row, generate, prepare_text
-
     other = prepare_text(b.prep, "Once upon a time, in a small village by the sea,")
     with b.infer(ctx=2 * ctx, parallel=2) as infer:
         alone = generate(infer, prompt, n, speculative=NO_DRAFTS)
@@ -197,8 +191,6 @@ def _beside_another_stream(b: Bench, prompt: Any, n: int, ctx: int) -> Row:
 
 
 def _streams4(b: Bench, prompt: Any, n: int, ctx: int) -> None:
-    from benchmarks.bench import compared, concurrently, generate, streamed_rate
-
     seen: dict[str, list[Stream]] = {}
     with b.infer(ctx=ctx * 4, parallel=4) as infer:
 

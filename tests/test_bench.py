@@ -16,30 +16,45 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench, hybrid, shared, spec
+from benchmarks import (
+    bench,
+    context_shift,
+    four_streams,
+    hybrid,
+    image_stall,
+    one_stream,
+    prepare,
+    resent_chat,
+    results,
+    session_turns,
+    shared,
+    spec,
+    text_stall,
+    ttft,
+)
 from benchmarks.stall import ROOM_KEPT, StallRun, _Reader, _time_alone
 from slotwise_core.tiny_models import TinyPair
 
 EXPECTED = [
-    bench.ROW_STREAM1,
-    bench.ROW_TTFT,
-    bench.ROW_TTFT_THREADS,
-    bench.ROW_STREAM4,
-    bench.ROW_GAIN4,
-    *bench.ROW_SHIFT.values(),
-    bench.ROW_COUNT,
-    bench.ROW_PREPARE,
-    bench.ROW_PREPARE_HIT,
-    bench.ROW_PREPARE_BYTES,
-    bench.ROW_PREPARE8,
-    bench.ROW_STALL_GAP,
-    bench.ROW_STALL_RATE,
-    bench.ROW_TEXTSTALL_GAP,
-    bench.ROW_TEXTSTALL_ALONE,
-    bench.ROW_RESENT,
-    bench.ROW_RESENT_SESSION,
-    bench.ROW_SESSION_BYTES,
-    bench.ROW_SESSION_GAP,
+    one_stream.ROW_STREAM1,
+    one_stream.ROW_TTFT,
+    ttft.ROW_TTFT_THREADS,
+    four_streams.ROW_STREAM4,
+    four_streams.ROW_GAIN4,
+    *context_shift.ROW_SHIFT.values(),
+    prepare.ROW_COUNT,
+    prepare.ROW_PREPARE,
+    prepare.ROW_PREPARE_HIT,
+    prepare.ROW_PREPARE_BYTES,
+    prepare.ROW_PREPARE8,
+    image_stall.ROW_STALL_GAP,
+    image_stall.ROW_STALL_RATE,
+    text_stall.ROW_TEXTSTALL_GAP,
+    text_stall.ROW_TEXTSTALL_ALONE,
+    resent_chat.ROW_RESENT,
+    resent_chat.ROW_RESENT_SESSION,
+    session_turns.ROW_SESSION_BYTES,
+    session_turns.ROW_SESSION_GAP,
     *(spec.row_drafts(task) for task in spec.tasks()),
     spec.ROW_BESIDE,
     spec.ROW_STREAMS4,
@@ -47,11 +62,11 @@ EXPECTED = [
     *hybrid.ROWS,
 ]
 STALL_SERVER_ROWS = (
-    bench.ROW_STALL_SERVER,
-    bench.ROW_STALL_SERVER_GAP,
-    bench.ROW_STALL_SERVER_RATE,
-    bench.ROW_TEXTSTALL_SERVER,
-    bench.ROW_TEXTSTALL_SERVER_GAP,
+    image_stall.ROW_STALL_SERVER,
+    image_stall.ROW_STALL_SERVER_GAP,
+    image_stall.ROW_STALL_SERVER_RATE,
+    text_stall.ROW_TEXTSTALL_SERVER,
+    text_stall.ROW_TEXTSTALL_SERVER_GAP,
 )
 
 
@@ -82,7 +97,7 @@ def test_bench_smoke_on_tiny_rope(
             v = r[key]
             if v is not None:
                 assert math.isfinite(v) and v > 0, (name, key, v)
-        if name not in (bench.ROW_COUNT, bench.ROW_PREPARE, spec.ROW_BESIDE, hybrid.ROW_BYTES):
+        if name not in (prepare.ROW_COUNT, prepare.ROW_PREPARE, spec.ROW_BESIDE, hybrid.ROW_BYTES):
             assert r["ratio"] is not None, name
     # the hybrid chat: checkpoints spare most of the prompts (counts: the same on any machine),
     # and it goes on past the slot where no checkpoints would stop it
@@ -90,16 +105,17 @@ def test_bench_smoke_on_tiny_rope(
     assert rows[hybrid.ROW_TURNS]["ours"] == 6 and rows[hybrid.ROW_TURNS]["ratio"] > 1
     assert hybrid.ROW_TURNS_SERVER not in rows
     # the image travels once, as its file
-    assert rows[bench.ROW_PREPARE_BYTES]["ratio"] <= 1.25
+    assert rows[prepare.ROW_PREPARE_BYTES]["ratio"] <= 1.25
     # no llama-server given: its rows are skipped, not printed empty
-    assert bench.ROW_SERVER1 not in rows and bench.ROW_SERVER4 not in rows
+    assert one_stream.ROW_SERVER1 not in rows and four_streams.ROW_SERVER4 not in rows
     assert not any(name in rows for name in STALL_SERVER_ROWS)
     # A streamed through B's whole wait (a gap is shorter than B's TTFT)
-    assert rows[bench.ROW_STALL_GAP]["ratio"] < 1.0
-    assert rows[bench.ROW_TEXTSTALL_GAP]["ratio"] < 1.0
-    assert "text prompt" in rows[bench.ROW_TEXTSTALL_GAP]["note"]
+    assert rows[image_stall.ROW_STALL_GAP]["ratio"] < 1.0
+    assert rows[text_stall.ROW_TEXTSTALL_GAP]["ratio"] < 1.0
+    assert "text prompt" in rows[text_stall.ROW_TEXTSTALL_GAP]["note"]
     # the resent chat fitted infer's context: its turns were not shifted
-    assert "it fits, no shift" in rows[bench.ROW_RESENT]["note"], rows[bench.ROW_RESENT]["note"]
+    resent = rows[resent_chat.ROW_RESENT]["note"]
+    assert "it fits, no shift" in resent, resent
     # the tiny F32 pair: the same greedy tokens with and without drafts, alone and beside
     # another stream; and its greedy replies repeat themselves: drafts land
     assert rows[spec.ROW_BESIDE]["ours"] == 64, rows[spec.ROW_BESIDE]["note"]
@@ -109,19 +125,19 @@ def test_bench_smoke_on_tiny_rope(
     assert rows[shared.ROW_CELLS]["ratio"] == 1.0, rows[shared.ROW_CELLS]["note"]
     assert rows[shared.ROW_HELD]["ours"] == 8, rows[shared.ROW_HELD]["note"]
     # the shift rows really shifted, with the policy they asked for
-    for name, row in bench.ROW_SHIFT.items():
+    for name, row in context_shift.ROW_SHIFT.items():
         assert "shifts by " + name in rows[row]["note"], rows[row]["note"]
 
 
 def test_streamed_rate_counts_tokens_after_the_latest_first_token() -> None:
-    a = bench.Stream(arrivals=[(1.0, 1), (2.0, 1), (3.0, 2)])
-    b = bench.Stream(arrivals=[(1.5, 1), (2.5, 1), (3.5, 1)])
+    a = results.Stream(arrivals=[(1.0, 1), (2.0, 1), (3.0, 2)])
+    b = results.Stream(arrivals=[(1.5, 1), (2.5, 1), (3.5, 1)])
     # after t=1.5: a has 1 + 2, b has 1 + 1 -> 5 tokens over 3.5 - 1.5 s
-    assert bench.streamed_rate([a, b]) == pytest.approx(5 / 2.0)
+    assert results.streamed_rate([a, b]) == pytest.approx(5 / 2.0)
     # one message with every token: timed from the request
-    assert bench.streamed_rate([bench.Stream(arrivals=[(3.0, 8)], t_sent=1.0)]) == 4.0
-    with pytest.raises(bench.BenchError):
-        bench.streamed_rate([bench.Stream(arrivals=[(1.0, 1)])])
+    assert results.streamed_rate([results.Stream(arrivals=[(3.0, 8)], t_sent=1.0)]) == 4.0
+    with pytest.raises(results.BenchError):
+        results.streamed_rate([results.Stream(arrivals=[(1.0, 1)])])
 
 
 def test_stall_gap_spans_the_whole_wait() -> None:
@@ -182,13 +198,13 @@ def test_a_timed_alone_leaves_most_of_its_slot_for_bs_wait() -> None:
 
 def test_table_marks_targets() -> None:
     rows = [
-        bench.Row("fast enough", 99.0, "tok/s", 100.0, 0.99, ">= 0.97"),
-        bench.Row("too slow", 90.0, "tok/s", 100.0, 0.90, ">= 0.97"),
-        bench.Row("no target", 12.5, "ms"),
-        bench.Row("exact", 7.0, "cells", 7.0, 1.0, "== 1.0"),
-        bench.Row("not exact", 7.0, "cells", 8.0, 7 / 8, "== 1.0"),
+        results.Row("fast enough", 99.0, "tok/s", 100.0, 0.99, ">= 0.97"),
+        results.Row("too slow", 90.0, "tok/s", 100.0, 0.90, ">= 0.97"),
+        results.Row("no target", 12.5, "ms"),
+        results.Row("exact", 7.0, "cells", 7.0, 1.0, "== 1.0"),
+        results.Row("not exact", 7.0, "cells", 8.0, 7 / 8, "== 1.0"),
     ]
-    lines = bench.format_table(rows).splitlines()
+    lines = results.format_table(rows).splitlines()
     assert lines[2].endswith("ok") and lines[3].endswith("MISS")
     assert not lines[4].rstrip().endswith(("ok", "MISS"))
     assert lines[5].endswith("ok") and lines[6].endswith("MISS")
