@@ -33,6 +33,7 @@ from benchmarks import (
     four_streams,
     hybrid,
     image_stall,
+    kv_types,
     one_stream,
     prepare,
     resent_chat,
@@ -48,7 +49,7 @@ from benchmarks.harness import main as run_bench
 # The names --only takes, in the order its help lists them.
 NAMES = (
     "stream1", "stream4", "shift", "prep", "ttft", "stall", "textstall", "resent", "session",
-    "spec", "shared", "hybrid",
+    "spec", "shared", "hybrid", "kvtypes",
 )  # fmt: skip
 
 # The sections, in the order they run; each runs when --only names any of its names.
@@ -66,6 +67,7 @@ SECTIONS = (
     Section(("spec",), spec.run),
     Section(("shared",), shared.run),
     Section(("hybrid",), hybrid.run, needs_model=False),
+    Section(("kvtypes",), kv_types.run),
 )
 
 

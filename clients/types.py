@@ -355,10 +355,12 @@ class ServerInfo:
     stats: EngineStats
     pool: KvPool | None = None  # (--kv-unified)
     memory_kind: str = "attention"  # attention, hybrid (Qwen3.5, LFM2) or recurrent
-    audio_sample_rate: int = 0  # the rate Audio(pcm=...) samples are at (0: no audio)
-    max_audio_seconds: float = 0.0  # the longest sound prep takes
     num_checkpoints_per_slot: int = 0  # (hybrid, recurrent) --ctx-checkpoints
     num_checkpoint_bytes: int = 0  # ... one checkpoint's bytes (0 until one was saved)
+    cache_type_k: str = ""  # a cell's K and V types (--cache-type-k/v) and flash attention
+    cache_type_v: str = ""
+    flash_attn: str = ""
+    num_bytes_per_cell: int = 0  # one cell's K and V over every attention layer
 
     @classmethod
     def from_pb(cls, pb: infer_pb2.GetServerInfoResponse) -> ServerInfo:
@@ -394,6 +396,10 @@ class ServerInfo:
             memory_kind=memory_kind(pb.memory_kind),
             num_checkpoints_per_slot=pb.num_checkpoints_per_slot,
             num_checkpoint_bytes=pb.num_checkpoint_bytes,
+            cache_type_k=pb.cache_type_k,
+            cache_type_v=pb.cache_type_v,
+            flash_attn=pb.flash_attn,
+            num_bytes_per_cell=pb.num_bytes_per_cell,
             pool=KvPool(
                 pb.pool.num_cells, pb.pool.num_cells_used, pb.pool.num_shared_cells,
                 pb.pool.num_holders, pb.pool.num_holders_in_use,

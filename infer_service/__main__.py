@@ -21,6 +21,7 @@ from infer_service.engine.client import EngineFacade
 from infer_service.engine.loop import Engine
 from infer_service.engine.scheduler import TenantLimits
 from infer_service.events import ProblemError
+from infer_service.runner.cache_types import CacheTypeError, CacheTypes
 from infer_service.runner.draft_model import DraftModel
 from infer_service.runner.embedder import Embedder
 from infer_service.runner.media import VerifiedMedia
@@ -93,6 +94,7 @@ async def start(
     fair: bool = True,
     session_limits: SessionLimits = SessionLimits(),
     model_draft: Path | None = None,
+    cache_types_draft: CacheTypes | None = None,
 ) -> RunningInfer:
     """Listen first (health NOT_SERVING), load the model, then report SERVING."""
     try:  # the server's own speculative defaults: wrong ones would refuse every request
@@ -127,7 +129,10 @@ async def start(
     draft = None
     if model_draft is not None:  # (its own context: a sequence per slot, as many cells)
         # (a draft sequence mirrors its slot's: per-slot cells, no pool of its own to share)
-        draft_config = dataclasses.replace(config, model=model_draft, mmproj=None, kv_unified=False)
+        draft_config = dataclasses.replace(
+            config, model=model_draft, mmproj=None, kv_unified=False,
+            cache_types=cache_types_draft or config.cache_types,
+        )  # fmt: skip
         try:
             draft = await asyncio.to_thread(DraftModel, draft_config, runtime)
         except BaseException:
@@ -212,6 +217,7 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
         grammar_ms=s["max_grammar_ms"],
         ctx_checkpoints=max(0, s["ctx_checkpoints"]),
         checkpoint_min_step=s["checkpoint_min_step"],
+        cache_types=CacheTypes(s["cache_type_k"], s["cache_type_v"], s["flash_attn"]),
     )
     return config, {
         "max_queue": s["max_queue"],
@@ -235,6 +241,9 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
         "tenant_limits": TenantLimits(s["tenant_max_active"], s["tenant_max_queued"]),
         "fair": s["queue"] == "fair",
         "model_draft": s["model_draft"],
+        "cache_types_draft": CacheTypes(
+            s["cache_type_k_draft"], s["cache_type_v_draft"], s["flash_attn"]
+        ),
         "session_limits": SessionLimits(
             s["tenant_max_sessions"], s["tenant_max_session_mb"] << 20, float(s["session_ttl"])
         ),
@@ -242,9 +251,13 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     configure_logging(args.log_level)
-    config, arguments = start_arguments(settings(args, OPTIONS))
+    try:
+        config, arguments = start_arguments(settings(args, OPTIONS))
+    except CacheTypeError as e:  # (a combination llama.cpp would refuse)
+        p.error(str(e))
 
     async def run() -> int:
         infer = await start(
@@ -257,10 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         rt = infer.engine.rt
         log.info(
-            "infer_service serving on %s:%d: %d slots x %d cells, memory=%s, can_shift=%s, "
-            "mrope=%s%s",
-            args.host, infer.port, rt.num_slots, rt.num_cells_per_slot, rt.memory_kind,
-            rt.can_shift, rt.uses_mrope,
+            "infer_service serving on %s:%d: %d slots x %d cells (%s: %d bytes a cell), "
+            "memory=%s, can_shift=%s, mrope=%s%s",
+            args.host, infer.port, rt.num_slots, rt.num_cells_per_slot,
+            rt.cache_types.describe(), rt.bytes_per_cell, rt.memory_kind, rt.can_shift,
+            rt.uses_mrope,
             f" ({rt.config.ctx_checkpoints} checkpoints of the recurrent state per slot; "
             "evictions re-prefill from the pinned prefix's)" if rt.recurrent else "",
         )  # fmt: skip

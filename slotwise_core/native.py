@@ -126,6 +126,17 @@ def memory_kind(model: int) -> str:
     return "attention"
 
 
+def head_size(model: int) -> int:
+    """The attention heads' size (K's): the model's `attention.key_length` where it says it,
+    else its width over its heads."""
+    arch = meta_string(model, "general.architecture") or ""
+    key_length = meta_string(model, f"{arch}.attention.key_length")
+    if key_length and key_length.isdigit():
+        return int(key_length)
+    heads = llama_cpp.llama_model_n_head(model)
+    return llama_cpp.llama_model_n_embd(model) // heads if heads > 0 else 0
+
+
 def free_model(model: int) -> None:
     llama_cpp.llama_model_free(model)
 

@@ -22,6 +22,7 @@ from benchmarks import (
     four_streams,
     hybrid,
     image_stall,
+    kv_types,
     one_stream,
     prepare,
     resent_chat,
@@ -60,6 +61,8 @@ EXPECTED = [
     spec.ROW_STREAMS4,
     *shared.ROWS,
     *hybrid.ROWS,
+    kv_types.ROW_CELLS,
+    kv_types.ROW_RATE,
 ]
 STALL_SERVER_ROWS = (
     image_stall.ROW_STALL_SERVER,
@@ -124,6 +127,9 @@ def test_bench_smoke_on_tiny_rope(
     # the pool's count of cells in use is llama.cpp's, and the pool held every chat at once
     assert rows[shared.ROW_CELLS]["ratio"] == 1.0, rows[shared.ROW_CELLS]["note"]
     assert rows[shared.ROW_HELD]["ours"] == 8, rows[shared.ROW_HELD]["note"]
+    # q8_0 cells: 34 bytes for every 64 of f16's (a generated 64-wide head: the tiny rope
+    # pair's 16 takes no quantized cell)
+    assert rows[kv_types.ROW_CELLS]["ratio"] == 512 / 272, rows[kv_types.ROW_CELLS]["note"]
     # the shift rows really shifted, with the policy they asked for
     for name, row in context_shift.ROW_SHIFT.items():
         assert "shifts by " + name in rows[row]["note"], rows[row]["note"]

@@ -595,3 +595,23 @@ def test_a_person_sends_a_sound_and_sees_its_cells(stacks, browser_page, tmp_pat
     assert page.input_value("#input") == "Hear this"
     assert page.locator("#attachments .sound").count() == 1  # given back, to send elsewhere
     shot("sound-refused")
+
+
+def test_the_page_and_props_say_what_a_cell_is_made_of(stacks, browser_page) -> None:
+    """--cache-type-k/v: /props' slotwise object, /slotwise/info and the KV page name the cells'
+    types and the bytes one takes (f32 here: twice f16's)."""
+    from infer_service.runner.cache_types import CacheTypes
+
+    s: Stack = stacks.start("rope", ctx_size=256, cache_types=CacheTypes("f32", "f32", "off"))
+    with httpx.Client(base_url=s.url, timeout=PATIENCE) as api:
+        props = api.get("/props").json()["slotwise"]
+        info = api.get("/slotwise/info").json()
+    assert (props["cache_type_k"], props["cache_type_v"], props["flash_attn"]) == (
+        "f32", "f32", "off",
+    )  # fmt: skip
+    assert props["bytes_per_cell"] == info["bytes_per_cell"] == 2 * 2 * 32 * 4  # 2 layers, K+V
+    page = browser_page
+    page.goto(s.url)
+    page.wait_for_function(
+        "document.getElementById('kv-info').textContent.includes('K f32 / V f32, 512 B')"
+    )

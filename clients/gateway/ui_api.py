@@ -18,7 +18,7 @@ from fastapi.responses import FileResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
-from clients.client import AsyncSlotwiseClient, SessionInfo, SlotwiseError
+from clients.client import AsyncSlotwiseClient, ServerInfo, SessionInfo, SlotwiseError
 from clients.gateway import sse
 from clients.gateway.errors import call, from_slotwise
 from slotwise.v1 import infer_pb2
@@ -76,6 +76,7 @@ def add_ui(
             "num_cells_per_slot": s.num_cells_per_slot,
             "uses_mrope": s.uses_mrope,
             "can_shift": s.can_shift,
+            **cache_json(s),
         }
 
     @app.get("/slotwise/sessions")
@@ -145,6 +146,16 @@ async def _events(
         yield sse.data(from_slotwise(e).body(), compact=True)
     finally:
         await views.aclose()  # type: ignore[attr-defined]  # (it cancels the watch's call)
+
+
+def cache_json(s: ServerInfo) -> dict[str, Any]:
+    """What the cells are made of: K and V types, flash attention, the bytes of one cell."""
+    return {
+        "cache_type_k": s.cache_type_k,
+        "cache_type_v": s.cache_type_v,
+        "flash_attn": s.flash_attn,
+        "bytes_per_cell": s.num_bytes_per_cell,
+    }
 
 
 def session_json(s: SessionInfo) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from infer_service.api.protobuf import GenerateLimits
+from infer_service.runner.cache_types import FLASH_ATTN, GGML_TYPES
 from infer_service.runner.runtime import RuntimeConfig
 from infer_service.sessions.session import SessionLimits
 from infer_service.spec.drafting import SpecConfig, SpecType
@@ -49,6 +50,18 @@ OPTIONS = (
            "prefix's; 0: none (every such prompt is decoded whole)"),
     option("--checkpoint-min-step", type=positive_int, default=_d.checkpoint_min_step,
            help="with --ctx-checkpoints: a long prompt is checkpointed every this many cells"),
+    option("--cache-type-k", choices=list(GGML_TYPES), default="f16",
+           help="the type of a cell's K (llama-server's -ctk): q8_0 takes about half of f16's "
+           "bytes, so about twice the cells fit in the same memory; quantized types need the "
+           "model's head size to be a multiple of 32"),
+    option("--cache-type-v", choices=list(GGML_TYPES), default="f16",
+           help="the type of a cell's V (-ctv); a quantized V needs --flash-attn on or auto"),
+    option("--flash-attn", choices=list(FLASH_ATTN), default="auto",
+           help="flash attention (-fa): auto lets llama.cpp decide"),
+    option("--cache-type-k-draft", choices=list(GGML_TYPES), default="f16",
+           help="with --model-draft: its cells' K type (-ctkd)"),
+    option("--cache-type-v-draft", choices=list(GGML_TYPES), default="f16",
+           help="with --model-draft: its cells' V type (-ctvd)"),
     option("--batch-size", type=positive_int, default=_d.batch_size),
     option("--ubatch-size", type=positive_int, default=_d.ubatch_size),
     option("--gpu-layers", type=int, default=_d.gpu_layers, help="layers offloaded (CUDA builds)"),

@@ -394,6 +394,10 @@ def server_info_pb(
         memory_kind=memory_kind_pb(rt.memory_kind),
         num_checkpoints_per_slot=rt.config.ctx_checkpoints if rt.recurrent else 0,
         num_checkpoint_bytes=rt.checkpoint_bytes,
+        cache_type_k=rt.cache_types.k,
+        cache_type_v=rt.cache_types.v,
+        flash_attn=rt.cache_types.flash_attn,
+        num_bytes_per_cell=rt.bytes_per_cell,
     )
 
 

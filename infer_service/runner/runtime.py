@@ -22,6 +22,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import mtmd_cpp
 
+from infer_service.runner.cache_types import FLASH_ATTN, GGML_TYPES, CacheTypeError, CacheTypes
 from slotwise_core import model_files, native
 from slotwise_core.descriptors import Fingerprint
 from slotwise_core.lru import SizedLRU
@@ -78,6 +79,9 @@ class RuntimeConfig:
     # a prompt decodes between two (llama-server's --ctx-checkpoints, --checkpoint-min-step)
     ctx_checkpoints: int = 32
     checkpoint_min_step: int = 8192
+    # the types of K and V cells and flash attention (--cache-type-k/v, --flash-attn); None:
+    # llama.cpp's defaults (f16, f16, auto)
+    cache_types: CacheTypes | None = None
 
 
 @dataclass(frozen=True)
@@ -129,10 +133,27 @@ class Runtime:
         params.n_threads_batch = config.threads_batch
         params.kv_unified = config.kv_unified  # else every sequence has its own budget of cells
         params.no_perf = True
+        if config.cache_types is not None:
+            try:
+                config.cache_types.check_head_size(native.head_size(self.model))
+            except CacheTypeError:
+                native.free_model(self.model)
+                raise
+            params.type_k = GGML_TYPES[config.cache_types.k]
+            params.type_v = GGML_TYPES[config.cache_types.v]
+            params.flash_attn_type = FLASH_ATTN[config.cache_types.flash_attn]
+        self.cache_types = CacheTypes(
+            type_name(params.type_k),
+            type_name(params.type_v),
+            {v: k for k, v in FLASH_ATTN.items()}[params.flash_attn_type],
+        )
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         if not self.ctx:
             native.free_model(self.model)
-            raise native.NativeError("llama_init_from_model failed (context too large?)")
+            raise native.NativeError(
+                "llama_init_from_model failed (context too large? cache types "
+                f"{self.cache_types.describe()} not supported here?)"
+            )
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.mtmd: native.Multimodal | None = None
         self._batch: TokenBatch | None = None
@@ -162,12 +183,20 @@ class Runtime:
         self.n_embd = llama_cpp.llama_model_n_embd_inp(self.model)
         self.n_swa = max(0, llama_cpp.llama_model_n_swa(self.model))  # (sliding window)
         self.can_shift = bool(llama_cpp.llama_memory_can_shift(self.memory))
+        if self.can_shift and self.cache_types.shift_crashes(native.head_size(self.model)):
+            log.warning(
+                "a shift of this quantized K cache (%s, head size %d) would crash llama.cpp: "
+                "no shifts (evictions decode the kept part again)",
+                self.cache_types.k, native.head_size(self.model),
+            )  # fmt: skip
+            self.can_shift = False
         self.memory_kind = native.memory_kind(self.model)
         # a state per sequence that llama.cpp cannot cut back (only clear or restore)
         self.recurrent = self.memory_kind != "attention"
         self.checkpoint_bytes = 0  # (recurrent) one sequence's state: the last one saved
         self.uses_mrope = bool(self.mtmd and self.mtmd.uses_mrope)
         self._null_callback = mtmd_cpp.mtmd_helper_post_decode_callback(0)
+        self.bytes_per_cell = self._measure_bytes_per_cell()
 
     @contextlib.contextmanager
     def borrowed(self) -> Iterator[Runtime]:
@@ -290,12 +319,7 @@ class Runtime:
         buf = bytearray(size)
         n = llama_cpp.llama_state_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(buf), size)
         data = memoryview(buf)[:n]
-        mrope = (
-            llama_cpp.LLAMA_ROPE_TYPE_MROPE,
-            llama_cpp.LLAMA_ROPE_TYPE_IMROPE,
-            llama_cpp.LLAMA_ROPE_TYPE_VISION,
-        )
-        ext = 12 if llama_cpp.llama_model_rope_type(self.model) in mrope else 0
+        ext = self._cell_ext()
         at = 4 + struct.unpack_from("<I", data, 0)[0]
         (num_streams,) = struct.unpack_from("<I", data, at)
         at += 4
@@ -324,7 +348,34 @@ class Runtime:
             "n_ctx_seq": self.num_cells_per_slot,
             "n_seq_max": self.num_slots,
             "kv_unified": int(self.config.kv_unified),
+            "type_k": GGML_TYPES[self.cache_types.k],
+            "type_v": GGML_TYPES[self.cache_types.v],
         }
+
+    def _measure_bytes_per_cell(self) -> int:
+        """What one cell's K and V take in the (first) attention cache, as llama.cpp writes
+        them: one token decoded into sequence 0 at start, its state's rows read, the sequence
+        cleared. 0 where nothing is read (a recurrent model has no cells)."""
+        if self.memory_kind == "recurrent":
+            return 0
+        token = max(0, llama_cpp.llama_vocab_bos(self.vocab))
+        self.batch.clear()
+        self.batch.add([token], 0, 0, logits_last=False)
+        try:
+            if self.decode() != 0:
+                return 0
+            return kv_row_bytes(self.state_get(0), mrope_ext=self._cell_ext())
+        finally:
+            self.seq_clear(0)
+            self.batch.clear()
+
+    def _cell_ext(self) -> int:
+        mrope = (
+            llama_cpp.LLAMA_ROPE_TYPE_MROPE,
+            llama_cpp.LLAMA_ROPE_TYPE_IMROPE,
+            llama_cpp.LLAMA_ROPE_TYPE_VISION,
+        )
+        return 12 if llama_cpp.llama_model_rope_type(self.model) in mrope else 0
 
     # -- decoding -------------------------------------------------------------------------
 
@@ -533,3 +584,49 @@ class EmbeddingCache(SizedLRU[str, np.ndarray]):
 
     def __init__(self, max_bytes: int = 1 << 30):
         super().__init__(max_bytes, lambda embeddings: embeddings.nbytes)
+
+
+def type_name(ggml_type: int) -> str:
+    for name, value in GGML_TYPES.items():
+        if value == ggml_type:
+            return name
+    return f"ggml type {ggml_type}"
+
+
+def kv_row_bytes(state: memoryview, *, mrope_ext: int) -> int:
+    """The bytes of one cell's K and V rows over every layer, read from a sequence's state as
+    llama_state_seq_get_data writes it: a u32 magic and the i32 sequence id, then
+    (llama_kv_cache::state_write) u32 n_stream; per stream
+    u32 cell_count, each cell's i32 pos, u32 n_seq_id, the M-RoPE ext, the i32 seq ids; then
+    u32 v_trans, u32 n_layer, per layer i32 K type, u64 K row size and the rows; then per layer
+    V the same (v_trans: i32 type, u32 element size, u32 row elements). The first stream that
+    holds cells, of the first cache (a hybrid model's attention cache; a sliding-window model's
+    full one)."""
+    (num_streams,) = struct.unpack_from("<I", state, 8)
+    at = 12
+    for _ in range(num_streams):
+        (count,) = struct.unpack_from("<I", state, at)
+        at += 4
+        if not count:
+            continue
+        for _ in range(count):
+            _, k = struct.unpack_from("<iI", state, at)
+            at += 8 + mrope_ext + 4 * k
+        v_trans, n_layer = struct.unpack_from("<II", state, at)
+        at += 8
+        total = 0
+        for _ in range(n_layer):
+            _, row = struct.unpack_from("<iQ", state, at)
+            at += 12 + row * count
+            total += row
+        for _ in range(n_layer):
+            if v_trans:
+                _, size, n = struct.unpack_from("<iII", state, at)
+                at += 12 + size * n * count
+                total += size * n
+            else:
+                _, row = struct.unpack_from("<iQ", state, at)
+                at += 12 + row * count
+                total += row
+        return total
+    return 0

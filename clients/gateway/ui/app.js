@@ -853,6 +853,10 @@ function renderKvInfo() {
   if (slots === null || cells === null) return;
   const parts = [`${plural(slots, "slot")} × ${cells} cells`, mrope ? "M-RoPE" : "1-D positions"];
   if (info.can_shift === false) parts.push("no context shift");
+  if (info.cache_type_k) {
+    // what a cell is made of: its K and V types, and the bytes one takes
+    parts.push(`cells of K ${info.cache_type_k} / V ${info.cache_type_v}, ${info.bytes_per_cell} B each`);
+  }
   if (info.model) parts.push(`model ${info.model}`);
   $("kv-info").textContent = parts.join(", ");
 }

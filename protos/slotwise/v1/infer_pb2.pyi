@@ -100,7 +100,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("fingerprint", "num_slots", "num_cells_per_slot", "n_ctx_train", "can_shift", "uses_mrope", "batch_size", "ubatch_size", "num_queued", "num_active", "stats", "pool", "memory_kind", "num_checkpoints_per_slot", "num_checkpoint_bytes")
+    __slots__ = ("fingerprint", "num_slots", "num_cells_per_slot", "n_ctx_train", "can_shift", "uses_mrope", "batch_size", "ubatch_size", "num_queued", "num_active", "stats", "pool", "memory_kind", "num_checkpoints_per_slot", "num_checkpoint_bytes", "cache_type_k", "cache_type_v", "flash_attn", "num_bytes_per_cell")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CELLS_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,10 @@ class GetServerInfoResponse(_message.Message):
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_CHECKPOINTS_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
     NUM_CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TYPE_K_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TYPE_V_FIELD_NUMBER: _ClassVar[int]
+    FLASH_ATTN_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_PER_CELL_FIELD_NUMBER: _ClassVar[int]
     fingerprint: _prompt_pb2.Fingerprint
     num_slots: int
     num_cells_per_slot: int
@@ -131,7 +135,11 @@ class GetServerInfoResponse(_message.Message):
     memory_kind: _prompt_pb2.MemoryKind
     num_checkpoints_per_slot: int
     num_checkpoint_bytes: int
-    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., num_slots: _Optional[int] = ..., num_cells_per_slot: _Optional[int] = ..., n_ctx_train: _Optional[int] = ..., can_shift: _Optional[bool] = ..., uses_mrope: _Optional[bool] = ..., batch_size: _Optional[int] = ..., ubatch_size: _Optional[int] = ..., num_queued: _Optional[int] = ..., num_active: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., pool: _Optional[_Union[KvPool, _Mapping]] = ..., memory_kind: _Optional[_Union[_prompt_pb2.MemoryKind, str]] = ..., num_checkpoints_per_slot: _Optional[int] = ..., num_checkpoint_bytes: _Optional[int] = ...) -> None: ...
+    cache_type_k: str
+    cache_type_v: str
+    flash_attn: str
+    num_bytes_per_cell: int
+    def __init__(self, fingerprint: _Optional[_Union[_prompt_pb2.Fingerprint, _Mapping]] = ..., num_slots: _Optional[int] = ..., num_cells_per_slot: _Optional[int] = ..., n_ctx_train: _Optional[int] = ..., can_shift: _Optional[bool] = ..., uses_mrope: _Optional[bool] = ..., batch_size: _Optional[int] = ..., ubatch_size: _Optional[int] = ..., num_queued: _Optional[int] = ..., num_active: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., pool: _Optional[_Union[KvPool, _Mapping]] = ..., memory_kind: _Optional[_Union[_prompt_pb2.MemoryKind, str]] = ..., num_checkpoints_per_slot: _Optional[int] = ..., num_checkpoint_bytes: _Optional[int] = ..., cache_type_k: _Optional[str] = ..., cache_type_v: _Optional[str] = ..., flash_attn: _Optional[str] = ..., num_bytes_per_cell: _Optional[int] = ...) -> None: ...
 
 class KvPool(_message.Message):
     __slots__ = ("num_cells", "num_cells_used", "num_shared_cells", "num_holders", "num_holders_in_use")
