@@ -310,7 +310,8 @@ def test_the_gateway_imports_no_llama_cpp() -> None:
 
     code = (
         "import sys; import clients.gateway.app, clients.gateway.serve; "
-        "print([m for m in ('llama_cpp', 'miniaudio', 'prep_service', 'infer_service') if m in sys.modules])"
+        "print([m for m in ('llama_cpp', 'miniaudio', 'prep_service', 'infer_service') "
+        "if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
