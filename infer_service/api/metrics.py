@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from infer_service.engine.loop import Engine, EngineStoppedError
+from infer_service.engine.loop import Engine, EngineSnapshot, EngineStoppedError
 from infer_service.kv.pool import PoolFigures
 from infer_service.runner.slots import EngineStats
 from slotwise_core.metrics import ServiceMetrics
@@ -23,100 +24,107 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
     engine.on_first_token = ttft.observe
 
     def collect() -> Iterable[Metric]:
-        try:  # read on the engine thread, between steps: a consistent snapshot
-            future = engine.call(lambda: (engine.snapshot(), engine.sessions.usage()))
-        except EngineStoppedError:
-            future = None
-        try:
-            read = future.result(timeout=2) if future is not None else None
-        except TimeoutError:
-            assert future is not None
-            future.cancel()  # not wanted any more: the engine skips it
-            read = None
+        read = _read(engine)
+        yield GaugeMetricFamily(
+            "slotwise_infer_engine_up", "the engine thread runs", value=int(read is not None)
+        )
         if read is None:
-            yield GaugeMetricFamily("slotwise_infer_engine_up", "the engine thread runs", value=0)
             return
         snap, sessions = read
-        yield GaugeMetricFamily("slotwise_infer_engine_up", "the engine thread runs", value=1)
-        cells = GaugeMetricFamily(
-            "slotwise_infer_cells_used", "KV cells held by each slot's sequence", labels=["slot"]
-        )
-        for seq, n in enumerate(snap.cells):
-            cells.add_metric([str(seq)], n)
-        yield cells
-        yield GaugeMetricFamily(
-            "slotwise_infer_capacity_cells", "KV cells per slot", value=engine.rt.num_cells_per_slot
-        )
-        yield GaugeMetricFamily(
-            "slotwise_infer_queue_depth", "requests waiting", value=snap.waiting
-        )
-        yield GaugeMetricFamily("slotwise_infer_active", "slots generating", value=snap.active)
-        shifts = CounterMetricFamily("slotwise_infer_shifts", "context shifts", labels=["policy"])
-        for policy, n in sorted(snap.stats.shifts_by_policy.items()):
-            shifts.add_metric([policy], n)
-        yield shifts
-        st = snap.stats
-        for i, (name, help_) in enumerate((
-            ("draft_tokens", "speculative drafts verified, by type"),
-            ("accepted_tokens", "speculative drafts the model sampled the same, by type"),
-        )):  # fmt: skip
-            drafts = CounterMetricFamily(f"slotwise_infer_{name}", help_, labels=["type"])
-            for kind, counts in sorted(st.drafts_by_type.items()):
-                drafts.add_metric([kind], counts[i])
-            yield drafts
-        yield from pool_metrics(snap.pool, st)
-        yield CounterMetricFamily(
-            "slotwise_infer_evicted_cells", "cells evicted", value=st.num_evicted_cells
-        )
-        yield CounterMetricFamily(
-            "slotwise_infer_generated_tokens", "tokens sampled (rate() = tokens/s)",
-            value=st.num_generated_tokens,
-        )  # fmt: skip
-        yield CounterMetricFamily(
-            "slotwise_infer_decodes", "llama_decode calls", value=st.num_decodes
-        )
-        yield CounterMetricFamily(
-            "slotwise_infer_media_cache_hits", "projector outputs reused", value=snap.cache_hits
-        )
-        yield CounterMetricFamily(
-            "slotwise_infer_session_bytes_written", "bytes of session checkpoints and journals",
-            value=snap.session_bytes_written,
-        )  # fmt: skip
-        yield CounterMetricFamily(
-            "slotwise_infer_session_reprefill_cells",
-            "cells decoded again on a swap-in: what the session's checkpoint lacked",
-            value=st.num_session_reprefill_cells,
-        )
-        by_tenant = sorted(st.by_tenant.items())
-        for name, help_, value in (
-            ("requests", "requests started in a slot, by tenant", "num_requests"),
-            ("generated_tokens", "tokens sampled, by tenant", "num_generated_tokens"),
-            ("queue_wait_seconds", "seconds waited in the queue, by tenant",
-             "queue_wait_seconds"),
-        ):  # fmt: skip
-            family = CounterMetricFamily(f"slotwise_infer_tenant_{name}", help_, labels=["tenant"])
-            for tenant, t in by_tenant:
-                family.add_metric([tenant], getattr(t, value))
-            yield family
-        by_owner = sorted(sessions.items())
-        for family_of, name, help_, value in (
-            (GaugeMetricFamily, "sessions",
-             "sessions a tenant holds, in memory or on disk (as this replica knows them)",
-             "num_sessions"),
-            (GaugeMetricFamily, "session_bytes",
-             "bytes a tenant's sessions take on disk (files and their images' pixels)",
-             "num_bytes"),
-            (CounterMetricFamily, "sessions_expired",
-             "sessions deleted here after going unused past --session-ttl", "num_expired"),
-            (CounterMetricFamily, "sessions_evicted",
-             "sessions deleted here to keep their tenant within its quota", "num_evicted"),
-        ):  # fmt: skip
-            per_tenant = family_of(f"slotwise_infer_tenant_{name}", help_, labels=["tenant"])
-            for tenant, held in by_owner:
-                per_tenant.add_metric([tenant], getattr(held, value))
-            yield per_tenant
+        yield from slot_metrics(snap, engine.rt.num_cells_per_slot)
+        yield from pool_metrics(snap.pool, snap.stats)
+        yield from work_metrics(snap)
+        yield from tenant_metrics(snap.stats, sessions)
 
     return collect
+
+
+def _read(engine: Engine) -> tuple[EngineSnapshot, dict[str, Any]] | None:
+    """A consistent snapshot, read on the engine thread between steps (None: it is gone, or
+    busier than a scrape may wait)."""
+    try:
+        future = engine.call(lambda: (engine.snapshot(), engine.sessions.usage()))
+    except EngineStoppedError:
+        return None
+    try:
+        return future.result(timeout=2)
+    except TimeoutError:
+        future.cancel()  # not wanted any more: the engine skips it
+        return None
+
+
+def slot_metrics(snap: EngineSnapshot, capacity: int) -> Iterable[Metric]:
+    """Each slot's cells, the queue, the shifts by policy, the drafts by type."""
+    cells = GaugeMetricFamily(
+        "slotwise_infer_cells_used", "KV cells held by each slot's sequence", labels=["slot"]
+    )
+    for seq, n in enumerate(snap.cells):
+        cells.add_metric([str(seq)], n)
+    yield cells
+    yield GaugeMetricFamily("slotwise_infer_capacity_cells", "KV cells per slot", value=capacity)
+    yield GaugeMetricFamily("slotwise_infer_queue_depth", "requests waiting", value=snap.waiting)
+    yield GaugeMetricFamily("slotwise_infer_active", "slots generating", value=snap.active)
+    shifts = CounterMetricFamily("slotwise_infer_shifts", "context shifts", labels=["policy"])
+    for policy, n in sorted(snap.stats.shifts_by_policy.items()):
+        shifts.add_metric([policy], n)
+    yield shifts
+    for i, (name, help_) in enumerate((
+        ("draft_tokens", "speculative drafts verified, by type"),
+        ("accepted_tokens", "speculative drafts the model sampled the same, by type"),
+    )):  # fmt: skip
+        drafts = CounterMetricFamily(f"slotwise_infer_{name}", help_, labels=["type"])
+        for kind, counts in sorted(snap.stats.drafts_by_type.items()):
+            drafts.add_metric([kind], counts[i])
+        yield drafts
+
+
+def work_metrics(snap: EngineSnapshot) -> Iterable[Metric]:
+    """What the engine did: cells evicted, tokens, decodes, the media cache, sessions' bytes."""
+    st = snap.stats
+    for name, help_, value in (
+        ("evicted_cells", "cells evicted", st.num_evicted_cells),
+        ("generated_tokens", "tokens sampled (rate() = tokens/s)", st.num_generated_tokens),
+        ("decodes", "llama_decode calls", st.num_decodes),
+        ("media_cache_hits", "projector outputs reused", snap.cache_hits),
+        ("session_bytes_written", "bytes of session checkpoints and journals",
+         snap.session_bytes_written),
+        ("session_reprefill_cells",
+         "cells decoded again on a swap-in: what the session's checkpoint lacked",
+         st.num_session_reprefill_cells),
+    ):  # fmt: skip
+        yield CounterMetricFamily(f"slotwise_infer_{name}", help_, value=value)
+
+
+def tenant_metrics(st: EngineStats, sessions: dict[str, Any]) -> Iterable[Metric]:
+    """Each tenant's requests, tokens and queue wait, and the sessions it holds."""
+    by_tenant = sorted(st.by_tenant.items())
+    for name, help_, value in (
+        ("requests", "requests started in a slot, by tenant", "num_requests"),
+        ("generated_tokens", "tokens sampled, by tenant", "num_generated_tokens"),
+        ("queue_wait_seconds", "seconds waited in the queue, by tenant",
+         "queue_wait_seconds"),
+    ):  # fmt: skip
+        family = CounterMetricFamily(f"slotwise_infer_tenant_{name}", help_, labels=["tenant"])
+        for tenant, t in by_tenant:
+            family.add_metric([tenant], getattr(t, value))
+        yield family
+    by_owner = sorted(sessions.items())
+    for family_of, name, help_, value in (
+        (GaugeMetricFamily, "sessions",
+         "sessions a tenant holds, in memory or on disk (as this replica knows them)",
+         "num_sessions"),
+        (GaugeMetricFamily, "session_bytes",
+         "bytes a tenant's sessions take on disk (files and their images' pixels)",
+         "num_bytes"),
+        (CounterMetricFamily, "sessions_expired",
+         "sessions deleted here after going unused past --session-ttl", "num_expired"),
+        (CounterMetricFamily, "sessions_evicted",
+         "sessions deleted here to keep their tenant within its quota", "num_evicted"),
+    ):  # fmt: skip
+        per_tenant = family_of(f"slotwise_infer_tenant_{name}", help_, labels=["tenant"])
+        for tenant, held in by_owner:
+            per_tenant.add_metric([tenant], getattr(held, value))
+        yield per_tenant
 
 
 def pool_metrics(pool: PoolFigures | None, st: EngineStats) -> Iterable[Metric]:
