@@ -24,6 +24,7 @@ from infer_service.sessions.store import SessionStore
 from prep_service.service import Limits
 from slotwise.v1 import prompt_pb2
 from support.media import image_bytes, wav_bytes
+from support.wait import PATIENCE
 
 # the cells of a 2 s and of a 35 s sound's media chunks, as libmtmd counts them: whisper-style
 # towers pad each 30 s window (ultravox 94, qwen2a 750 cells a window); gemma4a does not (25
@@ -200,6 +201,11 @@ def test_a_session_keeps_its_sounds_on_disk_and_another_server_decodes_them_agai
         (sound_id,) = sound_ids(prepared)
     store = SessionStore(tmp_path)
     assert store.load_media(sound_id, 32_000, 1, "audio") == sound
+    # the tenant's disk use counts the sound's file as it is (not 3 bytes a "pixel")
+    usage = first.engine.call(first.engine.sessions.usage).result(timeout=PATIENCE)
+    (held,) = usage.values()
+    files, _ = store.footprint("kept")
+    assert held.num_bytes - files == len(sound)
     second = infer_server("ultravox", ctx_size=2048, sessions_dir=tmp_path)  # another layout
     with SlotwiseClient(prep, f"127.0.0.1:{second.port}", retry=NO_RETRY) as client:
         sent = [*sent, Message.assistant(done.text or "."), Message.user("Again?")]

@@ -248,9 +248,16 @@ class Persistence:
         num_bytes, written = found
         with contextlib.suppress(AttributeError, KeyError, TypeError, ValueError):  # (damaged)
             pixels = {px["media_id"]: px for px in (header or {}).get("pixels", {}).values()}
-            num_bytes += sum(3 * int(px["width"]) * int(px["height"]) for px in pixels.values())
+            num_bytes += sum(self._media_bytes(px) for px in pixels.values())
         with self._counting:
             self._footprints[session_id] = (num_bytes, written)
+
+    def _media_bytes(self, px: dict[str, Any]) -> int:
+        """What a medium takes on disk: an image's raw pixels; a sound's file, as it is."""
+        if px.get("kind", "image") == "image":
+            return 3 * int(px["width"]) * int(px["height"])
+        assert self.store is not None
+        return self.store.media_bytes(str(px["media_id"]))
 
     def _forget_footprint(self, session_id: str) -> None:
         with self._counting:

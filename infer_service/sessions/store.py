@@ -504,6 +504,13 @@ class SessionStore:
     def has_media(self, media_id: str) -> bool:
         return self._media_path(media_id).exists()
 
+    def media_bytes(self, media_id: str) -> int:
+        """A medium's file size (0: not written yet)."""
+        try:
+            return self._media_path(media_id).stat().st_size
+        except OSError:  # (missing, or unreadable: a measure, never a failure)
+            return 0
+
     def save_media(self, media_id: str, rgb: bytes) -> None:
         target = self._media_path(media_id)
         if not target.exists():
