@@ -698,8 +698,9 @@ from concurrent import futures
 
 BLOCKED = {"PIL", "numpy", "llama_cpp", "gguf", "prep_service", "infer_service", "slotwise_core"}
 SHARED = {
-    "slotwise_core", "slotwise_core.keys", "slotwise_core.limits", "slotwise_core.enum_names"
-}  # stdlib only
+    "slotwise_core", "slotwise_core.keys", "slotwise_core.limits", "slotwise_core.enum_names",
+    "slotwise_core.sounds",
+}  # stdlib only (sounds: miniaudio is imported only where a sound is measured)
 
 
 class Absent:  # as if these were not installed
