@@ -6,7 +6,7 @@ neither builds a request or reads a response itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
@@ -31,6 +31,7 @@ from clients.requests import (
     count_request,
     create_session_request,
     generate_request,
+    lora_pb,
     prepare_request,
 )
 from clients.types import (
@@ -38,6 +39,7 @@ from clients.types import (
     Count,
     Embedding,
     ImageInput,
+    LoraAdapter,
     ModelInfo,
     Prepared,
     PromptInput,
@@ -112,6 +114,10 @@ def _sessions(r: infer_pb2.ListSessionsResponse) -> list[SessionInfo]:
 
 def _embeddings(r: infer_pb2.EmbedResponse) -> list[Embedding]:
     return [Embedding(tuple(e.values), e.num_tokens) for e in r.embeddings]
+
+
+def _lora_adapters(r: Any) -> list[LoraAdapter]:  # (either Lora response)
+    return [LoraAdapter.from_pb(a) for a in r.adapters]
 
 
 def _status(r: health_pb2.HealthCheckResponse) -> str:
@@ -213,11 +219,13 @@ class Calls:
         first_message: int,
         timeout: float | None,
         tools: ToolOptions | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Call[Prepared]:
         self.need("prep")
         request = prepare_request(
-            prompt, images, add_special=add_special, first_message=first_message, tools=tools
-        )
+            prompt, images, add_special=add_special, first_message=first_message, tools=tools,
+            template_kwargs=template_kwargs,
+        )  # fmt: skip
         return self._call("prep", PREP_SERVICE, "Prepare", request, Prepared.from_pb, timeout)
 
     def count(
@@ -228,11 +236,13 @@ class Calls:
         first_message: int,
         timeout: float | None,
         tools: ToolOptions | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Call[Count]:
         self.need("prep")
         request = count_request(
-            prompt, images, add_special=add_special, first_message=first_message, tools=tools
-        )
+            prompt, images, add_special=add_special, first_message=first_message, tools=tools,
+            template_kwargs=template_kwargs,
+        )  # fmt: skip
         return self._call("prep", PREP_SERVICE, "CountTokens", request, Count.from_pb, timeout)
 
     def tokenize(
@@ -342,6 +352,18 @@ class Calls:
         request = infer_pb2.WatchSlotsRequest(min_interval_ms=min_interval_ms, once=once)
         t = None if timeout is None or timeout <= 0 else timeout
         return Call("infer", INFER_SERVICE, "WatchSlots", request, _nothing, t)
+
+    def lora_adapters(self, timeout: float | None) -> Call[list[LoraAdapter]]:
+        request = infer_pb2.LoraListAdaptersRequest()
+        return self._call(
+            "infer", INFER_SERVICE, "LoraListAdapters", request, _lora_adapters, timeout
+        )
+
+    def set_lora_scales(
+        self, scales: Mapping[int, float] | Sequence[tuple[int, float]], timeout: float | None
+    ) -> Call[list[LoraAdapter]]:
+        request = infer_pb2.LoraSetScalesRequest(scales=lora_pb(scales))
+        return self._call("infer", INFER_SERVICE, "LoraSetScales", request, _lora_adapters, timeout)
 
     def _session(self, method: str, request: Any, timeout: float | None) -> Call[SessionInfo]:
         call = self._call("infer", INFER_SERVICE, method, request, _session, timeout)

@@ -68,6 +68,8 @@ IDEMPOTENT_METHODS: frozenset[tuple[str, str]] = frozenset(
         (INFER_SERVICE, "GetServerInfo"),
         (INFER_SERVICE, "GetSession"),
         (INFER_SERVICE, "ListSessions"),
+        (INFER_SERVICE, "LoraListAdapters"),
+        (INFER_SERVICE, "LoraSetScales"),  # (the scales are set, not added to: twice is once)
         (HEALTH_SERVICE, "Check"),
     }
 )

@@ -231,7 +231,8 @@ def http_arguments(p: argparse.ArgumentParser, *, max_images: bool = True) -> No
         nargs="+",
         default=[],
         metavar="ORIGIN",
-        help="let browser apps on these origins call the API (* for any); default none",
+        help="let browser apps on these origins call the API (* for any, localhost for any "
+        "page on this machine, any port); default none",
     )
     g.add_argument(
         "--api-key-file", type=Path,
@@ -278,6 +279,61 @@ def http_arguments(p: argparse.ArgumentParser, *, max_images: bool = True) -> No
     g.add_argument(
         "--no-ui", action="store_true", help="no web page at / (the API behind it stays)"
     )
+    g.add_argument(
+        "--no-slots", action="store_true",
+        help="GET /slots answers 501, as llama-server's --no-slots (no slot monitoring)",
+    )  # fmt: skip
+    g.add_argument(
+        "--model-aliases", nargs="+", default=[], metavar="NAME",
+        help="more names of the model (llama-server's --alias): listed in /v1/models' "
+        "aliases, and taken by --strict-model-name",
+    )  # fmt: skip
+    g.add_argument(
+        "--model-tags", nargs="+", default=[], metavar="TAG",
+        help="the model's tags in /v1/models (llama-server's --tags)",
+    )  # fmt: skip
+    g.add_argument(
+        "--default-temperature", type=float, metavar="T",
+        help="a native /completion's temperature when it names none (llama-server's --temp; "
+        "default 0.8)",
+    )  # fmt: skip
+    g.add_argument(
+        "--default-seed", type=int, metavar="N",
+        help="a native /completion's seed when it names none (llama-server's --seed; "
+        "default: a random one each)",
+    )  # fmt: skip
+    g.add_argument(
+        "--verbose-replies", action="store_true",
+        help="every chat completion carries llama-server's __verbose (the prompt as the "
+        "template wrote it), as its --verbose gives; a request's `verbose` decides for itself",
+    )  # fmt: skip
+    r = p.add_argument_group("reasoning models (llama-server's flags)")
+    r.add_argument(
+        "--reasoning-format", choices=["none", "deepseek", "deepseek-legacy", "auto"],
+        default="deepseek",
+        help="where a reasoning model's thoughts go: deepseek (default, as llama-server's; auto "
+        "and deepseek-legacy alike) puts them in reasoning_content, thinking blocks and "
+        "reasoning items; none leaves them in the content",
+    )  # fmt: skip
+    r.add_argument(
+        "--reasoning-budget", type=int, default=-1, metavar="N",
+        help="a thought of N tokens is ended by writing the template's end of thoughts "
+        "(0: at once; default -1: no budget)",
+    )  # fmt: skip
+    r.add_argument(
+        "--reasoning-budget-message", default="", metavar="MESSAGE",
+        help="written before the end of a thought the budget ends (default none)",
+    )  # fmt: skip
+    r.add_argument(
+        "--chat-template-kwargs", metavar="JSON",
+        help='variables for the chat template, e.g. \'{"enable_thinking": false}\' (a '
+        "request's chat_template_kwargs go over them)",
+    )  # fmt: skip
+    r.add_argument(
+        "--reasoning", choices=["on", "off", "auto"], default="auto",
+        help="enable_thinking for the chat template: on, off, or auto (default: the "
+        "template's own)",
+    )  # fmt: skip
 
 
 def _max_messages(args: argparse.Namespace) -> int:
@@ -325,7 +381,39 @@ def gateway_config(
         max_body_bytes=args.max_body_mb << 20,
         max_messages=_max_messages(args) if max_messages is None else max_messages,
         max_completions=args.max_completions,
+        thinking=_thinking(args),
+        slots_endpoint=not args.no_slots,
+        model_aliases=tuple(args.model_aliases),
+        model_tags=tuple(args.model_tags),
+        verbose_replies=args.verbose_replies,
+        default_temperature=args.default_temperature,
+        default_seed=None if args.default_seed in (None, -1) else args.default_seed,
+        model_path=str(getattr(args, "infer_model", None) or ""),  # (slotwise serve's)
     )
+
+
+def _thinking(args: argparse.Namespace) -> Any:
+    """The reasoning flags as the gateway's Thinking (what a request leaves unset)."""
+    import json
+
+    from clients.gateway.turns import Thinking
+
+    if args.reasoning_budget < -1:
+        raise UsageError("--reasoning-budget: -1 (none), 0 or more tokens")
+    kwargs: dict[str, Any] = {}
+    if args.reasoning != "auto":
+        kwargs["enable_thinking"] = args.reasoning == "on"
+    if args.chat_template_kwargs:
+        try:
+            given = json.loads(args.chat_template_kwargs)
+        except ValueError:
+            given = None
+        if not isinstance(given, dict):
+            raise UsageError("--chat-template-kwargs: give a JSON object")
+        kwargs |= given
+    fmt = "deepseek" if args.reasoning_format == "auto" else args.reasoning_format
+    budget = None if args.reasoning_budget == -1 else args.reasoning_budget
+    return Thinking(fmt, budget, args.reasoning_budget_message, kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ shutdown into cross-thread problems, where grpc's blocking stubs have none of th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Generator, Sequence
+from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
@@ -94,11 +94,14 @@ from clients.types import (
     EngineStats,
     ImageInput,
     ImageSize,
+    LoraAdapter,
     Message,
     ModelInfo,
     Part,
     Prepared,
     PromptInput,
+    Reasoning,
+    ReasoningOptions,
     ServerInfo,
     SessionInfo,
     Speculative,
@@ -126,6 +129,7 @@ __all__ = [
     "Finished",
     "ImageInput",
     "ImageSize",
+    "LoraAdapter",
     "Message",
     "ModelInfo",
     "Part",
@@ -134,6 +138,8 @@ __all__ = [
     "Prefill",
     "Prepared",
     "PromptInput",
+    "Reasoning",
+    "ReasoningOptions",
     "RetryPolicy",
     "ServerInfo",
     "SessionInfo",
@@ -267,6 +273,7 @@ class SlotwiseClient(_Client):
         first_message: int = 0,
         timeout: float | None = None,
         tools: ToolOptions | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Prepared:
         """Messages (chat template applied) or a raw prompt whose media markers take `images`.
 
@@ -274,8 +281,13 @@ class SlotwiseClient(_Client):
         tools: shown to the model the way its template shows them; the result's
         tool_constraint (passed to generate) makes its calls valid, and
         clients.tool_calls.parse_reply(result.tool_format, text) reads them.
+        template_kwargs: the template's variables beside the messages (llama-server's
+        chat_template_kwargs, e.g. {"enable_thinking": False}); with a reasoning model's
+        template the result's `reasoning` says where its thoughts are (clients.reasoning).
         """
-        call = self._calls.prepare(prompt, images, add_special, first_message, timeout, tools)
+        call = self._calls.prepare(
+            prompt, images, add_special, first_message, timeout, tools, template_kwargs
+        )
         return self._unary(call)
 
     def count(
@@ -287,9 +299,12 @@ class SlotwiseClient(_Client):
         first_message: int = 0,
         timeout: float | None = None,
         tools: ToolOptions | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Count:
         """Cells and positions without preparing; images may be ImageSize / (w, h) sizes."""
-        call = self._calls.count(prompt, images, add_special, first_message, timeout, tools)
+        call = self._calls.count(
+            prompt, images, add_special, first_message, timeout, tools, template_kwargs
+        )
         return self._unary(call)
 
     def tokenize(
@@ -409,6 +424,23 @@ class SlotwiseClient(_Client):
         finally:
             responses.cancel()
 
+    # -- LoRA adapters (InferService) ---------------------------------------------------------
+
+    def lora_adapters(self, *, timeout: float | None = None) -> list[LoraAdapter]:
+        """The LoRA adapters infer loaded (--lora, --lora-scaled), with the scales this
+        caller's requests get when they name none (llama-server's GET /lora-adapters)."""
+        return self._unary(self._calls.lora_adapters(timeout))
+
+    def set_lora_scales(
+        self,
+        scales: Mapping[int, float] | Sequence[tuple[int, float]],
+        *,
+        timeout: float | None = None,
+    ) -> list[LoraAdapter]:
+        """Adapter id -> scale for this caller's tenant's requests that name no adapters from
+        now on (those left out: 0); the adapters as they are then (POST /lora-adapters)."""
+        return self._unary(self._calls.set_lora_scales(scales, timeout))
+
     # -- grpc.health.v1 -----------------------------------------------------------------------
 
     def health(
@@ -479,11 +511,13 @@ class AsyncSlotwiseClient(_Client):
         first_message: int = 0,
         timeout: float | None = None,
         tools: ToolOptions | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Prepared:
         """See SlotwiseClient.prepare; images are read and encoded off the event loop."""
         call = await asyncio.to_thread(
-            self._calls.prepare, prompt, images, add_special, first_message, timeout, tools
-        )
+            self._calls.prepare, prompt, images, add_special, first_message, timeout, tools,
+            template_kwargs,
+        )  # fmt: skip
         return await self._unary(call)
 
     async def count(
@@ -495,11 +529,13 @@ class AsyncSlotwiseClient(_Client):
         first_message: int = 0,
         timeout: float | None = None,
         tools: ToolOptions | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Count:
         """See SlotwiseClient.count."""
         call = await asyncio.to_thread(
-            self._calls.count, prompt, images, add_special, first_message, timeout, tools
-        )
+            self._calls.count, prompt, images, add_special, first_message, timeout, tools,
+            template_kwargs,
+        )  # fmt: skip
         return await self._unary(call)
 
     async def tokenize(
@@ -606,6 +642,21 @@ class AsyncSlotwiseClient(_Client):
             raise SlotwiseError.from_rpc_error(e) from None
         finally:
             responses.cancel()
+
+    # -- LoRA adapters (InferService) ---------------------------------------------------------
+
+    async def lora_adapters(self, *, timeout: float | None = None) -> list[LoraAdapter]:
+        """See SlotwiseClient.lora_adapters."""
+        return await self._unary(self._calls.lora_adapters(timeout))
+
+    async def set_lora_scales(
+        self,
+        scales: Mapping[int, float] | Sequence[tuple[int, float]],
+        *,
+        timeout: float | None = None,
+    ) -> list[LoraAdapter]:
+        """See SlotwiseClient.set_lora_scales."""
+        return await self._unary(self._calls.set_lora_scales(scales, timeout))
 
     # -- grpc.health.v1 -----------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import inspect
 import io
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from clients.types import (
     Message,
     Part,
     PromptInput,
+    ReasoningOptions,
     Speculative,
     Tool,
     is_pil_image,
@@ -101,7 +102,11 @@ class ToolOptions:
 
 
 def chat_pb(
-    messages: Sequence[Message], *, sizes_allowed: bool, tools: ToolOptions | None = None
+    messages: Sequence[Message],
+    *,
+    sizes_allowed: bool,
+    tools: ToolOptions | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> prep_pb2.Chat:
     out = []
     for m in messages:
@@ -122,6 +127,8 @@ def chat_pb(
             )
         )
     chat = prep_pb2.Chat(messages=out)
+    if template_kwargs:
+        chat.template_kwargs_json = json.dumps(dict(template_kwargs))
     if tools is not None:
         chat.tools.extend(
             prep_pb2.Tool(
@@ -146,6 +153,7 @@ def _input_fields(
     *,
     sizes_allowed: bool,
     tools: ToolOptions | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The prompt fields PrepareRequest and CountTokensRequest share."""
     if isinstance(prompt, str):
@@ -153,6 +161,8 @@ def _input_fields(
             raise ValueError("first_message applies to messages, not to a raw prompt")
         if tools is not None:
             raise ValueError("tools go with messages, not with a raw prompt")
+        if template_kwargs:
+            raise ValueError("template_kwargs go with messages, not with a raw prompt")
         raw = prep_pb2.RawPrompt(text=prompt, add_special=add_special)
         if any(isinstance(m, Audio) for m in images):  # images and sounds, in marker order
             raw.media.extend(part_pb(m, sizes_allowed=sizes_allowed) for m in images)
@@ -162,7 +172,9 @@ def _input_fields(
     if images:
         raise ValueError("images= goes with a raw prompt; put images in the messages' parts")
     return {
-        "chat": chat_pb(list(prompt), sizes_allowed=sizes_allowed, tools=tools),
+        "chat": chat_pb(
+            list(prompt), sizes_allowed=sizes_allowed, tools=tools, template_kwargs=template_kwargs
+        ),
         "first_message": first_message,
     }
 
@@ -174,13 +186,17 @@ def prepare_request(
     add_special: bool = True,
     first_message: int = 0,
     tools: ToolOptions | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> prep_pb2.PrepareRequest:
     """Messages (chat template applied) or a raw prompt whose media markers take `images`;
     first_message: only the chunks of messages[first_message:] (a session turn); tools: shown
-    to the model as the template shows them (Prepared.tool_constraint makes its calls valid)."""
+    to the model as the template shows them (Prepared.tool_constraint makes its calls valid);
+    template_kwargs: the template's variables beside the messages ({"enable_thinking":
+    false})."""
     fields = _input_fields(
-        prompt, images, add_special, first_message, sizes_allowed=False, tools=tools
-    )
+        prompt, images, add_special, first_message, sizes_allowed=False, tools=tools,
+        template_kwargs=template_kwargs,
+    )  # fmt: skip
     return prep_pb2.PrepareRequest(**fields)
 
 
@@ -191,11 +207,13 @@ def count_request(
     add_special: bool = True,
     first_message: int = 0,
     tools: ToolOptions | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> prep_pb2.CountTokensRequest:
     """As prepare_request; images may also be ImageSize / (width, height) sizes."""
     fields = _input_fields(
-        prompt, images, add_special, first_message, sizes_allowed=True, tools=tools
-    )
+        prompt, images, add_special, first_message, sizes_allowed=True, tools=tools,
+        template_kwargs=template_kwargs,
+    )  # fmt: skip
     return prep_pb2.CountTokensRequest(**fields)
 
 
@@ -280,6 +298,8 @@ def generate_request(
     expect_turns: int | None = None,
     speculative: Speculative | None = None,
     ignore_eos: bool = False,
+    lora: Mapping[int, float] | Sequence[tuple[int, float]] | None = None,
+    reasoning: ReasoningOptions | None = None,
     **options: Any,
 ) -> infer_pb2.GenerateRequest:
     """The GenerateRequest for these options.
@@ -294,7 +314,9 @@ def generate_request(
     only between requests of the same salt (and tenant); expect_turns: a session turn runs
     only if the session has completed that many turns (else FAILED_PRECONDITION);
     speculative: drafts verified in the batch (the server's --spec-* where unset); ignore_eos:
-    end-of-generation tokens are never sampled. A logit_bias of -math.inf bans a token.
+    end-of-generation tokens are never sampled; lora: LoRA adapter id -> scale (those left
+    out: 0; None or empty: the scales the caller's tenant has, `set_lora_scales`). A
+    logit_bias of -math.inf bans a token.
     """
     if isinstance(stop, str):
         stop = (stop,)
@@ -311,17 +333,28 @@ def generate_request(
         turn_note=turn_note,
         cache_salt=cache_salt,
         ignore_eos=ignore_eos,
+        lora=lora_pb(lora),
     )
     if constraint is not None:
         request.constraint.CopyFrom(constraint.to_pb())
     if speculative is not None:
         request.speculative.CopyFrom(speculative.to_pb())
+    if reasoning is not None:  # (Prepared.reasoning.options(): thoughts, and their budget)
+        request.reasoning.CopyFrom(reasoning.to_pb())
     if expect_turns is not None:
         request.expect_turns = expect_turns
     ctx = context_pb(**context)
     if ctx is not None:
         request.context.CopyFrom(ctx)
     return request
+
+
+def lora_pb(
+    lora: Mapping[int, float] | Sequence[tuple[int, float]] | None,
+) -> list[infer_pb2.LoraScale]:
+    """LoRA adapter id -> scale (a mapping, or pairs) as the contract's list."""
+    pairs = lora.items() if isinstance(lora, Mapping) else lora or ()
+    return [infer_pb2.LoraScale(id=i, scale=s) for i, s in pairs]
 
 
 def create_session_request(

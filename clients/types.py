@@ -29,6 +29,7 @@ __all__ = [
     "EngineStats",
     "ImageInput",
     "ImageSize",
+    "LoraAdapter",
     "Message",
     "ModelInfo",
     "Part",
@@ -173,6 +174,63 @@ class Speculative:
 
 
 @dataclass(frozen=True)
+class ReasoningOptions:
+    """A reasoning model's thoughts in a generation (GenerateRequest.reasoning): what opens and
+    closes them, whether the prompt opened one, and a budget (None: none) past which a thought
+    is ended by writing `forced_ids` (a message's tokens and the end's; empty: the end's)."""
+
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+    started: bool = False
+    budget_tokens: int | None = None
+    forced_ids: tuple[int, ...] = ()
+
+    def to_pb(self) -> infer_pb2.ReasoningOptions:
+        pb = infer_pb2.ReasoningOptions(
+            start_token_ids=self.start_ids, end_token_ids=self.end_ids, started=self.started,
+            forced_token_ids=self.forced_ids,
+        )  # fmt: skip
+        if self.budget_tokens is not None:
+            pb.budget_tokens = self.budget_tokens
+        return pb
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """Where the chat template writes a reasoning model's thoughts (Prepared.reasoning): its
+    start and end ("<think>", "</think>") as text and as token ids, and whether the
+    generation prompt opened a thought, with what it wrote after the start (the thought's
+    first text, of num_opened tokens)."""
+
+    start: str
+    end: str
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+    started: bool = False
+    opened_text: str = ""
+    num_opened: int = 0
+
+    @classmethod
+    def from_pb(cls, pb: prep_pb2.Reasoning) -> Reasoning:
+        return cls(
+            pb.start, pb.end, tuple(pb.start_token_ids), tuple(pb.end_token_ids), pb.started,
+            pb.opened_text, pb.num_opened_tokens,
+        )  # fmt: skip
+
+    def options(
+        self, budget_tokens: int | None = None, message_ids: Sequence[int] = ()
+    ) -> ReasoningOptions:
+        """The generation's ReasoningOptions: a budget of thought tokens (as llama-server
+        counts them: the generation prompt's tokens after the start count too), ended by
+        `message_ids` and the end."""
+        budget = None if budget_tokens is None else max(0, budget_tokens - self.num_opened)
+        if budget_tokens is not None and self.started and budget_tokens <= self.num_opened:
+            budget = 0
+        forced = (*message_ids, *self.end_ids) if budget is not None else ()
+        return ReasoningOptions(self.start_ids, self.end_ids, self.started, budget, forced)
+
+
+@dataclass(frozen=True)
 class Message:
     """One chat message: a role and parts, each text (`str`), an image or a sound (`Audio`).
 
@@ -292,6 +350,22 @@ class ModelInfo:
             audio_sample_rate=pb.audio_sample_rate,
             max_audio_seconds=pb.max_audio_seconds,
         )
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter infer loaded at start, with the scale the caller's requests get when
+    they name no adapters (`lora`)."""
+
+    id: int
+    path: str
+    scale: float
+    task_name: str = ""
+    prompt_prefix: str = ""
+
+    @classmethod
+    def from_pb(cls, pb: infer_pb2.LoraAdapter) -> LoraAdapter:
+        return cls(pb.id, pb.path, pb.scale, pb.task_name, pb.prompt_prefix)
 
 
 @dataclass(frozen=True)
@@ -444,12 +518,14 @@ class Prepared:
     """A prepared prompt (the descriptor to send to Generate) and the rendered prompt text.
 
     With tools: how the template's model writes calls (clients.tool_calls parses it), and the
-    constraint that makes its reply a valid call (pass it to generate)."""
+    constraint that makes its reply a valid call (pass it to generate). With a reasoning
+    model's template: where it writes the thoughts (`reasoning.options()` to generate)."""
 
     prompt: prompt_pb2.PreparedPrompt
     rendered_text: str = ""
     tool_format: ToolFormat = ToolFormat.UNSPECIFIED
     tool_constraint: Constraint | None = None
+    reasoning: Reasoning | None = None
 
     @classmethod
     def from_pb(cls, pb: prep_pb2.PrepareResponse) -> Prepared:
@@ -459,6 +535,7 @@ class Prepared:
             pb.rendered_text,
             from_pb(ToolFormat, calling.format) if calling else ToolFormat.UNSPECIFIED,
             Constraint.from_pb(calling.constraint) if calling else None,
+            Reasoning.from_pb(pb.reasoning) if pb.HasField("reasoning") else None,
         )
 
     @property

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from infer_service.api.metrics import engine_metrics
-from infer_service.api.options import OPTIONS
+from infer_service.api.options import OPTIONS, lora_in_order
 from infer_service.api.protobuf import GenerateLimits, speculative_of
 from infer_service.api.servicer import InferServicer
 from infer_service.engine.client import EngineFacade
@@ -131,7 +131,7 @@ async def start(
         # (a draft sequence mirrors its slot's: per-slot cells, no pool of its own to share)
         draft_config = dataclasses.replace(
             config, model=model_draft, mmproj=None, kv_unified=False,
-            cache_types=cache_types_draft or config.cache_types,
+            cache_types=cache_types_draft or config.cache_types, lora=(),
         )  # fmt: skip
         try:
             draft = await asyncio.to_thread(DraftModel, draft_config, runtime)
@@ -218,6 +218,8 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
         ctx_checkpoints=max(0, s["ctx_checkpoints"]),
         checkpoint_min_step=s["checkpoint_min_step"],
         cache_types=CacheTypes(s["cache_type_k"], s["cache_type_v"], s["flash_attn"]),
+        lora=lora_in_order(s["lora"], s["lora_scaled"]),
+        lora_init_without_apply=s["lora_init_without_apply"],
     )
     return config, {
         "max_queue": s["max_queue"],

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import itertools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import jinja2
@@ -53,6 +55,17 @@ _FOLD = ("\ue000slotwise-folded\ue001", "\ue000slotwise-next\ue001")  # sentinel
 
 class _Template:
     source: str | None = None  # a Jinja template's text (its tool format is read from it)
+    # variables beside the messages (a request's chat_template_kwargs): with_context
+    context: Mapping[str, Any] = MappingProxyType({})
+
+    def with_context(self, context: Mapping[str, Any]) -> _Template:
+        """This template, rendering with these variables too (a copy: templates are shared
+        by the threads that prepare)."""
+        if not context:
+            return self
+        other = copy.copy(self)
+        other.context = MappingProxyType(dict(context))
+        return other
 
     def render(
         self, turns: Sequence[TemplateMessage], *, add_generation_prompt: bool, tools: Tools = None
@@ -333,14 +346,22 @@ class ChatTemplate(_Template):
     def render(
         self, turns: Sequence[TemplateMessage], *, add_generation_prompt: bool, tools: Tools = None
     ) -> str:
-        extra = {"tools": tools} if tools else {}  # (absent, as without tools: `is defined`)
+        # enable_thinking as llama-server renders every template: true unless a request's
+        # chat_template_kwargs say otherwise (prep_service/reasoning.py checks them)
+        variables: dict[str, Any] = {"enable_thinking": True, **self.context}
+        # today, as llama.cpp gives every template (Llama 3.x writes "Today Date: ...")
+        now = datetime.now()
+        variables = {"date_string": now.strftime("%d %b %Y"),
+                     "datetime": now.strftime("%b %d %Y"), **variables}  # fmt: skip
+        if tools:  # (absent, as without tools: `is defined`)
+            variables["tools"] = tools
         try:
             return self._template.render(
                 messages=[t.as_message() for t in turns],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos,
                 eos_token=self._eos,
-                **extra,
+                **variables,
             )
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template: {e}") from None

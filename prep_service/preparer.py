@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 
-from prep_service.chat import ROLES, BuiltinTemplate, TemplateError, TemplateMessage, load_template
+from prep_service.chat import (
+    ROLES,
+    BuiltinTemplate,
+    TemplateError,
+    TemplateMessage,
+    _Template,
+    load_template,
+)
+from prep_service.reasoning import ThoughtTags, template_reasoning
 from prep_service.tools import (
     JSON,
     Choice,
@@ -97,6 +105,18 @@ class RawPrompt:
     text: str
     images: Sequence[Media] = ()  # images and sounds, in the order of their markers
     add_special: bool = True
+
+
+@dataclass(frozen=True)
+class Thoughts:
+    """Where a reasoning model's thoughts are, as this vocabulary's tokens, and whether the
+    generation prompt opened one (with what it wrote after the start, of num_opened tokens)."""
+
+    tags: ThoughtTags
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+    opened: str | None
+    num_opened: int
 
 
 @dataclass(frozen=True)
@@ -211,9 +231,11 @@ class Preparer:
         request: Sequence[Message] | RawPrompt,
         first_message: int = 0,
         tools: Tools | None = None,
+        kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[PreparedPrompt, str]:
-        """Chunks with pixels; also returns the rendered prompt text."""
-        segments = self._segments(request, first_message, tools)
+        """Chunks with pixels; also returns the rendered prompt text. kwargs: the template's
+        variables beside the messages (checked by prep_service.reasoning)."""
+        segments = self._segments(request, first_message, tools, kwargs)
         chunks = [c for s in _numbered_images(segments) for c in self._tokenize(s)]
         return PreparedPrompt(self.fingerprint, tuple(chunks)), "".join(s.text for s in segments)
 
@@ -222,10 +244,38 @@ class Preparer:
         request: Sequence[Message] | RawPrompt,
         first_message: int = 0,
         tools: Tools | None = None,
+        kwargs: Mapping[str, Any] | None = None,
     ) -> list[Chunk]:
         """Like prepare, but images may be sizes only; media chunks come back without pixels."""
-        segments = _numbered_images(self._segments(request, first_message, tools))
+        segments = _numbered_images(self._segments(request, first_message, tools, kwargs))
         return [c for s in segments for c in self._tokenize(s)]
+
+    def thoughts(self, kwargs: Mapping[str, Any] | None = None) -> Thoughts | None:
+        """The template's thoughts (None: it writes none), and whether its generation prompt,
+        rendered with these variables, opens one: the generation prompt is what a chat's
+        rendering with it adds to its rendering without (as llama.cpp finds it)."""
+        tags = template_reasoning(self.template.source if self.template else None)
+        if tags is None or self.template is None:
+            return None
+        template = self.template.with_context(kwargs or {})
+        probe = [TemplateMessage("user", "\ue000slotwise-probe\ue001")]
+        try:
+            with_prompt = template.render(probe, add_generation_prompt=True)
+            without = template.render(probe, add_generation_prompt=False)
+        except TemplateError:
+            return None
+        common = 0
+        while common < min(len(with_prompt), len(without)) and (
+            with_prompt[common] == without[common]
+        ):
+            common += 1
+        opened = tags.opened(with_prompt[common:])
+
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(self.tokenize(text, add_special=False, parse_special=True))
+
+        num_opened = len(ids(opened)) if opened else 0
+        return Thoughts(tags, ids(tags.start), ids(tags.end), opened, num_opened)
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         """Text as it is: no chat template, no media."""
@@ -294,7 +344,11 @@ class Preparer:
     # -- internals --------------------------------------------------------------------------
 
     def _segments(
-        self, request: Sequence[Message] | RawPrompt, first: int = 0, tools: Tools | None = None
+        self,
+        request: Sequence[Message] | RawPrompt,
+        first: int = 0,
+        tools: Tools | None = None,
+        kwargs: Mapping[str, Any] | None = None,
     ) -> list[_Segment]:
         if isinstance(request, RawPrompt):
             if first:
@@ -345,10 +399,11 @@ class Preparer:
                 "(a llama.cpp built-in name such as chatml or gemma, or a Jinja file), or send "
                 "a raw prompt"
             )
+        template = self.template.with_context(kwargs or {})
         shown = tools if tools is not None and tools.choice is not Choice.NONE else None
         template_tools_ = template_tools(shown) if shown and self.tool_format is not JSON else None
         prompt = json_system_prompt(shown) if shown and self.tool_format is JSON else ""
-        plan, pieces, holders = self._render(turns, template_tools_, prompt)
+        plan, pieces, holders = self._render(template, turns, template_tools_, prompt)
         # each message's piece: a rendered turn made of several messages is the first one's,
         # and a turn the template gave no boundary of its own is its holder's
         texts = [""] * len(turns)
@@ -378,7 +433,7 @@ class Preparer:
                     "continue a session that holds them: send the conversation from 0"
                 )
             head = [t for t, src in plan if not src or max(src) < first]
-            return self._continuation(turns, segments, first, head, template_tools_)
+            return self._continuation(template, turns, segments, first, head, template_tools_)
         # BOS once, in front of the first text (a message the template wrote nothing for
         # alone has none): from the vocabulary's add_special unless the template wrote it
         segments = [s for s in segments if s.text]
@@ -388,13 +443,16 @@ class Preparer:
         return segments
 
     def _render(
-        self, turns: list[TemplateMessage], tools: list[dict[str, Any]] | None, prompt: str
+        self,
+        template: _Template,
+        turns: list[TemplateMessage],
+        tools: list[dict[str, Any]] | None,
+        prompt: str,
     ) -> tuple[list[tuple[TemplateMessage, list[int]]], list[str], list[int]]:
         """The turns as the template takes them, each with the messages it renders, and the
         pieces. A tool prompt (templates without tools) is a system message of its own, or the
         start of the first one; templates that refuse that, or consecutive messages of one role
         (tool results become user messages), get it merged (Gemma's insist on alternation)."""
-        assert self.template is not None
         plan = [(t, [i]) for i, t in enumerate(turns)]
         plans = [plan]
         if prompt and turns[0].role == "system":
@@ -408,7 +466,7 @@ class Preparer:
         error: TemplateError | None = None
         for candidate in plans:
             try:
-                pieces, holders = self.template.pieces([t for t, _ in candidate], tools)
+                pieces, holders = template.pieces([t for t, _ in candidate], tools)
                 return candidate, pieces, holders
             except TemplateError as e:
                 error = error or e
@@ -442,6 +500,7 @@ class Preparer:
 
     def _continuation(
         self,
+        template: _Template,
         turns: list[TemplateMessage],
         segments: list[_Segment],
         first: int,
@@ -450,17 +509,26 @@ class Preparer:
     ) -> list[_Segment]:
         """Segments of messages[first:], for a session that holds everything before (head:
         the turns the template rendered for them)."""
-        assert self.template is not None
         if first >= len(turns):
             raise InputError(f"first_message {first} is past the last message ({len(turns) - 1})")
         rest = [s for s in segments if s.message_index >= first]
         if turns[first].role == "assistant":
-            before = self.template.render(head, add_generation_prompt=False, tools=tools)
-            prompt = self.template.render(head, add_generation_prompt=True, tools=tools)
+            before = template.render(head, add_generation_prompt=False, tools=tools)
+            prompt = template.render(head, add_generation_prompt=True, tools=tools)
             prompt = prompt[len(before) :]
-            if rest and rest[0].message_index == first and rest[0].text.startswith(prompt):
-                rest[0].text = rest[0].text[len(prompt) :]
+            reply = rest[0] if rest and rest[0].message_index == first else None
+            if reply is not None and reply.text.startswith(prompt):
+                reply.text = reply.text[len(prompt) :]
+            elif reply is not None and not reply.images and self._thoughtful(template, prompt):
+                reply.text = turns[first].content + _after_reply(template, head, tools)
         return [s for s in rest if s.text]
+
+    def _thoughtful(self, template: _Template, prompt: str) -> bool:
+        """Whether a generation prompt opens a reasoning model's thought: a reply after it is
+        shown without its thoughts (DeepSeek-R1's template drops them), so that a session
+        turn, which holds the reply as the model wrote it, continues from that instead."""
+        tags = template_reasoning(template.source)
+        return tags is not None and tags.opened(prompt) is not None
 
     def _tokenize(self, segment: _Segment) -> list[Chunk]:
         if any(_held(m) for m in segment.images):
@@ -497,6 +565,15 @@ class Preparer:
     def _shape_of(self, bitmap: native.Bitmap) -> tuple[native.RawChunk, ...]:
         assert self.mtmd is not None
         return tuple(self.mtmd.media_group(bitmap))
+
+
+def _after_reply(template: _Template, head: list[TemplateMessage], tools: Any) -> str:
+    """What the template writes after a reply's text (its end of turn), found by rendering a
+    reply of a sentinel after head."""
+    mark = "\ue000slotwise-reply\ue001"
+    text = template.render([*head, TemplateMessage("assistant", mark)],
+                           add_generation_prompt=False, tools=tools)  # fmt: skip
+    return text[text.find(mark) + len(mark) :] if mark in text else ""
 
 
 def _audio_rate(mtmd: native.Multimodal | None) -> int:

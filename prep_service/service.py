@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from prep_service.preparer import (
     RawPrompt,
     UnsupportedError,
 )
+from prep_service.reasoning import template_kwargs
 from prep_service.tools import Choice, Tool, ToolCall, ToolFormat, Tools
 from slotwise.v1 import prep_pb2, prep_pb2_grpc
 from slotwise_core import native
@@ -90,6 +92,10 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
         self._sound_lengths: SizedLRU[tuple[str, str], int] = SizedLRU(4096, lambda _: 1)
         # mtmd_tokenize is thread-safe: calls proceed in parallel, off the event loop
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prep")
+        # the template's thoughts per chat_template_kwargs text (two renderings each)
+        self._thoughts = functools.lru_cache(maxsize=64)(
+            lambda text: preparer.thoughts(template_kwargs(text))
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -160,10 +166,12 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
 
         def work() -> prep_pb2.PrepareResponse:
             tools = _tools(request)
+            kwargs = _kwargs(request)
             prompt, text = self.preparer.prepare(
                 self._request(request, sizes_allowed=False, tenant=tenant),
                 request.first_message,
                 tools,
+                kwargs,
             )
             response = prep_pb2.PrepareResponse(prompt=prompt.to_pb(), rendered_text=text)
             g = self.preparer.tool_grammar(tools) if tools is not None else None
@@ -171,6 +179,15 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                 response.tool_calling.format = _FORMATS[self.preparer.tool_format]
                 response.tool_calling.constraint.grammar = g.gbnf
                 response.tool_calling.constraint.trigger_patterns.extend(g.trigger_patterns)
+            chat = kwargs is not None
+            thoughts = self._thoughts(request.chat.template_kwargs_json) if chat else None
+            if thoughts is not None:
+                r = response.reasoning
+                r.start, r.end = thoughts.tags.start, thoughts.tags.end
+                r.start_token_ids.extend(thoughts.start_ids)
+                r.end_token_ids.extend(thoughts.end_ids)
+                r.started = thoughts.opened is not None
+                r.opened_text, r.num_opened_tokens = thoughts.opened or "", thoughts.num_opened
             return response
 
         return await self._run(work, context)
@@ -183,6 +200,7 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                 self._request(request, sizes_allowed=True, tenant=tenant),
                 request.first_message,
                 _tools(request),
+                _kwargs(request),
             )
             return prep_pb2.CountTokensResponse(
                 num_cells=sum(c.num_cells for c in chunks),
@@ -449,6 +467,16 @@ def _tools(request) -> Tools | None:
     )
     parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else None
     return Tools(tools, _CHOICES[chat.tool_choice], chat.tool_name, parallel)
+
+
+def _kwargs(request) -> dict[str, Any] | None:
+    """A chat's template variables (None: a raw prompt)."""
+    if request.WhichOneof("input") != "chat":
+        return None
+    try:
+        return template_kwargs(request.chat.template_kwargs_json)
+    except ValueError as e:
+        raise InputError(str(e)) from None
 
 
 def _json_object(text: str, where: str) -> dict:

@@ -6,7 +6,7 @@ architecture: image token counts and positions, M-RoPE vs. plain RoPE, K-shift s
 non-causal image decode, KV-cache cell usage and the chat template / special tokens.
 
 Pairs (all tensors F32, text n_embd 64, 2 layers, context_length 4096, a 271-token vocab that
-qwen2a and gemma4 extend with their wrapper tokens):
+qwen2a and gemma4 extend with their wrapper tokens, and think with its thought markers):
 
 * ``mrope``     -- text ``qwen2vl`` + projector ``qwen2vl_merger`` (M-RoPE, dynamic resolution:
   a 1288x784 image is 1288 cells / 46 positions; ``llama_memory_can_shift`` is false).
@@ -50,14 +50,24 @@ n_pos == n_tokens; a sound over 30 s is one audio chunk per window, wrapped once
   conformer; no padding to 30 s: 2 s is 50 cells, 35 s 750 + 125; causal). Wrapped in
   ``<|image>`` ... ``<image|>`` and ``<|audio>`` ... ``<audio|>`` (this pair's own tokens).
 
+A reasoning pair (``REASONING``; written only when named):
+
+* ``think``     -- text ``llama`` (as ``rope``, K-shift capable) + the ``rope`` pair's LLaVA
+  projector ``mlp``; its vocabulary adds ``<think>`` and ``</think>`` (single special tokens)
+  and its chat template (``THINK_TEMPLATE``) is a reasoning model's, as DeepSeek-R1's distills
+  and QwQ write theirs: the generation prompt opens the thoughts (``<think>\\n``), or, with
+  ``enable_thinking`` false, writes them empty and closed; an earlier reply is shown without
+  its thoughts.
+
 ``BROKEN`` (written only when named):
 
 * ``ultravox8`` -- ``ultravox`` with stack factor 8 (Ultravox v0.5's): libmtmd counts 187 cells
   per window, the encoder makes 188 and llama.cpp aborts the process (GGML_ABORT "Invalid
   number of output tokens"); encode it only in a child process.
 
-Usage: ``slotwise-tiny-models OUT_DIR [--only NAME ...]`` or
-``python -m slotwise_core.tiny_models OUT_DIR``.
+Usage: ``slotwise-tiny-models OUT_DIR [--only NAME ...] [--lora]`` or
+``python -m slotwise_core.tiny_models OUT_DIR``. ``--lora`` also writes ``lora.gguf``, a random
+LoRA adapter (slotwise_core/tiny_lora.py), beside each pair of ``LORA_ARCHS``.
 """
 
 from __future__ import annotations
@@ -80,9 +90,13 @@ __all__ = [
     "CONTEXT_LENGTH",
     "FAMILIES_2026",
     "HYBRID",
+    "LORA_ARCHS",
+    "REASONING",
     "SPECIAL_TOKENS",
+    "THINK_TEMPLATE",
     "TinyPair",
     "main",
+    "write_tiny_lora",
     "write_tiny_models",
 ]
 
@@ -91,9 +105,10 @@ ALL: tuple[str, ...] = ("mrope", "rope", "noncausal")
 HYBRID: tuple[str, ...] = ("qwen35", "lfm2")
 AUDIO: tuple[str, ...] = ("ultravox", "qwen2a")
 FAMILIES_2026: tuple[str, ...] = ("qwen3vl", "gemma4")
+REASONING: tuple[str, ...] = ("think",)
 # Pairs llama.cpp cannot serve as they are: tokenizing promises a count encoding breaks.
 BROKEN: tuple[str, ...] = ("ultravox8",)
-_NAMES = ALL + HYBRID + AUDIO + FAMILIES_2026 + BROKEN
+_NAMES = ALL + HYBRID + AUDIO + FAMILIES_2026 + REASONING + BROKEN
 
 CONTEXT_LENGTH = 4096
 
@@ -103,6 +118,25 @@ CHAT_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# A reasoning model's (the think pair's): the generation prompt opens the thoughts, as
+# DeepSeek-R1's distills and QwQ do, unless enable_thinking is false (then they are written
+# empty and closed, as Qwen3 does); an earlier reply is shown without its thoughts.
+THINK_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- set content = message['content'] -%}"
+    "{%- if message['role'] == 'assistant' and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
 )
 
 # CONTROL tokens appended after the byte tokens and merges (same vocab for every pair).
@@ -132,6 +166,7 @@ _MERGES: tuple[tuple[str, str], ...] = (("Ä ", "t"), ("h", "e"), ("i", "n"), ("Ä
 _SEEDS = {
     "mrope": 1001, "rope": 1002, "noncausal": 1003, "qwen35": 1004, "lfm2": 1005,
     "ultravox": 1006, "qwen2a": 1007, "ultravox8": 1008, "qwen3vl": 1009, "gemma4": 1010,
+    "think": 1011,
 }  # fmt: skip
 _STD = 0.02
 
@@ -195,6 +230,7 @@ class TinyPair:
     name: str
     model: Path
     mmproj: Path
+    lora: Path | None = None  # a random LoRA adapter for its text model (written when asked)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,10 +272,12 @@ def token_id(piece: str) -> int:
     special token): for a test's logit_bias."""
     if len(piece) == 1 and ord(piece) < 128:
         return ord(piece)  # (the first 256 ids are the bytes; ASCII prints as itself)
+    if piece in _THINK_TOKENS:  # (the think pair's own, after the shared ones)
+        return _N_VOCAB + _THINK_TOKENS.index(piece)
     return _TOKENS.index(piece)
 
 
-def _add_tokenizer(w, pre: str, extra: Sequence[str] = ()) -> None:
+def _add_tokenizer(w, pre: str, extra: Sequence[str] = (), template: str = CHAT_TEMPLATE) -> None:
     tokens, types = _vocab(extra) if extra else (_TOKENS, _TOKEN_TYPES)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", pre)
@@ -251,7 +289,7 @@ def _add_tokenizer(w, pre: str, extra: Sequence[str] = ()) -> None:
     w.add_pad_token_id(_TOKENS.index("<|endoftext|>"))
     w.add_add_bos_token(False)
     w.add_add_eos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_chat_template(template)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,9 +349,11 @@ def _text_kv(
     size: Text = TINY,
     kv_heads: Sequence[int] | None = None,
     tokens: Sequence[str] = (),
+    template: str = CHAT_TEMPLATE,
 ):
     """kv_heads: a per-layer head_count_kv array instead of size.kv_heads (LFM2 marks its
-    convolution layers with 0). tokens: the pair's own control tokens (see _vocab)."""
+    convolution layers with 0). tokens: the pair's own control tokens (see _vocab);
+    template: its chat template."""
 
     def add(w) -> None:
         w.add_string("general.name", f"slotwise-tiny-{arch}")
@@ -331,7 +371,7 @@ def _text_kv(
         w.add_uint32(f"{arch}.vocab_size", _N_VOCAB + len(tokens))
         if extra is not None:
             extra(w)
-        _add_tokenizer(w, pre, tokens)
+        _add_tokenizer(w, pre, tokens, template)
 
     return add
 
@@ -755,6 +795,18 @@ def _write_gemma4(d: Path, seed: int, v: Vision) -> None:
     _write(d / "mmproj.gguf", "clip", both, t)
 
 
+# the reasoning pair (REASONING)
+
+_THINK_TOKENS = ("<think>", "</think>")  # single special tokens, as in the real vocabularies
+
+
+def _write_think(d: Path, seed: int, v: Vision) -> None:
+    kv = _text_kv("llama", "gpt-2", tokens=_THINK_TOKENS, template=THINK_TEMPLATE)
+    _write(d / "model.gguf", "llama", kv, _text_tensors(seed, n_tokens=len(_THINK_TOKENS)))
+    kv, t = _mmproj_mlp(seed + 1, v)
+    _write(d / "mmproj.gguf", "clip", kv, t)
+
+
 _WRITERS: dict[str, Callable[[Path, int, Vision], None]] = {
     "mrope": _write_mrope,
     "rope": _write_rope,
@@ -766,13 +818,37 @@ _WRITERS: dict[str, Callable[[Path, int, Vision], None]] = {
     "ultravox8": _write_ultravox8,
     "qwen3vl": _write_qwen3vl,
     "gemma4": _write_gemma4,
+    "think": _write_think,
 }
 
 
+# the pairs whose text model a tiny LoRA adapter fits (its architecture: the adapter's)
+LORA_ARCHS = {"mrope": "qwen2vl", "rope": "llama", "noncausal": "gemma3"}
+_LORA_SEED = 100  # added to the pair's seed: an adapter's weights are not its model's
+
+
+def write_tiny_lora(
+    name: str, path: Path, *, seed: int = 0, task_name: str = "", prompt_prefix: str = ""
+) -> Path:
+    """A random LoRA adapter (slotwise_core/tiny_lora.py) for pair `name`'s text model; seed:
+    another adapter for the same model. Same bytes every run."""
+    from slotwise_core.tiny_lora import LoraShape, write_lora
+
+    if name not in LORA_ARCHS:
+        raise ValueError(f"no tiny LoRA adapter for {name!r}; choose from {list(LORA_ARCHS)}")
+    shape = LoraShape(LORA_ARCHS[name], TINY.width, TINY.ff, TINY.layers,
+                      TINY.head_dim * TINY.kv_heads)  # fmt: skip
+    return write_lora(
+        path, shape, seed=_SEEDS[name] + _LORA_SEED + seed, task_name=task_name,
+        prompt_prefix=prompt_prefix,
+    )  # fmt: skip
+
+
 def write_tiny_models(
-    out_dir: Path, names: Iterable[str] = ALL, *, vision: Vision = Vision()
+    out_dir: Path, names: Iterable[str] = ALL, *, vision: Vision = Vision(), lora: bool = False
 ) -> dict[str, TinyPair]:
-    """Write ``out_dir/<name>/{model,mmproj}.gguf`` for each name; same bytes every run."""
+    """Write ``out_dir/<name>/{model,mmproj}.gguf`` for each name; same bytes every run.
+    lora: also ``lora.gguf`` beside each pair that has one (LORA_ARCHS)."""
     out_dir = Path(out_dir)
     names = list(dict.fromkeys(names))
     unknown = [n for n in names if n not in _WRITERS]
@@ -782,7 +858,8 @@ def write_tiny_models(
     for name in names:
         d = out_dir / name
         _WRITERS[name](d, _SEEDS[name], vision)
-        pairs[name] = TinyPair(name, d / "model.gguf", d / "mmproj.gguf")
+        adapter = write_tiny_lora(name, d / "lora.gguf") if lora and name in LORA_ARCHS else None
+        pairs[name] = TinyPair(name, d / "model.gguf", d / "mmproj.gguf", adapter)
     return pairs
 
 
@@ -805,14 +882,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vision-layers", type=int, default=Vision.layers, help="vision tower layers"
     )
+    parser.add_argument(
+        "--lora",
+        action="store_true",
+        help=f"also a random LoRA adapter, lora.gguf, beside {', '.join(LORA_ARCHS)}",
+    )
     args = parser.parse_args(argv)
     try:
         vision = Vision(args.vision_width, args.vision_layers)
     except ValueError as e:
         parser.error(str(e))
-    pairs = write_tiny_models(args.out_dir, args.only or ALL, vision=vision)
+    pairs = write_tiny_models(args.out_dir, args.only or ALL, vision=vision, lora=args.lora)
     for p in pairs.values():
-        print(f"{p.name}: model={p.model} mmproj={p.mmproj}")
+        lora = f" lora={p.lora}" if p.lora else ""
+        print(f"{p.name}: model={p.model} mmproj={p.mmproj}{lora}")
     return 0
 
 

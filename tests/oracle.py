@@ -47,6 +47,11 @@ images are decoded non-causally, each in one ubatch. Beside the full cache, comp
 the window cache must hold exactly the ledger's cells within the window of its last position;
 cells it masks may be gone from it (``Oracle._verify_window`` says why that is honest).
 
+Some runs are a reasoning model's (``RunSpec.thoughts``, drawn last): two byte tokens stand
+for ``<think>`` and ``</think>``, the generated tokens inside are marked as thoughts (each an
+eviction unit), and a budget writes a message and the end, one forced token a step, decoded and
+checked like any other token.
+
 ``stop_exactness`` and ``media_boundary`` check the boundary itself, with images in context.
 
 Usage (tests/test_oracle.py runs seeds 0..199 of the first three attention pairs, 0..99 of the
@@ -117,6 +122,8 @@ from infer_service.kv.ledger import (
 )
 from infer_service.runner.executor import Ending, Executor, media_cache_key
 from infer_service.runner.media import MediaHandle
+from infer_service.runner.reasoning import State as ThoughtState
+from infer_service.runner.reasoning import Thoughts
 from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
 from infer_service.runner.slots import EngineStats, Job, Slot
 from infer_service.spec.drafting import SpecConfig, SpecType
@@ -559,6 +566,9 @@ class RunSpec:
     # every end-of-generation token banned: each Generate runs its full length (never drawn
     # by make_spec; for scripts that must reach a length, whatever the greedy tokens are)
     ignore_eos: bool = False
+    # a reasoning model's thoughts (two byte tokens stand for <think> and </think>): generated
+    # tokens marked, and a budget that writes the end, one forced token a step
+    thoughts: Thoughts | None = None
 
     def describe(self) -> str:
         parts = []
@@ -588,6 +598,7 @@ class RunSpec:
             )
             + (f" checkpoints={self.checkpoints}" if self.pair in HYBRID else "")
             + (" ignore_eos" if self.ignore_eos else "")
+            + (f" thoughts={self.thoughts}" if self.thoughts else "")
         )
 
 
@@ -632,10 +643,21 @@ def make_spec(pair: str, seed: int) -> RunSpec:
     temperature = 1.0 if spec.enabled and r.random() < 0.5 else 0.0
     # (drawn last too; on recurrent memory the spec's drafts are asked for and never made)
     checkpoints = r.randint(0, MAX_CHECKPOINTS) if pair in HYBRID else 0
+    thoughts = _thoughts(r) if r.random() < 0.4 else None  # (drawn last too)
     return RunSpec(
         seed, pair, shape, policy, keep, discard, unit, n_ctx_train, tuple(steps), spec,
-        temperature, checkpoints,
+        temperature, checkpoints, thoughts=thoughts,
     )  # fmt: skip
+
+
+def _thoughts(r: random.Random) -> Thoughts:
+    """Thoughts between two byte tokens (greedy random weights write them now and then), a
+    budget that is often reached, and an ending of a message and the end."""
+    start, end = r.sample(range(256), 2)
+    budget = r.choice([None, 0, r.randint(1, 8), r.randint(1, 40)])
+    message = tuple(r.randrange(256) for _ in range(r.choice([0, 0, 1, 5])))
+    forced = (*message, end) if message else ()
+    return Thoughts((start,), (end,), r.random() < 0.7, budget, forced)
 
 
 def _edits(r: random.Random, steps: list[Step]) -> list[Step]:
@@ -1049,6 +1071,7 @@ class Oracle:
             session_id="run" if session else None,
             speculative=spec.spec,
             logit_bias=self.rt.eog_bans if spec.ignore_eos else (),
+            reasoning=spec.thoughts,
         )
         shapes = [(i.num_cells, i.num_positions) for i in items[:8]]
         run.trail.append(
@@ -1168,6 +1191,9 @@ class Oracle:
             job.emit(event)
         for ending in outcome.endings:
             self._ended(ending)
+        for slot in self.slots:  # (a thought's end written: one forced token a step)
+            if slot.thoughts is not None and slot.thoughts.state is ThoughtState.FORCING:
+                self._runs[slot.seq].counts["forcing_steps"] += 1
         if self.stats.num_failed_decodes != failed:  # (the executor retries each alone)
             for run in self._runs.values():
                 run.fail(OracleError("llama_decode failed for a batch the ledgers admitted"))
@@ -1302,6 +1328,7 @@ class Oracle:
             raise OracleError(f"seq_pos_max {pmax} but the ledger's next_pos is {ledger.next_pos}")
         run.counts["checks"] += 1
         run.counts["checks_mid_media"] += piece is not None
+        run.counts["checks_with_thoughts"] += any(seg.item.thought for seg in ledger.segments)
 
     def _verify_window(
         self, run: _Run, swa: np.ndarray, want_pos: np.ndarray, want_min: int, want_max: int,
@@ -1638,6 +1665,8 @@ class Sweep:
             f"(all failed in llama.cpp as they must; {c['stop_boundaries']} STOP boundaries "
             f"at exactly capacity)",
             f"  drafts {c['drafted']} verified, {c['accepted']} accepted (the rest given back)",
+            f"  thoughts: {c['checks_with_thoughts']} checks with thought cells, "
+            f"{c['forcing_steps']} steps that wrote a thought's end past its budget",
         ]
         if self.pair in HYBRID:
             lines += [

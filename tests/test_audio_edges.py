@@ -258,8 +258,8 @@ def test_completion_takes_sounds_and_images_in_marker_order(both: Stack, vision:
     native_refusal(both, {"prompt": bad}, "multimodal_data.0: not valid base64")
     junk = {"prompt_string": f"Hear {marker}.", "multimodal_data": [b64(b"RIFF\0\0\0\0WAVEjunk")]}
     native_refusal(both, {"prompt": junk}, "WAV")
-    # the OpenAI /completions route takes text prompts: an object is a 400, not a 500
-    r = post(both, "/completions", {"prompt": one, "max_tokens": 2})
+    # the OpenAI /v1/completions route takes text prompts: an object is a 400, not a 500
+    r = post(both, "/v1/completions", {"prompt": one, "max_tokens": 2})
     refused(r)
 
 

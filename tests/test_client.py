@@ -447,6 +447,8 @@ def test_the_service_config_names_only_idempotent_methods() -> None:
         ("slotwise.v1.InferService", "GetServerInfo"),
         ("slotwise.v1.InferService", "GetSession"),
         ("slotwise.v1.InferService", "ListSessions"),
+        ("slotwise.v1.InferService", "LoraListAdapters"),
+        ("slotwise.v1.InferService", "LoraSetScales"),  # (scales set, not added: twice is once)
         ("grpc.health.v1.Health", "Check"),
     }
     assert method["retryPolicy"] == {

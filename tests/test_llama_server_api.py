@@ -80,7 +80,6 @@ DIFFERENCES: dict[str, tuple[str, str]] = {
     "chat*.choices.*.logprobs": ("extra", "OpenAI's own fields"),
     "chat*.message.refusal": ("extra", "OpenAI's own fields"),
     "*.usage.completion_tokens_details": ("extra", "OpenAI's own fields"),
-    "chat_stream.events.0.choices.0.delta.content": ("type", "OpenAI's own fields"),
     "chat_*.body.error.*": ("any", "OpenAI's error shape"),
 }
 

@@ -98,6 +98,8 @@ def test_random_runs_match_llama_cpp(drivers: Drivers, pair: str) -> None:
     assert c["resends"] > 0 and c["cells_reused"] > 0
     # drafts verified in the batch: some accepted, some given back, the cells checked after each
     assert 0 < c["accepted"] < c["drafted"]
+    # a reasoning model's thoughts: marked in the ledger, their ends written past a budget
+    assert c["checks_with_thoughts"] > 0 and c["forcing_steps"] > 0
     # a sliding window (gemma4): its cache checked at every step, with cells it masks (GAP)
     n_swa = llama_cpp.llama_model_n_swa(drivers.get(pair, 0).rt.model)
     assert (c["swa_checks"] == c["checks"]) == (n_swa > 0)

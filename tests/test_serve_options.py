@@ -38,6 +38,8 @@ def unusual(o: Option, tmp_path: Path) -> list[str]:
         return [o.flag, str(path)]
     if kw.get("type") in (int, float, positive_int, nice_value):
         return [o.flag, str((kw.get("default") or 0) + 3)]
+    if kw.get("metavar") == "FNAME:SCALE":  # (--lora-scaled)
+        return [o.flag, f"{tmp_path / o.name}.gguf:0.5"]
     return [o.flag, f"{o.name}-value"]
 
 

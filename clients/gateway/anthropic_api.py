@@ -15,6 +15,7 @@ import binascii
 import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, Response
@@ -24,6 +25,7 @@ from clients.client import (
     AsyncSlotwiseClient,
     Constraint,
     Message,
+    Started,
     Tool,
     ToolCall,
     ToolChoice,
@@ -33,7 +35,7 @@ from clients.gateway import options, sse
 from clients.gateway.errors import ApiError, bad_request, call
 from clients.gateway.media import MediaPolicy, check_images, image_bytes
 from clients.gateway.schema import SlotwiseOptions
-from clients.gateway.turns import Text, TurnEnd, TurnRequest, refuse, start_turn
+from clients.gateway.turns import Text, Thinking, TurnEnd, TurnRequest, refuse, start_turn
 from slotwise_core.limits import MAX_TOKENS
 
 # Anthropic's error types by HTTP status
@@ -155,7 +157,7 @@ async def _messages(
                     text = f"(error) {text}"
                 out.append(Message.tool(str(block.get("tool_use_id", "")), text))
             elif kind == "thinking" or kind == "redacted_thinking":
-                continue  # (no model here thinks aloud: nothing of it is shown)
+                continue  # (a reply's thoughts: templates leave them out of the history)
             elif kind in ("audio", "input_audio"):  # (a block the Messages API does not have)
                 raise refuse(f"{where}.type", _NO_AUDIO)
             else:
@@ -210,13 +212,36 @@ def _tools(body: MessagesRequest | CountRequest) -> ToolOptions | None:
     return options.tool_options(defs, known, choice, parallel=parallel)
 
 
+def _thinking(server: Thinking, body: MessagesRequest) -> Thinking:
+    """`thinking`: enabled (with budget_tokens, 10,000 unless given, as llama-server takes it)
+    asks a reasoning model for its thoughts, as thinking blocks, ended past the budget;
+    disabled asks nothing (the template decides, as with llama-server). llama-server's
+    chat_template_kwargs pass through."""
+    extra = body.model_extra or {}
+    passed = {k: extra[k] for k in ("chat_template_kwargs",) if k in extra}
+    given = body.thinking
+    if given is None or given == {"type": "disabled"}:
+        return options.thinking_of(server, passed)
+    if not isinstance(given, dict) or given.get("type") != "enabled":
+        raise refuse("thinking", "takes enabled (with budget_tokens) or disabled here")
+    if set(given) - {"type", "budget_tokens"}:
+        raise refuse("thinking", "takes only type and budget_tokens here")
+    budget = options.reasoning_budget(given.get("budget_tokens", 10_000), "thinking.budget_tokens")
+    return replace(options.thinking_of(server, passed), budget=budget, asked="thinking")
+
+
 class Messages:
-    def __init__(self, client: AsyncSlotwiseClient, media: MediaPolicy, model: str):
-        self.client, self.media, self.model = client, media, model
+    def __init__(
+        self,
+        client: AsyncSlotwiseClient,
+        media: MediaPolicy,
+        model: str,
+        thinking: Thinking = Thinking(),
+    ):
+        self.client, self.media, self.model, self.thinking = client, media, model, thinking
 
     async def create(self, body: MessagesRequest) -> Response:
-        if body.thinking not in (None, {"type": "disabled"}):
-            raise refuse("thinking")
+        thinking = _thinking(self.thinking, body)
         o = body.slotwise
         out = body.output_config or {}
         if out.get("effort") is not None or set(out) - {"effort", "format"}:
@@ -238,11 +263,12 @@ class Messages:
             constraint_param="output_config.format",
             session_id=o.session_id,
             cache_salt=o.cache_salt,
+            thinking=thinking,
         )
         turn, _ = await start_turn(self.client, req)
         mid = f"msg_{uuid.uuid4().hex}"
         if body.stream:
-            return sse.response(self._stream(turn.events(), mid))
+            return sse.response(self._stream(turn.events(), mid, turn.admitted))
         return JSONResponse(self._message(mid, await turn.whole()))
 
     async def count_tokens(self, body: CountRequest) -> dict[str, int]:
@@ -252,7 +278,9 @@ class Messages:
 
     def _message(self, mid: str, end: TurnEnd) -> dict[str, Any]:
         content: list[dict[str, Any]] = []
-        if end.content or not end.calls:
+        if end.reasoning is not None:  # (first, as Anthropic's; no signature here)
+            content.append({"type": "thinking", "thinking": end.reasoning, "signature": ""})
+        if end.content or not (end.calls or end.reasoning is not None):
             content.append({"type": "text", "text": end.content})
         content += [_tool_use(c) for c in end.calls]
         stop_reason, stop_sequence = _stop(end)
@@ -268,8 +296,10 @@ class Messages:
         }
 
     async def _stream(
-        self, events: AsyncIterator[Text | TurnEnd], mid: str
+        self, events: AsyncIterator[Text | TurnEnd], mid: str, admitted: Started | None = None
     ) -> AsyncGenerator[str, None]:
+        # the prompt's tokens are known at admission (llama-server's message_start has them)
+        fresh = admitted.num_prompt_cells - admitted.num_reused_cells if admitted else 0
         start: dict[str, Any] = {
             "id": mid,
             "type": "message",
@@ -278,13 +308,27 @@ class Messages:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": {"input_tokens": fresh, "output_tokens": 0},
         }
         yield sse.event("message_start", message=start)
-        text_open = False
+        text_open = thinking_open = False
         index = 0
         try:
             async for e in events:
+                if isinstance(e, Text) and e.reasoning:
+                    if not thinking_open:
+                        opening = {"type": "thinking", "thinking": "", "signature": ""}
+                        yield sse.event("content_block_start", index=index, content_block=opening)
+                        thinking_open = True
+                    yield sse.event(
+                        "content_block_delta",
+                        index=index,
+                        delta={"type": "thinking_delta", "thinking": e.reasoning},
+                    )
+                if thinking_open and (not isinstance(e, Text) or e.text):
+                    yield sse.event("content_block_stop", index=index)
+                    index += 1
+                    thinking_open = False
                 if isinstance(e, Text):
                     if not e.text:
                         continue

@@ -22,7 +22,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -33,20 +32,22 @@ from clients.client import AsyncSlotwiseClient, SlotwiseError
 from clients.gateway import anthropic_api, llama_server_api, media, openai_api
 from clients.gateway.anthropic_api import CountRequest, Messages, MessagesRequest
 from clients.gateway.bodies import BodyError, BoundedRoute
+from clients.gateway.cors import Cors
 from clients.gateway.errors import (
     ApiError,
     bad_request,
+    call,
     check_message_count,
     from_slotwise,
     invalid,
 )
-from clients.gateway.llama_options import native_error, read_body
+from clients.gateway.llama_options import Settings, native_error, read_body
 from clients.gateway.llama_server_api import DEFAULT_MAX_COMPLETIONS, LlamaServer
 from clients.gateway.llama_slots import Slots
 from clients.gateway.media import MediaPolicy
 from clients.gateway.responses_api import Responses, ResponsesRequest
 from clients.gateway.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from clients.gateway.turns import conversation_key
+from clients.gateway.turns import Thinking, conversation_key
 from clients.gateway.ui_api import add_ui, is_open_path
 from slotwise_core.keys import Keys, bearer, callers, reload_on_sighup
 from slotwise_core.limits import DEFAULT_MAX_MESSAGES
@@ -75,6 +76,19 @@ class GatewayConfig:
     max_messages: int = DEFAULT_MAX_MESSAGES  # a chat's (400 beyond, before any is read)
     # generations one /completion starts (its prompts x n_cmpl): 400 beyond, before any starts
     max_completions: int = DEFAULT_MAX_COMPLETIONS
+    # a reasoning model's thoughts: --reasoning-format, --reasoning-budget(-message),
+    # --chat-template-kwargs and --reasoning (what a request leaves unset)
+    thinking: Thinking = field(default_factory=Thinking)
+    # llama-server's: --no-slots (GET /slots is a 501), --alias and --tags (/v1/models),
+    # --verbose (__verbose in chat completions)
+    slots_endpoint: bool = True
+    model_aliases: tuple[str, ...] = ()
+    model_tags: tuple[str, ...] = ()
+    verbose_replies: bool = False
+    # a native /completion's defaults (llama-server's --temp, --seed), and /props' model_path
+    default_temperature: float | None = None
+    default_seed: int | None = None
+    model_path: str = ""
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -101,13 +115,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     # Content-Length is checked in `edge`, first: this middleware would answer that in plain text
     app.add_middleware(RequestBodyLimitMiddleware, max_body_size=config.max_body_bytes)
     if config.cors_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(config.cors_origins),
-            allow_methods=["*"],
-            allow_headers=["*"],
-            expose_headers=["x-slotwise-warning", "retry-after"],
-        )
+        app.add_middleware(Cors, origins=config.cors_origins)  # (llama-server's answers)
     registry = CollectorRegistry()
     registry.register(media.FETCHES)
     requests = Counter(
@@ -217,7 +225,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return register
 
     def model_name(name: str | None) -> str:
-        if config.strict_model_name and name != config.model_name:
+        known = (config.model_name, *config.model_aliases)
+        if config.strict_model_name and name not in known:
             raise ApiError(
                 404,
                 f"the model {name!r} does not exist here; this server has {config.model_name!r}",
@@ -242,7 +251,27 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @route("GET", "/models")
     async def models() -> dict[str, object]:
-        return {"object": "list", "data": [_model_card(config.model_name)]}
+        info = await call(client().model_info())
+        name = config.model_name
+        card = _model_card(name)
+        card["aliases"] = sorted({name, *config.model_aliases})
+        card["tags"] = sorted(set(config.model_tags))
+        multimodal = info.supports_vision or info.supports_audio
+        return {
+            # llama-server's list beside OpenAI's (Ollama's shape: the tools that read it)
+            "models": [
+                {
+                    "name": name, "model": name, "modified_at": "", "size": "", "digest": "",
+                    "type": "model", "description": "", "tags": card["tags"] or [""],
+                    "capabilities": ["completion", "multimodal"] if multimodal else ["completion"],
+                    "parameters": "",
+                    "details": {"parent_model": "", "format": "gguf", "family": "",
+                                "families": [""], "parameter_size": "", "quantization_level": ""},
+                }
+            ],
+            "object": "list",
+            "data": [card],
+        }  # fmt: skip
 
     @route("GET", "/models/{name}")
     async def model(name: str) -> dict[str, object]:
@@ -252,9 +281,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         check_message_count(len(body.messages), config.max_messages, "messages")
         name = model_name(body.model)
-        return await openai_api.chat_completion(client(), body, config.media, name)
+        return await openai_api.chat_completion(
+            client(), body, config.media, name, config.thinking, config.verbose_replies
+        )
 
-    @route("POST", "/completions")
+    # (/completions without /v1 is llama-server's alias of its native /completion)
+    @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest) -> Response:
         return await openai_api.completion(client(), body, model_name(body.model))
 
@@ -266,7 +298,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def create_response(body: ResponsesRequest) -> Response:
         if isinstance(body.input, list):
             check_message_count(len(body.input), config.max_messages, "input")
-        return await Responses(client(), config.media, model_name(body.model)).create(body)
+        return await Responses(
+            client(), config.media, model_name(body.model), config.thinking
+        ).create(body)
 
     @route("GET", "/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:
@@ -279,7 +313,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @route("POST", "/messages")
     async def messages(body: MessagesRequest) -> Response:
         check_message_count(len(body.messages), config.max_messages, "messages")
-        return await Messages(client(), config.media, model_name(body.model)).create(body)
+        return await Messages(
+            client(), config.media, model_name(body.model), config.thinking
+        ).create(body)
 
     @route("POST", "/messages/count_tokens")
     async def count_tokens(body: CountRequest) -> dict[str, int]:
@@ -299,12 +335,20 @@ def add_llama_server(
 ) -> None:
     """llama-server's native endpoints (llama_server_api.py), at its paths."""
     slots = Slots()
+    defaults = None
+    if config.default_temperature is not None or config.default_seed is not None:
+        defaults = Settings()
+        if config.default_temperature is not None:
+            defaults.temperature = config.default_temperature
+        if config.default_seed is not None:
+            defaults.seed = config.default_seed & 0xFFFFFFFF
 
     def native() -> LlamaServer:
         return LlamaServer(
             client(), model=config.model_name, media=config.media, slots=slots, ui=config.ui,
             cors=bool(config.cors_origins), max_messages=config.max_messages,
-            max_completions=config.max_completions,
+            max_completions=config.max_completions, defaults=defaults,
+            model_path=config.model_path, thinking=config.thinking,
         )  # fmt: skip
 
     def post(*paths: str) -> Callable[[Any], Any]:
@@ -315,7 +359,7 @@ def add_llama_server(
 
         return register
 
-    @post("/completion")
+    @post("/completion", "/completions")
     async def completion(request: Request) -> Response:
         return await native().completion(await read_body(request))
 
@@ -355,8 +399,20 @@ def add_llama_server(
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/lora-adapters")
+    async def lora_adapters() -> list[dict[str, Any]]:
+        return await native().lora_adapters()
+
+    @post("/lora-adapters")
+    async def set_lora_adapters(request: Request) -> dict[str, Any]:
+        return await native().set_lora_adapters(await request.body())
+
     @app.get("/slots")
     async def get_slots(request: Request) -> Response:
+        if not config.slots_endpoint:
+            raise native_error(
+                501, "This server does not support slots endpoint. Start it without `--no-slots`"
+            )
         return await native().get_slots(bool(request.query_params.get("fail_on_no_slot")))
 
     @post("/slots/{id_slot}")

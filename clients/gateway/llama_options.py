@@ -3,12 +3,13 @@ a /completion asks for (Settings), with its error words.
 
 Bodies are read by hand, not by a schema, so that a field of the wrong JSON type is named as
 llama-server names it ("Field 'n_predict': type must be number, but is string"). The fields
-llama-server has and slotwise cannot honour (samplers it lacks, LoRA, ...) are refused by name
+llama-server has and slotwise cannot honour (samplers it lacks, ...) are refused by name
 unless they hold their no-op value, never ignored.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -181,6 +182,7 @@ class Settings:
     n_cmpl: int = 1
     response_fields: list[str] = field(default_factory=list)
     speculative: Speculative | None = None
+    lora: list[tuple[int, float]] = field(default_factory=list)  # (id, scale); []: the server's
     slotwise: SlotwiseOptions = field(default_factory=SlotwiseOptions)
 
     def sampling(self) -> dict[str, Any]:
@@ -269,7 +271,7 @@ class Settings:
             "timings_per_token": self.timings_per_token,
             "post_sampling_probs": False,
             "backend_sampling": False,
-            "lora": [],
+            "lora": [{"id": i, "scale": f32(s)} for i, s in self.lora],
         }
         return p
 
@@ -335,6 +337,25 @@ def bias_texts(value: Any) -> list[str]:
     return [p[0] for p in pairs if isinstance(p, list) and p and isinstance(p[0], str)]
 
 
+def lora_of(value: Any) -> list[tuple[int, float]]:
+    """`lora`: [{"id": 0, "scale": 0.7}, ...] (the adapters not listed at 0; none: the server's
+    scales), as llama-server reads it, each entry's fields of their types."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad("Field 'lora': Error: 'lora' must be an array of objects with 'id' and "
+                  "'scale' fields")  # fmt: skip
+    out = []
+    for entry in value:
+        if not isinstance(entry, dict):
+            raise bad("lora: each entry is an object with 'id' and 'scale' fields")
+        i = get(entry, "id", "integer", -1)
+        if i < 0:
+            raise bad("lora: each entry names an adapter by its 'id' (GET /lora-adapters)")
+        out.append((i, get(entry, "scale", "number", 0.0)))
+    return sorted(dict(out).items())  # (by id, the last of an id's entries: llama-server's map)
+
+
 def n_cmpl_of(body: dict[str, Any]) -> int:
     """The completions each prompt asks for (read before any prompt is: they are bounded
     together)."""
@@ -344,9 +365,11 @@ def n_cmpl_of(body: dict[str, Any]) -> int:
     return int(n)
 
 
-def settings_of(body: dict[str, Any], tokenized: dict[str, list[int]]) -> Settings:
-    """A /completion body's options, with llama-server's defaults; refused by name when
-    slotwise cannot honour them."""
+def settings_of(
+    body: dict[str, Any], tokenized: dict[str, list[int]], defaults: Settings | None = None
+) -> Settings:
+    """A /completion body's options, with llama-server's defaults (or the server's: its
+    --temp and --seed); refused by name when slotwise cannot honour them."""
     for name, neutral in _ABSENT_SAMPLERS.items():
         value = get(body, name, "number", neutral)
         if value != neutral and not (name == "top_n_sigma" and value <= 0):
@@ -359,8 +382,6 @@ def settings_of(body: dict[str, Any], tokenized: dict[str, list[int]]) -> Settin
         and get(body, "xtc_threshold", "number", 0.1) <= 0.5
     ):
         raise bad("xtc_probability is not supported here: slotwise has no XTC sampler")
-    if get(body, "lora", "array", []):
-        raise bad("lora is not supported here: slotwise serves the model without adapters")
     if get(body, "post_sampling_probs", "boolean", False):
         raise bad(
             "post_sampling_probs is not supported here: slotwise gives the model's own "
@@ -368,7 +389,7 @@ def settings_of(body: dict[str, Any], tokenized: dict[str, list[int]]) -> Settin
         )
     if get(body, "min_keep", "integer", 0) > 1:
         raise bad("min_keep above 1 is not supported here")
-    s = Settings()
+    s = copy.deepcopy(defaults) if defaults is not None else Settings()
     n_predict = get(body, "n_predict", "integer", get(body, "max_tokens", "integer", -1))
     s.n_predict = n_predict if n_predict >= 0 else -1
     if s.n_predict > MAX_TOKENS:
@@ -382,7 +403,8 @@ def settings_of(body: dict[str, Any], tokenized: dict[str, list[int]]) -> Settin
     s.presence_penalty = get(body, "presence_penalty", "number", s.presence_penalty)
     s.frequency_penalty = get(body, "frequency_penalty", "number", s.frequency_penalty)
     seed = get(body, "seed", "integer", -1, bits=64)
-    s.seed = RANDOM_SEED if seed in (-1, RANDOM_SEED) else seed & 0xFFFFFFFF
+    if seed != -1 or defaults is None:
+        s.seed = RANDOM_SEED if seed in (-1, RANDOM_SEED) else seed & 0xFFFFFFFF
     stop = get(body, "stop", "array", [])
     if not all(isinstance(x, str) for x in stop):
         raise bad("Field 'stop': type must be array of strings")
@@ -409,6 +431,7 @@ def settings_of(body: dict[str, Any], tokenized: dict[str, list[int]]) -> Settin
     if "logit_bias" in body and body["logit_bias"] is not None:
         s.logit_bias = _logit_bias(body["logit_bias"], tokenized)
     s.speculative = speculative_of(body.get("speculative"), body)
+    s.lora = lora_of(body.get("lora"))
     try:
         s.slotwise = SlotwiseOptions.model_validate(body.get("slotwise") or {})
     except ValidationError as e:

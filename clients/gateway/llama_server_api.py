@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from clients.client import (
     AsyncSlotwiseClient,
     FinishReason,
+    LoraAdapter,
     Message,
     ModelInfo,
     Prepared,
@@ -39,6 +40,7 @@ from clients.client import (
     TokenLogprobs,
 )
 from clients.gateway import options, sse
+from clients.gateway.bodies import parse
 from clients.gateway.choices import choices, interleaved, start_all, wholes
 from clients.gateway.errors import (
     ApiError,
@@ -54,6 +56,7 @@ from clients.gateway.llama_options import (
     bad,
     bias_texts,
     get,
+    lora_of,
     n_cmpl_of,
     native_error,
     settings_of,
@@ -73,6 +76,7 @@ from clients.gateway.turns import (
     Progress,
     StreamClock,
     Text,
+    Thinking,
     Turn,
     TurnEnd,
     TurnRequest,
@@ -88,10 +92,11 @@ BUILD_INFO = SYSTEM_FINGERPRINT
 # the paths whose errors come in llama-server's shape (and /slots/{id})
 NATIVE_PATHS = frozenset(
     {
-        "/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props",
-        "/slots", "/embedding", "/rerank", "/reranking", "/v1/rerank", "/v1/reranking",
+        "/completion", "/completions", "/infill", "/tokenize", "/detokenize", "/apply-template",
+        "/props", "/slots", "/embedding", "/rerank", "/reranking", "/v1/rerank", "/v1/reranking",
         "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
         "/responses/input_tokens", "/v1/responses/input_tokens", "/v1/health",
+        "/lora-adapters",
     }
 )  # fmt: skip
 
@@ -213,10 +218,16 @@ class LlamaServer:
         cors: bool,
         max_messages: int = DEFAULT_MAX_MESSAGES,
         max_completions: int = DEFAULT_MAX_COMPLETIONS,
+        defaults: Settings | None = None,
+        model_path: str = "",
+        thinking: Thinking = Thinking(),
     ):
         self.client, self.model, self.media, self.slots = client, model, media, slots
         self.ui, self.cors = ui, cors
         self.max_messages, self.max_completions = max_messages, max_completions
+        # a /completion's defaults (the server's --temp and --seed), the model file's path
+        self.defaults, self.model_path = defaults, model_path
+        self.thinking = thinking  # (the template's variables: --chat-template-kwargs, ...)
 
     async def info(self) -> ModelInfo:
         return await call(self.client.model_info())
@@ -327,11 +338,12 @@ class LlamaServer:
             messages, body.get("continue_final_message"), body.get("add_generation_prompt", True)
         )
         chat = await chat_messages(messages, self.media)
+        kwargs = options.thinking_of(self.thinking, body).kwargs  # (chat_template_kwargs, ...)
         if continued:
-            return await prefilled(self.client, chat)
+            return await prefilled(self.client, chat, template_kwargs=kwargs)
         if body.get("add_generation_prompt") is False:
             raise bad("add_generation_prompt false: slotwise writes the generation prompt")
-        return await call(self.client.prepare(chat))
+        return await call(self.client.prepare(chat, template_kwargs=kwargs))
 
     async def apply_template(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"prompt": (await self.chat_prompt(body)).rendered_text}
@@ -387,7 +399,7 @@ class LlamaServer:
             self._check_fan_out(len(values), n_cmpl_of(body))
             info = await self.info()
             prompts = [await self.prompt(p, info) for p in values]
-        s = settings_of(body, await self._bias_texts(body.get("logit_bias")))
+        s = settings_of(body, await self._bias_texts(body.get("logit_bias")), self.defaults)
         runs = [
             _Run(i * s.n_cmpl + j, p, s, req)
             for i, p in enumerate(prompts)
@@ -442,7 +454,26 @@ class LlamaServer:
             cache_salt=o.cache_salt if s.cache_prompt else f"no-cache-{uuid.uuid4().hex}",
             speculative=s.speculative,
             ignore_eos=s.ignore_eos,  # (every end-of-generation token, banned by the engine)
+            lora=s.lora,
         )
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+
+    async def lora_adapters(self) -> list[dict[str, Any]]:
+        """GET /lora-adapters: the adapters infer loaded, with the scales the caller's
+        requests get when they name none (its tenant's)."""
+        return [_lora_json(a) for a in await call(self.client.lora_adapters())]
+
+    async def set_lora_adapters(self, raw: bytes) -> dict[str, Any]:
+        """POST /lora-adapters: [{"id", "scale"}, ...], the adapters not listed at 0."""
+        try:
+            body = parse(raw) if raw.strip() else None
+        except json.JSONDecodeError as e:
+            raise bad(f"the body is not JSON: {e}") from None
+        if not isinstance(body, list):
+            raise bad("Request body must be an array")
+        await call(self.client.set_lora_scales(lora_of(body)))
+        return {"success": True}
 
     async def _respond(self, runs: list[_Run]) -> Response:
         turns = await start_all(self.client, [r.request for r in runs])
@@ -545,13 +576,13 @@ class LlamaServer:
         token = dict(zip(pieces, (_text(p) for p in named), strict=True))
         return {
             "default_generation_settings": {
-                "params": Settings().params(full=False),
+                "params": (self.defaults or Settings()).params(full=False),
                 "n_ctx": server.num_cells_per_slot,
             },
             "total_slots": server.num_slots,
             "model_alias": self.model,
             "model_ftype": "",
-            "model_path": info.model_description,
+            "model_path": self.model_path or info.model_description,
             "modalities": {
                 "vision": info.supports_vision,
                 "video": False,
@@ -804,6 +835,16 @@ class _Run:
         if self.settings.timings_per_token:
             chunk["timings"] = clock.timings(cache, processed - cache, 0)
         return chunk
+
+
+def _lora_json(a: LoraAdapter) -> dict[str, Any]:
+    return {
+        "id": a.id,
+        "path": a.path,
+        "scale": a.scale,
+        "task_name": a.task_name,
+        "prompt_prefix": a.prompt_prefix,
+    }
 
 
 def _stop_type(end: TurnEnd) -> str:

@@ -21,7 +21,7 @@ import contextlib
 import struct
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -61,6 +61,7 @@ from clients.gateway.turns import (
     Progress,
     StreamClock,
     Text,
+    Thinking,
     Turn,
     TurnEnd,
     TurnRequest,
@@ -195,6 +196,10 @@ def speculative_of(body: SamplingRequest) -> Speculative | None:
     return options.speculative_of(nested, body.model_extra or {})  # (the flat keys are extra)
 
 
+def lora_of(body: SamplingRequest) -> list[tuple[int, float]]:
+    return [(x.id, x.scale) for x in body.lora or ()]
+
+
 # -- a chat as llama-server takes it ------------------------------------------------------------
 
 
@@ -258,12 +263,17 @@ def with_tokens(prepared: Prepared, ids: Sequence[int], message_index: int) -> P
 
 
 async def prefilled(
-    client: AsyncSlotwiseClient, messages: Sequence[Message], tools: ToolOptions | None = None
+    client: AsyncSlotwiseClient,
+    messages: Sequence[Message],
+    tools: ToolOptions | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> Prepared:
     """The chat up to its last message, as the template writes it with the generation prompt,
     and then the last (assistant) message's text: the reply goes on from there."""
     with translated():
-        head = await client.prepare(list(messages[:-1]), tools=tools)
+        head = await client.prepare(
+            list(messages[:-1]), tools=tools, template_kwargs=template_kwargs
+        )
         text = messages[-1].text
         ids = (await client.tokenize(text)).token_ids if text else ()
     return replace(
@@ -275,9 +285,15 @@ async def prefilled(
 
 
 async def chat_completion(
-    client: AsyncSlotwiseClient, body: ChatCompletionRequest, media: MediaPolicy, model: str
+    client: AsyncSlotwiseClient,
+    body: ChatCompletionRequest,
+    media: MediaPolicy,
+    model: str,
+    thinking: Thinking = Thinking(),
+    verbose: bool = False,
 ) -> Response:
     check_body(body)
+    thinking = options.thinking_of(thinking, body.model_extra or {})
     check_messages(body.messages)
     extra = body.model_extra or {}
     continued = not body.slotwise.session_id and continuation(
@@ -292,8 +308,14 @@ async def chat_completion(
     prompt: list[Message] | Prepared = messages
     prefix = ""
     if continued:
-        prompt = await prefilled(client, messages, tools)
+        prompt = await prefilled(client, messages, tools, thinking.kwargs)
         prefix = messages[-1].text
+        if keep.cells is None and messages[0].role == "system":
+            keep = Keep(system_cells(prompt))
+    verbose = extra.get("verbose", verbose) is True  # llama-server's: the prompt in __verbose
+    if verbose and not continued and not body.slotwise.session_id:
+        with translated():  # prepared here, as start_turn would, to show what it became
+            prompt = await client.prepare(messages, tools=tools, template_kwargs=thinking.kwargs)
         if keep.cells is None and messages[0].role == "system":
             keep = Keep(system_cells(prompt))
     req = TurnRequest(
@@ -312,8 +334,12 @@ async def chat_completion(
         cache_salt=body.salt,
         speculative=speculative_of(body),
         note=_note(body.slotwise.note),
+        lora=lora_of(body),
+        thinking=thinking,
     )
     reply = _Chat(client, model, chat=True, body=body, prefix=prefix)
+    if verbose and isinstance(prompt, Prepared):
+        reply.verbose_prompt = prompt.rendered_text
     return await _respond(client, body, req, reply)
 
 
@@ -333,6 +359,7 @@ async def completion(client: AsyncSlotwiseClient, body: CompletionRequest, model
         top_logprobs=body.logprobs or 0,
         cache_salt=body.salt,
         speculative=speculative_of(body),
+        lora=lora_of(body),
     )
     if body.slotwise.session_id:
         raise refuse("slotwise.session_id", "goes with chat completions")
@@ -380,6 +407,7 @@ class _Chat:
         self.per_token, self.progress = body.timings_per_token, body.return_progress
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.verbose_prompt: str | None = None  # llama-server's __verbose, when asked for
 
     def _frame(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -399,7 +427,9 @@ class _Chat:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": ends[0].num_reused_cells if ends else 0},
-            "completion_tokens_details": {"reasoning_tokens": 0},
+            "completion_tokens_details": {
+                "reasoning_tokens": sum(e.num_reasoning_tokens for e in ends)
+            },
             "slotwise": ends[0].slotwise_usage() if ends else {},
         }
 
@@ -414,6 +444,8 @@ class _Chat:
                     "content": content if content or not end.calls else None,
                     "refusal": None,
                 }
+                if end.reasoning is not None:  # (llama-server's key, where there are thoughts)
+                    message["reasoning_content"] = end.reasoning
                 if end.calls:
                     message["tool_calls"] = [_tool_call(c) for c in end.calls]
                 choice["message"] = message
@@ -424,7 +456,24 @@ class _Chat:
             choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
         out = {**self._frame(kind, choices), "usage": self.usage(ends)}
+        if self.verbose_prompt is not None and ends:
+            out["__verbose"] = self._verbose(ends[0])
         return {**out, "timings": ends[0].timings()} if ends else out
+
+    def _verbose(self, end: TurnEnd) -> dict[str, Any]:
+        """llama-server's __verbose: the first choice as its native API gives it, with the
+        prompt as the chat template wrote it."""
+        return {
+            "index": 0,
+            "content": self.prefix + end.content,
+            "tokens": list(end.token_ids),
+            "model": self.model,
+            "prompt": self.verbose_prompt,
+            "tokens_predicted": end.num_completion_tokens,
+            "tokens_evaluated": end.num_prompt_cells,
+            "tokens_cached": end.num_reused_cells,
+            "timings": end.timings(),
+        }
 
     def _chunk(
         self,
@@ -475,7 +524,7 @@ class _Chat:
             waiting = list(range(len(turns))) if self.chat and self.progress else []
             if self.chat and not self.progress:
                 for i in range(len(turns)):
-                    yield sse.data(self._chunk(i, {"role": "assistant", "content": ""}))
+                    yield sse.data(self._chunk(i, {"role": "assistant", "content": None}))
             events = interleaved([self._tokens(t) for t in turns])
             async with contextlib.aclosing(events):
                 async for i, event in events:
@@ -501,8 +550,11 @@ class _Chat:
                             lp = (_chat_logprobs if self.chat else _completion_logprobs)(
                                 list(event.logprobs)
                             )
-                        if event.text or lp:
-                            chunk = self._chunk(i, {"content": event.text}, logprobs=lp)
+                        delta = {"reasoning_content": event.reasoning} if event.reasoning else {}
+                        if event.text or (lp and not delta):
+                            delta["content"] = event.text
+                        if delta or lp:
+                            chunk = self._chunk(i, delta, logprobs=lp)
                             if self.per_token:
                                 chunk["timings"] = clocks[i].timings(
                                     cache, total - cache, generated[i]

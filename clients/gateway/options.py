@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from clients.client import Constraint, SpecType, Speculative, Tool, ToolChoice, ToolOptions
 from clients.gateway.errors import ApiError, bad_request, invalid
 from clients.gateway.schema import SlotwiseOptions, SpeculativeOptions
-from clients.gateway.turns import Keep
+from clients.gateway.turns import Keep, Thinking
+from slotwise_core.limits import MAX_TOKENS
 
 
 def context_of(o: SlotwiseOptions, truncate: bool | None = None) -> dict[str, Any]:
@@ -111,3 +112,58 @@ def speculative_of(nested: Any, body: Mapping[str, Any]) -> Speculative | None:
         o.type or SpecType.UNSPECIFIED, o.n_max, o.n_min, o.p_min, o.ngram_size_n, o.ngram_size_m,
         o.ngram_min_hits,
     )  # fmt: skip
+
+
+REASONING_FORMATS = ("none", "deepseek", "deepseek-legacy", "auto")  # (auto: deepseek)
+
+
+def reasoning_format(value: object, param: str = "reasoning_format") -> str:
+    if value not in REASONING_FORMATS:
+        raise bad_request(f"{param}: one of {', '.join(REASONING_FORMATS)}", param)
+    return "deepseek" if value == "auto" else str(value)
+
+
+def reasoning_budget(value: object, param: str) -> int | None:
+    """A budget of thought tokens: -1 (or None) is none."""
+    if value is None or value == -1:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS:
+        raise bad_request(f"{param}: -1 (none) or 0 to {MAX_TOKENS} tokens", param)
+    return value
+
+
+def thinking_of(server: Thinking, body: Mapping[str, Any], asked: str = "") -> Thinking:
+    """A reasoning model's options in llama-server's body fields over the server's flags:
+    reasoning_format, chat_template_kwargs (over --chat-template-kwargs), reasoning_effort
+    ("none": enable_thinking false; else the template's reasoning_effort),
+    reasoning_budget_tokens (or thinking_budget_tokens, or reasoning_budget; -1: the
+    server's) and reasoning_budget_message. `asked`: the API's own parameter that asked for
+    thoughts (Anthropic's thinking), refused on a model without them."""
+    fmt = server.format
+    if body.get("reasoning_format") is not None:
+        fmt = reasoning_format(body["reasoning_format"])
+    kwargs = dict(server.kwargs)
+    given = body.get("chat_template_kwargs")
+    if given is not None:
+        if not isinstance(given, dict):
+            raise bad_request("chat_template_kwargs: give an object", "chat_template_kwargs")
+        kwargs |= given
+    effort = body.get("reasoning_effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad_request("reasoning_effort: give a string", "reasoning_effort")
+    if effort == "none":
+        kwargs["enable_thinking"] = False
+        kwargs.pop("reasoning_effort", None)
+    elif effort:
+        kwargs["reasoning_effort"] = effort
+    budget = server.budget
+    for name in ("reasoning_budget_tokens", "thinking_budget_tokens", "reasoning_budget"):
+        if body.get(name) is not None:
+            own = reasoning_budget(body[name], name)
+            budget = own if own is not None else server.budget
+            asked = asked or (name if own is not None else "")
+            break
+    message = body.get("reasoning_budget_message", server.message)
+    if not isinstance(message, str):
+        raise bad_request("reasoning_budget_message: give a string", "reasoning_budget_message")
+    return Thinking(fmt, budget, message, kwargs, asked)

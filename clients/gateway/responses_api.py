@@ -19,6 +19,7 @@ slotwise continues it where it stands (branching from an older response is refus
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -37,6 +38,7 @@ from clients.client import (
     Constraint,
     Message,
     Prepared,
+    Reasoning,
     SlotwiseError,
     TokenLogprobs,
     Tool,
@@ -52,7 +54,8 @@ from clients.gateway.media import MediaPolicy, check_images, image_bytes
 from clients.gateway.openai_api import token_logprobs
 from clients.gateway.schema import SlotwiseOptions
 from clients.gateway.sounds import audio_part
-from clients.gateway.turns import Text, TurnEnd, TurnRequest, refuse, start_turn
+from clients.gateway.turns import Text, Thinking, TurnEnd, TurnRequest, refuse, start_turn
+from clients.reasoning import split_thoughts
 from clients.tool_calls import parse_reply
 from slotwise_core.limits import MAX_TOKENS, MAX_TOP_LOGPROBS, MAX_TURN_NOTE
 
@@ -114,9 +117,14 @@ class ResponsesRequest(_Open):
     slotwise: SlotwiseOptions = Field(default_factory=SlotwiseOptions)
 
     def unsupported(self) -> str | None:
-        for name in ("reasoning", "conversation", "prompt"):
+        for name in ("conversation", "prompt"):
             if getattr(self, name) not in (None, {}):
                 return name
+        r = self.reasoning
+        if r not in (None, {}) and (
+            not isinstance(r, dict) or set(r) - {"effort", "summary"} or r.get("summary")
+        ):
+            return "reasoning"  # (its effort only: a model here writes no summaries)
         if self.background:
             return "background"
         if set(self.include or ()) - {"message.output_text.logprobs"}:
@@ -228,8 +236,14 @@ def _digest(value: object) -> str:
 
 
 class Responses:
-    def __init__(self, client: AsyncSlotwiseClient, media: MediaPolicy, model: str):
-        self.client, self.media, self.model = client, media, model
+    def __init__(
+        self,
+        client: AsyncSlotwiseClient,
+        media: MediaPolicy,
+        model: str,
+        thinking: Thinking = Thinking(),
+    ):
+        self.client, self.media, self.model, self.thinking = client, media, model, thinking
 
     async def create(self, body: ResponsesRequest) -> Response:
         name = body.unsupported()
@@ -265,6 +279,7 @@ class Responses:
 
         def note(prepared: Prepared) -> bytes:
             fmt = prepared.tool_format if prepared.tool_constraint else ToolFormat.UNSPECIFIED
+            r = prepared.reasoning if thinking.apart else None
             # what cannot change along a chain is kept once, by its first response
             lean = [k for k in _CHAIN_FIXED if turn > 1 and shell[k]]
             shown = {k: v for k, v in shell.items() if k not in lean}
@@ -274,6 +289,7 @@ class Responses:
                 "context_cells": before,
                 "settings": settings,
                 "tool_format": fmt.value,
+                **({"reasoning": dataclasses.asdict(r)} if r is not None else {}),
             }
             data = json.dumps(kept).encode()
             if len(data) > _MAX_NOTE:  # (a large tool list: GET shows none)
@@ -281,6 +297,13 @@ class Responses:
             return data
 
         o = body.slotwise
+        # reasoning.effort as llama-server takes it (reasoning_effort: "none" turns thinking
+        # off), and its body fields (chat_template_kwargs, reasoning_budget_tokens, ...)
+        effort = (body.reasoning or {}).get("effort")
+        fields = {**(body.model_extra or {}), **({"reasoning_effort": effort} if effort else {})}
+        thinking = options.thinking_of(self.thinking, fields)
+        if body.reasoning:
+            thinking = dataclasses.replace(thinking, asked="reasoning")
         req = TurnRequest(
             messages,
             max_tokens=body.max_output_tokens,
@@ -298,6 +321,7 @@ class Responses:
             expect_turns=expect if body.store else None,
             cache_salt=o.cache_salt,
             note=note if body.store else None,
+            thinking=thinking,
         )
         new_chain = req.create_session
         try:
@@ -319,8 +343,9 @@ class Responses:
             raise
         usage = _usage(end, before)
         out = self._finished(
-            shell, rid, end.content, _ids(end.calls, rid), usage, end.finish_reason, end.logprobs
-        )
+            shell, rid, end.content, _ids(end.calls, rid), usage, end.finish_reason, end.logprobs,
+            end.reasoning,
+        )  # fmt: skip
         headers = {"x-slotwise-warning": end.warning} if end.warning else None
         return JSONResponse(out, headers=headers)
 
@@ -388,15 +413,19 @@ class Responses:
         for key in note.get("from_first", ()):
             shell[key] = first.get(key)
         fmt = ToolFormat(note.get("tool_format") or "unspecified")
-        reply = parse_reply(fmt, record.text) if fmt is not ToolFormat.UNSPECIFIED else None
-        content = reply.content if reply else record.text
+        text, thoughts = record.text, None
+        if isinstance(note.get("reasoning"), dict):  # (its thoughts apart, as it was answered)
+            split = split_thoughts(Reasoning(**note["reasoning"]), text)
+            text, thoughts = split.content, split.reasoning
+        reply = parse_reply(fmt, text) if fmt is not ToolFormat.UNSPECIFIED else None
+        content = reply.content if reply else text
         calls = _ids(reply.calls if reply else (), response_id)
         before = int(note.get("context_cells", 0))
         usage = _usage_of(
             record.num_prompt_cells, record.num_reused_cells, record.num_generated_tokens, before
         )
         finish = "tool_calls" if calls else ("length" if record.reason.value == "length" else "")
-        return self._finished(shell, response_id, content, calls, usage, finish)
+        return self._finished(shell, response_id, content, calls, usage, finish, (), thoughts)
 
     async def delete(self, response_id: str) -> dict[str, Any]:
         """Deletes the whole chain: its responses are turns of one session."""
@@ -447,9 +476,10 @@ class Responses:
         usage: dict[str, Any],
         finish: str,
         logprobs: Sequence[TokenLogprobs] = (),
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         out = {**shell, "status": "completed", "usage": usage}
-        out["output"] = _output(rid, content, calls, "completed", logprobs)
+        out["output"] = _output(rid, content, calls, "completed", logprobs, reasoning)
         if finish == "length":
             out["status"] = "incomplete"
             out["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -473,13 +503,26 @@ class Responses:
         msg_id = f"msg_{_hex(rid, 'message')}"
         at = {"item_id": msg_id, "output_index": 0, "content_index": 0}
         opened = False
+        thought = {"item_id": f"rs_{_hex(rid, 'reasoning')}", "output_index": 0, "content_index": 0}
+        thinking = False  # (a reasoning item is open: the message comes after it)
+        thoughts: list[str] = []
+
+        def close_thoughts() -> Iterator[str]:
+            """The reasoning item, done (before the message opens, or at the end)."""
+            nonlocal thinking
+            if thinking:
+                thinking, text = False, "".join(thoughts)
+                item = _output(rid, "", (), "completed", (), text)[0]
+                yield event("response.reasoning_text.done", **thought, text=text)
+                yield event("response.output_item.done", output_index=0, item=item)
 
         def open_message() -> Iterator[str]:
             nonlocal opened
+            yield from close_thoughts()
             opened = True
             item = {"type": "message", "id": msg_id, "status": "in_progress",
                     "role": "assistant", "content": []}  # fmt: skip
-            yield event("response.output_item.added", output_index=0, item=item)
+            yield event("response.output_item.added", output_index=at["output_index"], item=item)
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             yield event("response.content_part.added", **at, part=part)
 
@@ -488,6 +531,15 @@ class Responses:
         yield event("response.in_progress", response=shell)
         try:
             async for e in events:
+                if isinstance(e, Text) and e.reasoning:
+                    if not thinking:
+                        thinking, at["output_index"] = True, 1
+                        item = {"type": "reasoning", "id": thought["item_id"], "summary": [],
+                                "content": [], "encrypted_content": "",
+                                "status": "in_progress"}  # fmt: skip
+                        yield event("response.output_item.added", output_index=0, item=item)
+                    thoughts.append(e.reasoning)
+                    yield event("response.reasoning_text.delta", **thought, delta=e.reasoning)
                 if isinstance(e, Text):
                     if e.text:
                         if not opened:
@@ -497,8 +549,13 @@ class Responses:
                                     logprobs=token_logprobs(e.logprobs))  # fmt: skip
                     continue
                 full = self._finished(shell, rid, e.content, _ids(e.calls, rid),
-                                      _usage(e, before), e.finish_reason, e.logprobs)  # fmt: skip
+                                      _usage(e, before), e.finish_reason, e.logprobs,
+                                      e.reasoning)  # fmt: skip
                 for k, item in enumerate(full["output"]):
+                    if item["type"] == "reasoning":  # (a reply that is all thoughts)
+                        for line in close_thoughts():
+                            yield line
+                        continue
                     if item["type"] == "message":
                         if not opened:
                             for line in open_message():
@@ -507,7 +564,7 @@ class Responses:
                         yield event("response.output_text.done", **at, text=part["text"],
                                     logprobs=part["logprobs"])  # fmt: skip
                         yield event("response.content_part.done", **at, part=part)
-                        yield event("response.output_item.done", output_index=0, item=item)
+                        yield event("response.output_item.done", output_index=k, item=item)
                         continue
                     pending = {**item, "arguments": "", "status": "in_progress"}
                     call = {"item_id": item["id"], "output_index": k}
@@ -567,8 +624,20 @@ def _output(
     calls: Sequence[ToolCall],
     status: str,
     logprobs: Sequence[TokenLogprobs] = (),
+    reasoning: str | None = None,
 ) -> list[Any]:
     items: list[dict[str, Any]] = []
+    if reasoning is not None:  # (a reasoning model's thoughts, first: llama-server's item)
+        items.append(
+            {
+                "type": "reasoning",
+                "id": f"rs_{_hex(rid, 'reasoning')}",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": reasoning}],
+                "encrypted_content": "",
+                "status": status,
+            }
+        )
     if content or not calls:
         text = {"type": "output_text", "text": content, "annotations": [],
                 "logprobs": token_logprobs(logprobs)}  # fmt: skip
@@ -596,10 +665,15 @@ def _output(
 
 
 def _usage(end: TurnEnd, before: int) -> dict[str, Any]:
-    return _usage_of(end.num_prompt_cells, end.num_reused_cells, end.num_completion_tokens, before)
+    return _usage_of(
+        end.num_prompt_cells, end.num_reused_cells, end.num_completion_tokens, before,
+        end.num_reasoning_tokens,
+    )  # fmt: skip
 
 
-def _usage_of(prompt: int, reused: int, generated: int, before: int) -> dict[str, Any]:
+def _usage_of(
+    prompt: int, reused: int, generated: int, before: int, reasoning: int = 0
+) -> dict[str, Any]:
     """The whole context as input: what the chain's session held before the turn (all of it
     from the cache) and what the turn decoded."""
     new = prompt - reused if before else prompt
@@ -608,7 +682,7 @@ def _usage_of(prompt: int, reused: int, generated: int, before: int) -> dict[str
         "input_tokens": before + new,
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": generated,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": before + new + generated,
     }
 

@@ -143,6 +143,15 @@ class SpeculativeOptions(BaseModel):
     ngram_min_hits: int | None = Field(default=None, ge=1, lt=1 << 16)
 
 
+class LoraScale(BaseModel):
+    """llama-server's per-request LoRA adapter: its id (GET /lora-adapters) and scale."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: int = Field(ge=0, lt=1 << 31)
+    scale: float
+
+
 class SamplingRequest(_Open):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
@@ -167,6 +176,8 @@ class SamplingRequest(_Open):
     speculative: SpeculativeOptions | None = None
     timings_per_token: bool = False  # llama-server's: timings in every streamed chunk
     return_progress: bool = False  # llama-server's: the prompt's progress in the stream
+    # llama-server's: LoRA adapters by id, those not listed at 0 (none: the server's scales)
+    lora: list[LoraScale] | None = None
     slotwise: SlotwiseOptions = Field(default_factory=SlotwiseOptions)
 
     @property

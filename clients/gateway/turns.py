@@ -12,7 +12,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
@@ -28,6 +28,8 @@ from clients.client import (
     Persistence,
     Prefill,
     Prepared,
+    Reasoning,
+    ReasoningOptions,
     Shift,
     SlotwiseError,
     Speculative,
@@ -38,6 +40,7 @@ from clients.client import (
     ToolOptions,
 )
 from clients.gateway.errors import ApiError, bad_request, from_slotwise
+from clients.reasoning import ThoughtStream
 from clients.tool_calls import ReplyStream
 
 _SAVED = {Persistence.SAVED: True, Persistence.NOT_SAVED: False}  # else: not a session turn
@@ -48,6 +51,27 @@ class Keep:
     """What a request pins: a number of cells, or the system message (the default)."""
 
     cells: int | None = None  # None: the system message's cells, when the chat begins with one
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """What a request asks of a reasoning model's thoughts: where they go (`format`,
+    llama-server's reasoning_format: deepseek, or deepseek-legacy, which this llama-server
+    answers alike, puts them apart; none leaves them in the content, the generation prompt's
+    start in front), a budget of thought tokens (None: none) ended by `message` and the
+    template's end, and the template's variables (chat_template_kwargs: enable_thinking,
+    ...). `asked`: the request's own parameter asking for thoughts, refused (naming it) on a
+    model whose template writes none; the rest is a reasoning model's only."""
+
+    format: str = "deepseek"
+    budget: int | None = None
+    message: str = ""
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    asked: str = ""
+
+    @property
+    def apart(self) -> bool:
+        return self.format != "none"
 
 
 @dataclass
@@ -71,16 +95,20 @@ class TurnRequest:
     cache_salt: str = ""  # KV reused only between requests of the same salt (and tenant)
     speculative: Speculative | None = None  # drafts verified in the batch (None: the server's)
     ignore_eos: bool = False  # end-of-generation tokens are never sampled
+    lora: Sequence[tuple[int, float]] = ()  # LoRA adapter (id, scale); (): the server's scales
     note: Callable[[Prepared], bytes] | None = None  # a session turn's note, once prepared
+    thinking: Thinking = Thinking()  # a reasoning model's thoughts
 
 
 @dataclass
 class Text:
-    """Reply content as it streams (held back where tool calls may begin)."""
+    """Reply content as it streams (held back where tool calls may begin), and a reasoning
+    model's thoughts apart (`reasoning`)."""
 
     text: str
     logprobs: tuple[TokenLogprobs, ...] = ()
     token_ids: tuple[int, ...] = ()  # the tokens sampled (without tools: this text's)
+    reasoning: str = ""
 
 
 @dataclass
@@ -104,6 +132,8 @@ class TurnEnd:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # every token sampled
     media: list[dict[str, Any]] = field(default_factory=list)  # prompt_media: the turn's own
+    reasoning: str | None = None  # a reasoning model's thoughts, apart (None: none)
+    num_reasoning_tokens: int = 0  # the thoughts' tokens, their start and end included
 
     @property
     def finish_reason(self) -> str:
@@ -168,12 +198,26 @@ class TurnEnd:
 class Turn:
     """A started generation: `events()` yields Text and then one TurnEnd."""
 
-    def __init__(self, first: object, events: AsyncIterator[object], fmt: ToolFormat):
-        self._first, self._events = first, events
+    def __init__(
+        self,
+        first: object,
+        events: AsyncIterator[object],
+        fmt: ToolFormat,
+        reasoning: Reasoning | None = None,
+        thinking: Thinking = Thinking(),
+        client: AsyncSlotwiseClient | None = None,
+    ):
+        self._first, self._events, self._client = first, events, client
         self._reply = ReplyStream(fmt) if fmt is not ToolFormat.UNSPECIFIED else None
         self.end = TurnEnd("", (), "", None, None)
         self._pieces: list[str] = []  # what the model wrote
         self._shown: list[str] = []  # what of it was shown as content (joined at the end)
+        # thoughts apart, or (format none) in the content, after the thought the prompt opened
+        apart = reasoning is not None and thinking.apart
+        self._thoughts = ThoughtStream(reasoning) if reasoning is not None and apart else None
+        opened = reasoning is not None and reasoning.started and not apart
+        self._lead = reasoning.start + reasoning.opened_text if reasoning and opened else ""
+        self._content: list[str] = []  # the content before tools are read out of it
 
     async def events(self) -> AsyncIterator[Text | TurnEnd]:
         every = self.all_events()
@@ -189,9 +233,10 @@ class Turn:
         try:
             event: object | None = self._first
             while event is not None:
-                text = self._take(event)
-                if text is not None:
-                    yield text
+                for one in await self._tokens(event):
+                    text = self._take(one)
+                    if text is not None:
+                        yield text
                 event = await anext(self._events, None)
         except SlotwiseError as e:
             if not self._completed_despite(e):
@@ -200,6 +245,14 @@ class Turn:
             await self._events.aclose()  # type: ignore[attr-defined]
         end = self.end
         end.raw_text = "".join(self._pieces)
+        if self._thoughts is not None:
+            thought, rest = self._thoughts.finish()
+            self._content.append(rest)
+            last = self._reply.push(rest) if self._reply is not None else rest
+            self._shown.append(last)
+            if thought or last:
+                yield Text(last, reasoning=thought)
+            end.reasoning = self._thoughts.whole.reasoning
         if self._reply is not None:
             reply = self._reply.finish()
             shown = "".join(self._shown)
@@ -210,13 +263,29 @@ class Turn:
             elif reply.content:
                 yield Text(reply.content)
         else:
-            end.content = end.raw_text
+            end.content = "".join(self._content)
         yield end
+
+    async def _tokens(self, event: object) -> list[object]:
+        """A Delta of several tokens (sent together when the reader fell behind) as one a
+        token, where thoughts are read out of it: a thought ends at a token, and each token's
+        text is counted as the thoughts' or the content's (llama-server streams them so)."""
+        several = isinstance(event, Delta) and len(event.token_ids) > 1
+        if not several or self._thoughts is None or self._client is None:
+            return [event]
+        assert isinstance(event, Delta)
+        one = await per_token(self._client, Text(event.text, event.logprobs, event.token_ids))
+        return [Delta(t.token_ids, t.text, t.logprobs) for t in one]
 
     async def whole(self) -> TurnEnd:
         async for _ in self.events():
             pass
         return self.end
+
+    @property
+    def admitted(self) -> Started | None:
+        """The admission (the prompt's cells, those reused), known once start_turn returns."""
+        return self._first if isinstance(self._first, Started) else None
 
     async def close(self) -> None:
         """End the generation if it still runs (a client gone, another choice refused)."""
@@ -232,11 +301,20 @@ class Turn:
             self._pieces.append(event.text)
             end.logprobs.extend(event.logprobs)
             end.token_ids.extend(event.token_ids)
-            shown = self._reply.push(event.text) if self._reply is not None else event.text
+            text, thought = self._lead + event.text, ""
+            self._lead = ""
+            if self._thoughts is not None:
+                inside = self._thoughts.inside
+                thought, text = self._thoughts.push(text)
+                if inside or self._thoughts.inside:  # (a token that ends them is theirs)
+                    end.num_reasoning_tokens += len(event.token_ids)
+            self._content.append(text)
+            shown = self._reply.push(text) if self._reply is not None else text
             if self._reply is not None:
                 self._shown.append(shown)
-            if shown or event.logprobs or (self._reply is None and event.token_ids):
-                return Text(shown, event.logprobs, event.token_ids)
+            plain = self._reply is None and self._thoughts is None
+            if shown or thought or event.logprobs or (plain and event.token_ids):
+                return Text(shown, event.logprobs, event.token_ids, thought)
         elif isinstance(event, Shift):
             end.num_shifts += 1
             end.evicted_media.update(event.media_ids_evicted)
@@ -271,7 +349,9 @@ async def start_turn(client: AsyncSlotwiseClient, req: TurnRequest) -> tuple[Tur
             messages if messages is not None else req.prompt,  # type: ignore[arg-type]
             first_message=first,
             tools=tools,
+            template_kwargs=req.thinking.kwargs if messages is not None else None,
         )
+        reasoning = await reasoning_options(client, req.thinking, prepared)
         constraint = req.constraint
         if prepared.tool_constraint is not None:
             if constraint is not None:
@@ -301,6 +381,8 @@ async def start_turn(client: AsyncSlotwiseClient, req: TurnRequest) -> tuple[Tur
             cache_salt=req.cache_salt,
             speculative=req.speculative,
             ignore_eos=req.ignore_eos,
+            lora=req.lora or None,
+            reasoning=reasoning,
             **options,
         )
         try:
@@ -316,9 +398,26 @@ async def start_turn(client: AsyncSlotwiseClient, req: TurnRequest) -> tuple[Tur
     except (ValueError, TypeError) as e:  # a value the contract cannot carry
         raise bad_request(str(e)) from None
     fmt = prepared.tool_format if prepared.tool_constraint is not None else ToolFormat.UNSPECIFIED
-    turn = Turn(first_event, events, fmt)
+    turn = Turn(first_event, events, fmt, prepared.reasoning, req.thinking, client)
     turn.end.media = prompt_media(prepared)
     return turn, prepared
+
+
+async def reasoning_options(
+    client: AsyncSlotwiseClient, thinking: Thinking, prepared: Prepared
+) -> ReasoningOptions | None:
+    """The generation's thoughts, where the template writes them (a request that asked for
+    them of a model whose template writes none is refused, naming what it asked with)."""
+    reasoning = prepared.reasoning
+    if reasoning is None:
+        if thinking.asked:
+            raise refuse(thinking.asked, "needs a reasoning model: this model's chat template "
+                         "writes no thoughts")  # fmt: skip
+        return None
+    message: Sequence[int] = ()
+    if thinking.budget is not None and thinking.message:
+        message = (await client.tokenize(thinking.message, parse_special=True)).token_ids
+    return reasoning.options(thinking.budget, message)
 
 
 def _options(
@@ -364,7 +463,13 @@ async def _session_turn(
         return messages, 0
     replies = [i for i, m in enumerate(messages) if m.role == "assistant"]
     if replies:
-        return messages, replies[-1]
+        k, record = replies[-1], info.records[-1].text if info.records else ""
+        sent = messages[k].text
+        if sent and record != sent and record.endswith(sent) and not messages[k].tool_calls:
+            # (a reasoning model's reply, sent back without its thoughts: the session holds
+            # it as the model wrote it, which the turn repeats)
+            messages = [*messages[:k], Message.assistant(record), *messages[k + 1 :]]
+        return messages, k
     if not info.records:
         return messages, 0
     reply = Message.assistant(info.records[-1].text)
@@ -392,7 +497,7 @@ async def per_token(client: AsyncSlotwiseClient, text: Text) -> list[Text]:
     add up to the text (a stop string held back, a tool call, a character cut between two
     Texts), the text stays whole, with the last token."""
     ids = text.token_ids
-    if len(ids) < 2:
+    if len(ids) < 2 or text.reasoning:
         return [text]
     parts: list[str] = []
     try:

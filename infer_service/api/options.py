@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from infer_service.api.protobuf import GenerateLimits
 from infer_service.runner.cache_types import FLASH_ATTN, GGML_TYPES
+from infer_service.runner.lora import LoraFile, lora_files
 from infer_service.runner.runtime import RuntimeConfig
 from infer_service.sessions.session import SessionLimits
 from infer_service.spec.drafting import SpecConfig, SpecType
@@ -24,6 +26,32 @@ def nice_value(text: str) -> int:
     if not 0 <= n <= 19:
         raise argparse.ArgumentTypeError(f"must be within 0-19, got {n}")
     return n
+
+
+class LoraFlag(argparse.Action):
+    """`--lora` and `--lora-scaled` (comma-separated values too): each flag's files with
+    their place among both flags' (an adapter's id), as llama-server numbers them."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        try:
+            files = lora_files(str(values), scaled=bool(self.const))
+        except ValueError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        seen = getattr(namespace, "lora_flags_seen", 0)
+        namespace.lora_flags_seen = seen + len(files)
+        given = list(getattr(namespace, self.dest, None) or [])
+        setattr(namespace, self.dest, given + [(seen + k, f) for k, f in enumerate(files)])
+
+
+def lora_in_order(*flags: list[tuple[int, LoraFile]] | None) -> tuple[LoraFile, ...]:
+    """The adapters of both flags, in id order."""
+    return tuple(f for _, f in sorted(p for given in flags for p in given or ()))
 
 
 OPTIONS = (
@@ -62,6 +90,15 @@ OPTIONS = (
            help="with --model-draft: its cells' K type (-ctkd)"),
     option("--cache-type-v-draft", choices=list(GGML_TYPES), default="f16",
            help="with --model-draft: its cells' V type (-ctvd)"),
+    option("--lora", action=LoraFlag, const=False, default=None, metavar="FNAME",
+           help="a LoRA adapter to load with the model, at scale 1 (comma-separated values, or "
+           "the flag again, for several); adapters are numbered from 0 in the order --lora and "
+           "--lora-scaled give them"),
+    option("--lora-scaled", action=LoraFlag, const=True, default=None, metavar="FNAME:SCALE",
+           help="a LoRA adapter with its scale (FNAME:SCALE,...)"),
+    option("--lora-init-without-apply", action="store_true",
+           help="load the LoRA adapters at scale 0: requests name the ones they use (`lora`), "
+           "or POST /lora-adapters (LoraSetScales) sets the scales"),
     option("--batch-size", type=positive_int, default=_d.batch_size),
     option("--ubatch-size", type=positive_int, default=_d.ubatch_size),
     option("--gpu-layers", type=int, default=_d.gpu_layers, help="layers offloaded (CUDA builds)"),

@@ -39,6 +39,8 @@ from infer_service.events import (
 from infer_service.kv.ledger import ContextConfig, EvictionUnit, Policy
 from infer_service.kv.pool import PoolFigures
 from infer_service.kv.view import CellKind, CellRun, SharedPicture, SlotPicture, SlotState
+from infer_service.runner.lora import LoraAdapters, LoraError, LoraSet
+from infer_service.runner.reasoning import Thoughts
 from infer_service.runner.runtime import SamplingConfig
 from infer_service.runner.slots import TenantStats
 from infer_service.sessions.session import SessionView, public_id, scoped
@@ -190,6 +192,7 @@ class GenerateParams:
     speculative: SpecConfig
     note: bytes
     cache_salt: str
+    reasoning: Thoughts | None = None
 
     @classmethod
     def from_pb(
@@ -226,7 +229,24 @@ class GenerateParams:
             speculative=speculative_of(r.speculative, limits.speculative, limits.draft_model),
             note=r.turn_note,
             cache_salt=r.cache_salt,
+            reasoning=reasoning_of(r.reasoning) if r.HasField("reasoning") else None,
         )
+
+
+def reasoning_of(pb: infer_pb2.ReasoningOptions) -> Thoughts:
+    """A request's reasoning options (their token ids are checked against the vocabulary in
+    the servicer)."""
+    budget = pb.budget_tokens if pb.HasField("budget_tokens") else None
+    if budget is not None and budget > MAX_TOKENS:
+        raise bad_request(f"reasoning.budget_tokens: at most {MAX_TOKENS}",
+                          "reasoning.budget_tokens")  # fmt: skip
+    try:
+        return Thoughts(
+            tuple(pb.start_token_ids), tuple(pb.end_token_ids), pb.started, budget,
+            tuple(pb.forced_token_ids),
+        )  # fmt: skip
+    except ValueError as e:
+        raise bad_request(f"reasoning: {e}", "reasoning") from None
 
 
 def context_of(c: infer_pb2.ContextOptions, base: ContextConfig) -> ContextConfig:
@@ -316,6 +336,42 @@ def _within(where: str, checks: list[tuple[str, float, float, float]]) -> None:
         if not lo <= value <= hi:  # NaN fails too
             raise bad_request(f"{where}.{name} must be within [{lo}, {hi}], got {value}",
                               f"{where}.{name}")  # fmt: skip
+
+
+def lora_of(
+    lora: LoraAdapters, tenant: str, scales: Sequence[infer_pb2.LoraScale], field: str = "lora"
+) -> LoraSet:
+    """A request's LoRA adapter set: those it lists (the others at 0), or its tenant's scales
+    when it lists none; INVALID_ARGUMENT for an id not loaded or a scale not finite."""
+    try:
+        return lora.resolve(tenant, [(s.id, s.scale) for s in scales])
+    except LoraError as e:
+        raise bad_request(str(e), field) from None
+
+
+def set_lora_scales(
+    lora: LoraAdapters, tenant: str, scales: Sequence[infer_pb2.LoraScale]
+) -> list[infer_pb2.LoraAdapter]:
+    """The tenant's scales from now on (those not listed: 0), and the adapters as they are."""
+    try:
+        lora.set_scales(tenant, [(s.id, s.scale) for s in scales])
+    except LoraError as e:
+        raise bad_request(str(e), "scales") from None
+    return lora_adapters_pb(lora, tenant)
+
+
+def lora_adapters_pb(lora: LoraAdapters, tenant: str) -> list[infer_pb2.LoraAdapter]:
+    scales = lora.scales(tenant)
+    return [
+        infer_pb2.LoraAdapter(
+            id=a.id,
+            path=a.path,
+            scale=scales[a.id],
+            task_name=a.task_name,
+            prompt_prefix=a.prompt_prefix,
+        )
+        for a in lora.adapters
+    ]
 
 
 def title_of(title: str) -> str:

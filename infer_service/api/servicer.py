@@ -26,10 +26,13 @@ from infer_service.api.protobuf import (
     broken_session_info,
     embed_pb,
     event_pb,
+    lora_adapters_pb,
+    lora_of,
     prompt_of,
     server_info_pb,
     session_info,
     session_key,
+    set_lora_scales,
     slots_pb,
     title_of,
 )
@@ -229,6 +232,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             _borrowing, rt, _sampler_fields, rt, request, params.sampling
         )
         tenant = current_tenant()
+        lora = lora_of(rt.lora, tenant, request.lora)
         limits = self.media_limits
         try:
             media, decoded = await asyncio.to_thread(
@@ -274,10 +278,23 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             note=params.note,
             tenant=tenant,
             cache_salt=params.cache_salt,
+            lora=lora,
             speculative=params.speculative,
+            reasoning=params.reasoning,
             **sampler,
         )
         return job, mailbox
+
+    @answering
+    async def LoraListAdapters(self, request, context):
+        adapters = lora_adapters_pb(self.rt.lora, current_tenant())
+        return infer_pb2.LoraListAdaptersResponse(adapters=adapters)
+
+    @answering
+    async def LoraSetScales(self, request, context):
+        """The caller's tenant's scales (another tenant's replies never change with them)."""
+        adapters = set_lora_scales(self.rt.lora, current_tenant(), request.scales)
+        return infer_pb2.LoraSetScalesResponse(adapters=adapters)
 
     def _relay(self) -> EventRelay:
         loop = asyncio.get_running_loop()
@@ -438,6 +455,12 @@ def _sampler_fields(
         check_spec(rt, spec)
     except ConstraintError as e:
         raise bad_request(str(e), e.field) from None
+    r = request.reasoning
+    ids = (*r.start_token_ids, *r.end_token_ids, *r.forced_token_ids)
+    if any(not 0 <= t < rt.num_vocab for t in ids):
+        raise bad_request(
+            f"reasoning: token ids are within the vocabulary [0, {rt.num_vocab})", "reasoning"
+        )
     if request.ignore_eos:  # (after the check: the vocabulary's own, not the caller's count)
         spec = replace(spec, logit_bias=spec.logit_bias + rt.eog_bans)
     return {

@@ -42,7 +42,11 @@ def reuse_of(ledger: Ledger | None, items: Sequence[Item]) -> Reuse | None:
     return Reuse(si, so, rest, cells, continued)
 
 
-ReuseKey = tuple[str, str]  # (tenant, cache salt): KV is reused only under the same key
+# (adapter id, scale) of each LoRA adapter a sequence's cells were decoded under, by id, of
+# scales other than 0 (none: ())
+LoraSet = tuple[tuple[int, float], ...]
+# (tenant, cache salt, LoRA adapters): KV is reused only under the same key
+ReuseKey = tuple[str, str, LoraSet]
 
 
 @dataclass

@@ -102,6 +102,9 @@ class Item:
     media_id: str | None = None
     group: int | None = None
     generated: bool = False  # sampled by the model, not part of a prompt
+    # generated inside a reasoning model's thought (runner/reasoning.py): the tokens of one
+    # thought are one eviction unit, whatever the unit
+    thought: bool = False
 
     def __post_init__(self) -> None:
         if self.message_index < 0:
@@ -371,14 +374,22 @@ def _match(
     return 0, 0, list(items)
 
 
+def _thought(seg: Segment) -> bool:
+    return seg.item.thought
+
+
 def _units(segments: Sequence[Segment], unit: EvictionUnit) -> list[list[Segment]]:
-    """Group segments into eviction units: media groups, and whole messages in MESSAGE mode."""
+    """Group segments into eviction units: media groups, a thought's tokens (a run of thought
+    segments of one message), and whole messages in MESSAGE mode (a thought apart from the
+    rest of its message: a reply's thoughts can leave before its answer)."""
     units: list[list[Segment]] = []
     for i, seg in enumerate(segments):
         prev = segments[i - 1] if i else None
+        same = prev is not None and seg.message_index == prev.message_index
         joined = prev is not None and (
             (seg.group is not None and seg.group == prev.group)
-            or (unit is EvictionUnit.MESSAGE and seg.message_index == prev.message_index)
+            or (same and _thought(seg) and _thought(prev))
+            or (unit is EvictionUnit.MESSAGE and same and _thought(seg) == _thought(prev))
         )
         if joined:
             units[-1].append(seg)
@@ -398,7 +409,8 @@ def _choose(
         if num_short <= 0:
             break
         seg = segs[0]
-        splittable = unit is EvictionUnit.TOKEN and not seg.is_media and seg.group is None
+        plain = not seg.is_media and seg.group is None and not _thought(seg)
+        splittable = unit is EvictionUnit.TOKEN and plain
         if splittable and seg.num_cells > num_short:
             head, tail = _split(seg, num_short)
             return [*evicted, head], [tail, *candidates[len(evicted) + 1 :]]
@@ -870,6 +882,7 @@ class Ledger:
                 "group": s.group,
                 "generated": s.item.generated,
                 "pinned": s.pinned,
+                **({"thought": True} if s.item.thought else {}),
             }
             for s in self._segments
         ]
@@ -883,7 +896,7 @@ class Ledger:
         for d in data:
             item = Item(
                 int(d["cells"]), int(d["positions"]), int(d["message"]), tuple(d["tokens"]),
-                d["media"], d["group"], bool(d.get("generated")),
+                d["media"], d["group"], bool(d.get("generated")), bool(d.get("thought")),
             )  # fmt: skip
             last = segments[-1] if segments else None
             pinned = d.get("pinned")

@@ -52,7 +52,7 @@ from infer_service.events import (
     TokenDelta,
     Usage,
 )
-from infer_service.kv.host_cache import StateCache, reuse_of
+from infer_service.kv.host_cache import LoraSet, StateCache, reuse_of
 from infer_service.kv.ledger import (
     CannotFit,
     ContextConfig,
@@ -73,6 +73,7 @@ from infer_service.kv.view import ShiftMark, at_cell, runs
 from infer_service.runner.draft_model import DraftModel
 from infer_service.runner.grammar_lane import GrammarLane, GrammarTooCostly
 from infer_service.runner.media import MediaHandle
+from infer_service.runner.reasoning import ThoughtTracker
 from infer_service.runner.runtime import EmbeddingCache, Runtime
 from infer_service.runner.sampling import ConstraintError, GrammarDeadEnd, SlotSampler
 from infer_service.runner.slots import EngineStats, Job, MediaPiece, SessionError, Slot, too_long
@@ -418,6 +419,7 @@ class Executor:
         slot.pending = pending
         slot.sampler = sampler
         slot.spec = spec
+        slot.thoughts = ThoughtTracker(job.reasoning) if job.reasoning is not None else None
         slot.reply = []
         slot.text = TextStream(job.stop)
         slot.num_prefill_total = sum(i.num_cells for i in slot.pending)
@@ -752,6 +754,7 @@ class Executor:
             slot.sampler = None
         slot.job = None
         slot.spec = None
+        slot.thoughts = None
         slot.share = None
         slot.pending.clear()
         if reason is FinishReason.ERROR and job.session_id is None:
@@ -919,6 +922,8 @@ class Executor:
         n = item.num_cells - offset
         if not piece.non_causal:
             n = min(n, self._prefill_budget(slot))
+        assert slot.job is not None
+        self.rt.use_lora(slot.job.lora)  # (its cells are decoded under its adapters too)
         rc = self.rt.decode_embeddings(
             piece.embd, piece.positions, offset, n, slot.seq, piece.non_causal
         )
@@ -973,11 +978,9 @@ class Executor:
         return prefill_budget(self.rt.batch_size, self._num_generating, slot.num_prefill_total)
 
     def _decode_text(self, slots: Iterable[Slot]) -> None:
-        batch = self.rt.batch
-        batch.clear()
-        self._reserved = 0
-        budget = self.rt.batch_size
-        taken: list[Taken] = []
+        """Every ready slot's next text: one llama_decode per LoRA adapter set among them
+        (llama.cpp applies adapters to the whole context), the set the context has first, so
+        that a step changes it as seldom as it can."""
         # short work first: a generating slot's one token always gets in, prefill fills the rest
         ready = sorted(
             (
@@ -987,6 +990,20 @@ class Executor:
             ),
             key=lambda s: s.pending[0].num_cells,
         )
+        groups: dict[LoraSet, list[Slot]] = {}
+        for s in ready:
+            groups.setdefault(s.job.lora if s.job else (), []).append(s)
+        applied = self.rt.lora.applied
+        for lora in sorted(groups, key=lambda k: k != applied):
+            self._decode_batch(groups[lora], lora)
+
+    def _decode_batch(self, ready: list[Slot], lora: LoraSet) -> None:
+        """The ready slots' next text (all of one adapter set) in one llama_decode."""
+        batch = self.rt.batch
+        batch.clear()
+        self._reserved = 0
+        budget = self.rt.batch_size
+        taken: list[Taken] = []
         # what each slot takes at least (a token; a prompt's piece): no slot's drafts take it
         owed = {s.seq: 1 if not s.prefilling else self._prefill_budget(s) for s in ready}
         reserved = sum(owed.values())
@@ -1004,6 +1021,7 @@ class Executor:
                 budget -= took.item.num_cells
         if not taken:
             return
+        self.rt.use_lora(lora)
         t0 = time.perf_counter()
         rc = self.rt.decode()
         self._reserved = 0  # (in the ledgers below, or given back by a failed decode)
@@ -1086,6 +1104,9 @@ class Executor:
         spec, ledger, job = slot.spec, slot.ledger, slot.job
         if spec is None or ledger is None or job is None:
             return ()
+        thoughts = slot.thoughts
+        if thoughts is not None and (thoughts.inside or taken.thought):
+            return ()  # (drafts are decoded as one item with it: never half a thought)
         room = min(
             budget,
             ledger.num_free_cells - taken.num_cells,
@@ -1107,7 +1128,11 @@ class Executor:
                         return []
 
                 cost = model.seconds_per_draft
-        return spec.drafts(room, self._num_generating, draw, cost) if room > 0 else ()
+        drafts = spec.drafts(room, self._num_generating, draw, cost) if room > 0 else ()
+        if thoughts is not None and drafts:  # (nor one that opens a thought)
+            opens = [k for k, t in enumerate(drafts) if t in thoughts.thoughts.start]
+            drafts = drafts[: opens[0]] if opens else drafts
+        return drafts
 
     def _fail(self, slot: Slot, e: Exception) -> None:
         """A bug met while carrying out one slot's item: that request ends (INTERNAL, its
@@ -1165,7 +1190,10 @@ class Executor:
             if i < len(drafts) and token == drafts[i]:
                 confirmed += 1
                 continue
-            slot.pending.append(Item(1, 1, slot.reply_index, token_ids=(token,), generated=True))
+            thought = slot.thoughts is not None and slot.thoughts.last_was_thought
+            slot.pending.append(
+                Item(1, 1, slot.reply_index, token_ids=(token,), generated=True, thought=thought)
+            )
             break
         if drafts:
             slot.usage.num_draft_tokens += len(drafts)
@@ -1192,8 +1220,20 @@ class Executor:
         token, or None when the request ended."""
         job = slot.job
         assert job is not None and slot.sampler is not None
+        thoughts = slot.thoughts
+        forced = thoughts.forced() if thoughts is not None else None
+        # a constraint holds for the reply after its thoughts; a lazy one is not triggered
+        # inside any (as llama-server has them)
+        free = thoughts is not None and (
+            thoughts.leading or (thoughts.inside and slot.sampler.awaiting_trigger)
+        )
         try:
-            token, logprobs = slot.sampler.sample(index)
+            if forced is not None:  # (a thought past its budget: its end, written)
+                token, logprobs = slot.sampler.force(index, forced)
+            elif free:
+                token, logprobs = slot.sampler.sample(index, free=True)
+            else:
+                token, logprobs = slot.sampler.sample(index)
         except GrammarDeadEnd:
             self._end(slot, FinishReason.GRAMMAR)
             return None
@@ -1205,6 +1245,9 @@ class Executor:
             return None
         slot.usage.num_generated_tokens += 1
         self.stats.num_generated_tokens += 1
+        if thoughts is not None:  # (a grammar that holds the reply: no thought opens in it)
+            may_open = not slot.sampler.grammar or slot.sampler.awaiting_trigger
+            thoughts.accept(token, self.rt.piece(token), may_open=may_open)
         if slot.spec is not None:
             slot.spec.took(token)
         text = slot.text.push(self.rt.piece(token))
@@ -1421,7 +1464,8 @@ def _joins(first: Item, item: Item) -> bool:
     return (
         item.media_id is None
         and item.group is None
-        and (item.message_index, item.generated) == (first.message_index, first.generated)
+        and (item.message_index, item.generated, item.thought)
+        == (first.message_index, first.generated, first.thought)
     )
 
 

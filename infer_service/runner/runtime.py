@@ -23,6 +23,7 @@ import numpy as np
 from llama_cpp import mtmd_cpp
 
 from infer_service.runner.cache_types import FLASH_ATTN, GGML_TYPES, CacheTypeError, CacheTypes
+from infer_service.runner.lora import LoraAdapters, LoraFile, LoraSet
 from slotwise_core import model_files, native
 from slotwise_core.descriptors import Fingerprint
 from slotwise_core.lru import SizedLRU
@@ -82,6 +83,10 @@ class RuntimeConfig:
     # the types of K and V cells and flash attention (--cache-type-k/v, --flash-attn); None:
     # llama.cpp's defaults (f16, f16, auto)
     cache_types: CacheTypes | None = None
+    # LoRA adapters loaded with the model, in id order (--lora, --lora-scaled), and whether
+    # they start at scale 0 (--lora-init-without-apply)
+    lora: tuple[LoraFile, ...] = ()
+    lora_init_without_apply: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,13 @@ class Runtime:
             n_gpu_layers=config.gpu_layers,
             extra_bufts=extra_bufts,
         )
+        try:
+            self.lora = LoraAdapters.load(
+                self.model, config.lora, apply=not config.lora_init_without_apply
+            )
+        except BaseException:
+            native.free_model(self.model)  # (with the adapters loaded so far)
+            raise
         self._borrowers = threading.Condition()
         self._num_borrowers, self._closing = 0, False
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
@@ -381,6 +393,11 @@ class Runtime:
 
     def decode(self) -> int:
         return int(llama_cpp.llama_decode(self.ctx, self.batch.native))
+
+    def use_lora(self, lora: LoraSet) -> bool:
+        """The LoRA adapters the next decodes run under (llama.cpp applies them to the whole
+        context); returns whether they changed."""
+        return self.lora.apply(self.ctx, lora)
 
     def encode_media(self, chunk: int) -> np.ndarray:
         """Run the projector on one media chunk; returns (n_tokens, n_embd) float32 embeddings.

@@ -253,13 +253,15 @@ class SlotSampler:
     def awaiting_trigger(self) -> bool:
         return bool(self._triggers)
 
-    def sample(self, index: int) -> tuple[int, TokenLogprobs | None]:
+    def sample(self, index: int, *, free: bool = False) -> tuple[int, TokenLogprobs | None]:
         """The next token from the logits at batch index `index`, with its log-probabilities
         when asked; raises GrammarDeadEnd when the grammar allows nothing, GrammarTooCostly
-        when following it took longer than the budget."""
-        if not self.grammar or self.awaiting_trigger:
+        when following it took longer than the budget. `free`: a reasoning model's thought,
+        which no grammar constrains nor a trigger starts (as llama-server has it): the
+        grammar holds from the first token after it."""
+        if not self.grammar or self.awaiting_trigger or free:
             token = self.rt.sample(self.chain, index)
-            if self._triggers:
+            if self._triggers and not free:
                 self._watch_for_trigger(token)
         else:
             cur = self._cur
@@ -267,6 +269,18 @@ class SlotSampler:
             follow = _Following(self.rt, self.chain, self.grammar, self._utf8)
             token = self._on_lane(lambda: follow.constrained(cur), follow)
             self._utf8 = follow.utf8
+        return token, self._logprobs(index, token) if self.top_logprobs is not None else None
+
+    def force(self, index: int, token: int) -> tuple[int, TokenLogprobs | None]:
+        """`token` next, in place of a sample (a thought's end past its budget): the chain
+        is applied with every other logit at -inf, as llama.cpp's budget sampler has it (its
+        random state advances as there), and accepts it. A thought is free text: no grammar
+        holds it (the executor opens none where one does), and none is fed."""
+        cur = np.zeros(self.rt.num_vocab, dtype=_TOKEN_DATA)
+        cur["id"], cur["logit"] = np.arange(self.rt.num_vocab, dtype=np.int32), -np.inf
+        cur["logit"][token] = self.rt.logits(index)[token]
+        llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(_array(cur)))
+        llama_cpp.llama_sampler_accept(self.chain, token)
         return token, self._logprobs(index, token) if self.top_logprobs is not None else None
 
     # -- grammar ------------------------------------------------------------------------------

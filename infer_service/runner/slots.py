@@ -21,11 +21,12 @@ from infer_service.events import (
     Usage,
     problem,
 )
-from infer_service.kv.host_cache import ReuseKey
+from infer_service.kv.host_cache import LoraSet, ReuseKey
 from infer_service.kv.ledger import CannotFit, ContextConfig, Item, Ledger
 from infer_service.kv.pool import Share
 from infer_service.kv.view import MAX_SHIFT_MARKS, SequenceRuns, ShiftMark
 from infer_service.runner.media import MediaHandle, Pixels, media_key
+from infer_service.runner.reasoning import Thoughts, ThoughtTracker
 from infer_service.runner.runtime import SamplingConfig
 from infer_service.runner.sampling import Constraint, SamplerSpec, SlotSampler
 from infer_service.runner.text_stream import TextStream
@@ -76,7 +77,9 @@ class Job:
     note: bytes = b""  # a session turn's, kept with its record
     tenant: str = DEFAULT_TENANT
     cache_salt: str = ""  # narrows reuse further: only requests with the same salt share KV
+    lora: LoraSet = ()  # the LoRA adapters it decodes under (a batch holds one set)
     speculative: SpecConfig = SpecConfig()  # drafts verified in the step's batch
+    reasoning: Thoughts | None = None  # a reasoning model's thoughts: marked, and budgeted
     submitted: float = field(default_factory=time.monotonic)  # (queue wait)
 
     def cancel(self) -> None:
@@ -84,8 +87,9 @@ class Job:
 
     @property
     def reuse_key(self) -> ReuseKey:
-        """KV computed for one tenant (and salt) is never handed to another."""
-        return (self.tenant, self.cache_salt)
+        """KV computed for one tenant (and salt, and LoRA adapters) is never handed to
+        another."""
+        return (self.tenant, self.cache_salt, self.lora)
 
     @property
     def sampler_spec(self) -> SamplerSpec:
@@ -143,6 +147,7 @@ class Slot:
     pending: deque[Item] = field(default_factory=deque)
     sampler: SlotSampler | None = None
     spec: Speculation | None = None  # the request's drafting, when it speculates
+    thoughts: ThoughtTracker | None = None  # where the reply is in its thoughts (reasoning)
     reply: list[str] = field(default_factory=list)  # a session turn's text, for its record
     text: TextStream = field(default_factory=TextStream)
     unsent: TokenDelta | None = None  # tokens held for the next TokenDelta (stream_tokens > 1)

@@ -17,7 +17,9 @@ Header = Mapping[str, Any]
 
 # a checkpoint's own keys (they name the KV bytes, which a delta never carries), and what the
 # store adds when it reads a session
-CHECKPOINT_KEYS = frozenset({"kv_digest", "layout", "version", "generation", "lineage", "journal"})
+CHECKPOINT_KEYS = frozenset(
+    {"kv_digest", "kv_lora", "layout", "version", "generation", "lineage", "journal"}
+)
 
 
 def diff(old: Header, new: Header) -> dict[str, Any]:

@@ -400,7 +400,8 @@ class SessionManager:
     def ready(self, job: Job, num_free_slots: int) -> bool:
         """Its session's saved state is read (off the engine thread) before its turn starts."""
         session = self.table.live(job.session_id) if job.session_id is not None else None
-        return session is None or self.swaps.ready(session, num_free_slots)
+        kv_lora = self.rt.lora.identity(job.lora)
+        return session is None or self.swaps.ready(session, num_free_slots, kv_lora)
 
     def waits_for_read(self, job: Job, num_free_slots: int) -> bool:
         session = self.table.live(job.session_id) if job.session_id is not None else None
@@ -415,7 +416,15 @@ class SessionManager:
             raise busy(session.session_id, "has no turn begun")
         # what an unfinished turn rolls back to: its last completed turn
         session.rollback = (session.ledger.to_json(), session.num_shifts)
-        reprefill = self.swaps.swap_in(session, slot) if session.slot is None else None
+        resident = session.slot is not None
+        # (a state read from disk was checked against the turn's LoRA adapters as it was read)
+        reprefill = None if resident else self.swaps.swap_in(session, slot)
+        kv_lora = self.rt.lora.identity(job.lora)
+        if resident and session.kv_lora != kv_lora:
+            # its cells were decoded under other LoRA adapters: reused by none, all again
+            self.executor.clear(slot)
+            reprefill = 0
+        session.kv_lora = kv_lora
         session.media.update(job.media)
         session.pixels.update(job.pixels)
         session.rgb.update(job.rgb)

@@ -115,6 +115,9 @@ class Session:
     records: deque[TurnRecord] = field(default_factory=lambda: deque(maxlen=MAX_RECORDS))
     title: str = ""
     disk: DiskState = field(default_factory=DiskState)
+    # the LoRA adapters its cells in a slot were decoded under, by file ([[digest, scale]]):
+    # a turn under others decodes them all again (a checkpoint records them as `kv_lora`)
+    kv_lora: list[list[Any]] = field(default_factory=list)
 
     def release(self) -> None:
         for h in self.media.values():
@@ -149,6 +152,7 @@ class Session:
             "fingerprint": asdict(fingerprint),
             "layout": layout,
             "kv_digest": kv_digest,
+            "kv_lora": self.kv_lora,
             "context": {
                 "policy": c.policy.value,
                 "keep": c.keep,

@@ -64,9 +64,10 @@ class Swapper:
             and bool(session.ledger.segments)
         )
 
-    def ready(self, session: Session, num_free_slots: int) -> bool:
+    def ready(self, session: Session, num_free_slots: int, kv_lora: list[list[Any]]) -> bool:
         """A session that is not in a slot has its saved state read off the engine thread
-        first; until then its turn waits (and the engine wakes when the read is done)."""
+        first; until then its turn waits (and the engine wakes when the read is done).
+        kv_lora: the LoRA adapters the turn decodes under (a state of others is not read)."""
         if not self.needs_read(session):
             return True
         prefetch = self._prefetch.get(session.session_id)
@@ -75,7 +76,7 @@ class Swapper:
                 return False  # a state read per free slot at most: each holds a KV state
             prefetch = self.persistence.lanes.submit(
                 session.session_id, self._read, session.session_id, session.ledger.to_json(),
-                dict(session.pixels), dict(session.rgb),
+                dict(session.pixels), dict(session.rgb), kv_lora,
             )  # fmt: skip
             self._prefetch[session.session_id] = prefetch
             prefetch.add_done_callback(lambda _: self._notify())
@@ -174,10 +175,11 @@ class Swapper:
         ledger: list[dict[str, Any]],
         pixels: dict[str, Pixels],
         in_memory: dict[str, bytes],
+        kv_lora: list[list[Any]],
     ) -> _Prefetched:
-        """The checkpoint's KV state if it was made in this context's layout, with how many
-        of the ledger's segments it holds, and the media chunks of those it lacks made from
-        their pixels."""
+        """The checkpoint's KV state if it was made in this context's layout and under the
+        turn's LoRA adapters, with how many of the ledger's segments it holds, and the media
+        chunks of those it lacks made from their pixels."""
         store = self.persistence.store
         assert store is not None
         kv_state, start = b"", 0
@@ -191,6 +193,7 @@ class Swapper:
                 saved.kv_state
                 and header.get("layout") == self.rt.layout
                 and header.get("kv_digest") == ledger_digest(saved.kv_ledger)
+                and header.get("kv_lora", []) == kv_lora  # (files before adapters have none)
             ):
                 kv_state, start = saved.kv_state, _shared_segments(saved.kv_ledger, ledger)
             elif saved.kv_state:

@@ -224,7 +224,7 @@ class ContextOptions(_message.Message):
     def __init__(self, policy: _Optional[_Union[ShiftPolicy, str]] = ..., keep: _Optional[int] = ..., discard_fraction: _Optional[float] = ..., unit: _Optional[_Union[EvictionUnit, str]] = ..., truncate_prompt: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "sampling", "max_tokens", "stop", "context", "session_id", "stream_tokens", "constraint", "logit_bias", "logprobs", "top_logprobs", "turn_note", "cache_salt", "expect_turns", "speculative", "ignore_eos")
+    __slots__ = ("prompt", "sampling", "max_tokens", "stop", "context", "session_id", "stream_tokens", "constraint", "logit_bias", "logprobs", "top_logprobs", "turn_note", "cache_salt", "expect_turns", "speculative", "ignore_eos", "lora", "reasoning")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,8 @@ class GenerateRequest(_message.Message):
     EXPECT_TURNS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     prompt: _prompt_pb2.PreparedPrompt
     sampling: SamplingParams
     max_tokens: int
@@ -264,7 +266,23 @@ class GenerateRequest(_message.Message):
     expect_turns: int
     speculative: SpeculativeOptions
     ignore_eos: bool
-    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., session_id: _Optional[str] = ..., stream_tokens: _Optional[int] = ..., constraint: _Optional[_Union[_prompt_pb2.Constraint, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., turn_note: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., expect_turns: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeOptions, _Mapping]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    lora: _containers.RepeatedCompositeFieldContainer[LoraScale]
+    reasoning: ReasoningOptions
+    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., session_id: _Optional[str] = ..., stream_tokens: _Optional[int] = ..., constraint: _Optional[_Union[_prompt_pb2.Constraint, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., turn_note: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., expect_turns: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeOptions, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., lora: _Optional[_Iterable[_Union[LoraScale, _Mapping]]] = ..., reasoning: _Optional[_Union[ReasoningOptions, _Mapping]] = ...) -> None: ...
+
+class ReasoningOptions(_message.Message):
+    __slots__ = ("start_token_ids", "end_token_ids", "started", "budget_tokens", "forced_token_ids")
+    START_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    start_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    started: bool
+    budget_tokens: int
+    forced_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start_token_ids: _Optional[_Iterable[int]] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., started: _Optional[bool] = ..., budget_tokens: _Optional[int] = ..., forced_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculativeOptions(_message.Message):
     __slots__ = ("type", "n_max", "n_min", "p_min", "ngram_size_n", "ngram_size_m", "ngram_min_hits")
@@ -659,3 +677,47 @@ class EmbedResponse(_message.Message):
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
     def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
+
+class LoraScale(_message.Message):
+    __slots__ = ("id", "scale")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    scale: float
+    def __init__(self, id: _Optional[int] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("id", "path", "scale", "task_name", "prompt_prefix")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    TASK_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    path: str
+    scale: float
+    task_name: str
+    prompt_prefix: str
+    def __init__(self, id: _Optional[int] = ..., path: _Optional[str] = ..., scale: _Optional[float] = ..., task_name: _Optional[str] = ..., prompt_prefix: _Optional[str] = ...) -> None: ...
+
+class LoraListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoraListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoraSetScalesRequest(_message.Message):
+    __slots__ = ("scales",)
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    scales: _containers.RepeatedCompositeFieldContainer[LoraScale]
+    def __init__(self, scales: _Optional[_Iterable[_Union[LoraScale, _Mapping]]] = ...) -> None: ...
+
+class LoraSetScalesResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...

@@ -89,6 +89,16 @@ class InferServiceStub:
                 request_serializer=slotwise_dot_v1_dot_infer__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=slotwise_dot_v1_dot_infer__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.LoraListAdapters = channel.unary_unary(
+                '/slotwise.v1.InferService/LoraListAdapters',
+                request_serializer=slotwise_dot_v1_dot_infer__pb2.LoraListAdaptersRequest.SerializeToString,
+                response_deserializer=slotwise_dot_v1_dot_infer__pb2.LoraListAdaptersResponse.FromString,
+                _registered_method=True)
+        self.LoraSetScales = channel.unary_unary(
+                '/slotwise.v1.InferService/LoraSetScales',
+                request_serializer=slotwise_dot_v1_dot_infer__pb2.LoraSetScalesRequest.SerializeToString,
+                response_deserializer=slotwise_dot_v1_dot_infer__pb2.LoraSetScalesResponse.FromString,
+                _registered_method=True)
 
 
 class InferServiceServicer:
@@ -172,6 +182,21 @@ class InferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoraListAdapters(self, request, context):
+        """The LoRA adapters loaded at start (--lora, --lora-scaled), with the scales the caller's
+        requests get when they name none; and setting those scales (llama-server's GET and POST
+        /lora-adapters, global there: here each tenant's own).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoraSetScales(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -229,6 +254,16 @@ def add_InferServiceServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=slotwise_dot_v1_dot_infer__pb2.EmbedRequest.FromString,
                     response_serializer=slotwise_dot_v1_dot_infer__pb2.EmbedResponse.SerializeToString,
+            ),
+            'LoraListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoraListAdapters,
+                    request_deserializer=slotwise_dot_v1_dot_infer__pb2.LoraListAdaptersRequest.FromString,
+                    response_serializer=slotwise_dot_v1_dot_infer__pb2.LoraListAdaptersResponse.SerializeToString,
+            ),
+            'LoraSetScales': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoraSetScales,
+                    request_deserializer=slotwise_dot_v1_dot_infer__pb2.LoraSetScalesRequest.FromString,
+                    response_serializer=slotwise_dot_v1_dot_infer__pb2.LoraSetScalesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -528,6 +563,60 @@ class InferService:
             '/slotwise.v1.InferService/Embed',
             slotwise_dot_v1_dot_infer__pb2.EmbedRequest.SerializeToString,
             slotwise_dot_v1_dot_infer__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoraListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slotwise.v1.InferService/LoraListAdapters',
+            slotwise_dot_v1_dot_infer__pb2.LoraListAdaptersRequest.SerializeToString,
+            slotwise_dot_v1_dot_infer__pb2.LoraListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoraSetScales(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slotwise.v1.InferService/LoraSetScales',
+            slotwise_dot_v1_dot_infer__pb2.LoraSetScalesRequest.SerializeToString,
+            slotwise_dot_v1_dot_infer__pb2.LoraSetScalesResponse.FromString,
             options,
             channel_credentials,
             insecure,

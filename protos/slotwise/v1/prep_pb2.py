@@ -25,21 +25,25 @@ _sym_db = _symbol_database.Default()
 from slotwise.v1 import prompt_pb2 as slotwise_dot_v1_dot_prompt__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16slotwise/v1/prep.proto\x12\x0bslotwise.v1\x1a\x18slotwise/v1/prompt.proto\"\x15\n\x13GetModelInfoRequest\"\xf5\x05\n\tModelInfo\x12-\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32\x18.slotwise.v1.Fingerprint\x12\x14\n\x0cmedia_marker\x18\x02 \x01(\t\x12\x12\n\nuses_mrope\x18\x03 \x01(\x08\x12\x18\n\x10media_non_causal\x18\x04 \x01(\x08\x12\x17\n\x0fsupports_vision\x18\x05 \x01(\x08\x12\x16\n\x0esupports_audio\x18\x06 \x01(\x08\x12\x13\n\x0bn_ctx_train\x18\x07 \x01(\r\x12\x11\n\tnum_vocab\x18\x08 \x01(\r\x12\x19\n\x0c\x62os_token_id\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65os_token_id\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x19\n\x11model_description\x18\x0c \x01(\t\x12\x15\n\rchat_template\x18\r \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x0e \x01(\x08\x12\x1d\n\x10\x66im_pre_token_id\x18\x0f \x01(\x05H\x02\x88\x01\x01\x12\x1d\n\x10\x66im_suf_token_id\x18\x10 \x01(\x05H\x03\x88\x01\x01\x12\x1d\n\x10\x66im_mid_token_id\x18\x11 \x01(\x05H\x04\x88\x01\x01\x12\x1d\n\x10\x66im_rep_token_id\x18\x12 \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10\x66im_sep_token_id\x18\x13 \x01(\x05H\x06\x88\x01\x01\x12,\n\x0bmemory_kind\x18\x14 \x01(\x0e\x32\x17.slotwise.v1.MemoryKind\x12\x19\n\x11\x61udio_sample_rate\x18\x15 \x01(\r\x12\x19\n\x11max_audio_seconds\x18\x16 \x01(\x02\x42\x0f\n\r_bos_token_idB\x0f\n\r_eos_token_idB\x13\n\x11_fim_pre_token_idB\x13\n\x11_fim_suf_token_idB\x13\n\x11_fim_mid_token_idB\x13\n\x11_fim_rep_token_idB\x13\n\x11_fim_sep_token_id\"<\n\x14GetModelInfoResponse\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.slotwise.v1.ModelInfo\"*\n\tImageSize\x12\r\n\x05width\x18\x01 \x01(\r\x12\x0e\n\x06height\x18\x02 \x01(\r\"I\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12&\n\x04size\x18\x02 \x01(\x0b\x32\x16.slotwise.v1.ImageSizeH\x00\x42\x08\n\x06source\"G\n\x05\x41udio\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x11\n\x07pcm_f32\x18\x02 \x01(\x0cH\x00\x12\x11\n\x07seconds\x18\x03 \x01(\x02H\x00\x42\x08\n\x06source\"h\n\x04Part\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x05image\x18\x02 \x01(\x0b\x32\x12.slotwise.v1.ImageH\x00\x12#\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x12.slotwise.v1.AudioH\x00\x42\x06\n\x04kind\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\x88\x01\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12 \n\x05parts\x18\x02 \x03(\x0b\x32\x11.slotwise.v1.Part\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.slotwise.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xcb\x01\n\x04\x43hat\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.slotwise.v1.Message\x12 \n\x05tools\x18\x02 \x03(\x0b\x32\x11.slotwise.v1.Tool\x12,\n\x0btool_choice\x18\x03 \x01(\x0e\x32\x17.slotwise.v1.ToolChoice\x12\x11\n\ttool_name\x18\x04 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"c\n\x0bToolCalling\x12\'\n\x06\x66ormat\x18\x01 \x01(\x0e\x32\x17.slotwise.v1.ToolFormat\x12+\n\nconstraint\x18\x02 \x01(\x0b\x32\x17.slotwise.v1.Constraint\"t\n\tRawPrompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\"\n\x06images\x18\x02 \x03(\x0b\x32\x12.slotwise.v1.Image\x12\x13\n\x0b\x61\x64\x64_special\x18\x03 \x01(\x08\x12 \n\x05media\x18\x04 \x03(\x0b\x32\x11.slotwise.v1.Part\"z\n\x0ePrepareRequest\x12!\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x11.slotwise.v1.ChatH\x00\x12%\n\x03raw\x18\x02 \x01(\x0b\x32\x16.slotwise.v1.RawPromptH\x00\x12\x15\n\rfirst_message\x18\x03 \x01(\rB\x07\n\x05input\"\x85\x01\n\x0fPrepareResponse\x12+\n\x06prompt\x18\x01 \x01(\x0b\x32\x1b.slotwise.v1.PreparedPrompt\x12\x15\n\rrendered_text\x18\x02 \x01(\t\x12.\n\x0ctool_calling\x18\x03 \x01(\x0b\x32\x18.slotwise.v1.ToolCalling\"~\n\x12\x43ountTokensRequest\x12!\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x11.slotwise.v1.ChatH\x00\x12%\n\x03raw\x18\x02 \x01(\x0b\x32\x16.slotwise.v1.RawPromptH\x00\x12\x15\n\rfirst_message\x18\x03 \x01(\rB\x07\n\x05input\"\x86\x01\n\nChunkCount\x12\x15\n\rmessage_index\x18\x01 \x01(\r\x12\x13\n\x0bmedia_group\x18\x02 \x01(\r\x12\x10\n\x08is_media\x18\x03 \x01(\x08\x12\x11\n\tnum_cells\x18\x04 \x01(\r\x12\x15\n\rnum_positions\x18\x05 \x01(\r\x12\x10\n\x08is_audio\x18\x06 \x01(\x08\"h\n\x13\x43ountTokensResponse\x12\x11\n\tnum_cells\x18\x01 \x01(\r\x12\x15\n\rnum_positions\x18\x02 \x01(\r\x12\'\n\x06\x63hunks\x18\x03 \x03(\x0b\x32\x17.slotwise.v1.ChunkCount\"t\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x64\x64_special\x18\x02 \x01(\x08\x12\x15\n\rparse_special\x18\x03 \x01(\x08\x12\x13\n\x0bwith_pieces\x18\x04 \x01(\x08\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\"9\n\x10TokenizeResponse\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x0e\n\x06pieces\x18\x02 \x03(\x0c\"*\n\x11\x44\x65tokenizeRequest\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"2\n\x12\x44\x65tokenizeResponse\x12\x0e\n\x06pieces\x18\x01 \x03(\x0c\x12\x0c\n\x04text\x18\x02 \x01(\t\"C\n\x14TokenizeBatchRequest\x12+\n\x05texts\x18\x01 \x03(\x0b\x32\x1c.slotwise.v1.TokenizeRequest\"E\n\x15TokenizeBatchResponse\x12,\n\x05texts\x18\x01 \x03(\x0b\x32\x1d.slotwise.v1.TokenizeResponse*\x89\x01\n\nToolChoice\x12\x1b\n\x17TOOL_CHOICE_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x01\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x02\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x03\x12\x18\n\x14TOOL_CHOICE_FUNCTION\x10\x04*\x88\x01\n\nToolFormat\x12\x1b\n\x17TOOL_FORMAT_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_FORMAT_JSON\x10\x01\x12\x16\n\x12TOOL_FORMAT_HERMES\x10\x02\x12\x16\n\x12TOOL_FORMAT_LLAMA3\x10\x03\x12\x17\n\x13TOOL_FORMAT_MISTRAL\x10\x04\x32\xea\x03\n\x0bPrepService\x12S\n\x0cGetModelInfo\x12 .slotwise.v1.GetModelInfoRequest\x1a!.slotwise.v1.GetModelInfoResponse\x12\x44\n\x07Prepare\x12\x1b.slotwise.v1.PrepareRequest\x1a\x1c.slotwise.v1.PrepareResponse\x12P\n\x0b\x43ountTokens\x12\x1f.slotwise.v1.CountTokensRequest\x1a .slotwise.v1.CountTokensResponse\x12G\n\x08Tokenize\x12\x1c.slotwise.v1.TokenizeRequest\x1a\x1d.slotwise.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.slotwise.v1.DetokenizeRequest\x1a\x1f.slotwise.v1.DetokenizeResponse\x12V\n\rTokenizeBatch\x12!.slotwise.v1.TokenizeBatchRequest\x1a\".slotwise.v1.TokenizeBatchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16slotwise/v1/prep.proto\x12\x0bslotwise.v1\x1a\x18slotwise/v1/prompt.proto\"\x15\n\x13GetModelInfoRequest\"\xf5\x05\n\tModelInfo\x12-\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32\x18.slotwise.v1.Fingerprint\x12\x14\n\x0cmedia_marker\x18\x02 \x01(\t\x12\x12\n\nuses_mrope\x18\x03 \x01(\x08\x12\x18\n\x10media_non_causal\x18\x04 \x01(\x08\x12\x17\n\x0fsupports_vision\x18\x05 \x01(\x08\x12\x16\n\x0esupports_audio\x18\x06 \x01(\x08\x12\x13\n\x0bn_ctx_train\x18\x07 \x01(\r\x12\x11\n\tnum_vocab\x18\x08 \x01(\r\x12\x19\n\x0c\x62os_token_id\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65os_token_id\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x19\n\x11model_description\x18\x0c \x01(\t\x12\x15\n\rchat_template\x18\r \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x0e \x01(\x08\x12\x1d\n\x10\x66im_pre_token_id\x18\x0f \x01(\x05H\x02\x88\x01\x01\x12\x1d\n\x10\x66im_suf_token_id\x18\x10 \x01(\x05H\x03\x88\x01\x01\x12\x1d\n\x10\x66im_mid_token_id\x18\x11 \x01(\x05H\x04\x88\x01\x01\x12\x1d\n\x10\x66im_rep_token_id\x18\x12 \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10\x66im_sep_token_id\x18\x13 \x01(\x05H\x06\x88\x01\x01\x12,\n\x0bmemory_kind\x18\x14 \x01(\x0e\x32\x17.slotwise.v1.MemoryKind\x12\x19\n\x11\x61udio_sample_rate\x18\x15 \x01(\r\x12\x19\n\x11max_audio_seconds\x18\x16 \x01(\x02\x42\x0f\n\r_bos_token_idB\x0f\n\r_eos_token_idB\x13\n\x11_fim_pre_token_idB\x13\n\x11_fim_suf_token_idB\x13\n\x11_fim_mid_token_idB\x13\n\x11_fim_rep_token_idB\x13\n\x11_fim_sep_token_id\"<\n\x14GetModelInfoResponse\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.slotwise.v1.ModelInfo\"*\n\tImageSize\x12\r\n\x05width\x18\x01 \x01(\r\x12\x0e\n\x06height\x18\x02 \x01(\r\"I\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12&\n\x04size\x18\x02 \x01(\x0b\x32\x16.slotwise.v1.ImageSizeH\x00\x42\x08\n\x06source\"G\n\x05\x41udio\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x11\n\x07pcm_f32\x18\x02 \x01(\x0cH\x00\x12\x11\n\x07seconds\x18\x03 \x01(\x02H\x00\x42\x08\n\x06source\"h\n\x04Part\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x05image\x18\x02 \x01(\x0b\x32\x12.slotwise.v1.ImageH\x00\x12#\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x12.slotwise.v1.AudioH\x00\x42\x06\n\x04kind\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\x88\x01\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12 \n\x05parts\x18\x02 \x03(\x0b\x32\x11.slotwise.v1.Part\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.slotwise.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xe9\x01\n\x04\x43hat\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.slotwise.v1.Message\x12 \n\x05tools\x18\x02 \x03(\x0b\x32\x11.slotwise.v1.Tool\x12,\n\x0btool_choice\x18\x03 \x01(\x0e\x32\x17.slotwise.v1.ToolChoice\x12\x11\n\ttool_name\x18\x04 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x14template_kwargs_json\x18\x1e \x01(\tB\x16\n\x14_parallel_tool_calls\"c\n\x0bToolCalling\x12\'\n\x06\x66ormat\x18\x01 \x01(\x0e\x32\x17.slotwise.v1.ToolFormat\x12+\n\nconstraint\x18\x02 \x01(\x0b\x32\x17.slotwise.v1.Constraint\"t\n\tRawPrompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\"\n\x06images\x18\x02 \x03(\x0b\x32\x12.slotwise.v1.Image\x12\x13\n\x0b\x61\x64\x64_special\x18\x03 \x01(\x08\x12 \n\x05media\x18\x04 \x03(\x0b\x32\x11.slotwise.v1.Part\"z\n\x0ePrepareRequest\x12!\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x11.slotwise.v1.ChatH\x00\x12%\n\x03raw\x18\x02 \x01(\x0b\x32\x16.slotwise.v1.RawPromptH\x00\x12\x15\n\rfirst_message\x18\x03 \x01(\rB\x07\n\x05input\"\xb0\x01\n\x0fPrepareResponse\x12+\n\x06prompt\x18\x01 \x01(\x0b\x32\x1b.slotwise.v1.PreparedPrompt\x12\x15\n\rrendered_text\x18\x02 \x01(\t\x12.\n\x0ctool_calling\x18\x03 \x01(\x0b\x32\x18.slotwise.v1.ToolCalling\x12)\n\treasoning\x18\x1e \x01(\x0b\x32\x16.slotwise.v1.Reasoning\"\xa0\x01\n\tReasoning\x12\r\n\x05start\x18\x01 \x01(\t\x12\x0b\n\x03\x65nd\x18\x02 \x01(\t\x12\x1b\n\x0fstart_token_ids\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x19\n\rend_token_ids\x18\x04 \x03(\x05\x42\x02\x10\x01\x12\x0f\n\x07started\x18\x05 \x01(\x08\x12\x13\n\x0bopened_text\x18\x06 \x01(\t\x12\x19\n\x11num_opened_tokens\x18\x07 \x01(\r\"~\n\x12\x43ountTokensRequest\x12!\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x11.slotwise.v1.ChatH\x00\x12%\n\x03raw\x18\x02 \x01(\x0b\x32\x16.slotwise.v1.RawPromptH\x00\x12\x15\n\rfirst_message\x18\x03 \x01(\rB\x07\n\x05input\"\x86\x01\n\nChunkCount\x12\x15\n\rmessage_index\x18\x01 \x01(\r\x12\x13\n\x0bmedia_group\x18\x02 \x01(\r\x12\x10\n\x08is_media\x18\x03 \x01(\x08\x12\x11\n\tnum_cells\x18\x04 \x01(\r\x12\x15\n\rnum_positions\x18\x05 \x01(\r\x12\x10\n\x08is_audio\x18\x06 \x01(\x08\"h\n\x13\x43ountTokensResponse\x12\x11\n\tnum_cells\x18\x01 \x01(\r\x12\x15\n\rnum_positions\x18\x02 \x01(\r\x12\'\n\x06\x63hunks\x18\x03 \x03(\x0b\x32\x17.slotwise.v1.ChunkCount\"t\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x64\x64_special\x18\x02 \x01(\x08\x12\x15\n\rparse_special\x18\x03 \x01(\x08\x12\x13\n\x0bwith_pieces\x18\x04 \x01(\x08\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\"9\n\x10TokenizeResponse\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x0e\n\x06pieces\x18\x02 \x03(\x0c\"*\n\x11\x44\x65tokenizeRequest\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"2\n\x12\x44\x65tokenizeResponse\x12\x0e\n\x06pieces\x18\x01 \x03(\x0c\x12\x0c\n\x04text\x18\x02 \x01(\t\"C\n\x14TokenizeBatchRequest\x12+\n\x05texts\x18\x01 \x03(\x0b\x32\x1c.slotwise.v1.TokenizeRequest\"E\n\x15TokenizeBatchResponse\x12,\n\x05texts\x18\x01 \x03(\x0b\x32\x1d.slotwise.v1.TokenizeResponse*\x89\x01\n\nToolChoice\x12\x1b\n\x17TOOL_CHOICE_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x01\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x02\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x03\x12\x18\n\x14TOOL_CHOICE_FUNCTION\x10\x04*\x88\x01\n\nToolFormat\x12\x1b\n\x17TOOL_FORMAT_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_FORMAT_JSON\x10\x01\x12\x16\n\x12TOOL_FORMAT_HERMES\x10\x02\x12\x16\n\x12TOOL_FORMAT_LLAMA3\x10\x03\x12\x17\n\x13TOOL_FORMAT_MISTRAL\x10\x04\x32\xea\x03\n\x0bPrepService\x12S\n\x0cGetModelInfo\x12 .slotwise.v1.GetModelInfoRequest\x1a!.slotwise.v1.GetModelInfoResponse\x12\x44\n\x07Prepare\x12\x1b.slotwise.v1.PrepareRequest\x1a\x1c.slotwise.v1.PrepareResponse\x12P\n\x0b\x43ountTokens\x12\x1f.slotwise.v1.CountTokensRequest\x1a .slotwise.v1.CountTokensResponse\x12G\n\x08Tokenize\x12\x1c.slotwise.v1.TokenizeRequest\x1a\x1d.slotwise.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.slotwise.v1.DetokenizeRequest\x1a\x1f.slotwise.v1.DetokenizeResponse\x12V\n\rTokenizeBatch\x12!.slotwise.v1.TokenizeBatchRequest\x1a\".slotwise.v1.TokenizeBatchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'slotwise.v1.prep_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_REASONING'].fields_by_name['start_token_ids']._loaded_options = None
+  _globals['_REASONING'].fields_by_name['start_token_ids']._serialized_options = b'\020\001'
+  _globals['_REASONING'].fields_by_name['end_token_ids']._loaded_options = None
+  _globals['_REASONING'].fields_by_name['end_token_ids']._serialized_options = b'\020\001'
   _globals['_TOKENIZERESPONSE'].fields_by_name['token_ids']._loaded_options = None
   _globals['_TOKENIZERESPONSE'].fields_by_name['token_ids']._serialized_options = b'\020\001'
   _globals['_DETOKENIZEREQUEST'].fields_by_name['token_ids']._loaded_options = None
   _globals['_DETOKENIZEREQUEST'].fields_by_name['token_ids']._serialized_options = b'\020\001'
-  _globals['_TOOLCHOICE']._serialized_start=2947
-  _globals['_TOOLCHOICE']._serialized_end=3084
-  _globals['_TOOLFORMAT']._serialized_start=3087
-  _globals['_TOOLFORMAT']._serialized_end=3223
+  _globals['_TOOLCHOICE']._serialized_start=3183
+  _globals['_TOOLCHOICE']._serialized_end=3320
+  _globals['_TOOLFORMAT']._serialized_start=3323
+  _globals['_TOOLFORMAT']._serialized_end=3459
   _globals['_GETMODELINFOREQUEST']._serialized_start=65
   _globals['_GETMODELINFOREQUEST']._serialized_end=86
   _globals['_MODELINFO']._serialized_start=89
@@ -61,33 +65,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOL']._serialized_start=1409
   _globals['_TOOL']._serialized_end=1475
   _globals['_CHAT']._serialized_start=1478
-  _globals['_CHAT']._serialized_end=1681
-  _globals['_TOOLCALLING']._serialized_start=1683
-  _globals['_TOOLCALLING']._serialized_end=1782
-  _globals['_RAWPROMPT']._serialized_start=1784
-  _globals['_RAWPROMPT']._serialized_end=1900
-  _globals['_PREPAREREQUEST']._serialized_start=1902
-  _globals['_PREPAREREQUEST']._serialized_end=2024
-  _globals['_PREPARERESPONSE']._serialized_start=2027
-  _globals['_PREPARERESPONSE']._serialized_end=2160
-  _globals['_COUNTTOKENSREQUEST']._serialized_start=2162
-  _globals['_COUNTTOKENSREQUEST']._serialized_end=2288
-  _globals['_CHUNKCOUNT']._serialized_start=2291
-  _globals['_CHUNKCOUNT']._serialized_end=2425
-  _globals['_COUNTTOKENSRESPONSE']._serialized_start=2427
-  _globals['_COUNTTOKENSRESPONSE']._serialized_end=2531
-  _globals['_TOKENIZEREQUEST']._serialized_start=2533
-  _globals['_TOKENIZEREQUEST']._serialized_end=2649
-  _globals['_TOKENIZERESPONSE']._serialized_start=2651
-  _globals['_TOKENIZERESPONSE']._serialized_end=2708
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2710
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2752
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2754
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2804
-  _globals['_TOKENIZEBATCHREQUEST']._serialized_start=2806
-  _globals['_TOKENIZEBATCHREQUEST']._serialized_end=2873
-  _globals['_TOKENIZEBATCHRESPONSE']._serialized_start=2875
-  _globals['_TOKENIZEBATCHRESPONSE']._serialized_end=2944
-  _globals['_PREPSERVICE']._serialized_start=3226
-  _globals['_PREPSERVICE']._serialized_end=3716
+  _globals['_CHAT']._serialized_end=1711
+  _globals['_TOOLCALLING']._serialized_start=1713
+  _globals['_TOOLCALLING']._serialized_end=1812
+  _globals['_RAWPROMPT']._serialized_start=1814
+  _globals['_RAWPROMPT']._serialized_end=1930
+  _globals['_PREPAREREQUEST']._serialized_start=1932
+  _globals['_PREPAREREQUEST']._serialized_end=2054
+  _globals['_PREPARERESPONSE']._serialized_start=2057
+  _globals['_PREPARERESPONSE']._serialized_end=2233
+  _globals['_REASONING']._serialized_start=2236
+  _globals['_REASONING']._serialized_end=2396
+  _globals['_COUNTTOKENSREQUEST']._serialized_start=2398
+  _globals['_COUNTTOKENSREQUEST']._serialized_end=2524
+  _globals['_CHUNKCOUNT']._serialized_start=2527
+  _globals['_CHUNKCOUNT']._serialized_end=2661
+  _globals['_COUNTTOKENSRESPONSE']._serialized_start=2663
+  _globals['_COUNTTOKENSRESPONSE']._serialized_end=2767
+  _globals['_TOKENIZEREQUEST']._serialized_start=2769
+  _globals['_TOKENIZEREQUEST']._serialized_end=2885
+  _globals['_TOKENIZERESPONSE']._serialized_start=2887
+  _globals['_TOKENIZERESPONSE']._serialized_end=2944
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2946
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2988
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2990
+  _globals['_DETOKENIZERESPONSE']._serialized_end=3040
+  _globals['_TOKENIZEBATCHREQUEST']._serialized_start=3042
+  _globals['_TOKENIZEBATCHREQUEST']._serialized_end=3109
+  _globals['_TOKENIZEBATCHRESPONSE']._serialized_start=3111
+  _globals['_TOKENIZEBATCHRESPONSE']._serialized_end=3180
+  _globals['_PREPSERVICE']._serialized_start=3462
+  _globals['_PREPSERVICE']._serialized_end=3952
 # @@protoc_insertion_point(module_scope)

@@ -163,18 +163,20 @@ class Tool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
 
 class Chat(_message.Message):
-    __slots__ = ("messages", "tools", "tool_choice", "tool_name", "parallel_tool_calls")
+    __slots__ = ("messages", "tools", "tool_choice", "tool_name", "parallel_tool_calls", "template_kwargs_json")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: ToolChoice
     tool_name: str
     parallel_tool_calls: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_name: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+    template_kwargs_json: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_name: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., template_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class ToolCalling(_message.Message):
     __slots__ = ("format", "constraint")
@@ -207,14 +209,34 @@ class PrepareRequest(_message.Message):
     def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ..., raw: _Optional[_Union[RawPrompt, _Mapping]] = ..., first_message: _Optional[int] = ...) -> None: ...
 
 class PrepareResponse(_message.Message):
-    __slots__ = ("prompt", "rendered_text", "tool_calling")
+    __slots__ = ("prompt", "rendered_text", "tool_calling", "reasoning")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RENDERED_TEXT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLING_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     prompt: _prompt_pb2.PreparedPrompt
     rendered_text: str
     tool_calling: ToolCalling
-    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., rendered_text: _Optional[str] = ..., tool_calling: _Optional[_Union[ToolCalling, _Mapping]] = ...) -> None: ...
+    reasoning: Reasoning
+    def __init__(self, prompt: _Optional[_Union[_prompt_pb2.PreparedPrompt, _Mapping]] = ..., rendered_text: _Optional[str] = ..., tool_calling: _Optional[_Union[ToolCalling, _Mapping]] = ..., reasoning: _Optional[_Union[Reasoning, _Mapping]] = ...) -> None: ...
+
+class Reasoning(_message.Message):
+    __slots__ = ("start", "end", "start_token_ids", "end_token_ids", "started", "opened_text", "num_opened_tokens")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    START_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    OPENED_TEXT_FIELD_NUMBER: _ClassVar[int]
+    NUM_OPENED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    start: str
+    end: str
+    start_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    started: bool
+    opened_text: str
+    num_opened_tokens: int
+    def __init__(self, start: _Optional[str] = ..., end: _Optional[str] = ..., start_token_ids: _Optional[_Iterable[int]] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., started: _Optional[bool] = ..., opened_text: _Optional[str] = ..., num_opened_tokens: _Optional[int] = ...) -> None: ...
 
 class CountTokensRequest(_message.Message):
     __slots__ = ("chat", "raw", "first_message")

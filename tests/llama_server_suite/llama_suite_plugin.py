@@ -1,0 +1,64 @@
+"""A pytest plugin (``-p llama_suite_plugin``, loaded by run.py) that runs llama.cpp's own
+server tests, unmodified, on local files: each preset that would download a model from the
+hub gets the local tiny model of the same kind instead. The test files, their conftest.py and
+utils.py are not touched; their ``ServerPreset`` methods are wrapped here.
+
+The models come in ``SLOTWISE_SUITE_MODELS`` (JSON: ``text``, ``vision``, and the vision
+model's projector, which the shim adds as ``-hf`` adds a repository's mmproj).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import types
+from typing import Any
+
+# utils.py imports wget for download_file(); nothing here may download, so a download fails
+# as it would offline, and the tests that need one fail (they are listed in the README)
+if "wget" not in sys.modules:
+    _wget = types.ModuleType("wget")
+
+    def _no_download(url: str, out: str | None = None) -> str:
+        raise RuntimeError(f"no downloads here: {url}")
+
+    _wget.download = _no_download  # type: ignore[attr-defined]
+    sys.modules["wget"] = _wget
+
+# which local model stands in for each preset's hub model
+_PRESET_MODEL = {
+    "tinyllama2": "text",
+    "tinyllama_infill": "text",
+    "stories15m_moe": "text",
+    "tinygemma3": "vision",
+    "bert_bge_small": "text",
+    "bert_bge_small_with_fa": "text",
+    "jina_reranker_tiny": "text",
+}
+
+
+def _local(make: Any, path: str) -> Any:
+    @functools.wraps(make)
+    def preset() -> Any:
+        server = make()
+        server.model_hf_repo = None
+        server.model_hf_file = None
+        server.model_file = path
+        return server
+
+    return staticmethod(preset)
+
+
+def pytest_configure(config: Any) -> None:
+    import utils  # the vendored tests' own module (their folder is the rootdir)
+
+    models = json.loads(os.environ["SLOTWISE_SUITE_MODELS"])
+    presets = utils.ServerPreset
+    for name, kind in _PRESET_MODEL.items():
+        make = presets.__dict__.get(name)
+        if make is not None:
+            setattr(presets, name, _local(make.__func__, models[kind]))
+    # load_all() starts every preset once to fill the download cache: nothing to download
+    presets.load_all = staticmethod(lambda: None)
