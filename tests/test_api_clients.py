@@ -27,7 +27,7 @@ import pytest
 from pydantic import BaseModel
 
 from slotwise_core.tiny_models import TinyPair
-from support.http_stack import Stack, Stacks
+from support.http_stack import Stack, Stacks, stacks_fixture
 from support.loop import LoopThread
 from support.media import image_bytes
 from support.wait import wait_until
@@ -61,9 +61,7 @@ class City(BaseModel):
 def stacks(
     loop_thread: LoopThread, tiny: dict[str, TinyPair], prep_servers: Callable[[str], int]
 ) -> Iterator[Stacks]:
-    s = Stacks(loop_thread, tiny, prep_servers)
-    yield s
-    s.close()
+    yield from stacks_fixture(loop_thread, tiny, prep_servers)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from clients.client import NO_RETRY, Audio, Message, SlotwiseClient
 from clients.gateway.media import MediaPolicy
 from prep_service.service import Limits
 from slotwise_core.tiny_models import TinyPair
-from support.http_stack import Stack, Stacks
+from support.http_stack import Stack, Stacks, stacks_fixture
 from support.loop import LoopThread
 from support.media import image_bytes, wav_bytes
 
@@ -49,9 +49,7 @@ def listen(*parts: dict[str, Any]) -> Any:  # (the SDKs' message types, for a di
 def stacks(
     loop_thread: LoopThread, tiny: dict[str, TinyPair], prep_servers: Callable[[str], int]
 ) -> Iterator[Stacks]:
-    s = Stacks(loop_thread, tiny, prep_servers)
-    yield s
-    s.close()
+    yield from stacks_fixture(loop_thread, tiny, prep_servers)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from slotwise_core.tiny_models import TinyPair
-from support.http_stack import Stack, Stacks
+from support.http_stack import Stack, Stacks, stacks_fixture
 from support.loop import LoopThread
 from support.procs import free_port
 from support.wait import wait_until
@@ -40,9 +40,7 @@ PREFLIGHT = {
 def stacks(
     loop_thread: LoopThread, tiny: dict[str, TinyPair], prep_servers: Callable[[str], int]
 ) -> Iterator[Stacks]:
-    s = Stacks(loop_thread, tiny, prep_servers)
-    yield s
-    s.close()
+    yield from stacks_fixture(loop_thread, tiny, prep_servers)
 
 
 @pytest.fixture(scope="module")
