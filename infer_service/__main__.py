@@ -157,7 +157,7 @@ async def start(
         draft_model=draft,
     )
     engine.sessions.limits = session_limits  # (before the engine's first periodic work)
-    metrics.collect_from(engine_metrics(engine, metrics))
+    metrics.collect_from(engine_metrics(engine))
     loop = asyncio.get_running_loop()
     died = asyncio.Event()
 

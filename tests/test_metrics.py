@@ -122,6 +122,9 @@ def test_metrics_after_a_shifting_multimodal_generation_and_failures(services) -
     assert value(m, "slotwise_infer_session_bytes_written_total") == 0  # (no --sessions-dir)
     assert value(m, "slotwise_infer_time_to_first_token_seconds_count") == 3
     assert value(m, "slotwise_infer_time_to_first_token_seconds_sum") > 0
+    ttft = "slotwise_infer_time_to_first_token_seconds_bucket"
+    cumulative = [value(m, ttft, le=le) for le in ("0.005", "0.25", "30.0", "+Inf")]
+    assert cumulative == sorted(cumulative) and cumulative[-1] == 3
 
     def calls(method: str, code: str) -> float:
         return value(m, "slotwise_infer_requests_total", method=method, code=code)

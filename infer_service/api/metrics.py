@@ -5,23 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
 
 from infer_service.engine.loop import Engine, EngineSnapshot, EngineStoppedError
 from infer_service.kv.pool import PoolFigures
-from infer_service.runner.slots import EngineStats
-from slotwise_core.metrics import ServiceMetrics
+from infer_service.runner.slots import TTFT_BUCKETS, EngineStats, Latencies
 
 
-def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iterable[Metric]]:
-    ttft = Histogram(
-        "slotwise_infer_time_to_first_token_seconds",
-        "from the start of a request in its slot to its first sampled token",
-        registry=metrics.registry,
-        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-    )
-    engine.on_first_token = ttft.observe
+def engine_metrics(engine: Engine) -> Callable[[], Iterable[Metric]]:
+    """The engine's figures, read from a snapshot at each scrape: nothing is wired into the
+    engine (its time to first token too is a figure it keeps, in fixed buckets)."""
 
     def collect() -> Iterable[Metric]:
         read = _read(engine)
@@ -34,6 +33,7 @@ def engine_metrics(engine: Engine, metrics: ServiceMetrics) -> Callable[[], Iter
         yield from slot_metrics(snap, engine.rt.num_cells_per_slot)
         yield from pool_metrics(snap.pool, snap.stats)
         yield from work_metrics(snap)
+        yield first_token_metric(snap.stats.time_to_first_token)
         yield from tenant_metrics(snap.stats, sessions)
 
     return collect
@@ -76,6 +76,21 @@ def slot_metrics(snap: EngineSnapshot, capacity: int) -> Iterable[Metric]:
         for kind, counts in sorted(snap.stats.drafts_by_type.items()):
             drafts.add_metric([kind], counts[i])
         yield drafts
+
+
+def first_token_metric(ttft: Latencies) -> Metric:
+    """The engine's time-to-first-token histogram (cumulative buckets, as Prometheus has them)."""
+    buckets, seen = [], 0
+    bounds = (*(floatToGoString(b) for b in TTFT_BUCKETS), "+Inf")  # ("30.0", as before)
+    for bound, n in zip(bounds, ttft.counts, strict=True):
+        seen += n
+        buckets.append((bound, seen))
+    return HistogramMetricFamily(
+        "slotwise_infer_time_to_first_token_seconds",
+        "from the start of a request in its slot to its first sampled token",
+        buckets=buckets,
+        sum_value=ttft.total,
+    )
 
 
 def work_metrics(snap: EngineSnapshot) -> Iterable[Metric]:

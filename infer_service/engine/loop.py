@@ -134,7 +134,6 @@ class Engine:
         self.cache = self.executor.cache
         self.states = self.executor.states
         self.on_death: Callable[[BaseException], None] = lambda error: None
-        self.on_first_token: Callable[[float], None] = lambda seconds: None  # (metrics: TTFT)
 
     def start(self) -> None:
         self._thread.start()
@@ -177,6 +176,7 @@ class Engine:
                 shifts_by_policy=dict(self.stats.shifts_by_policy),
                 drafts_by_type={k: list(v) for k, v in self.stats.drafts_by_type.items()},
                 by_tenant={t: replace(v) for t, v in self.stats.by_tenant.items()},
+                time_to_first_token=self.stats.time_to_first_token.copy(),
             ),
             session_bytes_written=self.sessions.bytes_written,
             pool=self.executor.pool_figures(),
@@ -457,10 +457,7 @@ class Engine:
             except Exception:  # a count of shifts, never a request's end
                 log.exception("counting a shift failed")
         for seconds in outcome.first_tokens:
-            try:
-                self.on_first_token(seconds)
-            except Exception:  # a metric, never a request's end
-                log.exception("observing a first token failed")
+            self.stats.time_to_first_token.observe(seconds)
         for ending in outcome.endings:
             self._settle_safely(ending)
         if outcome.pool_wanted:

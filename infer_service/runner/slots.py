@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -188,6 +189,25 @@ class TenantStats:
     num_sessions_reclaimed: int = 0  # ... its idle sessions swapped out for one
 
 
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+@dataclass
+class Latencies:
+    """Seconds observed, in fixed buckets (a Prometheus histogram's, read at scrape time):
+    counts[i] of them at most TTFT_BUCKETS[i], the last one above every bound."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(TTFT_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+    def copy(self) -> Latencies:
+        return Latencies(list(self.counts), self.total)
+
+
 @dataclass
 class EngineStats:
     num_decodes: int = 0
@@ -211,6 +231,8 @@ class EngineStats:
     # speculative decoding, by type: [tokens drafted, tokens accepted]
     drafts_by_type: dict[str, list[int]] = field(default_factory=dict)
     by_tenant: dict[str, TenantStats] = field(default_factory=dict)  # (tenants: the keys file's)
+    # from a request's start in its slot to its first sampled token
+    time_to_first_token: Latencies = field(default_factory=Latencies)
 
     def count_drafts(self, spec_type: str, num_drafted: int, num_accepted: int) -> None:
         counts = self.drafts_by_type.setdefault(spec_type, [0, 0])
