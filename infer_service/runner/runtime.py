@@ -22,7 +22,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import mtmd_cpp
 
-from infer_service.runner.cache_types import FLASH_ATTN, GGML_TYPES, CacheTypeError, CacheTypes
+from infer_service.runner.cache_types import FLASH_ATTN, GGML_TYPES, CacheTypes
 from infer_service.runner.lora import LoraAdapters, LoraFile, LoraSet
 from slotwise_core import model_files, native
 from slotwise_core.descriptors import Fingerprint
@@ -135,37 +135,12 @@ class Runtime:
             for t in range(self.num_vocab)
             if llama_cpp.llama_vocab_is_eog(self.vocab, t)
         )
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = config.ctx_size
-        params.n_batch = config.batch_size
-        params.n_ubatch = config.ubatch_size
         holders = config.shared_prefixes if config.kv_unified else 0
-        params.n_seq_max = config.parallel + holders
-        params.n_threads = config.threads
-        params.n_threads_batch = config.threads_batch
-        params.kv_unified = config.kv_unified  # else every sequence has its own budget of cells
-        params.no_perf = True
-        if config.cache_types is not None:
-            try:
-                config.cache_types.check_head_size(native.head_size(self.model))
-            except CacheTypeError:
-                native.free_model(self.model)
-                raise
-            params.type_k = GGML_TYPES[config.cache_types.k]
-            params.type_v = GGML_TYPES[config.cache_types.v]
-            params.flash_attn_type = FLASH_ATTN[config.cache_types.flash_attn]
-        self.cache_types = CacheTypes(
-            type_name(params.type_k),
-            type_name(params.type_v),
-            {v: k for k, v in FLASH_ATTN.items()}[params.flash_attn_type],
-        )
-        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
-        if not self.ctx:
-            native.free_model(self.model)
-            raise native.NativeError(
-                "llama_init_from_model failed (context too large? cache types "
-                f"{self.cache_types.describe()} not supported here?)"
-            )
+        try:
+            self.ctx, self.cache_types = self._context(config, holders)
+        except BaseException:
+            native.free_model(self.model)  # (with its adapters)
+            raise
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.mtmd: native.Multimodal | None = None
         self._batch: TokenBatch | None = None
@@ -194,14 +169,7 @@ class Runtime:
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
         self.n_embd = llama_cpp.llama_model_n_embd_inp(self.model)
         self.n_swa = max(0, llama_cpp.llama_model_n_swa(self.model))  # (sliding window)
-        self.can_shift = bool(llama_cpp.llama_memory_can_shift(self.memory))
-        if self.can_shift and self.cache_types.shift_crashes(native.head_size(self.model)):
-            log.warning(
-                "a shift of this quantized K cache (%s, head size %d) would crash llama.cpp: "
-                "no shifts (evictions decode the kept part again)",
-                self.cache_types.k, native.head_size(self.model),
-            )  # fmt: skip
-            self.can_shift = False
+        self.can_shift = self._can_shift()
         self.memory_kind = native.memory_kind(self.model)
         # a state per sequence that llama.cpp cannot cut back (only clear or restore)
         self.recurrent = self.memory_kind != "attention"
@@ -209,6 +177,49 @@ class Runtime:
         self.uses_mrope = bool(self.mtmd and self.mtmd.uses_mrope)
         self._null_callback = mtmd_cpp.mtmd_helper_post_decode_callback(0)
         self.bytes_per_cell = self._measure_bytes_per_cell()
+
+    def _context(self, config: RuntimeConfig, holders: int) -> tuple[int, CacheTypes]:
+        """The llama.cpp context the config asks for, and the types its cells got (llama.cpp's
+        defaults where the config names none)."""
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = config.ctx_size
+        params.n_batch = config.batch_size
+        params.n_ubatch = config.ubatch_size
+        params.n_seq_max = config.parallel + holders
+        params.n_threads = config.threads
+        params.n_threads_batch = config.threads_batch
+        params.kv_unified = config.kv_unified  # else every sequence has its own budget of cells
+        params.no_perf = True
+        if config.cache_types is not None:
+            config.cache_types.check_head_size(native.head_size(self.model))
+            params.type_k = GGML_TYPES[config.cache_types.k]
+            params.type_v = GGML_TYPES[config.cache_types.v]
+            params.flash_attn_type = FLASH_ATTN[config.cache_types.flash_attn]
+        types = CacheTypes(
+            type_name(params.type_k),
+            type_name(params.type_v),
+            {v: k for k, v in FLASH_ATTN.items()}[params.flash_attn_type],
+        )
+        ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise native.NativeError(
+                "llama_init_from_model failed (context too large? cache types "
+                f"{types.describe()} not supported here?)"
+            )
+        return ctx, types
+
+    def _can_shift(self) -> bool:
+        """llama.cpp's answer, unless a shift of these cells would crash it."""
+        if not llama_cpp.llama_memory_can_shift(self.memory):
+            return False
+        head = native.head_size(self.model)
+        if self.cache_types.shift_crashes(head):
+            log.warning(
+                "a shift of this quantized K cache (%s, head size %d) would crash llama.cpp: "
+                "no shifts (evictions decode the kept part again)", self.cache_types.k, head,
+            )  # fmt: skip
+            return False
+        return True
 
     @contextlib.contextmanager
     def borrowed(self) -> Iterator[Runtime]:
