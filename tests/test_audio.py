@@ -277,3 +277,18 @@ def test_images_and_sounds_together_on_gemma4(served) -> None:
         assert done.finished.error == "" and done.finished.usage.num_prompt_cells == (
             prepared.num_cells
         )
+
+
+def test_a_sound_that_is_not_its_media_id_is_refused(served) -> None:
+    """A descriptor whose sound's bytes are not what its media_id hashes (tampered on the way)
+    is refused before anything is decoded, and the server goes on."""
+    with served("ultravox") as client:
+        prompt = client.prepare([Message.user("Listen:", audio=wav_bytes(2.0))]).prompt
+        media = next(c.media for c in prompt.chunks if c.WhichOneof("kind") == "media")
+        media.audio = media.audio[:-2] + b"\x01\x02"
+        with pytest.raises(SlotwiseError) as refused:
+            collect(client.generate(prompt, max_tokens=2))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "not the hash of its bytes" in refused.value.message
+        done = collect(client.generate([Message.user("still there?")], max_tokens=2))
+        assert done.finished.error == ""

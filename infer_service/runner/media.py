@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from llama_cpp import mtmd_cpp
 
 from slotwise_core import native
-from slotwise_core.descriptors import Fingerprint, MediaChunk, PreparedPrompt, TextChunk
+from slotwise_core.descriptors import Fingerprint, MediaChunk, PreparedPrompt, TextChunk, content_id
 from slotwise_core.images import (
     DEFAULT_MAX_PIXELS,
     DEFAULT_MAX_TOTAL_PIXELS,
@@ -106,8 +106,12 @@ class VerifiedMedia(SizedLRU[str, Verified]):
         super().__init__(max_bytes, lambda verified: verified.num_bytes)
 
 
+def sound_id(sound: MediaChunk) -> str:
+    return content_id(sound.kind, sound.width, sound.height, sound.audio or sound.pcm)
+
+
 def image_key(image: MediaChunk) -> str:
-    if image.is_audio:  # (its media_id is the hash of the bytes it came in, checked on reading)
+    if image.is_audio:  # (its media_id is the hash of the bytes it came in: verify_prompt's)
         return f"{image.kind}:{image.media_id}"
     if not image.encoded:
         return f"rgb:{image.media_id}"
@@ -188,6 +192,10 @@ def verify_prompt(
                 raise StaleDescriptorError(
                     mtmd.audio_refusal or "this server's projector takes no audio"
                 )
+            if image.is_audio and sound_id(image) != image.media_id:  # (hashed here, off the loop)
+                raise StaleDescriptorError(
+                    f"sound {image.media_id[:12]}: media_id is not the hash of its bytes"
+                )
             key = f"{scope}\0{image_key(image)}"
             verified = cache.get(key) if cache is not None else None
             if verified is None or verified.media_id != image.media_id:
@@ -260,7 +268,7 @@ def _verify_image(mtmd: native.Multimodal, image: MediaChunk, rgb: bytes | None)
     decodes it to the samples it must have): what libmtmd makes of it, its media chunks
     shared."""
     if image.is_audio:
-        rgb = image.audio or image.pcm  # (their hash was checked when the descriptor was read)
+        rgb = image.audio or image.pcm  # (their hash was checked in verify_prompt)
         bitmap = native.Bitmap.of_sound(image.width, image.kind, rgb, image.media_id)
     else:
         rgb = rgb if rgb is not None else _pixels_of(image)
