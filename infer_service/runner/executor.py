@@ -1021,7 +1021,13 @@ class Executor:
                 budget -= took.item.num_cells
         if not taken:
             return
-        self.rt.use_lora(lora)
+        try:
+            self.rt.use_lora(lora)
+        except native.NativeError as e:  # (nothing decoded: each of these requests is told)
+            self._reserved = 0
+            for t in taken:
+                self._fail(t.slot, e)
+            return
         t0 = time.perf_counter()
         rc = self.rt.decode()
         self._reserved = 0  # (in the ledgers below, or given back by a failed decode)
@@ -1245,12 +1251,13 @@ class Executor:
             return None
         slot.usage.num_generated_tokens += 1
         self.stats.num_generated_tokens += 1
+        piece = self.rt.piece(token)  # (once a token: the thought tracker and the text)
         if thoughts is not None:  # (a grammar that holds the reply: no thought opens in it)
             may_open = not slot.sampler.grammar or slot.sampler.awaiting_trigger
-            thoughts.accept(token, self.rt.piece(token), may_open=may_open)
+            thoughts.accept(token, piece, may_open=may_open)
         if slot.spec is not None:
             slot.spec.took(token)
-        text = slot.text.push(self.rt.piece(token))
+        text = slot.text.push(piece)
         delta = TokenDelta((token,), text, (logprobs,) if logprobs else ())
         slot.unsent = slot.unsent.merged(delta) if slot.unsent else delta
         if slot.text.stopped_by is not None:

@@ -179,7 +179,11 @@ class LoraAdapters:
         handles = (llama_cpp.llama_adapter_lora_p_ctypes * n)(*(self._handles[i] for i, _ in lora))
         scales = (ctypes.c_float * n)(*(s for _, s in lora))
         self._applied = None  # (unknown, should the call fail)
-        llama_cpp.llama_set_adapters_lora(ctx, handles if n else None, n, scales if n else None)
+        rc = llama_cpp.llama_set_adapters_lora(
+            ctx, handles if n else None, n, scales if n else None
+        )
+        if rc != 0:  # (the decode that wanted them fails: its requests are told)
+            raise native.NativeError(f"llama_set_adapters_lora failed (rc={rc})")
         self._applied = lora
         return True
 
