@@ -350,49 +350,12 @@ class Preparer:
         tools: Tools | None = None,
         kwargs: Mapping[str, Any] | None = None,
     ) -> list[_Segment]:
+        """The text to tokenize, in segments: a raw prompt whole; a chat a message at a time as
+        its template renders it (from message first on, for a session that holds the ones
+        before), the generation prompt last."""
         if isinstance(request, RawPrompt):
-            if first:
-                raise InputError("first_message applies to chat input only")
-            if not request.text:
-                raise InputError("raw prompt is empty")
-            n_markers = request.text.count(self.marker)
-            if n_markers != len(request.images):
-                raise InputError(
-                    f"raw prompt has {n_markers} media markers ({self.marker!r}) "
-                    f"but {len(request.images)} images and sounds"
-                )
-            return [_Segment(request.text, list(request.images), 0, request.add_special)]
-        if not request:
-            raise InputError("chat has no messages")
-        if tools is not None:
-            try:
-                check_tools(tools)
-            except ValueError as e:
-                raise InputError(str(e)) from None
-        turns = []
-        images: list[list[Media]] = []
-        for i, message in enumerate(request):
-            if message.role not in ROLES:
-                raise InputError(
-                    f"message {i}: unknown role {message.role!r} (use {', '.join(ROLES)})"
-                )
-            if not message.parts and not message.tool_calls:
-                raise InputError(f"message {i} has no parts")
-            if message.tool_calls and message.role != "assistant":
-                raise InputError(f"message {i}: only assistant messages make tool calls")
-            text = []
-            for j, part in enumerate(message.parts):
-                if isinstance(part, str):
-                    if self.marker in part:
-                        raise InputError(
-                            f"message {i} part {j}: text contains the media marker "
-                            f"{self.marker!r}; send images and sounds as their own parts"
-                        )
-                    text.append(part)
-                else:
-                    text.append(self.marker)
-            turns.append(self._template_message(message, "".join(text)))
-            images.append([p for p in message.parts if not isinstance(p, str)])
+            return [self._raw_segment(request, first)]
+        turns, images = self._turns(request, tools)
         if self.template is None:
             raise UnsupportedError(
                 "the model has no chat template: start prep with --chat-template NAME|FILE "
@@ -404,27 +367,7 @@ class Preparer:
         template_tools_ = template_tools(shown) if shown and self.tool_format is not JSON else None
         prompt = json_system_prompt(shown) if shown and self.tool_format is JSON else ""
         plan, pieces, holders = self._render(template, turns, template_tools_, prompt)
-        # each message's piece: a rendered turn made of several messages is the first one's,
-        # and a turn the template gave no boundary of its own is its holder's
-        texts = [""] * len(turns)
-        owned: list[list[Media]] = [[] for _ in turns]
-        held_by = list(range(len(turns)))  # message -> the message whose piece holds it
-        for k, ((_, sources), piece) in enumerate(zip(plan, pieces, strict=False)):
-            holder = plan[holders[k]][1]
-            owner = holder[0] if holder else 0  # (the tools' system message: message 0's)
-            texts[owner] += piece
-            owned[owner] += [im for m in sources for im in images[m]]
-            for m in sources:
-                held_by[m] = owner
-        segments = [_Segment(t, im, i) for i, (t, im) in enumerate(zip(texts, owned, strict=True))]
-        if any(s.text.count(self.marker) != len(s.images) for s in segments):
-            # the template moved text across messages: one segment, owned by the last message
-            segments = [
-                _Segment(
-                    "".join(pieces[:-1]), [im for imgs in images for im in imgs], len(turns) - 1
-                )
-            ]
-        segments.append(_Segment(pieces[-1], [], len(turns)))  # the generation prompt
+        segments, held_by = _message_segments(self.marker, plan, pieces, holders, images)
         if first:
             if any(m < first <= h for m, h in enumerate(held_by)):
                 raise InputError(
@@ -434,8 +377,68 @@ class Preparer:
                 )
             head = [t for t, src in plan if not src or max(src) < first]
             return self._continuation(template, turns, segments, first, head, template_tools_)
-        # BOS once, in front of the first text (a message the template wrote nothing for
-        # alone has none): from the vocabulary's add_special unless the template wrote it
+        return self._with_bos(segments)
+
+    def _raw_segment(self, request: RawPrompt, first: int) -> _Segment:
+        """A raw prompt as one segment, once its markers and media agree in number."""
+        if first:
+            raise InputError("first_message applies to chat input only")
+        if not request.text:
+            raise InputError("raw prompt is empty")
+        n_markers = request.text.count(self.marker)
+        if n_markers != len(request.images):
+            raise InputError(
+                f"raw prompt has {n_markers} media markers ({self.marker!r}) "
+                f"but {len(request.images)} images and sounds"
+            )
+        return _Segment(request.text, list(request.images), 0, request.add_special)
+
+    def _turns(
+        self, request: Sequence[Message], tools: Tools | None
+    ) -> tuple[list[TemplateMessage], list[list[Media]]]:
+        """Each message as the template takes it (its media as markers in its text) and each
+        one's media, in order; the chat and its tools checked first, then message by message."""
+        if not request:
+            raise InputError("chat has no messages")
+        if tools is not None:
+            try:
+                check_tools(tools)
+            except ValueError as e:
+                raise InputError(str(e)) from None
+        turns = []
+        images: list[list[Media]] = []
+        for i, message in enumerate(request):
+            turns.append(self._template_message(message, self._message_text(i, message)))
+            images.append([p for p in message.parts if not isinstance(p, str)])
+        return turns, images
+
+    def _message_text(self, i: int, message: Message) -> str:
+        """Message i's text, a marker where each medium goes; refused for an unknown role, no
+        parts nor calls, calls from other than an assistant, or a marker in its text (it would
+        be taken for a medium)."""
+        if message.role not in ROLES:
+            raise InputError(f"message {i}: unknown role {message.role!r} (use {', '.join(ROLES)})")
+        if not message.parts and not message.tool_calls:
+            raise InputError(f"message {i} has no parts")
+        if message.tool_calls and message.role != "assistant":
+            raise InputError(f"message {i}: only assistant messages make tool calls")
+        text = []
+        for j, part in enumerate(message.parts):
+            if isinstance(part, str):
+                if self.marker in part:
+                    raise InputError(
+                        f"message {i} part {j}: text contains the media marker "
+                        f"{self.marker!r}; send images and sounds as their own parts"
+                    )
+                text.append(part)
+            else:
+                text.append(self.marker)
+        return "".join(text)
+
+    def _with_bos(self, segments: list[_Segment]) -> list[_Segment]:
+        """The segments with text, BOS once in front of the first (a message the template wrote
+        nothing for alone has none): from the vocabulary's add_special unless the template
+        wrote it."""
         segments = [s for s in segments if s.text]
         bos = self._piece(self.info.bos_token_id)
         if segments:
@@ -696,6 +699,36 @@ def _media(c: native.RawChunk, image: Media, msg: int, group: int) -> MediaChunk
         media_group=group,
         encoded=image.encoded,
     )
+
+
+def _message_segments(
+    marker: str,
+    plan: list[tuple[TemplateMessage, list[int]]],
+    pieces: list[str],
+    holders: list[int],
+    images: list[list[Media]],
+) -> tuple[list[_Segment], list[int]]:
+    """A segment per message, and the generation prompt's last, from the rendered pieces; and
+    for each message, the message whose segment holds its text."""
+    n = len(images)
+    # each message's piece: a rendered turn made of several messages is the first one's,
+    # and a turn the template gave no boundary of its own is its holder's
+    texts = [""] * n
+    owned: list[list[Media]] = [[] for _ in range(n)]
+    held_by = list(range(n))  # message -> the message whose piece holds it
+    for k, ((_, sources), piece) in enumerate(zip(plan, pieces, strict=False)):
+        holder = plan[holders[k]][1]
+        owner = holder[0] if holder else 0  # (the tools' system message: message 0's)
+        texts[owner] += piece
+        owned[owner] += [im for m in sources for im in images[m]]
+        for m in sources:
+            held_by[m] = owner
+    segments = [_Segment(t, im, i) for i, (t, im) in enumerate(zip(texts, owned, strict=True))]
+    if any(s.text.count(marker) != len(s.images) for s in segments):
+        # the template moved text across messages: one segment, owned by the last message
+        segments = [_Segment("".join(pieces[:-1]), [im for imgs in images for im in imgs], n - 1)]
+    segments.append(_Segment(pieces[-1], [], n))  # the generation prompt
+    return segments, held_by
 
 
 def _merge_runs(
