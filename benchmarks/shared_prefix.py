@@ -20,8 +20,10 @@ from pathlib import Path
 from infer_service.events import TokenDelta
 from infer_service.kv.ledger import ContextConfig, Item
 from infer_service.runner.executor import Executor
+from infer_service.runner.job import Job
 from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
-from infer_service.runner.slots import EngineStats, Job, Slot
+from infer_service.runner.slot import Slot
+from infer_service.runner.stats import EngineStats
 
 TEXT = (Path(__file__).parent / "texts").glob("*")
 

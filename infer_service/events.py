@@ -7,7 +7,7 @@ import enum
 import errno
 from dataclasses import dataclass, field
 
-from infer_service.kv.ledger import Policy
+from infer_service.kv.ledger import CannotFit, Policy
 
 
 class Persistence(enum.Enum):
@@ -108,6 +108,14 @@ class ProblemError(RuntimeError):
         return self.problem.kind
 
 
+class QueueFullError(ProblemError):
+    """The engine's wait queue is full (the request was not queued)."""
+
+
+class EngineStoppedError(ProblemError):
+    """The engine thread is gone (stopped, or died): nothing more will run."""
+
+
 def problem(kind: ErrorKind, reason: Reason, message: str, **metadata: object) -> Problem:
     return Problem(kind, message, reason, tuple((k, str(v)) for k, v in metadata.items()))
 
@@ -122,6 +130,24 @@ def storage_problem(e: OSError, doing: str) -> Problem:
         f"{doing}: {e.strerror or e}",
         errno=errno.errorcode.get(e.errno or 0, str(e.errno)),
     )
+
+
+def too_long(plan: CannotFit) -> Problem:
+    """A prompt that can never fit: INVALID_ARGUMENT, not the transient RESOURCE_EXHAUSTED."""
+    return problem(
+        ErrorKind.INVALID_ARGUMENT,
+        Reason.PROMPT_TOO_LONG,
+        plan.message,
+        cells_needed=plan.num_cells_needed,
+        capacity=plan.num_capacity_cells,
+        pinned_cells=plan.num_pinned_cells,
+    )
+
+
+def cancelled(deadline: bool, why: str) -> Problem:
+    if deadline:
+        return Problem(ErrorKind.DEADLINE_EXCEEDED, why, Reason.DEADLINE_EXCEEDED)
+    return Problem(ErrorKind.CANCELLED, why, Reason.CANCELLED)
 
 
 @dataclass(frozen=True)

@@ -121,11 +121,13 @@ from infer_service.kv.ledger import (
     Shift,
 )
 from infer_service.runner.executor import Ending, Executor, media_cache_key
+from infer_service.runner.job import Job
 from infer_service.runner.media import MediaHandle
 from infer_service.runner.reasoning import State as ThoughtState
 from infer_service.runner.reasoning import Thoughts
 from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
-from infer_service.runner.slots import EngineStats, Job, Slot
+from infer_service.runner.slot import Slot
+from infer_service.runner.stats import EngineStats
 from infer_service.spec.drafting import SpecConfig, SpecType
 from slotwise_core import native
 from slotwise_core.tiny_models import ALL, FAMILIES_2026, HYBRID, TinyPair, write_tiny_models

@@ -34,8 +34,10 @@ from pathlib import Path
 from infer_service.events import FinishReason, ProblemError, Started
 from infer_service.kv.ledger import ContextConfig, Item, Ledger, Policy
 from infer_service.runner.executor import Executor
+from infer_service.runner.job import Job
 from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
-from infer_service.runner.slots import EngineStats, Job, Slot
+from infer_service.runner.slot import Slot
+from infer_service.runner.stats import EngineStats
 from slotwise_core.tiny_models import TinyPair, write_tiny_models
 
 NUM_SLOTS = 3

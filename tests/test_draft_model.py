@@ -15,8 +15,10 @@ from infer_service.events import Event, TokenDelta
 from infer_service.kv.ledger import Item
 from infer_service.runner.draft_model import DraftModel
 from infer_service.runner.executor import Executor
+from infer_service.runner.job import Job
 from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
-from infer_service.runner.slots import EngineStats, Job, Slot
+from infer_service.runner.slot import Slot
+from infer_service.runner.stats import EngineStats
 from infer_service.spec.drafting import SpecConfig, SpecType
 
 

@@ -174,8 +174,10 @@ def test_prompts_that_together_overflow_the_pool_wait_then_one_ends_pool_full(ti
     end. No decode fails."""
     from infer_service.events import ErrorKind, Reason
     from infer_service.runner.executor import Executor
+    from infer_service.runner.job import Job
     from infer_service.runner.runtime import SamplingConfig
-    from infer_service.runner.slots import EngineStats, Job, Slot
+    from infer_service.runner.slot import Slot
+    from infer_service.runner.stats import EngineStats
 
     rt = open_pool(tiny["rope"], cells=256, batch=256)
     slots = [Slot(seq) for seq in range(rt.num_slots)]

@@ -38,8 +38,8 @@ from oracle import (
 )
 
 from infer_service.kv.ledger import ContextConfig, EvictionUnit, Item, Policy
+from infer_service.runner.job import Job
 from infer_service.runner.runtime import Runtime, SamplingConfig, TokenBatch
-from infer_service.runner.slots import Job
 from slotwise_core.tiny_models import TinyPair, write_tiny_models
 
 # Runs per pair in CI (seeds 0..N-1); each run is a few dozen to a few hundred decodes.

@@ -10,9 +10,8 @@ from hypothesis import strategies as st
 from infer_service.events import ErrorKind, Reason
 from infer_service.kv.ledger import ContextConfig, Ledger
 from infer_service.runner.runtime import SamplingConfig
-from infer_service.runner.slots import SessionError
 from infer_service.sessions.session import Lifecycle, Session
-from infer_service.sessions.table import MOVES, SessionTable
+from infer_service.sessions.table import MOVES, SessionError, SessionTable
 
 L = Lifecycle
 IN_MEMORY = (L.STORED, L.RESIDENT, L.IN_TURN)

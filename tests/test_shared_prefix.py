@@ -131,7 +131,7 @@ def test_a_pinned_system_message_with_an_image_is_decoded_once(servers) -> None:
         assert (info.stats.num_shared_prefixes, info.stats.num_shared_cells) == (1, keep)
         # another tenant is told the pool's size, and nothing of this one's part of it
         from infer_service.api.protobuf import server_info_pb
-        from infer_service.runner.slots import TenantStats
+        from infer_service.runner.stats import TenantStats
 
         snap = engine.call(engine.snapshot).result(timeout=30)
         other = server_info_pb(engine.rt, snap, TenantStats(), "someone else")

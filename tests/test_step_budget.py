@@ -19,8 +19,10 @@ from hypothesis import strategies as st
 from infer_service.events import Event, PrefillProgress, TokenDelta
 from infer_service.kv.ledger import Item
 from infer_service.runner.executor import Executor
+from infer_service.runner.job import Job
 from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig, physical_cores
-from infer_service.runner.slots import EngineStats, Job, Slot
+from infer_service.runner.slot import Slot
+from infer_service.runner.stats import EngineStats
 from infer_service.runner.step_budget import ALIGN, MIN_PIECE, PIECES, prefill_budget
 
 BATCH = 512

@@ -13,9 +13,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from infer_service.engine.loop import Engine, EngineSnapshot, EngineStoppedError
+from infer_service.engine.loop import Engine, EngineSnapshot
+from infer_service.events import EngineStoppedError
 from infer_service.kv.pool import PoolFigures
-from infer_service.runner.slots import TTFT_BUCKETS, EngineStats, Latencies
+from infer_service.runner.stats import TTFT_BUCKETS, EngineStats, Latencies
 
 
 def engine_metrics(engine: Engine) -> Callable[[], Iterable[Metric]]:

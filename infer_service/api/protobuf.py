@@ -42,7 +42,7 @@ from infer_service.kv.view import CellKind, CellRun, SharedPicture, SlotPicture,
 from infer_service.runner.lora import LoraAdapters, LoraError, LoraSet
 from infer_service.runner.reasoning import Thoughts
 from infer_service.runner.runtime import SamplingConfig
-from infer_service.runner.slots import TenantStats
+from infer_service.runner.stats import TenantStats
 from infer_service.sessions.session import SessionView, public_id, scoped
 from infer_service.sessions.store import SessionIdError, check_session_id
 from infer_service.spec.drafting import SpecConfig, SpecType

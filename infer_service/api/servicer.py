@@ -39,6 +39,7 @@ from infer_service.api.protobuf import (
 from infer_service.engine.client import EngineFacade
 from infer_service.engine.scheduler import Reservation
 from infer_service.events import (
+    EngineStoppedError,
     ErrorKind,
     Event,
     Finished,
@@ -49,6 +50,7 @@ from infer_service.events import (
     storage_problem,
 )
 from infer_service.runner.embedder import Embedder, EmbedError
+from infer_service.runner.job import Job, prompt_items
 from infer_service.runner.media import (
     MediaLimits,
     StaleDescriptorError,
@@ -63,7 +65,7 @@ from infer_service.runner.sampling import (
     check_spec,
     json_schema_grammar,
 )
-from infer_service.runner.slots import EngineStoppedError, Job, TenantStats, prompt_items
+from infer_service.runner.stats import TenantStats
 from infer_service.sessions.session import MAX_RECORDS, SessionView
 from infer_service.sessions.store import SessionIdError, check_session_id
 from slotwise.v1 import infer_pb2, infer_pb2_grpc

@@ -17,10 +17,11 @@ from typing import TypeVar
 
 from infer_service.engine.loop import Engine, EngineSnapshot
 from infer_service.engine.scheduler import Reservation
+from infer_service.events import EngineStoppedError
 from infer_service.kv.ledger import ContextConfig
 from infer_service.kv.view import SharedPicture, SlotPicture
+from infer_service.runner.job import Job
 from infer_service.runner.runtime import SamplingConfig
-from infer_service.runner.slots import EngineStoppedError, Job
 from infer_service.sessions.session import Session, SessionView, owner_of
 
 T = TypeVar("T")

@@ -25,7 +25,9 @@ from typing import Any, TypeVar
 
 from infer_service.engine.scheduler import Reservation, Scheduler, TenantLimits
 from infer_service.events import (
+    EngineStoppedError,
     ErrorKind,
+    Event,
     Finished,
     FinishReason,
     Persistence,
@@ -33,6 +35,7 @@ from infer_service.events import (
     ProblemError,
     Reason,
     Rejected,
+    cancelled,
     storage_problem,
 )
 from infer_service.kv.host_cache import ReuseKey
@@ -41,35 +44,16 @@ from infer_service.kv.pool import PoolFigures
 from infer_service.kv.view import SharedPicture, SlotPicture, SlotState, runs
 from infer_service.runner.draft_model import DraftModel
 from infer_service.runner.executor import Ending, Executor, StepOutcome
+from infer_service.runner.job import Job
 from infer_service.runner.runtime import Runtime
-from infer_service.runner.slots import (
-    EngineStats,
-    EngineStoppedError,
-    Job,
-    QueueFullError,
-    SessionError,
-    Slot,
-    cancelled,
-    emit_best_effort,
-    prompt_items,
-    too_long,
-)
+from infer_service.runner.slot import Slot
+from infer_service.runner.stats import EngineStats
 from infer_service.sessions.io_lanes import run_unless_cancelled
 from infer_service.sessions.manager import SessionManager
 from infer_service.sessions.session import TurnRecord, owner_of
 from infer_service.sessions.store import SessionStore
 
-__all__ = [
-    "Engine",
-    "EngineSnapshot",
-    "EngineStats",
-    "EngineStoppedError",
-    "Job",
-    "QueueFullError",
-    "SessionError",
-    "prompt_items",
-    "too_long",
-]
+__all__ = ["Engine", "EngineSnapshot"]
 
 log = logging.getLogger("slotwise.engine")
 T = TypeVar("T")
@@ -544,3 +528,11 @@ def _owner(key: object) -> str:
     """The tenant of a shared prefix's key (the executor keys prefixes by `Job.reuse_key`)."""
     whose: ReuseKey = key  # type: ignore[assignment]
     return whose[0]
+
+
+def emit_best_effort(emit: Callable[[Event], None], event: Event) -> None:
+    """Tell a caller that may already be gone (its loop closed): that must not stop us."""
+    try:
+        emit(event)
+    except Exception:
+        log.debug("a caller could not be told %r", event, exc_info=True)

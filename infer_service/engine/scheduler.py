@@ -14,10 +14,11 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from infer_service.events import ErrorKind, Problem, Reason
+from infer_service.events import ErrorKind, Problem, QueueFullError, Reason
 from infer_service.kv.host_cache import StateCache, reuse_of
 from infer_service.kv.ledger import Item, Ledger
-from infer_service.runner.slots import Job, QueueFullError, Slot
+from infer_service.runner.job import Job
+from infer_service.runner.slot import Slot
 from infer_service.sessions.manager import SessionManager
 
 

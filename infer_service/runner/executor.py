@@ -51,6 +51,7 @@ from infer_service.events import (
     Started,
     TokenDelta,
     Usage,
+    too_long,
 )
 from infer_service.kv.host_cache import LoraSet, StateCache, reuse_of
 from infer_service.kv.ledger import (
@@ -72,11 +73,13 @@ from infer_service.kv.pool import Holder, Pool, PoolFigures, Share
 from infer_service.kv.view import ShiftMark, at_cell, runs
 from infer_service.runner.draft_model import DraftModel
 from infer_service.runner.grammar_lane import GrammarLane, GrammarTooCostly
+from infer_service.runner.job import Job
 from infer_service.runner.media import MediaHandle
 from infer_service.runner.reasoning import ThoughtTracker
 from infer_service.runner.runtime import EmbeddingCache, Runtime
 from infer_service.runner.sampling import ConstraintError, GrammarDeadEnd, SlotSampler
-from infer_service.runner.slots import EngineStats, Job, MediaPiece, SessionError, Slot, too_long
+from infer_service.runner.slot import MediaPiece, Slot
+from infer_service.runner.stats import EngineStats
 from infer_service.runner.step_budget import prefill_budget
 from infer_service.runner.text_stream import TextStream
 from infer_service.spec.drafting import NO_TOKEN, Speculation, StepCost
@@ -315,7 +318,8 @@ class Executor:
         try:  # first: a refusal here changes nothing
             sampler = SlotSampler(self.rt, job.sampler_spec, self.grammars, owner=job.tenant)
         except ConstraintError as e:
-            raise SessionError(ErrorKind.INVALID_ARGUMENT, str(e), Reason.BAD_REQUEST) from e
+            bad = Problem(ErrorKind.INVALID_ARGUMENT, str(e), Reason.BAD_REQUEST)
+            raise ProblemError(bad) from e
         try:
             self._begin(slot, job, ledger, start, sampler, reprefill=reprefill)
         except BaseException:
@@ -389,10 +393,12 @@ class Executor:
         if isinstance(admission, CannotFit):
             error: ProblemError | None = ProblemError(too_long(admission))
         elif admission.kept and admission.kept[-1].media_id:
-            error = SessionError(
-                ErrorKind.INVALID_ARGUMENT,
-                "the prompt ends with media: add text after it",
-                Reason.BAD_REQUEST,
+            error = ProblemError(
+                Problem(
+                    ErrorKind.INVALID_ARGUMENT,
+                    "the prompt ends with media: add text after it",
+                    Reason.BAD_REQUEST,
+                )
             )
         else:
             error = None

@@ -29,6 +29,18 @@ def run_unless_cancelled(future: Future[T], fn: Callable[[], T]) -> None:
         future.set_result(result)
 
 
+def resolve(future: Future[T], result: T | None = None, error: BaseException | None = None) -> bool:
+    """Settle a future whose waiter may have given up on it (cancelled), or that is settled
+    already: that is no error. Returns whether this call settled it."""
+    if future.done():
+        return False
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)  # type: ignore[arg-type]
+    return True
+
+
 class Lanes:
     def __init__(self, workers: int, name: str = "io"):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)

@@ -47,18 +47,21 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from infer_service.events import ErrorKind, Problem, ProblemError, Reason, problem
+from infer_service.events import (
+    EngineStoppedError,
+    ErrorKind,
+    Problem,
+    ProblemError,
+    Reason,
+    problem,
+)
 from infer_service.kv.ledger import ContextConfig, Ledger
 from infer_service.runner.executor import Executor
+from infer_service.runner.job import Job
 from infer_service.runner.runtime import SamplingConfig
-from infer_service.runner.slots import (
-    EngineStats,
-    EngineStoppedError,
-    Job,
-    SessionError,
-    Slot,
-    resolve,
-)
+from infer_service.runner.slot import Slot
+from infer_service.runner.stats import EngineStats
+from infer_service.sessions.io_lanes import resolve
 from infer_service.sessions.persistence import Changed, Persistence, Used
 from infer_service.sessions.session import (
     Lifecycle,
@@ -70,7 +73,7 @@ from infer_service.sessions.session import (
 )
 from infer_service.sessions.store import SessionStore
 from infer_service.sessions.swap import Swapper
-from infer_service.sessions.table import SessionTable, busy, not_found
+from infer_service.sessions.table import SessionError, SessionTable, busy, not_found
 from slotwise_core.descriptors import Fingerprint
 
 log = logging.getLogger("slotwise.engine")

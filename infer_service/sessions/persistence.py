@@ -24,10 +24,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from infer_service.events import ErrorKind, Problem, ProblemError, Reason, problem, storage_problem
-from infer_service.runner.slots import EngineStoppedError, resolve
+from infer_service.events import (
+    EngineStoppedError,
+    ErrorKind,
+    Problem,
+    ProblemError,
+    Reason,
+    problem,
+    storage_problem,
+)
 from infer_service.sessions import header_delta
-from infer_service.sessions.io_lanes import Lanes
+from infer_service.sessions.io_lanes import Lanes, resolve
 from infer_service.sessions.session import Session
 from infer_service.sessions.store import (
     CorruptSessionError,

@@ -21,7 +21,8 @@ from typing import Any
 from infer_service.events import CorruptSessionError
 from infer_service.runner.executor import Executor
 from infer_service.runner.media import MediaHandle, Pixels, media_handle
-from infer_service.runner.slots import EngineStats, Slot
+from infer_service.runner.slot import Slot
+from infer_service.runner.stats import EngineStats
 from infer_service.sessions.persistence import Persistence
 from infer_service.sessions.session import Session
 from infer_service.sessions.store import ledger_digest

@@ -11,9 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from infer_service.events import ErrorKind, Reason
-from infer_service.runner.slots import SessionError
+from infer_service.events import ErrorKind, Problem, ProblemError, Reason
 from infer_service.sessions.session import Lifecycle, Session, owner_of
+
+
+class SessionError(ProblemError):
+    """A session's own refusal: not found, busy, broken, foreign, at its quota."""
+
+    def __init__(self, kind: ErrorKind, message: str, reason: Reason = Reason.INTERNAL):
+        super().__init__(Problem(kind, message, reason))
+
 
 S = Lifecycle
 # state -> the states it may move to (None: the table forgets the id)
