@@ -87,7 +87,7 @@ Part = str | Media
 
 
 def _held(media: Media) -> bool:
-    """A medium a session holds: only its marker is rendered (see PrepServicer._request)."""
+    """A medium a session holds: only its marker is rendered (see prep_service.service._message)."""
     return (media.num_samples if isinstance(media, AudioRef) else media.width) == 0
 
 

@@ -278,6 +278,9 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                 )
 
     def _request(self, request, *, sizes_allowed: bool, tenant: str) -> list[Message] | RawPrompt:
+        """The request's chat or raw prompt as prepare takes it, each limit checked before the
+        work it bounds: the messages' number, then the images' pixels from their headers, then
+        each medium as it is read; images are decoded last, once every part was read."""
         which = request.WhichOneof("input")
         if which == "chat" and len(request.chat.messages) > self.limits.max_messages:
             # (before anything is read of them: the template's cost grows with their number)
@@ -286,108 +289,16 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                 f"{self.limits.max_messages} (--max-messages)"
             )
         self._check_total_pixels(request)
-        n_images = 0
-        files: list[tuple[bytes, str]] = []  # the encoded images, in order
-        holes: list[tuple[list[Any], int]] = []  # where each one's ImageRef goes
-
-        def image(pb, where: str, parts: list[Any]) -> None:
-            nonlocal n_images
-            n_images += 1
-            if n_images > self.limits.max_images:
-                raise InputError(f"more than {self.limits.max_images} images in one request")
-            source = pb.WhichOneof("source")
-            if source == "data":
-                files.append((pb.data, where))
-                holes.append((parts, len(parts)))
-                parts.append(ImageRef(0, 0))  # (filled in below, once decoded)
-                return
-            if source == "size" and sizes_allowed:
-                w, h = pb.size.width, pb.size.height
-                if w == 0 or h == 0 or w * h > self.limits.max_pixels:
-                    raise InputError(
-                        f"{where}: size {w}x{h} must be positive and at most "
-                        f"{self.limits.max_pixels} pixels"
-                    )
-                parts.append(ImageRef(w, h))
-                return
-            if source == "size":
-                raise InputError(f"{where}: Prepare needs the image bytes, not just a size")
-            raise InputError(f"{where}: image has neither data nor size")
-
-        def with_images(result: list[Message] | RawPrompt) -> list[Message] | RawPrompt:
-            for (parts, k), (data, _), facts in zip(
-                holes, files, self._image_facts(files, tenant), strict=True
-            ):
-                parts[k] = ImageRef(
-                    facts.width, facts.height, facts.media_id, facts.reencoded or data
-                )
-            return result
-
-        seconds = 0.0  # the request's sounds together
-
-        def audio(pb, where: str, parts: list[Any]) -> None:
-            nonlocal n_images, seconds
-            n_images += 1
-            if n_images > self.limits.max_images:
-                raise InputError(
-                    f"more than {self.limits.max_images} images and sounds in one request"
-                )
-            try:
-                ref = self._sound(pb, sizes_allowed, tenant)
-            except AudioError as e:
-                raise type(e)(f"{where}: {e}") from None
-            rate = self.preparer.info.audio_sample_rate
-            seconds += ref.num_samples / rate
-            if seconds > MAX_SOUNDS_PER_REQUEST * self.limits.max_audio_seconds:
-                raise AudioTooLongError(
-                    f"{where}: the sounds of this request are {seconds:.1f} s together, over "
-                    f"{MAX_SOUNDS_PER_REQUEST} x --max-audio-seconds"
-                )
-            parts.append(ref)
-
-        def medium(pb, where: str, parts: list[Any]) -> None:
-            kind = pb.WhichOneof("kind")
-            if kind == "image":
-                image(pb.image, where, parts)
-            elif kind == "audio":
-                audio(pb.audio, where, parts)
-            else:
-                raise InputError(f"{where}: a raw prompt's media are images or sounds, not {kind}")
-
+        media = _RequestMedia(self, sizes_allowed=sizes_allowed, tenant=tenant)
         if which == "raw":
-            raw = request.raw
-            if raw.images and raw.media:
-                raise InputError("a raw prompt has images or media, not both")
-            images: list[Any] = []
-            for k, im in enumerate(raw.images):
-                image(im, f"image {k}", images)
-            for k, part in enumerate(raw.media):
-                medium(part, f"medium {k}", images)
-            return with_images(RawPrompt(raw.text, images, raw.add_special))
+            return media.decoded(_raw_prompt(request.raw, media))
         if which == "chat":
-            messages = []
-            for i, m in enumerate(request.chat.messages):
-                parts: list[Part] = []
-                for j, p in enumerate(m.parts):
-                    kind = p.WhichOneof("kind")
-                    if kind == "text":
-                        parts.append(p.text)
-                    elif kind in ("image", "audio") and i < request.first_message:
-                        # a session holds it: only its marker is rendered, never decoded or
-                        # counted (a long session's earlier media cost nothing, and no limit)
-                        parts.append(ImageRef(0, 0) if kind == "image" else AudioRef(0))
-                    elif kind in ("image", "audio"):
-                        medium(p, f"message {i} part {j}", parts)
-                    else:
-                        raise InputError(
-                            f"message {i} part {j} is empty (neither text, image nor audio)"
-                        )
-                calls = [
-                    ToolCall(c.id, c.name, _json_object(c.arguments_json, f"message {i} call {k}"))
-                    for k, c in enumerate(m.tool_calls)
-                ]
-                messages.append(Message(m.role, parts, calls, m.tool_call_id, m.name))
-            return with_images(messages)
+            first = request.first_message
+            messages = [
+                _message(m, i, held=i < first, media=media)
+                for i, m in enumerate(request.chat.messages)
+            ]
+            return media.decoded(messages)
         raise InputError("request has neither chat nor raw input")
 
     def _sound(self, pb, sizes_allowed: bool, tenant: str) -> AudioRef:
@@ -447,6 +358,114 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
             if isinstance(what, bytes):
                 cache.put(what, facts)  # (a file that does not decode never gets here)
         return [f for f in found if f is not None]
+
+
+class _RequestMedia:
+    """The images and sounds of one request as its parts are read: counted, and the sounds'
+    lengths added up, as each comes (the first past a limit is the one named); encoded images
+    wait in their places as ImageRef(0, 0), decoded together once the whole request was read."""
+
+    def __init__(self, servicer: PrepServicer, *, sizes_allowed: bool, tenant: str):
+        self._servicer = servicer
+        self._limits = servicer.limits
+        self._sizes_allowed = sizes_allowed
+        self._tenant = tenant
+        self._count = 0  # images and sounds
+        self._seconds = 0.0  # the request's sounds together
+        self._files: list[tuple[bytes, str]] = []  # the encoded images, in order
+        self._holes: list[tuple[list[Any], int]] = []  # where each one's ImageRef goes
+
+    def medium(self, pb, where: str, parts: list[Any]) -> None:
+        kind = pb.WhichOneof("kind")
+        if kind == "image":
+            self.image(pb.image, where, parts)
+        elif kind == "audio":
+            self.audio(pb.audio, where, parts)
+        else:
+            raise InputError(f"{where}: a raw prompt's media are images or sounds, not {kind}")
+
+    def image(self, pb, where: str, parts: list[Any]) -> None:
+        limits = self._limits
+        self._count += 1
+        if self._count > limits.max_images:
+            raise InputError(f"more than {limits.max_images} images in one request")
+        source = pb.WhichOneof("source")
+        if source == "data":
+            self._files.append((pb.data, where))
+            self._holes.append((parts, len(parts)))
+            parts.append(ImageRef(0, 0))  # (filled in by decoded, once the request is read)
+            return
+        if source == "size" and self._sizes_allowed:
+            w, h = pb.size.width, pb.size.height
+            if w == 0 or h == 0 or w * h > limits.max_pixels:
+                raise InputError(
+                    f"{where}: size {w}x{h} must be positive and at most {limits.max_pixels} pixels"
+                )
+            parts.append(ImageRef(w, h))
+            return
+        if source == "size":
+            raise InputError(f"{where}: Prepare needs the image bytes, not just a size")
+        raise InputError(f"{where}: image has neither data nor size")
+
+    def audio(self, pb, where: str, parts: list[Any]) -> None:
+        limits = self._limits
+        self._count += 1
+        if self._count > limits.max_images:
+            raise InputError(f"more than {limits.max_images} images and sounds in one request")
+        try:
+            ref = self._servicer._sound(pb, self._sizes_allowed, self._tenant)
+        except AudioError as e:
+            raise type(e)(f"{where}: {e}") from None
+        rate = self._servicer.preparer.info.audio_sample_rate
+        self._seconds += ref.num_samples / rate
+        if self._seconds > MAX_SOUNDS_PER_REQUEST * limits.max_audio_seconds:
+            raise AudioTooLongError(
+                f"{where}: the sounds of this request are {self._seconds:.1f} s together, over "
+                f"{MAX_SOUNDS_PER_REQUEST} x --max-audio-seconds"
+            )
+        parts.append(ref)
+
+    def decoded(self, result: T) -> T:
+        """result, each encoded image's place in it now its decoded facts and file."""
+        all_facts = self._servicer._image_facts(self._files, self._tenant)
+        for (parts, k), (data, _), facts in zip(self._holes, self._files, all_facts, strict=True):
+            parts[k] = ImageRef(facts.width, facts.height, facts.media_id, facts.reencoded or data)
+        return result
+
+
+def _raw_prompt(raw, media: _RequestMedia) -> RawPrompt:
+    """A raw prompt with its images, or its media, read in order (one list or the other)."""
+    if raw.images and raw.media:
+        raise InputError("a raw prompt has images or media, not both")
+    images: list[Any] = []
+    for k, im in enumerate(raw.images):
+        media.image(im, f"image {k}", images)
+    for k, part in enumerate(raw.media):
+        media.medium(part, f"medium {k}", images)
+    return RawPrompt(raw.text, images, raw.add_special)
+
+
+def _message(m, i: int, *, held: bool, media: _RequestMedia) -> Message:
+    """Message i with its parts read and its tool calls' arguments parsed (held: a session
+    holds the message, and so its media)."""
+    parts: list[Part] = []
+    for j, p in enumerate(m.parts):
+        kind = p.WhichOneof("kind")
+        if kind == "text":
+            parts.append(p.text)
+        elif kind in ("image", "audio") and held:
+            # a session holds it: only its marker is rendered, never decoded or
+            # counted (a long session's earlier media cost nothing, and no limit)
+            parts.append(ImageRef(0, 0) if kind == "image" else AudioRef(0))
+        elif kind in ("image", "audio"):
+            media.medium(p, f"message {i} part {j}", parts)
+        else:
+            raise InputError(f"message {i} part {j} is empty (neither text, image nor audio)")
+    calls = [
+        ToolCall(c.id, c.name, _json_object(c.arguments_json, f"message {i} call {k}"))
+        for k, c in enumerate(m.tool_calls)
+    ]
+    return Message(m.role, parts, calls, m.tool_call_id, m.name)
 
 
 def _tools(request) -> Tools | None:
