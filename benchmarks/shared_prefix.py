@@ -46,7 +46,7 @@ def run(
         )
     )  # fmt: skip
     slots = [Slot(seq) for seq in range(parallel)]
-    ex = Executor(rt, EngineStats(), cache_bytes=0, state_cache_bytes=0, slots=slots)
+    ex = Executor(rt, EngineStats(), cache_bytes=0, host_sequence_bytes=0, slots=slots)
     try:
         prefix = system_tokens(rt, system)
         started: dict[int, float] = {}

@@ -17,7 +17,7 @@ from infer_service.api.metrics import engine_metrics
 from infer_service.api.options import OPTIONS, lora_in_order
 from infer_service.api.protobuf import GenerateLimits, speculative_of
 from infer_service.api.servicer import InferServicer
-from infer_service.engine.client import EngineFacade
+from infer_service.engine.client import EngineClient
 from infer_service.engine.loop import Engine
 from infer_service.engine.scheduler import TenantLimits
 from infer_service.events import ProblemError
@@ -70,7 +70,7 @@ class RunningInfer:
         await asyncio.to_thread(self.engine.stop)
         if self.embedder is not None:
             await asyncio.to_thread(self.embedder.close)
-        await asyncio.to_thread(self.engine.rt.close)  # (it waits for borrowers)
+        await asyncio.to_thread(self.engine.runtime.close)  # (it waits for borrowers)
 
 
 VERIFIED_SHARE = 4  # one part in this of --media-cache-mb keeps checked images
@@ -86,7 +86,7 @@ async def start(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
     sessions_dir: Path | None = None,
-    state_cache_bytes: int = 256 << 20,
+    host_sequence_bytes: int = 256 << 20,
     security: Security = Security(),
     metrics_port: int | None = None,
     embeddings_ctx: int = 0,
@@ -151,7 +151,7 @@ async def start(
         max_queue=max_queue,
         cache_bytes=cache_bytes - verified_bytes,
         store=store,
-        state_cache_bytes=state_cache_bytes,
+        host_sequence_bytes=host_sequence_bytes,
         tenant_limits=tenant_limits,
         fair=fair,
         draft_model=draft,
@@ -174,8 +174,8 @@ async def start(
     server.bind(
         infer_pb2_grpc.add_InferServiceServicer_to_server,
         InferServicer(
-            EngineFacade(engine),
-            engine.rt,
+            EngineClient(engine),
+            engine.runtime,
             limits=limits,
             embedder=embedder,
             draining=server.draining,
@@ -238,7 +238,7 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
         ),
         "max_message_bytes": s["max_message_mb"] << 20,
         "sessions_dir": s["sessions_dir"],
-        "state_cache_bytes": s["state_cache_mb"] << 20,
+        "host_sequence_bytes": s["state_cache_mb"] << 20,
         "embeddings_ctx": s["embeddings_ctx"] if s["embeddings"] else 0,
         "tenant_limits": TenantLimits(s["tenant_max_active"], s["tenant_max_queued"]),
         "fair": s["queue"] == "fair",
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics_port=args.metrics_port,
             **arguments,
         )
-        rt = infer.engine.rt
+        rt = infer.engine.runtime
         log.info(
             "infer_service serving on %s:%d: %d slots x %d cells (%s: %d bytes a cell), "
             "memory=%s, can_shift=%s, mrope=%s%s",

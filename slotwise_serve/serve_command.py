@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
     config = config_from(args, keys)
 
     def ready(s: Services) -> None:
-        rt = s.infer.engine.rt
+        rt = s.infer.engine.runtime
         http = f", HTTP API on {args.host}:{s.gateway.port}" if s.gateway else ""
         print(
             f"slotwise serve: prep on {s.prep_address}, infer on {s.infer_address}{http} "

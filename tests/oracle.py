@@ -311,7 +311,7 @@ class KvProbe:
     """
 
     def __init__(self, rt: Runtime, seq: int = SEQ):
-        self.rt = rt
+        self.runtime = rt
         self.seq = seq
         self._buf = (ctypes.c_uint8 * 0)()
         self.hybrid = rt.memory_kind == "hybrid"
@@ -370,7 +370,7 @@ class KvProbe:
         return at
 
     def _words(self) -> np.ndarray:
-        ctx = self.rt.ctx
+        ctx = self.runtime.ctx
         size = int(llama_cpp.llama_state_seq_get_size(ctx, self.seq))
         if len(self._buf) < size:
             self._buf = (ctypes.c_uint8 * max(size, 2 * len(self._buf)))()
@@ -383,9 +383,11 @@ class KvProbe:
     def checkpoint(self) -> bytes:
         """(hybrid) The recurrent state alone, as Runtime.checkpoint saves it."""
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        size = int(llama_cpp.llama_state_seq_get_size_ext(self.rt.ctx, self.seq, flags))
+        size = int(llama_cpp.llama_state_seq_get_size_ext(self.runtime.ctx, self.seq, flags))
         buf = (ctypes.c_uint8 * size)()
-        n = int(llama_cpp.llama_state_seq_get_data_ext(self.rt.ctx, buf, size, self.seq, flags))
+        n = int(
+            llama_cpp.llama_state_seq_get_data_ext(self.runtime.ctx, buf, size, self.seq, flags)
+        )
         if n != size:
             raise OracleError(f"llama_state_seq_get_data_ext wrote {n} of {size} bytes")
         return bytes(buf)
@@ -395,7 +397,7 @@ class KvProbe:
         data = memoryview(self._buf)
         v_trans, n_layer = struct.unpack_from("<II", data, end)
         end += 8
-        if v_trans > 1 or not 0 < n_layer <= llama_cpp.llama_model_n_layer(self.rt.model):
+        if v_trans > 1 or not 0 < n_layer <= llama_cpp.llama_model_n_layer(self.runtime.model):
             raise OracleError(f"unexpected K/V header: v_trans {v_trans}, {n_layer} layers")
         for _ in range(n_layer):  # K
             _, row = struct.unpack_from("<iQ", data, end)
@@ -424,7 +426,7 @@ class KvProbe:
         (its u32 n_stream) on, in cache order; its rows must end the state."""
         data = memoryview(self._buf)
         (n_stream,) = struct.unpack_from("<I", data, at)
-        if n_stream != self.rt.num_slots:
+        if n_stream != self.runtime.num_slots:
             raise OracleError(f"the window cache has {n_stream} streams")
         at += 4
         pos = np.zeros(0, np.int32)
@@ -449,7 +451,7 @@ class KvProbe:
         cache. It must be where the recurrent part's own size says it starts."""
         end = self._attention_end(words, at, n)
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        partial = int(llama_cpp.llama_state_seq_get_size_ext(self.rt.ctx, self.seq, flags))
+        partial = int(llama_cpp.llama_state_seq_get_size_ext(self.runtime.ctx, self.seq, flags))
         if self._size - end != partial - 8:
             raise OracleError(
                 f"the attention state ends at byte {end} of {self._size}, but the recurrent "
@@ -472,7 +474,7 @@ class KvProbe:
 
     def read(self) -> SeqCells:
         words = self._words()
-        if bytes(words[:2].tobytes()) != self.header or words[2] != self.rt.num_slots:
+        if bytes(words[:2].tobytes()) != self.header or words[2] != self.runtime.num_slots:
             raise OracleError(f"unexpected sequence state header: {words[:4].tolist()}")
         at = self._stream(words)
         n = int(words[at])
@@ -719,7 +721,7 @@ class FreshPrefill:
 
     def __init__(self, pair: TinyPair, ctx_size: int, batch_size: int = 128):
         with exact_kernels():
-            self.rt = Runtime(
+            self.runtime = Runtime(
                 RuntimeConfig(
                     pair.model, pair.mmproj, ctx_size=ctx_size, parallel=1,
                     batch_size=batch_size, ubatch_size=batch_size, threads=1, threads_batch=1,
@@ -729,19 +731,19 @@ class FreshPrefill:
         self._embd: dict[str, np.ndarray] = {}  # media key -> this runtime's encode of it
 
     def close(self) -> None:
-        self.rt.close()
+        self.runtime.close()
 
     def _embeddings(self, key: str, handle: MediaHandle) -> np.ndarray:
         embd = self._embd.get(key)
         if embd is None:
             if len(self._embd) >= 512:
                 self._embd.clear()
-            embd = self._embd[key] = self.rt.encode_media(handle.chunk)
+            embd = self._embd[key] = self.runtime.encode_media(handle.chunk)
         return embd
 
     def logits(self, segments: Sequence[Segment], media: Mapping[str, MediaHandle]) -> np.ndarray:
         """The logits after a fresh prefill of `segments` (the last one is text)."""
-        rt, batch = self.rt, self.rt.batch
+        rt, batch = self.runtime, self.runtime.batch
         if not segments or segments[-1].is_media:
             raise OracleError("a fresh prefill must end with text")
         if sum(seg.num_cells for seg in segments) > rt.num_cells_per_slot:
@@ -873,7 +875,7 @@ class Oracle:
     side, and checks each sequence against its ledger after every plan and every step."""
 
     def __init__(self, rt: Runtime, fresh: FreshPrefill | None = None):
-        self.rt = rt
+        self.runtime = rt
         self.capacity = rt.num_cells_per_slot
         # (recurrent memory) the sampler's logits are compared with a fresh prefill's first
         self.fresh = fresh if rt.recurrent else None
@@ -885,7 +887,7 @@ class Oracle:
         self.stats = EngineStats()
         self._woken = threading.Event()
         self.executor = Executor(
-            rt, self.stats, cache_bytes=64 << 20, state_cache_bytes=0, notify=self._woken.set,
+            rt, self.stats, cache_bytes=64 << 20, host_sequence_bytes=0, notify=self._woken.set,
             observer=self,
         )  # fmt: skip
         self._runs: dict[int, _Run] = {}  # seq -> the run on it
@@ -894,7 +896,7 @@ class Oracle:
     def close(self) -> None:
         self.executor.close()
         if self.fresh is not None:
-            vars(self.rt).pop("sample", None)  # back to the class's method
+            vars(self.runtime).pop("sample", None)  # back to the class's method
 
     # -- public -------------------------------------------------------------------------------
 
@@ -938,13 +940,13 @@ class Oracle:
     ) -> Ledger:
         return Ledger(
             self.capacity,
-            can_shift=self.rt.can_shift,
-            n_ctx_train=n_ctx_train or self.rt.n_ctx_train,
+            can_shift=self.runtime.can_shift,
+            n_ctx_train=n_ctx_train or self.runtime.n_ctx_train,
             policy=policy,
             keep=keep,
             discard_fraction=discard_fraction,
             unit=unit,
-            recurrent=self.rt.recurrent,
+            recurrent=self.runtime.recurrent,
             max_marks=checkpoints,
         )
 
@@ -952,7 +954,7 @@ class Oracle:
         """Tokenize one image alone: its media group (wrapper text + media chunks). The media
         key names the picture, as a content hash would: the same picture again is a cache
         hit."""
-        mtmd = self.rt.mtmd
+        mtmd = self.runtime.mtmd
         assert mtmd is not None
         run.group += 1
         media_id = f"{picture.seed:x}-{picture.width}x{picture.height}"
@@ -1072,7 +1074,7 @@ class Oracle:
             max_tokens=max_tokens,
             session_id="run" if session else None,
             speculative=spec.spec,
-            logit_bias=self.rt.eog_bans if spec.ignore_eos else (),
+            logit_bias=self.runtime.eog_bans if spec.ignore_eos else (),
             reasoning=spec.thoughts,
         )
         shapes = [(i.num_cells, i.num_positions) for i in items[:8]]
@@ -1097,7 +1099,7 @@ class Oracle:
             return False
         run.counts["prompts"] += 1
         run.sent = items
-        if self.rt.recurrent:
+        if self.runtime.recurrent:
             # (the first sample of every request; a session's kept turns count as reuse too)
             run.fresh_due.add("start")
             if ledger.num_cells:
@@ -1122,7 +1124,7 @@ class Oracle:
         run.counts["drafted"] += ending.usage.num_draft_tokens
         run.counts["accepted"] += ending.usage.num_accepted_tokens
         run.trail.append(f"finished: {ending.reason.name} {ending.error}")
-        if self.rt.recurrent and ending.usage.num_draft_tokens:
+        if self.runtime.recurrent and ending.usage.num_draft_tokens:
             run.fail(OracleError(f"{ending.usage.num_draft_tokens} drafts on recurrent memory"))
         if ending.reason is FinishReason.ERROR:
             run.fail(OracleError(f"the executor failed the request: {ending.error}"))
@@ -1130,7 +1132,7 @@ class Oracle:
     def on_plan(self, slot: Slot) -> None:
         run = self._runs[slot.seq]
         self._verify(run)  # the plan carried out: the cache is the ledger's
-        if self.rt.recurrent:  # (a Reprefill: kept from the pinned prefix's checkpoint, or 0)
+        if self.runtime.recurrent:  # (a Reprefill: kept from the pinned prefix's checkpoint, or 0)
             run.fresh_due.add("reprefill")
             if slot.ledger is not None and slot.ledger.segments:
                 run.counts["reprefills_from_checkpoint"] += 1
@@ -1139,7 +1141,7 @@ class Oracle:
         """(recurrent memory) Runtime.sample, the engine's: first the logits at `index`, the
         ones it samples from, are compared with a fresh prefill of the ledger's segments,
         when the run's sequence was reused, restored or re-prefilled since its last check."""
-        seq = int(self.rt.batch.native.seq_id[index][0])
+        seq = int(self.runtime.batch.native.seq_id[index][0])
         run = self._runs.get(seq)
         if run is not None and run.fresh_due and run.error is None:
             try:
@@ -1155,8 +1157,8 @@ class Oracle:
         a fresh prefill of what the run's ledger says its sequence holds."""
         assert self.fresh is not None
         why, run.fresh_due = sorted(run.fresh_due), set()
-        ptr = llama_cpp.llama_get_logits_ith(self.rt.ctx, index)
-        engine = np.ctypeslib.as_array(ptr, shape=(self.rt.num_vocab,)).copy()
+        ptr = llama_cpp.llama_get_logits_ith(self.runtime.ctx, index)
+        engine = np.ctypeslib.as_array(ptr, shape=(self.runtime.num_vocab,)).copy()
         segments = run.ledger.segments
         fresh = self.fresh.logits(segments, run.media)
         diff, problem = compare_logits(engine, fresh)
@@ -1220,7 +1222,7 @@ class Oracle:
 
     def _probe_full(self, run: _Run, probe: _Probe) -> None:
         """CannotFit: the same decode, unguarded, must fail and leave the cache as it was."""
-        rt, ledger, seq = self.rt, run.ledger, run.slot.seq
+        rt, ledger, seq = self.runtime, run.ledger, run.slot.seq
         item, n_cells = probe.item, probe.num_cells
         if ledger.num_cells + n_cells <= self.capacity:
             run.fail(OracleError(f"CannotFit with {ledger.num_free_cells} free for {n_cells}"))
@@ -1277,10 +1279,10 @@ class Oracle:
         return np.concatenate(pos), (np.concatenate(tok) if has_tok else None)
 
     def _segment_cells(self, seg: Segment) -> tuple[np.ndarray, np.ndarray]:
-        return segment_cells(seg, self.rt.uses_mrope)
+        return segment_cells(seg, self.runtime.uses_mrope)
 
     def verify(self, run: _Run) -> None:
-        ledger, mem, seq = run.ledger, self.rt.memory, run.slot.seq
+        ledger, mem, seq = run.ledger, self.runtime.memory, run.slot.seq
         if not 0 <= ledger.num_cells <= self.capacity:
             raise OracleError(f"ledger holds {ledger.num_cells} cells, capacity {self.capacity}")
         want_pos, want_tok = self.expected_cells(ledger)
@@ -1325,7 +1327,7 @@ class Oracle:
             want_min = self._verify_window(run, held.swa, want_pos, want_min, want_max, pmin)
         if (pmin, pmax) != (want_min, want_max):
             raise OracleError(f"seq_pos_min/max {pmin}/{pmax}, ledger {want_min}/{want_max}")
-        whole = piece is None and not self.rt.uses_mrope and len(want_pos)
+        whole = piece is None and not self.runtime.uses_mrope and len(want_pos)
         if whole and pmax != ledger.next_pos - 1:
             raise OracleError(f"seq_pos_max {pmax} but the ledger's next_pos is {ledger.next_pos}")
         run.counts["checks"] += 1
@@ -1498,7 +1500,7 @@ def _request(oracle: Oracle, run: _Run, items: Sequence[Item], max_tokens: int) 
         context=ContextConfig(run.spec.policy),
         max_tokens=max_tokens,
         session_id="boundary",
-        logit_bias=oracle.rt.eog_bans,
+        logit_bias=oracle.runtime.eog_bans,
     )
     oracle.executor.start(run.slot, job, run.ledger, len(run.ledger.segments))
     while run.slot.job is not None and run.error is None:
@@ -1521,7 +1523,7 @@ def stop_exactness(oracle: Oracle, prompt: Sequence[tuple[int, ...] | Picture]) 
     tokens into a fresh sequence, the last one before the boundary unguarded (it must
     succeed), then one more (it must fail).
     """
-    rt = oracle.rt
+    rt = oracle.runtime
     with _alone(oracle, Policy.STOP) as run:
         items: list[Item] = []
         for part in prompt:
@@ -1571,7 +1573,7 @@ def media_boundary(oracle: Oracle, picture: Picture) -> tuple[int, int, int, int
     finds no slot). Returns (image cells, image positions, rc of the unguarded over-full
     decode: 0 or 1, the number of llama_decode calls the image took).
     """
-    rt = oracle.rt
+    rt = oracle.runtime
     outcome = []
     num_pieces = 0
     for spare in (-1, 0):
@@ -1721,7 +1723,7 @@ class Drivers:
     def close(self) -> None:
         for oracle in self._open.values():
             oracle.close()
-            oracle.rt.close()
+            oracle.runtime.close()
         self._open.clear()
         for fresh in self._fresh.values():
             fresh.close()

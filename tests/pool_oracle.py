@@ -76,11 +76,11 @@ def ledger_positions(ledger: Ledger) -> list[int]:
 
 class PoolOracle:
     def __init__(self, rt: Runtime):
-        self.rt = rt
+        self.runtime = rt
         self.slots = [Slot(seq) for seq in range(NUM_SLOTS)]
         self.stats = EngineStats()
         self.executor = Executor(
-            rt, self.stats, cache_bytes=0, state_cache_bytes=0, slots=self.slots
+            rt, self.stats, cache_bytes=0, host_sequence_bytes=0, slots=self.slots
         )
 
     def close(self) -> None:
@@ -91,7 +91,7 @@ class PoolOracle:
         assert pool is not None
         if self.stats.num_failed_decodes:
             raise PoolError("llama_decode failed on a batch the ledgers admitted")
-        cells = self.rt.cells_in_use()
+        cells = self.runtime.cells_in_use()
         by_seq: dict[int, list[int]] = {}
         for pos, seqs in cells:
             for s in seqs:
@@ -176,7 +176,9 @@ class PoolOracle:
         keep = pinned if r.random() < 0.8 else r.choice([0, 8, len(system)])
         policy = r.choice([Policy.AUTO, Policy.SHIFT, Policy.GAP, Policy.REPREFILL, Policy.STOP])
         events: list = []
-        never = tuple((t, float("-inf")) for t in range(self.rt.num_vocab) if self.rt.is_eog(t))
+        never = tuple(
+            (t, float("-inf")) for t in range(self.runtime.num_vocab) if self.runtime.is_eog(t)
+        )
         job = Job(
             [*head, Item.text(user, 1)], {}, events.append,
             sampling=SamplingConfig(temperature=0), max_tokens=r.randint(4, 300),

@@ -96,7 +96,7 @@ def test_drafts_leave_every_other_slot_its_token(tiny: Any) -> None:
     config = RuntimeConfig(tiny["rope"].model, None, ctx_size=3 * 512, parallel=3, threads=1,
                            batch_size=16, ubatch_size=16)  # fmt: skip
     rt = Runtime(config)
-    ex = Executor(rt, EngineStats(), cache_bytes=0, state_cache_bytes=0)
+    ex = Executor(rt, EngineStats(), cache_bytes=0, host_sequence_bytes=0)
     try:
         slots = [Slot(i) for i in range(3)]
         events: list[list[Event]] = [[], [], []]
@@ -133,7 +133,7 @@ def test_the_model_as_its_own_draft_has_every_guess_land_in_the_step(tiny: Any) 
     early would land only where the text repeats one token)."""
     config = RuntimeConfig(tiny["rope"].model, None, ctx_size=1024, parallel=1, threads=1)
     rt = Runtime(config)
-    ex = Executor(rt, EngineStats(), cache_bytes=0, state_cache_bytes=0,
+    ex = Executor(rt, EngineStats(), cache_bytes=0, host_sequence_bytes=0,
                   draft_model=DraftModel(config, rt))  # fmt: skip
     try:
         slot = Slot(0)

@@ -37,7 +37,7 @@ class FreshPool:
 
     def __init__(self, pair: TinyPair):
         with exact_kernels():
-            self.rt = Runtime(
+            self.runtime = Runtime(
                 RuntimeConfig(
                     pair.model, None, ctx_size=CELLS, parallel=NUM_SLOTS, batch_size=64,
                     ubatch_size=64, threads=1, threads_batch=1, kv_unified=True,
@@ -45,10 +45,10 @@ class FreshPool:
                     ctx_checkpoints=3, checkpoint_min_step=24,
                 )
             )  # fmt: skip
-        self.oracle = PoolOracle(self.rt)
+        self.oracle = PoolOracle(self.runtime)
         self.fresh = FreshPrefill(pair, CELLS)
-        self._engine_sample = self.rt.sample
-        self.rt.sample = self._sample  # type: ignore[method-assign]
+        self._engine_sample = self.runtime.sample
+        self.runtime.sample = self._sample  # type: ignore[method-assign]
         self._seen: dict[int, tuple[object, int]] = {}  # seq -> (its job, its shifts) checked
         self.checks = self.shared_checks = self.shift_checks = 0
         self.max_diff = 0.0
@@ -56,17 +56,17 @@ class FreshPool:
 
     def close(self) -> None:
         self.oracle.close()
-        self.rt.close()
+        self.runtime.close()
         self.fresh.close()
 
     def _sample(self, chain: object, index: int) -> int:
-        seq = int(self.rt.batch.native.seq_id[index][0])
+        seq = int(self.runtime.batch.native.seq_id[index][0])
         slot = self.oracle.slots[seq]
         job, shifts = self._seen.get(seq, (None, 0))
         if slot.ledger is not None and (job is not slot.job or shifts != slot.usage.num_shifts):
             self._seen[seq] = (slot.job, slot.usage.num_shifts)
-            ptr = llama_cpp.llama_get_logits_ith(self.rt.ctx, index)
-            engine = np.ctypeslib.as_array(ptr, shape=(self.rt.num_vocab,)).copy()
+            ptr = llama_cpp.llama_get_logits_ith(self.runtime.ctx, index)
+            engine = np.ctypeslib.as_array(ptr, shape=(self.runtime.num_vocab,)).copy()
             fresh = self.fresh.logits(slot.ledger.segments, {})
             diff, problem = compare_logits(engine, fresh)
             self.max_diff = max(self.max_diff, diff)

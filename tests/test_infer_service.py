@@ -844,7 +844,7 @@ def test_a_request_ended_mid_prefill_frees_the_slot(prep_servers, infer_server, 
     while True:
         before = idle_stats(server.port)
         seen: list[str] = []
-        with PrefillHold(engine.rt, at=2) as hold, channel(server.port) as ch:
+        with PrefillHold(engine.runtime, at=2) as hold, channel(server.port) as ch:
             stub = infer_pb2_grpc.InferServiceStub(ch)
             timeout = deadline if ending == "deadline" else PATIENCE
             call = stub.Generate(make_request(prompt, max_tokens=4), timeout=timeout)

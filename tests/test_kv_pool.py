@@ -182,7 +182,7 @@ def test_prompts_that_together_overflow_the_pool_wait_then_one_ends_pool_full(ti
     rt = open_pool(tiny["rope"], cells=256, batch=256)
     slots = [Slot(seq) for seq in range(rt.num_slots)]
     stats = EngineStats()
-    ex = Executor(rt, stats, cache_bytes=0, state_cache_bytes=0, slots=slots)
+    ex = Executor(rt, stats, cache_bytes=0, host_sequence_bytes=0, slots=slots)
     never = tuple((t, float("-inf")) for t in range(rt.num_vocab) if rt.is_eog(t))
 
     def start(slot: Slot, first: int, n: int, max_tokens: int) -> None:

@@ -125,20 +125,20 @@ class DecodeLog:
     the sequences in its batch."""
 
     def __init__(self, rt: Any):
-        self.rt, self.decodes = rt, []
+        self.runtime, self.decodes = rt, []
 
     def _decode(self) -> int:
-        batch = self.rt.batch
+        batch = self.runtime.batch
         seqs = frozenset(int(batch._seq_ids[k][0]) for k in range(batch.size))
-        self.decodes.append((self.rt.lora.applied, seqs))
-        return type(self.rt).decode(self.rt)
+        self.decodes.append((self.runtime.lora.applied, seqs))
+        return type(self.runtime).decode(self.runtime)
 
     def __enter__(self) -> DecodeLog:
-        self.rt.decode = self._decode
+        self.runtime.decode = self._decode
         return self
 
     def __exit__(self, *_: object) -> None:
-        del self.rt.decode  # back to the class's method
+        del self.runtime.decode  # back to the class's method
 
 
 def run_together(infer: Any, client: SlotwiseClient, jobs: list[dict[str, Any]]) -> list[Any]:
@@ -184,7 +184,7 @@ def test_an_adapter_and_none_sent_together_each_get_their_tokens_alone(start) ->
     alone = [greedy(client, **job, cache_salt=f"alone-{i}") for i, job in enumerate(jobs)]
     assert alone[0].token_ids != alone[1].token_ids
     before = server_info(infer.port).stats
-    with DecodeLog(infer.engine.rt) as log:
+    with DecodeLog(infer.engine.runtime) as log:
         together = run_together(infer, client, jobs)
     for a, t in zip(alone, together, strict=True):
         assert t.token_ids == a.token_ids

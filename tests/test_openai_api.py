@@ -300,7 +300,7 @@ def test_four_conversations_on_two_slots_each_decode_only_their_new_part(
     assert all(w > 600 for w in whole)  # the conversations grew well beyond a turn
     for k in range(4):  # after the first turn, each turn decodes only its new message
         assert max(decoded[k][1:]) < 130, decoded[k]
-    assert s.infer.engine.states.hits > 0  # resumed from host memory, not re-prefilled
+    assert s.infer.engine.host_sequences.hits > 0  # resumed from host memory, not re-prefilled
 
 
 def test_the_gateway_imports_no_llama_cpp() -> None:

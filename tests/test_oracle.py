@@ -88,10 +88,10 @@ def test_random_runs_match_llama_cpp(drivers: Drivers, pair: str) -> None:
     # the executor's own batching of several sequences, and images checked half in (a
     # non-causal projector's image goes into the cache whole)
     assert c["multi_seq_decodes"] > 0
-    non_causal = drivers.get(pair, 0).rt.mtmd.non_causal  # type: ignore[union-attr]
+    non_causal = drivers.get(pair, 0).runtime.mtmd.non_causal  # type: ignore[union-attr]
     assert (c["checks_mid_media"] > 0) != non_causal
     assert c["Gap"] > 0 and c["Reprefill"] > 0
-    can_shift = drivers.get(pair, 0).rt.can_shift
+    can_shift = drivers.get(pair, 0).runtime.can_shift
     assert (c["Shift"] > 0) == can_shift, "Shift plans exactly where the memory can shift"
     assert c["stop_boundaries"] > 0 and c["full_probes"] >= c["stop_boundaries"]
     assert c["prompts_truncated"] > 0 and c["prompts_rejected"] > 0
@@ -101,7 +101,7 @@ def test_random_runs_match_llama_cpp(drivers: Drivers, pair: str) -> None:
     # a reasoning model's thoughts: marked in the ledger, their ends written past a budget
     assert c["checks_with_thoughts"] > 0 and c["forcing_steps"] > 0
     # a sliding window (gemma4): its cache checked at every step, with cells it masks (GAP)
-    n_swa = llama_cpp.llama_model_n_swa(drivers.get(pair, 0).rt.model)
+    n_swa = llama_cpp.llama_model_n_swa(drivers.get(pair, 0).runtime.model)
     assert (c["swa_checks"] == c["checks"]) == (n_swa > 0)
     assert (c["swa_masked_checks"] > 0) == (n_swa > 0)
 
@@ -161,12 +161,12 @@ def _corrupting_restore(rt: Runtime) -> None:
 def test_a_recurrent_state_that_saw_more_fails_the_fresh_check(drivers: Drivers, pair: str) -> None:
     oracles = [drivers.get(pair, shape) for shape in range(len(SHAPES[pair]))]
     for oracle in oracles:
-        _corrupting_restore(oracle.rt)
+        _corrupting_restore(oracle.runtime)
     try:
         sweep = drivers.sweep(pair, range(40), keep_going=False)
     finally:
         for oracle in oracles:
-            del oracle.rt.restore  # back to the class's method
+            del oracle.runtime.restore  # back to the class's method
     assert sweep.failures, "no run restored a checkpoint?"
     seed, message = sweep.failures[0]
     assert f"seed={seed} pair={pair}" in message
@@ -219,7 +219,7 @@ def test_stop_boundary_is_llama_cpp_full(drivers: Drivers, pair: str, shape: int
     """STOP ends exactly when llama.cpp is full: the token before fits, the next one fails."""
     oracle = drivers.get(pair, shape)
     b = stop_exactness(oracle, BOUNDARY_PROMPTS[pair])
-    assert b.capacity == SHAPES[pair][shape].ctx_size == oracle.rt.num_cells_per_slot
+    assert b.capacity == SHAPES[pair][shape].ctx_size == oracle.runtime.num_cells_per_slot
     assert b.generated == b.capacity - b.prompt_cells > 0
     assert b.rc_after == 1, "one token past the ledger's boundary: llama_decode 'no KV slot'"
     assert b.rc_last_replayed == 0, "the last token the ledger allowed fits in a fresh replay"
@@ -227,7 +227,7 @@ def test_stop_boundary_is_llama_cpp_full(drivers: Drivers, pair: str, shape: int
         assert b.prompt_cells - b.prompt_positions == (64 - 8) + (35 - 7)
     if pair in ("qwen35", "qwen3vl"):  # (the same projector)
         assert b.prompt_cells - b.prompt_positions == (49 - 7) + (24 - 6)
-    if oracle.rt.uses_mrope:
+    if oracle.runtime.uses_mrope:
         # position-based accounting (n_past vs n_ctx) would believe this much is still free
         assert b.believed_free_by_positions == b.prompt_cells - b.prompt_positions
     else:
@@ -245,7 +245,7 @@ def test_media_boundary(drivers: Drivers, pair: str, shape: int) -> None:
     cells, positions, rc, num_pieces = media_boundary(oracle, picture)
     assert (cells, positions) == MEDIA_SHAPES.get(pair, (64, 64))
     assert rc == 1
-    assert num_pieces == math.ceil(cells / oracle.rt.batch_size)  # (rope, shape 2: 48 + 16)
+    assert num_pieces == math.ceil(cells / oracle.runtime.batch_size)  # (rope, shape 2: 48 + 16)
 
 
 def test_a_window_cache_missing_cells_in_the_window_fails(drivers: Drivers) -> None:
@@ -253,7 +253,7 @@ def test_a_window_cache_missing_cells_in_the_window_fails(drivers: Drivers) -> N
     loaded sequence state leaves them out); the oracle allows that, and fails once a cut back
     brings such cells within the window again, where the ledger counts them."""
     oracle = drivers.get("gemma4", 0)
-    rt = oracle.rt
+    rt = oracle.runtime
     n_swa = llama_cpp.llama_model_n_swa(rt.model)
     spec = RunSpec(-1, "gemma4", 0, Policy.GAP, 10, 0.5, EvictionUnit.TOKEN, None, ())
     run = oracle._begin(oracle.slots[0], spec)
@@ -297,12 +297,12 @@ def test_an_oracle_failure_names_the_run(drivers: Drivers) -> None:
     """The oracle notices a cache that is not what the ledger says (here: seq_rm skipped)."""
     oracles = [drivers.get("rope", shape) for shape in range(len(SHAPES["rope"]))]
     for oracle in oracles:
-        oracle.rt.seq_rm = lambda seq, p0, p1: None  # type: ignore[method-assign]
+        oracle.runtime.seq_rm = lambda seq, p0, p1: None  # type: ignore[method-assign]
     try:
         sweep = drivers.sweep("rope", range(40), keep_going=False)
     finally:
         for oracle in oracles:
-            del oracle.rt.seq_rm  # back to the class's method
+            del oracle.runtime.seq_rm  # back to the class's method
     assert sweep.failures, "no run evicted anything?"
     seed, message = sweep.failures[0]
     assert f"seed={seed} pair=rope" in message

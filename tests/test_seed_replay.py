@@ -85,12 +85,12 @@ def oracles(tiny: dict[str, TinyPair]) -> Iterator[Callable[[str], Oracle]]:
     yield get
     for o in opened.values():
         o.close()
-        o.rt.close()
+        o.runtime.close()
 
 
 def _prompt_text(oracle: Oracle, picture: Picture) -> str:
     """A chat prompt with the media marker, padded to exactly 167 text tokens."""
-    mtmd = oracle.rt.mtmd
+    mtmd = oracle.runtime.mtmd
     assert mtmd is not None
     head = f"<|im_start|>user\n{mtmd.marker}\nWhat is in this picture? "
     tail = "<|im_end|>\n<|im_start|>assistant\n"
@@ -109,7 +109,7 @@ def _prompt_text(oracle: Oracle, picture: Picture) -> str:
 def _position_accounting(oracle: Oracle, replay: Replay) -> tuple[int, int, int]:
     """The seed's executor: n_past from mtmd_helper_eval_chunks, room while n_past + 1 <= n_ctx.
     Returns (the last llama_decode's rc, n_past, tokens generated)."""
-    rt = oracle.rt
+    rt = oracle.runtime
     assert rt.mtmd is not None
     assert rt.num_cells_per_slot == llama_cpp.llama_n_ctx(rt.ctx) == N_CTX
     rt.seq_clear(0)
@@ -168,7 +168,7 @@ def test_position_accounting_fails_with_room_left(
 ) -> None:
     """M-RoPE: the image's cells outnumber its positions; n_past believes them free."""
     oracle, replay = oracles(pair), REPLAYS[pair]
-    assert oracle.rt.uses_mrope and not oracle.rt.can_shift
+    assert oracle.runtime.uses_mrope and not oracle.runtime.can_shift
     rc, n_past, generated = _position_accounting(oracle, replay)
     assert rc == 1, "llama_decode: no KV slot"
     believed_free = N_CTX - n_past  # "there is still free context"
@@ -185,14 +185,14 @@ def test_position_accounting_is_exact_when_positions_are_cells(
     """gemma4: an image has as many positions as cells; n_past reaches n_ctx just as the
     cache is full, and every decode before succeeds."""
     oracle, replay = oracles("gemma4"), REPLAYS["gemma4"]
-    assert not oracle.rt.uses_mrope and oracle.rt.can_shift
+    assert not oracle.runtime.uses_mrope and oracle.runtime.can_shift
     rc, n_past, _ = _position_accounting(oracle, replay)
     assert rc == 0 and n_past == N_CTX
 
 
 def _prompt_parts(oracle: Oracle, picture: Picture) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The prompt's text around the image's media group (its wrapper tokens go with it)."""
-    mtmd = oracle.rt.mtmd
+    mtmd = oracle.runtime.mtmd
     assert mtmd is not None
     group = mtmd.media_group(native.Bitmap(picture.width, picture.height))
     assert [c.is_media for c in group] == [False, True, False]
@@ -215,7 +215,7 @@ def test_ledger_generates_1000_tokens_evicting_in_time(
     """AUTO is GAP on M-RoPE (seq_rm before the cache is full) and SHIFT on gemma4; every
     decode succeeds, the cells checked after each (gemma4: its sliding window's too)."""
     oracle, replay = oracles(pair), REPLAYS[pair]
-    rt = oracle.rt
+    rt = oracle.runtime
     fresh = Ledger(N_CTX, can_shift=rt.can_shift, n_ctx_train=rt.n_ctx_train)
     plan = "Shift" if rt.can_shift else "Gap"
     assert fresh.effective_policy() is Policy[plan.upper()]

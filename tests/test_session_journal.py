@@ -143,10 +143,10 @@ def test_a_turn_writes_what_it_added_and_a_session_between_checkpoints_comes_bac
     def cells() -> tuple[Any, Any, Any]:
         (slot,) = [s for s in b.engine.slots if s.owner == "chat"]
         free = next(s.seq for s in b.engine.slots if s.seq != slot.seq)
-        probe = KvProbe(b.engine.rt, free)
+        probe = KvProbe(b.engine.runtime, free)
         # calibrated on the free sequence (the layout is the same); its header names the seq
         probe.seq, probe.header = slot.seq, probe.header[:4] + slot.seq.to_bytes(4, "little")
-        want = [segment_cells(seg, b.engine.rt.uses_mrope) for seg in slot.ledger.segments]
+        want = [segment_cells(seg, b.engine.runtime.uses_mrope) for seg in slot.ledger.segments]
         return (
             probe.cells(),
             np.concatenate([w[0] for w in want]),

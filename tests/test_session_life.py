@@ -20,7 +20,7 @@ from test_metrics import scrape, value
 from clients.client import NO_RETRY, Constraint, Message, SlotwiseClient, SlotwiseError, collect
 from infer_service.__main__ import start
 from infer_service.runner.runtime import RuntimeConfig
-from infer_service.sessions.persistence import _SWEEP as SWEEP_LANE
+from infer_service.sessions.persistence import _SWEEP as SWEEP_QUEUE
 from infer_service.sessions.session import SessionLimits, TenantSessions
 from infer_service.sessions.store import SessionStore
 from slotwise_core.keys import Keys
@@ -332,12 +332,12 @@ def backdate(root: Path, key: str, when: float) -> None:
 
 def settled(infer: Infer, session_id: str) -> None:
     """The replica's periodic work done, with what it asked of the disk: the sweep's listing,
-    the deletions that follow it, and whatever is queued on the session's io lane."""
-    lanes = infer.sessions.persistence.lanes
+    the deletions that follow it, and whatever is queued on the session's disk queue."""
+    queues = infer.sessions.persistence.disk_queues
     infer.on_engine()
-    lanes.submit(SWEEP_LANE, lambda: None).result(30)
+    queues.submit(SWEEP_QUEUE, lambda: None).result(30)
     infer.on_engine()
-    lanes.submit(session_id, lambda: None).result(30)
+    queues.submit(session_id, lambda: None).result(30)
 
 
 def finds_unused(a: Infer, ca: SlotwiseClient, how: str) -> None:
@@ -416,11 +416,11 @@ def test_a_session_in_a_turn_elsewhere_is_kept_however_old_its_last_write(
             except SlotwiseError as e:
                 outcome.append(e)
 
-        with PrefillHold(b.running.engine.rt, at=1) as hold:
+        with PrefillHold(b.running.engine.runtime, at=1) as hold:
             runner = threading.Thread(target=second_turn, daemon=True)
             runner.start()
             assert hold.held.wait(60), "b's turn never began"
-            b.sessions.persistence.lanes.submit("s", lambda: None).result(30)
+            b.sessions.persistence.disk_queues.submit("s", lambda: None).result(30)
             finds_unused(a, ca, how)
             assert on_disk(tmp_path, "s")
         runner.join(60)

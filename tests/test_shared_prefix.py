@@ -64,7 +64,7 @@ def client(addresses: Any) -> SlotwiseClient:
 
 def no_end(infer: Any) -> dict[int, float]:
     """A logit_bias that bans the model's end tokens: a turn that runs to max_tokens."""
-    rt = infer.engine.rt
+    rt = infer.engine.runtime
     return {t: -100.0 for t in range(rt.num_vocab) if rt.is_eog(t)}
 
 
@@ -122,11 +122,11 @@ def test_a_pinned_system_message_with_an_image_is_decoded_once(servers) -> None:
         assert stats.num_failed_decodes == 0
         # what an operator sees: the pool counts the shared prefix once, for both sequences
         info = c.server_info()
-        assert info.pool is not None and info.pool.num_cells == infer.engine.rt.num_cells
+        assert info.pool is not None and info.pool.num_cells == infer.engine.runtime.num_cells
         # (the salted run's prefix is held too, apart: a salt shares with nobody else)
         assert (info.pool.num_holders, info.pool.num_shared_cells) == (2, 2 * keep)
         engine = infer.engine
-        in_use = engine.call(lambda: len(engine.rt.cells_in_use())).result(timeout=30)
+        in_use = engine.call(lambda: len(engine.runtime.cells_in_use())).result(timeout=30)
         assert info.pool.num_cells_used == in_use  # read from llama.cpp's own state
         assert (info.stats.num_shared_prefixes, info.stats.num_shared_cells) == (1, keep)
         # another tenant is told the pool's size, and nothing of this one's part of it
@@ -134,7 +134,7 @@ def test_a_pinned_system_message_with_an_image_is_decoded_once(servers) -> None:
         from infer_service.runner.stats import TenantStats
 
         snap = engine.call(engine.snapshot).result(timeout=30)
-        other = server_info_pb(engine.rt, snap, TenantStats(), "someone else")
+        other = server_info_pb(engine.runtime, snap, TenantStats(), "someone else")
         assert other.pool.num_cells == info.pool.num_cells and other.pool.num_cells_used == 0
         assert (other.pool.num_holders, other.stats.num_shared_prefixes) == (0, 0)
         m = scrape(addresses[3])
@@ -223,8 +223,8 @@ def test_the_kv_view_shows_a_shared_prefix_once_and_to_its_tenant_only(servers) 
         lambda: (infer.engine.slot_pictures(), infer.engine.shared_pictures())
     ).result(timeout=30)
     (whose,) = {h.tenant for h in shared}
-    assert slots_pb(infer.engine.rt, pictures, whose, shared).shared_prefixes
-    others = slots_pb(infer.engine.rt, pictures, "someone else", shared)
+    assert slots_pb(infer.engine.runtime, pictures, whose, shared).shared_prefixes
+    others = slots_pb(infer.engine.runtime, pictures, "someone else", shared)
     assert not others.shared_prefixes and not any(v.visible for v in others.slots if v.num_cells)
 
 
@@ -238,7 +238,7 @@ def test_sessions_swapped_out_and_in_keep_the_pool_s_count_exact(servers, tmp_pa
     def counts() -> tuple[int, int, int]:
         def read() -> tuple[int, int, int]:
             figures = engine.executor.pool_figures()
-            return figures.num_used, len(engine.rt.cells_in_use()), figures.num_holders
+            return figures.num_used, len(engine.runtime.cells_in_use()), figures.num_holders
 
         return engine.call(read).result(timeout=30)
 

@@ -201,7 +201,7 @@ def test_a_checkpoint_by_the_replica_a_session_left_does_not_refuse_the_next_tur
         turn(b, "s", 1)  # b holds it now, in a slot, its turn in the journal only
         held = store.generation("s")
         done: list[Any] = []
-        with PrefillHold(a_srv.engine.rt, at=1) as hold:
+        with PrefillHold(a_srv.engine.runtime, at=1) as hold:
             runner = threading.Thread(target=lambda: done.append(turn(a, "s", 2)), daemon=True)
             runner.start()
             assert hold.held.wait(60)  # a's turn is under way (a took in b's turn first)

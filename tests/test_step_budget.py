@@ -51,7 +51,7 @@ def test_a_budget_is_a_piece_of_the_prompt_within_a_batch(
 def executor(tiny) -> Iterator[Executor]:
     pair = tiny["rope"]
     rt = Runtime(RuntimeConfig(pair.model, None, ctx_size=2 * 4096, parallel=2, threads=1))
-    ex = Executor(rt, EngineStats(), cache_bytes=0, state_cache_bytes=0)
+    ex = Executor(rt, EngineStats(), cache_bytes=0, host_sequence_bytes=0)
     try:
         yield ex
     finally:
@@ -60,7 +60,7 @@ def executor(tiny) -> Iterator[Executor]:
 
 
 def start(ex: Executor, slot: Slot, tokens: list[int], events: list[Event]) -> Job:
-    rt = ex.rt
+    rt = ex.runtime
     never = tuple((t, float("-inf")) for t in range(rt.num_vocab) if rt.is_eog(t))
     job = Job(
         [Item(len(tokens), len(tokens), 0, token_ids=tuple(tokens))],

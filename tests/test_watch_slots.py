@@ -122,7 +122,7 @@ def test_a_view_mid_prefill_shows_the_cells_decoded_so_far(prep_servers, infer_s
     with client_of(prep_servers("rope"), server.port) as c:
         prepared = c.prepare("The quick brown fox jumps over the lazy dog. " * 20)
         views: list[infer_pb2.WatchSlotsResponse] = []
-        with PrefillHold(engine.rt, at=2) as hold:
+        with PrefillHold(engine.runtime, at=2) as hold:
             events = c.generate(prepared, max_tokens=2)
             first = threading.Thread(target=lambda: next(events), daemon=True)
             first.start()

@@ -284,7 +284,7 @@ def test_a_person_chats_with_images_and_watches_the_cells(
     # stop a generation that is provably under way: the engine is held inside a decode
     page.fill("#max-tokens", "200")
     turns_before = api.get(f"/slotwise/sessions/{session['id']}").json()["num_turns"]
-    rt = s.infer.engine.rt
+    rt = s.infer.engine.runtime
     with PrefillHold(rt, at=4) as hold:
         page.fill("#input", "And then?")
         page.click("#send")
@@ -366,7 +366,7 @@ def test_the_bar_grows_while_a_prompt_prefills(stacks, browser_page, tmp_path: P
     )
     page.fill("#max-tokens", "2")
     engine = s.infer.engine
-    with PrefillHold(engine.rt, at=3) as hold:
+    with PrefillHold(engine.runtime, at=3) as hold:
         page.fill("#input", "The quick brown fox jumps over the lazy dog. " * 20)
         page.click("#send")
         assert hold.held.wait(PATIENCE)

@@ -31,7 +31,7 @@ def engine_metrics(engine: Engine) -> Callable[[], Iterable[Metric]]:
         if read is None:
             return
         snap, sessions = read
-        yield from slot_metrics(snap, engine.rt.num_cells_per_slot)
+        yield from slot_metrics(snap, engine.runtime.num_cells_per_slot)
         yield from pool_metrics(snap.pool, snap.stats)
         yield from work_metrics(snap)
         yield first_token_metric(snap.stats.time_to_first_token)

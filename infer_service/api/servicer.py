@@ -36,7 +36,7 @@ from infer_service.api.protobuf import (
     slots_pb,
     title_of,
 )
-from infer_service.engine.client import EngineFacade
+from infer_service.engine.client import EngineClient
 from infer_service.engine.scheduler import Reservation
 from infer_service.events import (
     EngineStoppedError,
@@ -87,7 +87,7 @@ MAX_WATCHES, MAX_WATCHES_PER_TENANT = 16, 4  # each costs a look between engine 
 class InferServicer(infer_pb2_grpc.InferServiceServicer):
     def __init__(
         self,
-        engine: EngineFacade,
+        engine: EngineClient,
         runtime: Runtime,
         *,
         limits: GenerateLimits = GenerateLimits(),
@@ -96,7 +96,9 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         verified: VerifiedMedia | None = None,
     ):
         self.engine = engine
-        self.rt = runtime  # (its model, for checking prompts off the event loop; not the engine)
+        self.runtime = (
+            runtime  # (its model, for checking prompts off the event loop; not the engine)
+        )
         self.limits = limits
         self.embedder = embedder
         self.verified = verified  # images checked before: a resent one is not decoded again
@@ -132,7 +134,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         snap = await self.engine.snapshot()
         tenant = current_tenant()
         mine = snap.stats.by_tenant.get(tenant, TenantStats())  # (others' are theirs)
-        return server_info_pb(self.rt, snap, mine, tenant)
+        return server_info_pb(self.runtime, snap, mine, tenant)
 
     async def Generate(self, request, context):
         """One generation; its access-log line once it is over (tenant, session, status,
@@ -159,7 +161,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
 
     async def _generate(self, request, context, tenant: str, seen: list[Finished]):
         session_id = session_key(tenant, request.session_id) if request.session_id else None
-        prompt = prompt_of(request.prompt, self.rt.num_vocab)
+        prompt = prompt_of(request.prompt, self.runtime.num_vocab)
         if session_id is None and request.HasField("expect_turns"):
             raise bad_request("expect_turns goes with a session_id", "expect_turns")
         # a place in the queue first: a request refused costs no image decoding
@@ -227,7 +229,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         self, request, prompt: PreparedPrompt, session: SessionView | None, context
     ) -> tuple[Job, Mailbox]:
         """Check everything that can be checked before queueing."""
-        rt = self.rt
+        rt = self.runtime
         params = GenerateParams.from_pb(request, self.limits, session)
         # a grammar (or schema) is parsed off the event loop: it may be large
         sampler = await asyncio.to_thread(
@@ -289,13 +291,13 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
 
     @answering
     async def LoraListAdapters(self, request, context):
-        adapters = lora_adapters_pb(self.rt.lora, current_tenant())
+        adapters = lora_adapters_pb(self.runtime.lora, current_tenant())
         return infer_pb2.LoraListAdaptersResponse(adapters=adapters)
 
     @answering
     async def LoraSetScales(self, request, context):
         """The caller's tenant's scales (another tenant's replies never change with them)."""
-        adapters = set_lora_scales(self.rt.lora, current_tenant(), request.scales)
+        adapters = set_lora_scales(self.runtime.lora, current_tenant(), request.scales)
         return infer_pb2.LoraSetScalesResponse(adapters=adapters)
 
     def _relay(self) -> EventRelay:
@@ -389,7 +391,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             while not self.draining.is_set():
                 try:
                     pictures, shared = await self.engine.slot_pictures()
-                    view = slots_pb(self.rt, pictures, tenant, shared)
+                    view = slots_pb(self.runtime, pictures, tenant, shared)
                 except ProblemError:
                     raise
                 except Exception as e:  # a bug in the look: this watch ends, reported

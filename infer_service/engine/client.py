@@ -1,4 +1,4 @@
-"""The engine as the gRPC servicer sees it: one narrow facade for the event loop.
+"""The engine as the servicer sees it: one narrow client for the event loop.
 
 The servicer never reads the engine's state itself. Every read is made on the engine thread
 between steps and handed back as a value (a snapshot, a session's view, the slots'
@@ -27,7 +27,7 @@ from infer_service.sessions.session import Session, SessionView, owner_of
 T = TypeVar("T")
 
 
-class EngineFacade:
+class EngineClient:
     def __init__(self, engine: Engine):
         self._engine = engine
         self._sessions = engine.sessions

@@ -48,7 +48,7 @@ from infer_service.runner.job import Job
 from infer_service.runner.runtime import Runtime
 from infer_service.runner.slot import Slot
 from infer_service.runner.stats import EngineStats
-from infer_service.sessions.io_lanes import run_unless_cancelled
+from infer_service.sessions.disk_queues import run_unless_cancelled
 from infer_service.sessions.manager import SessionManager
 from infer_service.sessions.session import TurnRecord, owner_of
 from infer_service.sessions.store import SessionStore
@@ -85,12 +85,12 @@ class Engine:
         max_queue: int = 64,
         cache_bytes: int = 1 << 30,
         store: SessionStore | None = None,
-        state_cache_bytes: int = 256 << 20,
+        host_sequence_bytes: int = 256 << 20,
         tenant_limits: TenantLimits = TenantLimits(),
         fair: bool = True,
         draft_model: DraftModel | None = None,
     ):
-        self.rt = runtime
+        self.runtime = runtime
         self.slots = [Slot(seq) for seq in range(runtime.num_slots)]
         self.stats = EngineStats()
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
@@ -102,7 +102,7 @@ class Engine:
             runtime,
             self.stats,
             cache_bytes=cache_bytes,
-            state_cache_bytes=state_cache_bytes,
+            host_sequence_bytes=host_sequence_bytes,
             notify=self._notify,
             draft_model=draft_model,
             slots=self.slots,
@@ -111,12 +111,12 @@ class Engine:
             self.executor, self.slots, store, self.stats, call=self.call, notify=self._notify
         )
         self.scheduler = Scheduler(
-            self.slots, self.sessions, self.executor.states, self._wake, max_queue=max_queue,
-            tenant_limits=tenant_limits, fair=fair, pooled=self.executor.pooled_cells,
-            own_cells=self.executor.own_cells,
+            self.slots, self.sessions, self.executor.host_sequences, self._wake,
+            max_queue=max_queue, tenant_limits=tenant_limits, fair=fair,
+            pooled=self.executor.pooled_cells, own_cells=self.executor.own_cells,
         )  # fmt: skip
         self.cache = self.executor.cache
-        self.states = self.executor.states
+        self.host_sequences = self.executor.host_sequences
         self.on_death: Callable[[BaseException], None] = lambda error: None
 
     def start(self) -> None:
@@ -225,7 +225,7 @@ class Engine:
                     ),
                     shared_prefix=holder.seq if holder is not None and skip else -1,
                     num_shared_cells=shared if skip else 0,
-                    num_recurrent_bytes=self.rt.checkpoint_bytes if slot.num_cells else 0,
+                    num_recurrent_bytes=self.runtime.checkpoint_bytes if slot.num_cells else 0,
                     num_checkpoints=len(ledger.marks) if ledger else 0,
                     num_checkpoint_bytes=ledger.num_mark_bytes if ledger else 0,
                 )

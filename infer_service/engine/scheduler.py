@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from infer_service.events import ErrorKind, Problem, QueueFullError, Reason
-from infer_service.kv.host_cache import StateCache, reuse_of
+from infer_service.kv.host_cache import HostSequenceCache, reuse_of
 from infer_service.kv.ledger import Item, Ledger
 from infer_service.runner.job import Job
 from infer_service.runner.slot import Slot
@@ -63,7 +63,7 @@ class Scheduler:
         self,
         slots: list[Slot],
         sessions: SessionManager,
-        states: StateCache,
+        host_sequences: HostSequenceCache,
         lock: threading.Condition,
         *,
         max_queue: int,
@@ -74,7 +74,7 @@ class Scheduler:
     ):
         self.slots = slots
         self.sessions = sessions
-        self.states = states
+        self.host_sequences = host_sequences
         self.max_queue = max_queue
         self.tenant_limits = tenant_limits
         self.fair = fair
@@ -244,7 +244,7 @@ class Scheduler:
             reuse = {s.seq: worth(s) for s in unowned}
             # the most reuse; on a tie, the slot whose content is worth least
             best = max(unowned, key=lambda s: (reuse[s.seq], -self.own_cells(s)))
-            cached = self.states.best(job.items, job.reuse_key)
+            cached = self.host_sequences.best(job.items, job.reuse_key)
             margin = OVER_POOL if pooled else 0
             if cached is not None and cached[1].num_cells > reuse[best.seq] + margin:
                 job.resume = cached[0]  # a conversation that lost its slot: put it back

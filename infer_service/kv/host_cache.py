@@ -67,7 +67,9 @@ class _Entry:
         )
 
 
-class StateCache:
+class HostSequenceCache:
+    """Sequences that lost their slot, kept in host RAM: a ledger and its KV state each."""
+
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.num_bytes = 0

@@ -36,24 +36,24 @@ class DraftModelError(ValueError):
 
 class DraftModel:
     def __init__(self, config: RuntimeConfig, target: Runtime):
-        self.rt = Runtime(config)
+        self.runtime = Runtime(config)
         try:
-            for who, rt in (("the target", target), ("the draft model", self.rt)):
+            for who, rt in (("the target", target), ("the draft model", self.runtime)):
                 if rt.recurrent:  # (a rejected guess cannot be cut out of a recurrent state)
                     raise DraftModelError(
                         f"{who}'s memory is {rt.memory_kind}: drafts cannot be taken back there"
                     )
-            check_vocabulary(self.rt, target)
+            check_vocabulary(self.runtime, target)
         except BaseException:
-            self.rt.close()
+            self.runtime.close()
             raise
-        self._held: list[list[int]] = [[] for _ in range(self.rt.num_slots)]
-        self._owner: list[object] = [None] * self.rt.num_slots
+        self._held: list[list[int]] = [[] for _ in range(self.runtime.num_slots)]
+        self._owner: list[object] = [None] * self.runtime.num_slots
         self.num_decodes = 0
         self.seconds_per_draft = 0.0  # a moving average: what a drafted token costs here
 
     def close(self) -> None:
-        self.rt.close()
+        self.runtime.close()
 
     def draft(
         self, seq: int, tokens: Sequence[int], k: int, p_min: float = 0.0, *, owner: object = None
@@ -63,10 +63,10 @@ class DraftModel:
         likely than p_min, none while the draft's context is still catching up (a batch a
         step, as the target's own prefill goes), or where it cannot hold them. `owner`: whose
         sequence it is (a tenant and its salt): another's is never continued from."""
-        if k <= 0 or not tokens or len(tokens) + k > self.rt.num_cells_per_slot:
+        if k <= 0 or not tokens or len(tokens) + k > self.runtime.num_cells_per_slot:
             return []
         if owner != self._owner[seq]:  # (how long a shared prefix took would tell)
-            self.rt.seq_rm(seq, 0, -1)
+            self.runtime.seq_rm(seq, 0, -1)
             self._held[seq], self._owner[seq] = [], owner
         if not self._caught_up(seq, tokens[:-1]):
             return []
@@ -96,25 +96,25 @@ class DraftModel:
                 break
             same += 1
         if same < len(held):
-            self.rt.seq_rm(seq, same, -1)
+            self.runtime.seq_rm(seq, same, -1)
             del held[same:]
-        missing = list(tokens[same : same + self.rt.batch_size])
+        missing = list(tokens[same : same + self.runtime.batch_size])
         if missing:
             self._decode(seq, missing, same, logits=False)
             held.extend(missing)
         return len(held) == len(tokens)
 
     def _decode(self, seq: int, tokens: list[int], pos: int, *, logits: bool = True) -> np.ndarray:
-        b = self.rt.batch
+        b = self.runtime.batch
         b.clear()
         end = b.add(tokens, pos, seq, logits_last=logits)
-        rc = self.rt.decode()
+        rc = self.runtime.decode()
         self.num_decodes += 1
         if rc != 0:
-            self.rt.seq_rm(seq, pos, -1)  # (a failed decode: the draft holds only what it did)
+            self.runtime.seq_rm(seq, pos, -1)  # (a failed decode: the draft holds only what it did)
             del self._held[seq][pos:]
             raise native.NativeError(f"the draft model's llama_decode failed (rc={rc})")
-        return self.rt.logits(end) if logits else np.empty(0)
+        return self.runtime.logits(end) if logits else np.empty(0)
 
 
 def check_vocabulary(draft: Runtime, target: Runtime) -> None:

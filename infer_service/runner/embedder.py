@@ -42,7 +42,7 @@ class Embedder:
         params.embeddings = True
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
         params.no_perf = True
-        self.rt = rt
+        self.runtime = rt
         self.ctx = llama_cpp.llama_init_from_model(rt.model, params)
         if not self.ctx:
             raise native.NativeError("the embeddings context could not be made (too large?)")
@@ -67,7 +67,9 @@ class Embedder:
         return self._worker.submit(lambda: [self._one(t, normalize) for t in texts])
 
     def _one(self, text: str, normalize: bool) -> Embedding:
-        tokens = native.tokenize_text(self.rt.vocab, text, add_special=True, parse_special=False)
+        tokens = native.tokenize_text(
+            self.runtime.vocab, text, add_special=True, parse_special=False
+        )
         if not tokens:
             raise EmbedError("an empty text has no embedding")
         if len(tokens) > self.num_tokens_max:

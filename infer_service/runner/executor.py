@@ -53,7 +53,7 @@ from infer_service.events import (
     Usage,
     too_long,
 )
-from infer_service.kv.host_cache import LoraSet, StateCache, reuse_of
+from infer_service.kv.host_cache import HostSequenceCache, LoraSet, reuse_of
 from infer_service.kv.ledger import (
     CannotFit,
     ContextConfig,
@@ -72,7 +72,7 @@ from infer_service.kv.ledger import (
 from infer_service.kv.pool import Holder, Pool, PoolFigures, Share
 from infer_service.kv.view import ShiftMark, at_cell, runs
 from infer_service.runner.draft_model import DraftModel
-from infer_service.runner.grammar_lane import GrammarLane, GrammarTooCostly
+from infer_service.runner.grammar_worker import GrammarTooCostly, GrammarWorker
 from infer_service.runner.job import Job
 from infer_service.runner.media import MediaHandle
 from infer_service.runner.reasoning import ThoughtTracker
@@ -142,13 +142,13 @@ class Executor:
         stats: EngineStats,
         *,
         cache_bytes: int = 1 << 30,
-        state_cache_bytes: int = 256 << 20,
+        host_sequence_bytes: int = 256 << 20,
         notify: Callable[[], None] = lambda: None,
         observer: StepObserver | None = None,
         draft_model: DraftModel | None = None,
         slots: Sequence[Slot] = (),
     ):
-        self.rt = rt
+        self.runtime = rt
         self.slots = slots  # every slot: the pool counts their cells
         # one pool of cells, where slots share pinned prefixes (None: a budget per slot)
         self.pool = Pool(rt.num_cells, rt.holder_seqs) if rt.config.kv_unified else None
@@ -156,7 +156,9 @@ class Executor:
         self.draft_model = draft_model  # speculative's draft-simple: guesses of a small model
         self.stats = stats
         self.cache = EmbeddingCache(cache_bytes)
-        self.states = StateCache(state_cache_bytes)  # stateless conversations that lost a slot
+        self.host_sequences = HostSequenceCache(
+            host_sequence_bytes
+        )  # stateless conversations that lost a slot
         self._notify = notify  # an encode finished: the engine may sleep
         self._encoder = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="media-encode",
@@ -165,7 +167,7 @@ class Executor:
         self._encoding: dict[str, Future[np.ndarray]] = {}  # media key -> its encode
         self._encoded: dict[str, np.ndarray] = {}  # finished, until their slot decodes them
         self._observer = observer
-        self.grammars = GrammarLane()  # every slot's grammar work, each call under a budget
+        self.grammars = GrammarWorker()  # every slot's grammar work, each call under a budget
         self.step_cost = StepCost()  # what a draft costs to verify, for slots to weigh it by
         self._outcome = StepOutcome()  # what the step under way did so far
         self._preempting: list[Slot] = []  # (pool) to put aside once the step's decode is done
@@ -179,21 +181,21 @@ class Executor:
 
     def new_ledger(self, ctx: ContextConfig) -> Ledger:
         return Ledger(
-            self.rt.num_cells_per_slot,
-            can_shift=self.rt.can_shift,
-            n_ctx_train=self.rt.n_ctx_train,
+            self.runtime.num_cells_per_slot,
+            can_shift=self.runtime.can_shift,
+            n_ctx_train=self.runtime.n_ctx_train,
             policy=ctx.policy,
             keep=ctx.keep,
             discard_fraction=ctx.discard_fraction,
             unit=ctx.unit,
-            recurrent=self.rt.recurrent,
-            max_marks=self.rt.config.ctx_checkpoints,
+            recurrent=self.runtime.recurrent,
+            max_marks=self.runtime.config.ctx_checkpoints,
         )
 
     # -- a slot's sequence as a whole ---------------------------------------------------------
 
     def clear(self, slot: Slot) -> None:
-        self.rt.seq_clear(slot.seq)
+        self.runtime.seq_clear(slot.seq)
         slot.share = None
         if self.pool is not None:
             self.pool.unshare(slot.seq)
@@ -211,7 +213,7 @@ class Executor:
         try:
             if k is None:
                 if not ledger.recurrent:
-                    self.rt.seq_rm(slot.seq, ledger.pos_at(num_segments, num_tokens), -1)
+                    self.runtime.seq_rm(slot.seq, ledger.pos_at(num_segments, num_tokens), -1)
                 ledger.truncate(num_segments, num_tokens)
                 redo: list[Item] = []
             else:
@@ -219,7 +221,7 @@ class Executor:
                 if k == 0:
                     self.clear(slot)
                 else:
-                    self.rt.restore(slot.seq, ledger.marks[k], ledger.pos_at(k))
+                    self.runtime.restore(slot.seq, ledger.marks[k], ledger.pos_at(k))
                     self.stats.num_checkpoint_restores += 1
                 ledger.truncate(k)
         except native.NativeError as e:
@@ -236,16 +238,16 @@ class Executor:
         (the end of the pinned prefix, of a prompt, of a reply) or a long prompt went
         `checkpoint_min_step` cells past the last one. A failed save only costs reuse."""
         ledger = slot.ledger
-        if not self.rt.recurrent or ledger is None or not ledger.max_marks or slot.piece:
+        if not self.runtime.recurrent or ledger is None or not ledger.max_marks or slot.piece:
             return
         n = ledger.num_segments
         if not n or n in ledger.marks:
             return
         due = due or n == ledger.num_pinned_segments
-        if not due and ledger.num_cells_since_mark() < self.rt.config.checkpoint_min_step:
+        if not due and ledger.num_cells_since_mark() < self.runtime.config.checkpoint_min_step:
             return
         try:
-            ledger.mark(self.rt.checkpoint(slot.seq))
+            ledger.mark(self.runtime.checkpoint(slot.seq))
         except native.NativeError as e:
             log.warning("slot %d: no checkpoint: %s", slot.seq, e)
             return
@@ -254,20 +256,22 @@ class Executor:
     def state_of(self, slot: Slot) -> memoryview:
         """The sequence's whole state, shared prefix included: a restore gets its own copy
         (a reference would break when the holder left the pool in between)."""
-        return self.rt.state_get(slot.seq)
+        return self.runtime.state_get(slot.seq)
 
     def load_state(self, slot: Slot, state: bytes) -> bool:
         if self.pool is not None:
             self.pool.unshare(slot.seq)
-        return self.rt.state_set(slot.seq, state)
+        return self.runtime.state_set(slot.seq, state)
 
     def stash(self, slot: Slot) -> None:
         """Keep a stateless sequence that is about to be overwritten in the host cache."""
         ledger = slot.ledger
-        if ledger is None or ledger.num_cells < WORTH_KEEPING or not self.states.max_bytes:
+        if ledger is None or ledger.num_cells < WORTH_KEEPING or not self.host_sequences.max_bytes:
             return
         if slot.reuse_key is not None:
-            self.states.put(ledger.clone(), self.rt.state_get(slot.seq), slot.reuse_key)
+            self.host_sequences.put(
+                ledger.clone(), self.runtime.state_get(slot.seq), slot.reuse_key
+            )
 
     def enter(self, slot: Slot, job: Job) -> Ledger:
         """The ledger a stateless request continues: what the slot holds, or a cached
@@ -275,7 +279,7 @@ class Executor:
         that its put cannot evict the entry being taken). A sequence of another tenant (or
         salt) is never continued: the slot starts empty."""
         if job.resume is not None:
-            ledger, state = self.states.take(job.resume)
+            ledger, state = self.host_sequences.take(job.resume)
             self.stash(slot)
             self.clear(slot)
             slot.ledger = ledger if self.load_state(slot, bytes(state)) else None
@@ -316,7 +320,7 @@ class Executor:
                 )
             )
         try:  # first: a refusal here changes nothing
-            sampler = SlotSampler(self.rt, job.sampler_spec, self.grammars, owner=job.tenant)
+            sampler = SlotSampler(self.runtime, job.sampler_spec, self.grammars, owner=job.tenant)
         except ConstraintError as e:
             bad = Problem(ErrorKind.INVALID_ARGUMENT, str(e), Reason.BAD_REQUEST)
             raise ProblemError(bad) from e
@@ -375,7 +379,7 @@ class Executor:
             self.stats.num_session_reprefills += 1
             self.stats.num_session_reprefill_cells += sum(i.num_cells for i in restore)
         if self.pool is not None:
-            ledger.capacity = self.rt.num_cells_per_slot  # (admission: the most a slot holds)
+            ledger.capacity = self.runtime.num_cells_per_slot  # (admission: the most a slot holds)
             self.pool.cut(slot.seq, ledger.num_cells)  # (what the reuse rule kept of it)
             slot.share = None
             shared = None
@@ -417,7 +421,7 @@ class Executor:
         # (a rejected draft cannot be cut out of a recurrent state: no drafts there)
         spec = (
             Speculation(job.speculative, history(ledger.segments, pending), self.step_cost)
-            if job.speculative.enabled and not self.rt.recurrent
+            if job.speculative.enabled and not self.runtime.recurrent
             else None
         )
         slot.job = job
@@ -431,7 +435,9 @@ class Executor:
         slot.num_prefill_total = sum(i.num_cells for i in slot.pending)
         slot.num_prefill_done = 0
         slot.checkpoint_at = (
-            checkpoint_points(pending) if self.rt.recurrent and ledger.max_marks else frozenset()
+            checkpoint_points(pending)
+            if self.runtime.recurrent and ledger.max_marks
+            else frozenset()
         )
         slot.prefilling = True
         slot.reply_index = max((i.message_index for i in kept), default=0)
@@ -452,7 +458,7 @@ class Executor:
                 slot=slot.seq,
                 num_prompt_cells=slot.usage.num_prompt_cells,
                 num_prompt_positions=slot.usage.num_prompt_positions,
-                num_capacity_cells=self.rt.num_cells_per_slot,
+                num_capacity_cells=self.runtime.num_cells_per_slot,
                 num_truncated_cells=sum(i.num_cells for i in dropped),
                 num_truncated_chunks=len(dropped),
                 truncated_media_ids=tuple(i.media_id for i in dropped if i.media_id),
@@ -479,7 +485,7 @@ class Executor:
         self.clear(slot)
         ledger.truncate(0)
         ledger.adopt(holder.segments)
-        self.rt.seq_cp(holder.seq, slot.seq, 0, holder.next_pos)
+        self.runtime.seq_cp(holder.seq, slot.seq, 0, holder.next_pos)
         pool.share(slot.seq, holder)
         self._checkpoint(slot, due=True)  # (the holder's recurrent state came with the cells)
         for stats in (self.stats, self.stats.tenant(job.tenant)):
@@ -553,15 +559,15 @@ class Executor:
             k += 1
         if n != share.num_cells or k > ledger.num_exact_segments:
             return  # (one of its segments goes on past it, or it is not a fresh prefill)
-        if self.rt.recurrent and k != len(segments):
+        if self.runtime.recurrent and k != len(segments):
             return  # (a recurrent state copied whole: it must have seen the prefix alone)
         if atoms(segments[:k]) != share.key[1]:
             return
         holder, dropped = pool.hold(share.key, segments[:k])
         if dropped is not None:
-            self.rt.seq_clear(dropped.seq)
+            self.runtime.seq_clear(dropped.seq)
         if holder is not None:
-            self.rt.seq_cp(slot.seq, holder.seq, 0, holder.next_pos)
+            self.runtime.seq_cp(slot.seq, holder.seq, 0, holder.next_pos)
             pool.share(slot.seq, holder)
             self._pin_shared(slot, ledger)
 
@@ -586,7 +592,7 @@ class Executor:
         ledger = slot.ledger
         if self.pool is None or ledger is None:
             return
-        room = self.rt.num_cells_per_slot - ledger.num_cells
+        room = self.runtime.num_cells_per_slot - ledger.num_cells
         free = self.pool_free()
         if free < min(num_cells, room):
             self._reclaim(min(num_cells, room) - free, slot)
@@ -601,7 +607,7 @@ class Executor:
         while num_cells > 0:
             idle = pool.idle()
             if idle:
-                self.rt.seq_clear(idle[0].seq)
+                self.runtime.seq_clear(idle[0].seq)
                 pool.drop(idle[0])
                 num_cells -= idle[0].num_cells
                 continue
@@ -626,7 +632,7 @@ class Executor:
         ledger, job = slot.ledger, slot.job
         if self.pool is None or ledger is None or job is None or not slot.prefilling:
             return False
-        if ledger.num_cells + num_cells > self.rt.num_cells_per_slot:
+        if ledger.num_cells + num_cells > self.runtime.num_cells_per_slot:
             return False  # too long for any slot: its own policy decides
         others = [s for s in self.slots if s is not slot]
         idle = [s for s in others if s.job is None and s.owner is not None and self.own_cells(s)]
@@ -672,8 +678,8 @@ class Executor:
     def _preempt(self, slot: Slot) -> None:
         """Put a generation aside: its whole state to host memory, its cells freed. It goes on
         where it stopped once the pool has room again (`_resume`)."""
-        state = self.rt.state_get(slot.seq)  # (its own buffer: no second copy)
-        self.rt.seq_clear(slot.seq)
+        state = self.runtime.state_get(slot.seq)  # (its own buffer: no second copy)
+        self.runtime.seq_clear(slot.seq)
         if self.pool is not None:
             self.pool.unshare(slot.seq)
         slot.share, slot.preempted = None, state
@@ -733,7 +739,7 @@ class Executor:
                     self._outcome.pool_wanted += short  # (idle sessions go after the step)
                     continue
             state, slot.preempted = slot.preempted, None
-            if not self.rt.state_set(slot.seq, state):  # (another layout? decoded again)
+            if not self.runtime.state_set(slot.seq, state):  # (another layout? decoded again)
                 log.warning("slot %d: its state did not load; decoded again", slot.seq)
                 items = [seg.item for seg in slot.ledger.segments]
                 slot.ledger.truncate(0)
@@ -748,7 +754,7 @@ class Executor:
         if slot.preempted is not None:  # (ended while put aside: its conversation is kept)
             state, slot.preempted = slot.preempted, None
             if slot.ledger is not None and slot.reuse_key is not None:
-                self.states.put(slot.ledger, state, slot.reuse_key)
+                self.host_sequences.put(slot.ledger, state, slot.reuse_key)
             slot.ledger = None
         if reason is not FinishReason.ERROR:
             self._checkpoint(slot, due=True)  # (the end of its reply: the next turn's start)
@@ -907,7 +913,7 @@ class Executor:
 
         def encode() -> np.ndarray:
             try:
-                return self.rt.encode_media(copy.chunk)
+                return self.runtime.encode_media(copy.chunk)
             finally:
                 copy.close()
 
@@ -929,8 +935,8 @@ class Executor:
         if not piece.non_causal:
             n = min(n, self._prefill_budget(slot))
         assert slot.job is not None
-        self.rt.use_lora(slot.job.lora)  # (its cells are decoded under its adapters too)
-        rc = self.rt.decode_embeddings(
+        self.runtime.use_lora(slot.job.lora)  # (its cells are decoded under its adapters too)
+        rc = self.runtime.decode_embeddings(
             piece.embd, piece.positions, offset, n, slot.seq, piece.non_causal
         )
         if rc != 0:
@@ -956,15 +962,15 @@ class Executor:
             return False  # a reprefill put other items first
         assert slot.job and slot.ledger
         handle = _media(slot, item.media_id)
-        if embd.size != item.num_cells * self.rt.n_embd:  # never read past the embeddings
+        if embd.size != item.num_cells * self.runtime.n_embd:  # never read past the embeddings
             raise native.NativeError(
-                f"media {item.media_id[:12]}: {embd.size // self.rt.n_embd} embeddings for "
+                f"media {item.media_id[:12]}: {embd.size // self.runtime.n_embd} embeddings for "
                 f"{item.num_cells} cells"
             )
-        positions = self.rt.media_positions(handle.chunk, slot.ledger.next_pos)
+        positions = self.runtime.media_positions(handle.chunk, slot.ledger.next_pos)
         slot.ledger.append(item)  # the whole chunk: a failure or cancel before the last piece
         # (removed again by _drop_piece)
-        slot.piece = MediaPiece(item, embd, positions, self.rt.non_causal(handle.chunk))
+        slot.piece = MediaPiece(item, embd, positions, self.runtime.non_causal(handle.chunk))
         return True
 
     def _drop_piece(self, slot: Slot) -> None:
@@ -981,7 +987,7 @@ class Executor:
 
     def _prefill_budget(self, slot: Slot) -> int:
         """What of its prompt a slot may decode in this step (a piece while others generate)."""
-        return prefill_budget(self.rt.batch_size, self._num_generating, slot.num_prefill_total)
+        return prefill_budget(self.runtime.batch_size, self._num_generating, slot.num_prefill_total)
 
     def _decode_text(self, slots: Iterable[Slot]) -> None:
         """Every ready slot's next text: one llama_decode per LoRA adapter set among them
@@ -999,16 +1005,16 @@ class Executor:
         groups: dict[LoraSet, list[Slot]] = {}
         for s in ready:
             groups.setdefault(s.job.lora if s.job else (), []).append(s)
-        applied = self.rt.lora.applied
+        applied = self.runtime.lora.applied
         for lora in sorted(groups, key=lambda k: k != applied):
             self._decode_batch(groups[lora], lora)
 
     def _decode_batch(self, ready: list[Slot], lora: LoraSet) -> None:
         """The ready slots' next text (all of one adapter set) in one llama_decode."""
-        batch = self.rt.batch
+        batch = self.runtime.batch
         batch.clear()
         self._reserved = 0
-        budget = self.rt.batch_size
+        budget = self.runtime.batch_size
         taken: list[Taken] = []
         # what each slot takes at least (a token; a prompt's piece): no slot's drafts take it
         owed = {s.seq: 1 if not s.prefilling else self._prefill_budget(s) for s in ready}
@@ -1028,14 +1034,14 @@ class Executor:
         if not taken:
             return
         try:
-            self.rt.use_lora(lora)
+            self.runtime.use_lora(lora)
         except native.NativeError as e:  # (nothing decoded: each of these requests is told)
             self._reserved = 0
             for t in taken:
                 self._fail(t.slot, e)
             return
         t0 = time.perf_counter()
-        rc = self.rt.decode()
+        rc = self.runtime.decode()
         self._reserved = 0  # (in the ledgers below, or given back by a failed decode)
         self.stats.num_decodes += 1
         if len({t.slot.seq for t in taken}) > 1:
@@ -1077,7 +1083,7 @@ class Executor:
             head = slot.pending[0]
             whole = head.num_cells if head.group is not None else 0
             allowed = min(budget, max(self._prefill_budget(slot), whole))
-        n = text_take_size(slot.pending, allowed, self.rt.batch_size)
+        n = text_take_size(slot.pending, allowed, self.runtime.batch_size)
         if slot.prefilling and slot.checkpoint_at:  # (the step stops where one is due)
             done = slot.num_prefill_done
             n = min([n, *(p - done for p in slot.checkpoint_at if p > done)])
@@ -1101,7 +1107,7 @@ class Executor:
         if drafts:
             tokens = item.token_ids + drafts
             item = replace(item, num_cells=len(tokens), num_positions=len(tokens), token_ids=tokens)
-        end = self.rt.batch.add(
+        end = self.runtime.batch.add(
             item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=last,
             num_logits=1 + len(drafts),
         )  # fmt: skip
@@ -1156,7 +1162,7 @@ class Executor:
 
     def _decode_alone(self, taken: list[Taken]) -> None:
         """Decode each sequence of a failed batch on its own: only those that fail again end."""
-        batch = self.rt.batch
+        batch = self.runtime.batch
         for slot, item, logits_at, drafts in taken:
             assert slot.ledger is not None
             batch.clear()
@@ -1164,7 +1170,7 @@ class Executor:
                 item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=True,
                 num_logits=1 + len(drafts),
             )  # fmt: skip
-            rc = self.rt.decode()
+            rc = self.runtime.decode()
             self.stats.num_decodes += 1
             if rc != 0:
                 self.stats.num_failed_decodes += 1
@@ -1222,7 +1228,7 @@ class Executor:
             return  # (a request that failed without a session: its sequence is cleared)
         newest = len(ledger.segments) - 1
         last = ledger.segments[newest]
-        self.rt.seq_rm(slot.seq, last.pos_start + last.num_cells - num_cells, -1)
+        self.runtime.seq_rm(slot.seq, last.pos_start + last.num_cells - num_cells, -1)
         ledger.truncate(newest, last.num_cells - num_cells)  # (once llama.cpp has let go)
         if self.pool is not None:
             self.pool.cut(slot.seq, ledger.num_cells)
@@ -1252,12 +1258,12 @@ class Executor:
         except GrammarTooCostly as e:
             self._end(slot, FinishReason.ERROR, error=e.problem.message, problem=e.problem)
             return None
-        if self.rt.is_eog(token):
+        if self.runtime.is_eog(token):
             self._end(slot, FinishReason.STOP)
             return None
         slot.usage.num_generated_tokens += 1
         self.stats.num_generated_tokens += 1
-        piece = self.rt.piece(token)  # (once a token: the thought tracker and the text)
+        piece = self.runtime.piece(token)  # (once a token: the thought tracker and the text)
         if thoughts is not None:  # (a grammar that holds the reply: no thought opens in it)
             may_open = not slot.sampler.grammar or slot.sampler.awaiting_trigger
             thoughts.accept(token, piece, may_open=may_open)
@@ -1308,10 +1314,10 @@ class Executor:
                 self._end(slot, FinishReason.LENGTH)
             return False
         if isinstance(plan, Shift):
-            self.rt.seq_rm(slot.seq, plan.p0, plan.p1)
-            self.rt.seq_add(slot.seq, plan.p1, -plan.delta)
+            self.runtime.seq_rm(slot.seq, plan.p0, plan.p1)
+            self.runtime.seq_add(slot.seq, plan.p1, -plan.delta)
         elif isinstance(plan, Gap):
-            self.rt.seq_rm(slot.seq, plan.p0, plan.p1)
+            self.runtime.seq_rm(slot.seq, plan.p0, plan.p1)
         elif isinstance(plan, Reprefill):
             plan = self._reprefill(slot, ledger, plan)
         evicted_at = at_cell(ledger.segments, plan.evicted)
@@ -1368,7 +1374,7 @@ class Executor:
         if plan.num_prefix:
             try:
                 pos = ledger.pos_at(plan.num_prefix)
-                self.rt.restore(slot.seq, ledger.marks[plan.num_prefix], pos)
+                self.runtime.restore(slot.seq, ledger.marks[plan.num_prefix], pos)
                 self.stats.num_checkpoint_restores += 1
                 return plan
             except native.NativeError as e:
@@ -1378,7 +1384,7 @@ class Executor:
 
     def read(self, token_ids: Sequence[int]) -> str:
         """Tokens as words (a preview of cells for people: undecodable bytes replaced)."""
-        return b"".join(self.rt.piece(t) for t in token_ids).decode("utf-8", errors="replace")
+        return b"".join(self.runtime.piece(t) for t in token_ids).decode("utf-8", errors="replace")
 
     def _progress(self, slot: Slot, num_cells: int) -> None:
         if not slot.prefilling or slot.job is None:

@@ -35,7 +35,7 @@ class Job:
     pixels: dict[str, Pixels] = field(default_factory=dict)
     rgb: dict[str, bytes] = field(default_factory=dict)  # media_id -> pixels (session turns)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    resume: int | None = None  # a StateCache entry to continue (chosen with the slot)
+    resume: int | None = None  # a HostSequenceCache entry to continue (chosen with the slot)
     constraint: Constraint | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs: int | None = None  # None: no log-probabilities

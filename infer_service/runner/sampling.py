@@ -30,7 +30,7 @@ import numpy as np
 import re2
 
 from infer_service.events import TokenChoice, TokenLogprobs
-from infer_service.runner.grammar_lane import GrammarLane, GrammarTooCostly
+from infer_service.runner.grammar_worker import GrammarTooCostly, GrammarWorker
 from infer_service.runner.runtime import Runtime, SamplingConfig
 from infer_service.runner.text_stream import utf8_tail
 from slotwise_core.grammar_limits import LimitError, check_grammar
@@ -203,31 +203,31 @@ def _compile(pattern: str) -> Any:
 class SlotSampler:
     """One request's sampling state. Engine thread only; `close` frees the native samplers.
 
-    The grammar's calls run on `lane` (infer_service/runner/grammar_lane.py), each under the
-    budget; the engine thread hands them copies of the logits, never the context's own.
+    The grammar's calls run on `worker` (infer_service/runner/grammar_worker.py), each under
+    the budget; the engine thread hands them copies of the logits, never the context's own.
     """
 
     def __init__(
-        self, rt: Runtime, spec: SamplerSpec, lane: GrammarLane | None = None, owner: str = ""
+        self, rt: Runtime, spec: SamplerSpec, worker: GrammarWorker | None = None, owner: str = ""
     ):
-        self.rt = rt
+        self.runtime = rt
         c = spec.constraint
         # (the patterns first: a refusal then leaves nothing native behind)
         self._triggers = tuple(_compile(p) for p in c.trigger_patterns) if c else ()
         self.chain: Any = rt.sampler(spec.sampling, spec.logit_bias)  # a llama_sampler pointer
         self.grammar: Any = None  # a llama_sampler pointer
         self.top_logprobs = spec.top_logprobs
-        self._own_lane = lane is None
-        self._lane = lane or GrammarLane()
-        self._owner = owner  # whose calls these are (the lane counts stuck ones per owner)
+        self._own_worker = worker is None
+        self._worker = worker or GrammarWorker()
+        self._owner = owner  # whose calls these are (the worker counts stuck ones per owner)
         self._budget = rt.config.grammar_ms / 1000
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._text = ""  # a lazy grammar's text before its trigger
         if c is not None:
-            # llama.cpp expands a grammar's first parse stacks as it builds it: on the lane too
+            # llama.cpp expands a grammar's first parse stacks as it builds it: on the worker too
             made = _Made()
             try:
-                self.grammar = self._lane.run(
+                self.grammar = self._worker.run(
                     _borrowing(rt, lambda: made.keep(rt.grammar_sampler(c.grammar))),
                     self._budget, made.free_with(rt), owner=owner,
                 )  # fmt: skip
@@ -244,10 +244,10 @@ class SlotSampler:
     def close(self) -> None:
         for s in (self.chain, self.grammar):
             if s:
-                self.rt.free_sampler(s)
+                self.runtime.free_sampler(s)
         self.chain = self.grammar = None
-        if self._own_lane:
-            self._lane.close()
+        if self._own_worker:
+            self._worker.close()
 
     @property
     def awaiting_trigger(self) -> bool:
@@ -260,14 +260,14 @@ class SlotSampler:
         which no grammar constrains nor a trigger starts (as llama-server has it): the
         grammar holds from the first token after it."""
         if not self.grammar or self.awaiting_trigger or free:
-            token = self.rt.sample(self.chain, index)
+            token = self.runtime.sample(self.chain, index)
             if self._triggers and not free:
                 self._watch_for_trigger(token)
         else:
             cur = self._cur
-            cur["id"], cur["logit"], cur["p"] = self._ids, self.rt.logits(index), 0.0
-            follow = _Following(self.rt, self.chain, self.grammar, self._utf8)
-            token = self._on_lane(lambda: follow.constrained(cur), follow)
+            cur["id"], cur["logit"], cur["p"] = self._ids, self.runtime.logits(index), 0.0
+            follow = _Following(self.runtime, self.chain, self.grammar, self._utf8)
+            token = self._on_worker(lambda: follow.constrained(cur), follow)
             self._utf8 = follow.utf8
         return token, self._logprobs(index, token) if self.top_logprobs is not None else None
 
@@ -276,21 +276,21 @@ class SlotSampler:
         is applied with every other logit at -inf, as llama.cpp's budget sampler has it (its
         random state advances as there), and accepts it. A thought is free text: no grammar
         holds it (the executor opens none where one does), and none is fed."""
-        cur = np.zeros(self.rt.num_vocab, dtype=_TOKEN_DATA)
-        cur["id"], cur["logit"] = np.arange(self.rt.num_vocab, dtype=np.int32), -np.inf
-        cur["logit"][token] = self.rt.logits(index)[token]
+        cur = np.zeros(self.runtime.num_vocab, dtype=_TOKEN_DATA)
+        cur["id"], cur["logit"] = np.arange(self.runtime.num_vocab, dtype=np.int32), -np.inf
+        cur["logit"][token] = self.runtime.logits(index)[token]
         llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(_array(cur)))
         llama_cpp.llama_sampler_accept(self.chain, token)
         return token, self._logprobs(index, token) if self.top_logprobs is not None else None
 
     # -- grammar ------------------------------------------------------------------------------
 
-    def _on_lane(self, fn: Callable[[], T], follow: _Following) -> T:
-        """fn on the grammar lane, the runtime borrowed (a call left running past the budget
+    def _on_worker(self, fn: Callable[[], T], follow: _Following) -> T:
+        """fn on the grammar worker, the runtime borrowed (a call left running past the budget
         keeps the model from being freed under it). fn reads only `follow`, never this
-        sampler: past the budget the engine lets go of it while fn goes on, and the lane
+        sampler: past the budget the engine lets go of it while fn goes on, and the worker
         frees the native samplers once fn is done."""
-        rt = self.rt
+        rt = self.runtime
 
         def abandon() -> None:
             with contextlib.suppress(NativeError), rt.borrowed():  # (closed: nothing to free)
@@ -298,9 +298,9 @@ class SlotSampler:
                     rt.free_sampler(s)
 
         try:
-            return self._lane.run(_borrowing(rt, fn), self._budget, abandon, owner=self._owner)
+            return self._worker.run(_borrowing(rt, fn), self._budget, abandon, owner=self._owner)
         except GrammarTooCostly:
-            self.chain = self.grammar = None  # (the lane's to free now)
+            self.chain = self.grammar = None  # (the worker's to free now)
             raise
 
     def _watch_for_trigger(self, token: int) -> None:
@@ -310,9 +310,9 @@ class SlotSampler:
         Only the text's tail is searched again, and kept, each token (a match ends in what
         is new): the cost per token stays bounded however long the free text grows.
         """
-        if self.rt.is_eog(token):
+        if self.runtime.is_eog(token):
             return
-        new = self._decoder.decode(self.rt.piece(token))
+        new = self._decoder.decode(self.runtime.piece(token))
         if not new:
             return
         text = self._text + new
@@ -325,19 +325,19 @@ class SlotSampler:
             return
         self._triggers, self._text = (), ""
         matched = text[min(starts) :]
-        follow = _Following(self.rt, self.chain, self.grammar, b"")
-        self._on_lane(lambda: follow.take(self.rt.tokenize(matched)), follow)
+        follow = _Following(self.runtime, self.chain, self.grammar, b"")
+        self._on_worker(lambda: follow.take(self.runtime.tokenize(matched)), follow)
         self._utf8 = utf8_tail(b"", matched.encode()) or b""
 
     # -- log-probabilities --------------------------------------------------------------------
 
     def _logprobs(self, index: int, token: int) -> TokenLogprobs:
-        logits = self.rt.logits(index).astype(np.float64)
+        logits = self.runtime.logits(index).astype(np.float64)
         m = float(logits.max())
         log_z = m + float(np.log(np.exp(logits - m).sum()))
 
         def choice(t: int) -> TokenChoice:
-            return TokenChoice(t, self.rt.piece(t), float(logits[t] - log_z))
+            return TokenChoice(t, self.runtime.piece(t), float(logits[t] - log_z))
 
         top: tuple[TokenChoice, ...] = ()
         k = self.top_logprobs or 0
@@ -348,11 +348,11 @@ class SlotSampler:
 
 
 class _Following:
-    """What one grammar call on the lane works with: the natives and the text's unfinished
+    """What one grammar call on the worker works with: the natives and the text's unfinished
     character as the call began (the sampler may be gone by the time it ends)."""
 
     def __init__(self, rt: Runtime, chain: Any, grammar: Any, utf8: bytes):
-        self.rt, self.chain, self.grammar, self.utf8 = rt, chain, grammar, utf8
+        self.runtime, self.chain, self.grammar, self.utf8 = rt, chain, grammar, utf8
         self._one = np.zeros(1, dtype=_TOKEN_DATA)
 
     def constrained(self, cur: np.ndarray) -> int:
@@ -372,8 +372,8 @@ class _Following:
                 cur["logit"][token] = -np.inf
         llama_cpp.llama_sampler_accept(self.grammar, token)
         llama_cpp.llama_sampler_accept(self.chain, token)
-        if not self.rt.is_eog(token):
-            self.utf8 = utf8_tail(self.utf8, self.rt.piece(token)) or b""
+        if not self.runtime.is_eog(token):
+            self.utf8 = utf8_tail(self.utf8, self.runtime.piece(token)) or b""
         return token
 
     def _chosen(self, work: np.ndarray) -> int:
@@ -387,7 +387,10 @@ class _Following:
         """Whether the token keeps the text well-formed UTF-8. The grammar sees code points:
         bytes that make none (an overlong form, a lone surrogate) would pass it, yet read as
         something else to every client."""
-        return self.rt.is_eog(token) or utf8_tail(self.utf8, self.rt.piece(token)) is not None
+        return (
+            self.runtime.is_eog(token)
+            or utf8_tail(self.utf8, self.runtime.piece(token)) is not None
+        )
 
     def allows(self, token: int) -> bool:
         one = self._one
@@ -404,7 +407,7 @@ class _Following:
 
 
 class _Made:
-    """A grammar sampler built on the lane: the engine's once built in time, the lane's to
+    """A grammar sampler built on the worker: the engine's once built in time, the worker's to
     free when the build ran past the budget."""
 
     def __init__(self) -> None:

@@ -8,7 +8,7 @@ It ties three pieces, each in a module of its own:
 - persistence (infer_service/sessions/persistence.py): a journal entry per completed turn,
   checkpoints of the KV state, what other replicas did (sync), pixel collection.
 
-Everything here runs on the engine thread; disk work goes to the io lanes and comes back as
+Everything here runs on the engine thread; disk work goes to the disk queues and comes back as
 futures, whose outcome is applied here on the engine thread again (`call`). A session owns
 its slot between turns, is swapped out (least recently used) when the slots are needed, and
 back in on its next turn.
@@ -61,7 +61,7 @@ from infer_service.runner.job import Job
 from infer_service.runner.runtime import SamplingConfig
 from infer_service.runner.slot import Slot
 from infer_service.runner.stats import EngineStats
-from infer_service.sessions.io_lanes import resolve
+from infer_service.sessions.disk_queues import resolve
 from infer_service.sessions.persistence import Changed, Persistence, Used
 from infer_service.sessions.session import (
     Lifecycle,
@@ -99,11 +99,11 @@ class SessionManager:
         notify: Callable[[], None],
     ):
         self.executor = executor
-        self.rt = executor.rt
+        self.runtime = executor.runtime
         self.slots = slots
         self._call = call
         self.table = SessionTable()
-        self.persistence = Persistence(store, self.rt.fingerprint, self.rt.layout)
+        self.persistence = Persistence(store, self.runtime.fingerprint, self.runtime.layout)
         self.stats = stats
         self.swaps = Swapper(executor, self.persistence, stats, notify)
         self.idle_checkpoint_seconds = IDLE_CHECKPOINT_SECONDS
@@ -240,7 +240,7 @@ class SessionManager:
 
     def restore(self, session_id: str) -> Future[Session]:
         """Forget the in-memory state and read the session back from disk. The read runs on
-        its session's io lane (after its pending writes) and the restore completes even if its
+        its session's disk queue (after its pending writes) and the restore completes even if its
         caller has gone; the future gives the restored session."""
         self._lapse(session_id)
         session = self.table.idle(session_id)
@@ -263,14 +263,14 @@ class SessionManager:
             except Exception as e:  # the restore's caller hears it, whatever it is
                 resolve(done, error=e)
 
-        def read() -> None:  # its session's io lane
+        def read() -> None:  # its session's disk queue
             header = self.persistence.read_header(session_id, hold=True)
             try:
                 self._on_engine(lambda: register(header), done)
             except EngineStoppedError as e:
                 resolve(done, error=e)
 
-        self.persistence.lanes.submit(session_id, read)
+        self.persistence.disk_queues.submit(session_id, read)
         return done
 
     def sync(self, session_id: str) -> Future[None]:
@@ -283,7 +283,7 @@ class SessionManager:
             done.set_result(None)
             return done
 
-        def landed(read: Future[Changed | Used | None]) -> None:  # an io lane
+        def landed(read: Future[Changed | Used | None]) -> None:  # a disk queue
             try:
                 change = read.result()
                 if change is None:
@@ -403,7 +403,7 @@ class SessionManager:
     def ready(self, job: Job, num_free_slots: int) -> bool:
         """Its session's saved state is read (off the engine thread) before its turn starts."""
         session = self.table.live(job.session_id) if job.session_id is not None else None
-        kv_lora = self.rt.lora.identity(job.lora)
+        kv_lora = self.runtime.lora.identity(job.lora)
         return session is None or self.swaps.ready(session, num_free_slots, kv_lora)
 
     def waits_for_read(self, job: Job, num_free_slots: int) -> bool:
@@ -422,7 +422,7 @@ class SessionManager:
         resident = session.slot is not None
         # (a state read from disk was checked against the turn's LoRA adapters as it was read)
         reprefill = None if resident else self.swaps.swap_in(session, slot)
-        kv_lora = self.rt.lora.identity(job.lora)
+        kv_lora = self.runtime.lora.identity(job.lora)
         if resident and session.kv_lora != kv_lora:
             # its cells were decoded under other LoRA adapters: reused by none, all again
             self.executor.clear(slot)
@@ -698,9 +698,9 @@ class SessionManager:
 
     def _sweep(self, before: float) -> None:
         """Expire the directory's session files last written before `before` that this
-        replica never read (listed on an io lane; each deleted on its own)."""
+        replica never read (listed on a disk queue; each deleted on its own)."""
 
-        def listed(found: Future[list[str]]) -> None:  # an io lane
+        def listed(found: Future[list[str]]) -> None:  # a disk queue
             error = None if found.cancelled() else found.exception()
             if error is not None:
                 log.warning("looking for unused sessions failed: %s", error)
@@ -827,7 +827,7 @@ class SessionManager:
             if isinstance(header, BaseException):
                 raise header
             fp = header.get("fingerprint", {})
-            if Fingerprint(**fp) != self.rt.fingerprint:
+            if Fingerprint(**fp) != self.runtime.fingerprint:
                 raise SessionError(
                     ErrorKind.FAILED_PRECONDITION,
                     f"session {session_id!r} was saved with another model ({str(fp)[:80]})",

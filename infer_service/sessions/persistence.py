@@ -1,10 +1,10 @@
 """A session's files: a journal entry per completed turn, checkpoints of its KV state, what
 another replica did to them (sync), and the collection of pixels no session needs.
 
-Disk work runs on io lanes (infer_service/sessions/io_lanes.py): a session's in the order it was
-asked for, another session's beside it, pixel collection in a lane of its own. What runs on the
-engine thread here only builds headers and queues writes; the KV state a checkpoint holds is
-copied out of llama.cpp by the caller, when `checkpoint_due` (or a swap-out, an idle session,
+Disk work runs on disk queues (infer_service/sessions/disk_queues.py): a session's in the order
+it was asked for, another session's beside it, pixel collection in a queue of its own. What runs
+on the engine thread here only builds headers and queues writes; the KV state a checkpoint holds
+is copied out of llama.cpp by the caller, when `checkpoint_due` (or a swap-out, an idle session,
 a stop) says one is worth it.
 
 Nothing here reaches back into the session manager: a write's future says how it went (a
@@ -34,7 +34,7 @@ from infer_service.events import (
     storage_problem,
 )
 from infer_service.sessions import header_delta
-from infer_service.sessions.io_lanes import Lanes, resolve
+from infer_service.sessions.disk_queues import DiskQueues, resolve
 from infer_service.sessions.session import Session
 from infer_service.sessions.store import (
     CorruptSessionError,
@@ -49,8 +49,8 @@ from slotwise_core.descriptors import Fingerprint
 log = logging.getLogger("slotwise.engine")
 
 IO_WORKERS = 4  # sessions whose disk work runs at once
-_PIXELS = ""  # the lane of pixel collection (no session has an empty id)
-_SWEEP = "/"  # the lane that looks for sessions unused too long (nor has one a slash)
+_PIXELS = ""  # the queue of pixel collection (no session has an empty id)
+_SWEEP = "/"  # the queue that looks for sessions unused too long (nor has one a slash)
 MAX_JOURNAL_TURNS = 128  # entries a journal holds before a checkpoint folds them in
 MIN_CHECKPOINT_CELLS = 1024  # a checkpoint is due once this many cells (at least) were decoded
 
@@ -79,24 +79,24 @@ class Persistence:
     def __init__(self, store: SessionStore | None, fingerprint: Fingerprint, layout: Any):
         self.store = store
         self._fingerprint, self._layout = fingerprint, layout
-        self.lanes = Lanes(IO_WORKERS, "session-io")
+        self.disk_queues = DiskQueues(IO_WORKERS, "session-io")
         self._writes = _Writes()
-        self._collecting = threading.Lock()  # (a deletion collects too, on its session's lane)
+        self._collecting = threading.Lock()  # (a deletion collects too, on its session's queue)
         self._counting = threading.Lock()
         self.orphans: set[str] = set()  # (engine thread) media ids a session stopped using
-        # each on its session's lane only (filled before the lanes start): the generation of
+        # each on its session's queue only (filled before the queues start): the generation of
         # each session this replica holds (its writes must find that one on disk), the header
         # on disk; pixels waiting to be collected (pixel collection only)
         self._generations: dict[str, Generation] = {}
         self._written: dict[str, dict[str, Any]] = {}  # (what a turn's delta is from)
         self._io_orphans: set[str] = set()
-        self.bytes_written = 0  # session files and journals (the lanes, under _counting)
+        self.bytes_written = 0  # session files and journals (the queues, under _counting)
         # per session: its bytes on disk and when they were last written, as measured after
-        # this replica's last read or write of them (the lanes, under _counting)
+        # this replica's last read or write of them (the queues, under _counting)
         self._footprints: dict[str, tuple[int, float]] = {}
 
     def close(self) -> None:
-        self.lanes.shutdown()
+        self.disk_queues.shutdown()
 
     # -- when a checkpoint is due (engine thread) ---------------------------------------------
 
@@ -128,10 +128,10 @@ class Persistence:
         """Write the session's current state: a checkpoint with kv_state, or (None) what
         changed since the header on disk, appended to its journal. None without a store.
 
-        The write runs on the session's io lane; after a failure the next one writes what the
+        The write runs on the session's disk queue; after a failure the next one writes what the
         header on disk lacks again. A write queued behind a running one is merged with a newer
         one of the same session (pending writes stay bounded: one checkpoint and one header
-        each). The future's callbacks run on an io lane.
+        each). The future's callbacks run on a disk queue.
         """
         if self.store is None:
             return None
@@ -149,7 +149,7 @@ class Persistence:
         pixels = [(m, session.rgb[m]) for m in media]
         write = _Write(session, header, checkpoint, pixels, [future], int(checkpoint is not None))
         if self._writes.queue(sid, write):
-            self.lanes.submit(sid, self._write, sid, session)
+            self.disk_queues.submit(sid, self._write, sid, session)
         return future
 
     def refuse_queued(self, session_id: str, why: Problem) -> None:
@@ -160,7 +160,7 @@ class Persistence:
             resolve(f, error=ProblemError(why))
 
     def _write(self, session_id: str, session: Session) -> None:
-        """On its io lane: the newest queued state of one session, pixels first, over the
+        """On its disk queue: the newest queued state of one session, pixels first, over the
         generation this replica holds and no other."""
         assert self.store is not None
         write = self._writes.take(session_id, session)
@@ -229,7 +229,7 @@ class Persistence:
             for f in write.futures:
                 resolve(f, None)
 
-    def _count(self, num_bytes: int) -> None:  # (lanes write side by side)
+    def _count(self, num_bytes: int) -> None:  # (queues write side by side)
         with self._counting:
             self.bytes_written += num_bytes
 
@@ -242,7 +242,7 @@ class Persistence:
             return self._footprints.get(session_id)
 
     def _measure(self, session_id: str, header: dict[str, Any] | None) -> None:
-        """(Its session's io lane) its files, and the pixels of the images it holds: each
+        """(Its session's disk queue) its files, and the pixels of the images it holds: each
         image once per session, even where another session holds it too."""
         assert self.store is not None
         try:
@@ -272,7 +272,7 @@ class Persistence:
 
     def touch(self, session_id: str) -> None:
         """(Engine thread) A turn takes the session: its files say so to other replicas (on
-        its io lane, so before the turn's read and write), whose expiry, eviction or sweep
+        its disk queue, so before the turn's read and write), whose expiry, eviction or sweep
         would otherwise find it unused by its files' last write and delete it under the
         turn."""
         store = self.store
@@ -285,14 +285,14 @@ class Persistence:
             with contextlib.suppress(OSError):
                 store.touch(session_id)
 
-        with contextlib.suppress(RuntimeError):  # (the io lanes are shut down: stopping)
-            self.lanes.submit(session_id, touch)
+        with contextlib.suppress(RuntimeError):  # (the disk queues are shut down: stopping)
+            self.disk_queues.submit(session_id, touch)
 
     def unused(self, before: float) -> Future[list[str]]:
         """The sessions in the directory (every replica's) whose files were last written
-        before `before` (time.time()), listed on a lane of its own."""
+        before `before` (time.time()), listed on a queue of its own."""
         assert self.store is not None
-        return self.lanes.submit(_SWEEP, self.store.unused_since, before)
+        return self.disk_queues.submit(_SWEEP, self.store.unused_since, before)
 
     # -- deletion and pixels ------------------------------------------------------------------
 
@@ -305,7 +305,7 @@ class Persistence:
         *,
         unused_before: float | None = None,
     ) -> Future[bool]:
-        """Remove the session's files, after its pending writes (on its lane), and collect
+        """Remove the session's files, after its pending writes (on its queue), and collect
         the pixels nobody needs then; the future says whether a file was there (without one,
         it raises `missing` if given). unused_before: a deletion because the session looks
         unused (expiry, eviction, a sweep), made only if its files still say so: the
@@ -332,7 +332,7 @@ class Persistence:
                 raise missing
             return found
 
-        return self.lanes.submit(session_id, delete)
+        return self.disk_queues.submit(session_id, delete)
 
     def _pixels_in(self, session_id: str) -> set[str]:
         assert self.store is not None
@@ -344,10 +344,10 @@ class Persistence:
     def collect_pixels(self, in_memory: set[str], broken: bool) -> None:
         """(Engine thread) queue a collection of the orphans, if there are any."""
         if self.orphans and self.store is not None:
-            self.lanes.submit(_PIXELS, self.pixel_collector(in_memory, broken))
+            self.disk_queues.submit(_PIXELS, self.pixel_collector(in_memory, broken))
 
     def pixel_collector(self, in_memory: set[str], broken: bool) -> Callable[[], None]:
-        """(Engine thread) what an io lane runs to delete the saved pixels no session needs
+        """(Engine thread) what a disk queue runs to delete the saved pixels no session needs
         any more: none in this replica's memory (`in_memory`, as of now) and none in any
         session file in the directory (every replica's, read when it runs, with their writes
         held off). The disk stays bounded by what sessions hold. With a broken session file
@@ -396,7 +396,7 @@ class Persistence:
     def hold(
         self, session_id: str, generation: Generation | None, header: dict[str, Any] | None
     ) -> None:
-        """(Its session's io lane) the generation this replica's next write must find."""
+        """(Its session's disk queue) the generation this replica's next write must find."""
         if generation is None or header is None:
             self._generations.pop(session_id, None)
             self._written.pop(session_id, None)
@@ -408,7 +408,7 @@ class Persistence:
 
     def changes(self, session_id: str) -> Future[Changed | Used | None]:
         """(Any thread) What another replica sharing the directory did to the session since
-        this one last read or wrote it, read on its io lane: None when the generation on disk
+        this one last read or wrote it, read on its disk queue: None when the generation on disk
         is the one this replica holds (then nothing is read but the checkpoint's first bytes,
         the journal, MAX_JOURNAL_TURNS entries at most, and the files' times), Used when its
         files were written or touched since all the same (a turn elsewhere under way, a
@@ -431,8 +431,8 @@ class Persistence:
             return Changed(self.read_header(session_id))
 
         try:
-            return self.lanes.submit(session_id, read)
-        except RuntimeError:  # the io lanes are shut down: the engine is stopping
+            return self.disk_queues.submit(session_id, read)
+        except RuntimeError:  # the disk queues are shut down: the engine is stopping
             stopped: Future[Changed | Used | None] = Future()
             stopped.set_exception(EngineStoppedError(problem(
                 ErrorKind.UNAVAILABLE, Reason.SHUTTING_DOWN, "server shutting down",
@@ -440,7 +440,7 @@ class Persistence:
             return stopped
 
     def _used_since(self, session_id: str) -> Used | None:
-        """(Its session's io lane) The session's files' last write, if it is later than this
+        """(Its session's disk queue) The session's files' last write, if it is later than this
         replica last measured: the generation it holds is still there, so it was a touch (or
         a checkpoint of the same state)."""
         before = self.footprint(session_id)
@@ -455,7 +455,7 @@ class Persistence:
         """(Engine thread) after this replica's writes queued so far (those of a dropped copy
         are refused), hold the generation of `header` (None: none)."""
         generation = generation_of(header) if header is not None else None
-        self.lanes.submit(session_id, self.hold, session_id, generation, header)
+        self.disk_queues.submit(session_id, self.hold, session_id, generation, header)
 
 
 def generation_of(header: dict[str, Any]) -> Generation:
@@ -476,7 +476,7 @@ class _Write:
 
 
 class _Writes:
-    """Per session, the newest state waiting for its io lane: one queued write each, so a
+    """Per session, the newest state waiting for its disk queue: one queued write each, so a
     slow or full disk holds at most one pending state per session, not one per turn."""
 
     def __init__(self) -> None:

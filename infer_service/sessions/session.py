@@ -72,7 +72,7 @@ class Lifecycle(Enum):
     RESIDENT = "resident"  # its sequence is in a slot, between turns
     IN_TURN = "in_turn"  # a turn runs: waiting for its swap-in read or a slot, or decoding
     RESTORING = "restoring"  # being read back from disk (RestoreSession)
-    DELETING = "deleting"  # deleted; the removal of its files waits on its io lane
+    DELETING = "deleting"  # deleted; the removal of its files waits on its disk queue
     BROKEN = "broken"  # its file is unusable (the table keeps why)
 
 

@@ -1,6 +1,6 @@
 """Sessions into and out of slots.
 
-A session that is not in a slot has what its turn needs read on its io lane before the turn
+A session that is not in a slot has what its turn needs read on its disk queue before the turn
 starts (prefetch): its checkpoint's KV state when it was made in this context's layout and
 for this ledger, and the media chunks of the segments that state lacks, made from their
 pixels (libmtmd's tokenize is thread-safe on a shared context). The swap-in on the engine
@@ -32,7 +32,7 @@ log = logging.getLogger("slotwise.engine")
 
 @dataclass
 class _Prefetched:
-    """What a swap-in needs, read on its io lane: a checkpoint's KV state and how many of the
+    """What a swap-in needs, read on its disk queue: a checkpoint's KV state and how many of the
     ledger's segments it holds, and the media chunks of those it lacks."""
 
     kv_state: bytes
@@ -50,7 +50,7 @@ class Swapper:
         notify: Callable[[], None],
     ):
         self.executor = executor
-        self.rt = executor.rt
+        self.runtime = executor.runtime
         self.persistence = persistence
         self.stats = stats
         self._notify = notify  # a read is done: the engine may start its turn
@@ -75,7 +75,7 @@ class Swapper:
         if prefetch is None:
             if self._reads_in_flight() >= num_free_slots:
                 return False  # a state read per free slot at most: each holds a KV state
-            prefetch = self.persistence.lanes.submit(
+            prefetch = self.persistence.disk_queues.submit(
                 session.session_id, self._read, session.session_id, session.ledger.to_json(),
                 dict(session.pixels), dict(session.rgb), kv_lora,
             )  # fmt: skip
@@ -119,12 +119,12 @@ class Swapper:
             return 0
         got = prefetch.result()
         start = got.start if got.kv_state and self.executor.load_state(slot, got.kv_state) else 0
-        if start and not got.exact and self.executor.rt.recurrent:
+        if start and not got.exact and self.executor.runtime.recurrent:
             # it holds more than the ledger's first `start` segments, and a recurrent state
             # cannot be cut back to them: decoded again from nothing
             self.executor.clear(slot)
             start = 0
-        for key, handle in got.media.items():  # made on the io lane, from the pixels
+        for key, handle in got.media.items():  # made on the disk queue, from the pixels
             if key in session.pixels and key not in session.media:
                 session.media[key] = handle
             else:
@@ -165,10 +165,10 @@ class Swapper:
         return handle
 
     def _media_handle(self, key: str, px: Pixels, rgb: bytes) -> MediaHandle:
-        assert self.rt.mtmd is not None
-        return media_handle(self.rt.mtmd, key, px.bitmap(rgb))
+        assert self.runtime.mtmd is not None
+        return media_handle(self.runtime.mtmd, key, px.bitmap(rgb))
 
-    # -- on the io lane -----------------------------------------------------------------------
+    # -- on the disk queue --------------------------------------------------------------------
 
     def _read(
         self,
@@ -192,7 +192,7 @@ class Swapper:
             header = saved.header
             if (
                 saved.kv_state
-                and header.get("layout") == self.rt.layout
+                and header.get("layout") == self.runtime.layout
                 and header.get("kv_digest") == ledger_digest(saved.kv_ledger)
                 and header.get("kv_lora", []) == kv_lora  # (files before adapters have none)
             ):

@@ -15,7 +15,7 @@ class PrefillHold:
     prefill that is provably under way, however fast or slow the machine."""
 
     def __init__(self, rt: Any, at: int):
-        self.rt, self.at, self.num_decodes = rt, at, 0
+        self.runtime, self.at, self.num_decodes = rt, at, 0
         self.held, self.released = threading.Event(), threading.Event()
 
     def _decode(self) -> int:
@@ -23,12 +23,12 @@ class PrefillHold:
         if self.num_decodes == self.at:
             self.held.set()
             self.released.wait(PATIENCE)
-        return type(self.rt).decode(self.rt)
+        return type(self.runtime).decode(self.runtime)
 
     def __enter__(self) -> PrefillHold:
-        self.rt.decode = self._decode
+        self.runtime.decode = self._decode
         return self
 
     def __exit__(self, *_: object) -> None:
         self.released.set()
-        del self.rt.decode  # back to the class's method
+        del self.runtime.decode  # back to the class's method

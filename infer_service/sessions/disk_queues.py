@@ -1,7 +1,7 @@
 """Disk work in per-key order, different keys side by side (stdlib only).
 
 A session's writes, reads and deletion must happen in the order they were asked for; another
-session's must not wait behind them. Each key gets a lane: its work runs one item at a time,
+session's must not wait behind them. Each key gets a queue: its work runs one item at a time,
 in order, on a shared pool of threads. A key with nothing queued holds no thread and no memory.
 """
 
@@ -41,7 +41,9 @@ def resolve(future: Future[T], result: T | None = None, error: BaseException | N
     return True
 
 
-class Lanes:
+class DiskQueues:
+    """A queue of disk work per key, drained in order on a shared pool of threads."""
+
     def __init__(self, workers: int, name: str = "io"):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         self._lock = threading.Lock()
@@ -76,5 +78,5 @@ class Lanes:
             run_unless_cancelled(future, fn)
 
     def shutdown(self) -> None:
-        """Wait for what was submitted (every lane drains), then stop the threads."""
+        """Wait for what was submitted (every queue drains), then stop the threads."""
         self._pool.shutdown(wait=True)

@@ -74,7 +74,7 @@ class _Worker:
         return self._thread.is_alive()
 
 
-class GrammarLane:
+class GrammarWorker:
     def __init__(self, *, max_stuck_per_owner: int = 2, max_stuck: int = 8) -> None:
         self.max_stuck_per_owner = max_stuck_per_owner
         self.max_stuck = max_stuck
