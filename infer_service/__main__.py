@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from infer_service.api.metrics import engine_metrics
-from infer_service.api.options import OPTIONS, lora_in_order
 from infer_service.api.protobuf import GenerateLimits, speculative_of
 from infer_service.api.servicer import InferServicer
 from infer_service.engine.client import EngineClient
 from infer_service.engine.loop import Engine
 from infer_service.engine.scheduler import TenantLimits
 from infer_service.events import ProblemError
+from infer_service.flags import OPTIONS, lora_in_order
 from infer_service.runner.cache_types import CacheTypeError, CacheTypes
 from infer_service.runner.draft_model import DraftModel
 from infer_service.runner.embedder import Embedder
@@ -30,10 +30,10 @@ from infer_service.sessions.session import SessionLimits
 from infer_service.sessions.store import SessionStore
 from infer_service.spec.drafting import SpecConfig, SpecType
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
+from slotwise_core.flags import add_options, settings
 from slotwise_core.metrics import ServiceMetrics
 from slotwise_core.model_files import ModelMismatchError
 from slotwise_core.native import NativeError
-from slotwise_core.options import add_options, settings
 from slotwise_core.serving import (
     DEFAULT_MAX_CONCURRENT_RPCS,
     DEFAULT_MAX_MESSAGE_BYTES,

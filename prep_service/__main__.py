@@ -11,15 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prep_service.flags import OPTIONS
 from prep_service.image_cache import DEFAULT_IMAGE_CACHE_BYTES
-from prep_service.options import OPTIONS
 from prep_service.preparer import Preparer
 from prep_service.service import Limits, PrepServicer
 from slotwise.v1 import prep_pb2, prep_pb2_grpc
+from slotwise_core.flags import add_options, settings
 from slotwise_core.metrics import ServiceMetrics
 from slotwise_core.model_files import ModelMismatchError
 from slotwise_core.native import NativeError
-from slotwise_core.options import add_options, settings
 from slotwise_core.serving import (
     DEFAULT_MAX_CONCURRENT_RPCS,
     DEFAULT_MAX_MESSAGE_BYTES,

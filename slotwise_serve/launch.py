@@ -23,8 +23,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Each service's settings, by the names its own options give them (prep_service/options.py,
-    infer_service/api/options.py), and what serving both in one process adds."""
+    """Each service's settings, by the names its own options give them (prep_service/flags.py,
+    infer_service/flags.py), and what serving both in one process adds."""
 
     prep: Mapping[str, Any]
     infer: Mapping[str, Any]
@@ -51,9 +51,9 @@ class ServeConfig:
         **serving: Any,
     ) -> ServeConfig:
         """Every setting its option's default but those given."""
-        from infer_service.api.options import OPTIONS as INFER
-        from prep_service.options import OPTIONS as PREP
-        from slotwise_core.options import defaults
+        from infer_service.flags import OPTIONS as INFER
+        from prep_service.flags import OPTIONS as PREP
+        from slotwise_core.flags import defaults
 
         files = {"model": model, "mmproj": mmproj}
         return cls(

@@ -1,5 +1,5 @@
 """`slotwise serve`: both services in one process, their options taken from the services'
-own definitions (infer_service/api/options.py, prep_service/options.py): a flag either service
+own definitions (infer_service/flags.py, prep_service/flags.py): a flag either service
 takes, `slotwise serve` takes too, with the same default, and hands on the same way."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from clients.cli import (
     http_arguments,
     one_keys_file,
 )
-from infer_service.api.options import OPTIONS as INFER
-from prep_service.options import OPTIONS as PREP
-from slotwise_core.options import add_options, settings
+from infer_service.flags import OPTIONS as INFER
+from prep_service.flags import OPTIONS as PREP
+from slotwise_core.flags import add_options, settings
 from slotwise_core.serving import (
     DEFAULT_MAX_CONCURRENT_RPCS,
     add_drain_argument,

@@ -150,7 +150,7 @@ def test_the_cap_is_the_gateway_s_own_and_counts_every_message(
 def test_the_flags_and_their_defaults() -> None:
     from clients.cli import gateway_config
     from clients.gateway import GatewayConfig
-    from prep_service.options import OPTIONS as PREP
+    from prep_service.flags import OPTIONS as PREP
     from slotwise_cli import parser as slotwise_parser
     from slotwise_serve.serve_command import parser as serve_parser
 

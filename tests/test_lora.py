@@ -302,8 +302,8 @@ def test_flags_load_adapters_in_order_and_refuse_what_llama_cpp_cannot_load(
     start, adapters: tuple[Path, Path], tiny: dict[str, TinyPair], tmp_path: Path
 ) -> None:
     from infer_service.__main__ import parser, start_arguments
-    from infer_service.api.options import OPTIONS
-    from slotwise_core.options import settings
+    from infer_service.flags import OPTIONS
+    from slotwise_core.flags import settings
 
     first, second = adapters
     argv = ["--model", "m.gguf", "--lora", f"{first}", "--lora-scaled", f"{second}:0.25,x:2"]

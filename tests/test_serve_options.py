@@ -15,11 +15,11 @@ from test_cli import start_serve
 
 from clients.client import Message, SlotwiseClient, SlotwiseError
 from infer_service import __main__ as infer_main
-from infer_service.api.options import OPTIONS as INFER
-from infer_service.api.options import nice_value
+from infer_service.flags import OPTIONS as INFER
+from infer_service.flags import nice_value
 from prep_service import __main__ as prep_main
-from prep_service.options import OPTIONS as PREP
-from slotwise_core.options import Option, positive_int, settings
+from prep_service.flags import OPTIONS as PREP
+from slotwise_core.flags import Option, positive_int, settings
 from slotwise_serve import serve_command
 from support.media import image_bytes
 from support.procs import free_port

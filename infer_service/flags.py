@@ -1,5 +1,5 @@
-"""infer_service's options: its parser and `slotwise serve` are built from these (and read
-into start arguments by `start_arguments` in infer_service/__main__.py)."""
+"""infer_service's command-line flags: its parser and `slotwise serve` are built from these
+(and read into start arguments by `start_arguments` in infer_service/__main__.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from infer_service.runner.lora import LoraFile, lora_files
 from infer_service.runner.runtime import RuntimeConfig
 from infer_service.sessions.session import SessionLimits
 from infer_service.spec.drafting import SpecConfig, SpecType
-from slotwise_core.options import option, positive_int
+from slotwise_core.flags import option, positive_int
 from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
 
 _d = RuntimeConfig(model=Path())

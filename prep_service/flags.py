@@ -1,14 +1,14 @@
-"""prep_service's options: its parser and `slotwise serve` are built from these (and read into
-start arguments by `start_arguments` in prep_service/__main__.py)."""
+"""prep_service's command-line flags: its parser and `slotwise serve` are built from these
+(and read into start arguments by `start_arguments` in prep_service/__main__.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from prep_service.image_cache import DEFAULT_IMAGE_CACHE_BYTES
+from slotwise_core.flags import option, positive_int
 from slotwise_core.images import DEFAULT_MAX_PIXELS, DEFAULT_MAX_TOTAL_PIXELS
 from slotwise_core.limits import DEFAULT_MAX_IMAGES, DEFAULT_MAX_MESSAGES
-from slotwise_core.options import option, positive_int
 from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
 from slotwise_core.sounds import DEFAULT_MAX_SECONDS, MAX_SOUNDS_PER_REQUEST
 
