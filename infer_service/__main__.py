@@ -97,10 +97,7 @@ async def start(
     cache_types_draft: CacheTypes | None = None,
 ) -> RunningInfer:
     """Listen first (health NOT_SERVING), load the model, then report SERVING."""
-    try:  # the server's own speculative defaults: wrong ones would refuse every request
-        speculative_of(infer_pb2.SpeculativeOptions(), limits.speculative, model_draft is not None)
-    except ProblemError as e:
-        raise ValueError(f"--spec-* options: {e.problem.message}") from None
+    _check_speculative_defaults(limits, model_draft is not None)
     metrics = ServiceMetrics("infer")
     server = await create_server(
         address,
@@ -111,6 +108,70 @@ async def start(
         max_concurrent_rpcs=max_concurrent_rpcs,
     )
     await server.server.start()
+    runtime, embedder, draft = await _load_models(
+        server,
+        config,
+        embeddings_ctx=embeddings_ctx,
+        model_draft=model_draft,
+        cache_types_draft=cache_types_draft,
+    )
+    if draft is not None:
+        limits = dataclasses.replace(limits, draft_model=True)
+    store = SessionStore(sessions_dir) if sessions_dir else None
+    # the media budget: checked images (decoded, preprocessed) and the projector's outputs
+    verified_bytes = cache_bytes // VERIFIED_SHARE
+    engine = await asyncio.to_thread(
+        Engine,
+        runtime,
+        max_queue=max_queue,
+        cache_bytes=cache_bytes - verified_bytes,
+        store=store,
+        host_sequence_bytes=host_sequence_bytes,
+        tenant_limits=tenant_limits,
+        fair=fair,
+        draft_model=draft,
+    )
+    engine.sessions.limits = session_limits  # (before the engine's first periodic work)
+    metrics.collect_from(engine_metrics(engine))
+    died = _report_engine_death(engine, server)
+    engine.start()
+    server.bind(
+        infer_pb2_grpc.add_InferServiceServicer_to_server,
+        InferServicer(
+            EngineClient(engine),
+            engine.runtime,
+            limits=limits,
+            embedder=embedder,
+            draining=server.draining,
+            verified=(verified := VerifiedMedia(verified_bytes)),
+        ),
+    )
+    if metrics_port is not None:
+        metrics.serve(metrics_port)
+    await server.set_serving()
+    return RunningInfer(server, engine, died, embedder, verified)
+
+
+def _check_speculative_defaults(limits: GenerateLimits, draft_model: bool) -> None:
+    """The server's own speculative defaults (ValueError): wrong ones would refuse every
+    request."""
+    try:
+        speculative_of(infer_pb2.SpeculativeOptions(), limits.speculative, draft_model)
+    except ProblemError as e:
+        raise ValueError(f"--spec-* options: {e.problem.message}") from None
+
+
+async def _load_models(
+    server: Server,
+    config: RuntimeConfig,
+    *,
+    embeddings_ctx: int,
+    model_draft: Path | None,
+    cache_types_draft: CacheTypes | None,
+) -> tuple[Runtime, Embedder | None, DraftModel | None]:
+    """The model, then the embedder and the draft model where asked for, each loaded off the
+    event loop. A failure closes what was loaded and stops the server: no port is left open
+    that will never serve."""
     try:
         runtime = await asyncio.to_thread(Runtime, config)
     except BaseException:
@@ -141,23 +202,12 @@ async def start(
             runtime.close()
             await server.stop(0)
             raise
-        limits = dataclasses.replace(limits, draft_model=True)
-    store = SessionStore(sessions_dir) if sessions_dir else None
-    # the media budget: checked images (decoded, preprocessed) and the projector's outputs
-    verified_bytes = cache_bytes // VERIFIED_SHARE
-    engine = await asyncio.to_thread(
-        Engine,
-        runtime,
-        max_queue=max_queue,
-        cache_bytes=cache_bytes - verified_bytes,
-        store=store,
-        host_sequence_bytes=host_sequence_bytes,
-        tenant_limits=tenant_limits,
-        fair=fair,
-        draft_model=draft,
-    )
-    engine.sessions.limits = session_limits  # (before the engine's first periodic work)
-    metrics.collect_from(engine_metrics(engine))
+    return runtime, embedder, draft
+
+
+def _report_engine_death(engine: Engine, server: Server) -> asyncio.Event:
+    """An event set once the engine thread dies, after health turns NOT_SERVING (called on
+    the event loop, which the dying engine thread tells)."""
     loop = asyncio.get_running_loop()
     died = asyncio.Event()
 
@@ -170,22 +220,7 @@ async def start(
             asyncio.run_coroutine_threadsafe(report_death(), loop)
 
     engine.on_death = on_death
-    engine.start()
-    server.bind(
-        infer_pb2_grpc.add_InferServiceServicer_to_server,
-        InferServicer(
-            EngineClient(engine),
-            engine.runtime,
-            limits=limits,
-            embedder=embedder,
-            draining=server.draining,
-            verified=(verified := VerifiedMedia(verified_bytes)),
-        ),
-    )
-    if metrics_port is not None:
-        metrics.serve(metrics_port)
-    await server.set_serving()
-    return RunningInfer(server, engine, died, embedder, verified)
+    return died
 
 
 def parser() -> argparse.ArgumentParser:
