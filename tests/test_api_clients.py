@@ -399,7 +399,7 @@ def test_a_streamed_empty_reply_is_a_message_without_text() -> None:
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
 
-    from clients.gateway.responses_api import Responses
+    from clients.gateway.responses.api import Responses
     from clients.gateway.turns import TurnEnd
 
     async def events() -> Any:

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from clients.client import SlotwiseError
 from clients.gateway import GatewayConfig
 from clients.gateway.errors import from_slotwise
-from clients.gateway.llama_server_api import MAX_PIECE_TOKENS, is_native
+from clients.gateway.llama_server.api import MAX_PIECE_TOKENS, is_native
 from clients.gateway.serve import start_gateway
 from slotwise.v1 import infer_pb2_grpc
 from slotwise_core.tiny_models import TinyPair
@@ -409,7 +409,7 @@ def test_a_large_tokenize_with_pieces_is_written_off_the_event_loop(
 ) -> None:
     """The answer's JSON (an object per piece) is built on a worker thread: /health and every
     other request go on meanwhile (it stalled them 14-27 s on the event loop)."""
-    from clients.gateway import llama_server_api
+    from clients.gateway.llama_server import api as llama_server_api
 
     writers: list[threading.Thread] = []
 

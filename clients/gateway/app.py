@@ -1,8 +1,8 @@
 """The HTTP edge over AsyncSlotwiseClient: OpenAI's Chat Completions, Completions, Responses
-and Embeddings, Anthropic's Messages, llama-server's native API (llama_server_api.py), and
+and Embeddings, Anthropic's Messages, llama-server's native API (llama_server/api.py), and
 models, health, readiness and metrics; the web page at / and its API (ui_api.py).
 
-The routes are one-liners: each API's module (openai_api, responses_api, anthropic_api)
+The routes are one-liners: each API's module (openai/, responses/, anthropic/)
 translates its shapes onto one generation (turns.py). Every route answers with and without
 the /v1 prefix. Any model name is accepted while one model is served (apps hardcode names),
 unless --strict-model-name. The API key goes as `Authorization: Bearer` or as `x-api-key`
@@ -29,8 +29,9 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
 from clients.client import AsyncSlotwiseClient, SlotwiseError
-from clients.gateway import anthropic_api, llama_server_api, media, openai_api
-from clients.gateway.anthropic_api import CountRequest, Messages, MessagesRequest
+from clients.gateway import media
+from clients.gateway.anthropic import api as anthropic_api
+from clients.gateway.anthropic.api import CountRequest, Messages, MessagesRequest
 from clients.gateway.bodies import BodyError, BoundedRoute
 from clients.gateway.cors import Cors
 from clients.gateway.errors import (
@@ -41,11 +42,13 @@ from clients.gateway.errors import (
     from_slotwise,
     invalid,
 )
-from clients.gateway.llama_options import Settings, native_error, read_body
-from clients.gateway.llama_server_api import DEFAULT_MAX_COMPLETIONS, LlamaServer
-from clients.gateway.llama_slots import Slots
+from clients.gateway.llama_server import api as llama_server_api
+from clients.gateway.llama_server.api import DEFAULT_MAX_COMPLETIONS, LlamaServer
+from clients.gateway.llama_server.settings import Settings, native_error, read_body
+from clients.gateway.llama_server.slots import Slots
 from clients.gateway.media import MediaPolicy
-from clients.gateway.responses_api import Responses, ResponsesRequest
+from clients.gateway.openai import api as openai_api
+from clients.gateway.responses.api import Responses, ResponsesRequest
 from clients.gateway.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from clients.gateway.turns import Thinking, conversation_key
 from clients.gateway.ui_api import add_ui, is_open_path
@@ -333,7 +336,7 @@ def add_llama_server(
     client: Callable[[], AsyncSlotwiseClient],
     config: GatewayConfig,
 ) -> None:
-    """llama-server's native endpoints (llama_server_api.py), at its paths."""
+    """llama-server's native endpoints (llama_server/api.py), at its paths."""
     slots = Slots()
     defaults = None
     if config.default_temperature is not None or config.default_seed is not None:

@@ -8,7 +8,8 @@ hundred deep still overflows what walks it later (pydantic, the schema converter
 nesting is refused past MAX_BODY_DEPTH.
 
 Every route reads its body through this module: FastAPI's body parameters through BoundedRoute
-(its requests' `json()`), llama-server's native routes through `read_body` (llama_options.py).
+(its requests' `json()`), llama-server's native routes through `read_body`
+(llama_server/settings.py).
 A refusal is a BodyError, which create_app answers in the route's API's error shape.
 """
 

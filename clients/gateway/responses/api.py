@@ -48,10 +48,10 @@ from clients.client import (
     ToolOptions,
     TurnRecord,
 )
-from clients.gateway import options, sse
+from clients.gateway import generation, sse
 from clients.gateway.errors import ApiError, bad_request, call, from_slotwise
 from clients.gateway.media import MediaPolicy, check_images, image_bytes
-from clients.gateway.openai_api import token_logprobs
+from clients.gateway.openai.api import token_logprobs
 from clients.gateway.schema import SlotwiseOptions
 from clients.gateway.sounds import audio_part
 from clients.gateway.turns import Text, Thinking, TurnEnd, TurnRequest, refuse, start_turn
@@ -216,8 +216,12 @@ def _tools(body: ResponsesRequest) -> ToolOptions | None:
     choice, parallel = body.tool_choice, body.parallel_tool_calls
     if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name"):
         name = str(choice["name"])
-        return options.tool_options(defs, ToolChoice.FUNCTION, choice, name=name, parallel=parallel)
-    return options.tool_options(defs, options.openai_choice(choice), choice, parallel=parallel)
+        return generation.tool_options(
+            defs, ToolChoice.FUNCTION, choice, name=name, parallel=parallel
+        )
+    return generation.tool_options(
+        defs, generation.openai_choice(choice), choice, parallel=parallel
+    )
 
 
 def _constraint(body: ResponsesRequest) -> Constraint | None:
@@ -225,7 +229,7 @@ def _constraint(body: ResponsesRequest) -> Constraint | None:
     if f is None:
         return None
     missing = bad_request("text.format json_schema needs a schema", "text.format.schema")
-    return options.format_constraint(f.type, f.schema_, missing)
+    return generation.format_constraint(f.type, f.schema_, missing)
 
 
 def _digest(value: object) -> str:
@@ -301,15 +305,15 @@ class Responses:
         # off), and its body fields (chat_template_kwargs, reasoning_budget_tokens, ...)
         effort = (body.reasoning or {}).get("effort")
         fields = {**(body.model_extra or {}), **({"reasoning_effort": effort} if effort else {})}
-        thinking = options.thinking_of(self.thinking, fields)
+        thinking = generation.thinking_of(self.thinking, fields)
         if body.reasoning:
             thinking = dataclasses.replace(thinking, asked="reasoning")
         req = TurnRequest(
             messages,
             max_tokens=body.max_output_tokens,
             sampling={"temperature": body.temperature, "top_p": body.top_p},
-            context=options.context_of(o, body.truncation != "disabled" and o.truncate),
-            keep=options.keep_of(o),
+            context=generation.context_of(o, body.truncation != "disabled" and o.truncate),
+            keep=generation.keep_of(o),
             tools=_tools(body),
             constraint=_constraint(body),
             constraint_param="text.format",

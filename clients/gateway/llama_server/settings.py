@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from clients.client import Speculative
 from clients.gateway.bodies import parse
 from clients.gateway.errors import ApiError, invalid
-from clients.gateway.options import speculative_of
+from clients.gateway.generation import speculative_of
 from clients.gateway.schema import MAX_N, SlotwiseOptions
 from slotwise_core.limits import MAX_TOKENS, MAX_TOP_LOGPROBS
 

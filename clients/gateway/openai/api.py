@@ -40,7 +40,7 @@ from clients.client import (
     ToolChoice,
     ToolOptions,
 )
-from clients.gateway import options, sse
+from clients.gateway import generation, sse
 from clients.gateway.choices import choices, interleaved, start_all, wholes
 from clients.gateway.errors import ApiError, bad_request, call, translated
 from clients.gateway.media import MediaPolicy, check_images, image_bytes
@@ -129,7 +129,9 @@ def tool_options(
             for t in tools or ()]  # fmt: skip
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
-        return options.tool_options(defs, ToolChoice.FUNCTION, choice, name=name, parallel=parallel)
+        return generation.tool_options(
+            defs, ToolChoice.FUNCTION, choice, name=name, parallel=parallel
+        )
     if defs and isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         allowed = choice.get("allowed_tools") or {}
         names = {t.get("function", {}).get("name") for t in allowed.get("tools", [])}
@@ -139,8 +141,10 @@ def tool_options(
         mode = allowed.get("mode", "auto")
         if mode not in ("auto", "required"):
             raise bad_request(f"tool_choice.allowed_tools.mode {mode!r}", "tool_choice")
-        return options.tool_options(chosen, ToolChoice(mode), choice, parallel=parallel)
-    return options.tool_options(defs, options.openai_choice(choice), choice, parallel=parallel)
+        return generation.tool_options(chosen, ToolChoice(mode), choice, parallel=parallel)
+    return generation.tool_options(
+        defs, generation.openai_choice(choice), choice, parallel=parallel
+    )
 
 
 def constraint_of(body: SamplingRequest) -> Constraint | None:
@@ -149,8 +153,8 @@ def constraint_of(body: SamplingRequest) -> Constraint | None:
     if f is not None and f.type != "text":
         schema = f.json_schema.schema_ if f.json_schema is not None else None
         missing = bad_request("response_format.json_schema needs a schema", "response_format")
-        return options.format_constraint(f.type, schema, missing)
-    return options.grammar_constraint(body.grammar, body.json_schema)
+        return generation.format_constraint(f.type, schema, missing)
+    return generation.grammar_constraint(body.grammar, body.json_schema)
 
 
 def logit_bias_of(body: SamplingRequest) -> dict[int, float]:
@@ -193,7 +197,7 @@ def _note(note: str) -> Callable[[Prepared], bytes] | None:
 
 def speculative_of(body: SamplingRequest) -> Speculative | None:
     nested = body.speculative.model_dump(exclude_none=True) if body.speculative else None
-    return options.speculative_of(nested, body.model_extra or {})  # (the flat keys are extra)
+    return generation.speculative_of(nested, body.model_extra or {})  # (the flat keys are extra)
 
 
 def lora_of(body: SamplingRequest) -> list[tuple[int, float]]:
@@ -293,7 +297,7 @@ async def chat_completion(
     verbose: bool = False,
 ) -> Response:
     check_body(body)
-    thinking = options.thinking_of(thinking, body.model_extra or {})
+    thinking = generation.thinking_of(thinking, body.model_extra or {})
     check_messages(body.messages)
     extra = body.model_extra or {}
     continued = not body.slotwise.session_id and continuation(
@@ -304,7 +308,7 @@ async def chat_completion(
                      "message to continue")  # fmt: skip
     messages = await chat_messages(body.messages, media)
     tools = tool_options(body.tools, body.tool_choice, body.parallel_tool_calls)
-    keep = options.keep_of(body.slotwise)
+    keep = generation.keep_of(body.slotwise)
     prompt: list[Message] | Prepared = messages
     prefix = ""
     if continued:
@@ -323,7 +327,7 @@ async def chat_completion(
         max_tokens=body.max_completion_tokens or body.max_tokens,
         stop=[body.stop] if isinstance(body.stop, str) else body.stop or (),
         sampling=sampling_of(body),
-        context=options.context_of(body.slotwise),
+        context=generation.context_of(body.slotwise),
         keep=keep,
         tools=tools,
         constraint=constraint_of(body),
@@ -351,8 +355,8 @@ async def completion(client: AsyncSlotwiseClient, body: CompletionRequest, model
         max_tokens=body.max_tokens,
         stop=[body.stop] if isinstance(body.stop, str) else body.stop or (),
         sampling=sampling_of(body),
-        context=options.context_of(body.slotwise),
-        keep=options.keep_of(body.slotwise, 0),
+        context=generation.context_of(body.slotwise),
+        keep=generation.keep_of(body.slotwise, 0),
         constraint=constraint_of(body),
         logit_bias=logit_bias_of(body),
         logprobs=body.logprobs is not None,

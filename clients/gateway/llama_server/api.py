@@ -6,9 +6,9 @@ names, defaults and shapes, and its error body: {"error": {"code", "message", "t
 completion is a turn (turns.py) like any other API's, on the same engine: shift policies,
 tenants, limits, images and sounds (multimodal_data, at the media markers /props names, each
 told by its bytes: sounds.py) and grammars.
-A native slot (id_slot, /slots/{id}) is a session (llama_slots.py).
+A native slot (id_slot, /slots/{id}) is a session (slots.py).
 
-Its bodies are read in llama_options.py. README.md ("llama-server's native API") lists where
+Its bodies are read in settings.py. README.md ("llama-server's native API") lists where
 slotwise answers differently, and why. A request's work is bounded before it starts: the
 generations one /completion starts (max_completions), the tokens a /tokenize answers with, the
 texts tokenized (all of one request in one TokenizeBatch call), a chat's messages.
@@ -39,7 +39,7 @@ from clients.client import (
     SlotwiseError,
     TokenLogprobs,
 )
-from clients.gateway import options, sse
+from clients.gateway import generation, sse
 from clients.gateway.bodies import parse
 from clients.gateway.choices import choices, interleaved, start_all, wholes
 from clients.gateway.errors import (
@@ -50,7 +50,7 @@ from clients.gateway.errors import (
     invalid,
     translated,
 )
-from clients.gateway.llama_options import (
+from clients.gateway.llama_server.settings import (
     ERROR_TYPES,
     Settings,
     bad,
@@ -61,9 +61,9 @@ from clients.gateway.llama_options import (
     native_error,
     settings_of,
 )
-from clients.gateway.llama_slots import Slots
+from clients.gateway.llama_server.slots import Slots
 from clients.gateway.media import MediaPolicy, check_image_count
-from clients.gateway.openai_api import (
+from clients.gateway.openai.api import (
     SYSTEM_FINGERPRINT,
     chat_messages,
     check_messages,
@@ -338,7 +338,7 @@ class LlamaServer:
             messages, body.get("continue_final_message"), body.get("add_generation_prompt", True)
         )
         chat = await chat_messages(messages, self.media)
-        kwargs = options.thinking_of(self.thinking, body).kwargs  # (chat_template_kwargs, ...)
+        kwargs = generation.thinking_of(self.thinking, body).kwargs  # (chat_template_kwargs, ...)
         if continued:
             return await prefilled(self.client, chat, template_kwargs=kwargs)
         if body.get("add_generation_prompt") is False:
@@ -443,9 +443,9 @@ class LlamaServer:
             max_tokens=max(s.n_predict, 1) if s.n_predict >= 0 else None,
             stop=s.stop,
             sampling=s.sampling(),
-            context=options.context_of(o, truncate),
-            keep=options.keep_of(o, keep),
-            constraint=options.grammar_constraint(s.grammar, schema),
+            context=generation.context_of(o, truncate),
+            keep=generation.keep_of(o, keep),
+            constraint=generation.grammar_constraint(s.grammar, schema),
             constraint_param="grammar" if s.grammar else "json_schema",
             logit_bias=dict(s.logit_bias),
             logprobs=s.n_probs > 0,
@@ -987,6 +987,6 @@ def _chat_part(part: Any) -> dict[str, Any]:
         return {"type": "text", "text": str(part.get("text", ""))}
     if kind == "input_image":
         return {"type": "image_url", "image_url": {"url": part.get("image_url", "")}}
-    if kind == "input_audio":  # (the same part as Chat Completions': responses_api.py)
+    if kind == "input_audio":  # (the same part as Chat Completions': responses/api.py)
         return {"type": "input_audio", "input_audio": part.get("input_audio")}
     raise bad("'type' must be one of 'input_text', 'input_image', 'input_audio' or 'input_file'")

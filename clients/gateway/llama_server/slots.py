@@ -40,7 +40,7 @@ from clients.gateway.errors import ApiError, call, from_slotwise, translated
 from slotwise.v1 import prompt_pb2
 
 if TYPE_CHECKING:
-    from clients.gateway.llama_server_api import _Run
+    from clients.gateway.llama_server.api import _Run
 
 TITLE = "llama-server slot"  # a slot's session, which no file names
 SAVED = "llama-server slot (saved)"  # ... a file names it: it stays when the slot moves on

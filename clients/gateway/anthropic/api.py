@@ -31,7 +31,7 @@ from clients.client import (
     ToolChoice,
     ToolOptions,
 )
-from clients.gateway import options, sse
+from clients.gateway import generation, sse
 from clients.gateway.errors import ApiError, bad_request, call
 from clients.gateway.media import MediaPolicy, check_images, image_bytes
 from clients.gateway.schema import SlotwiseOptions
@@ -205,11 +205,11 @@ def _tools(body: MessagesRequest | CountRequest) -> ToolOptions | None:
     parallel = False if choice.get("disable_parallel_tool_use") else None
     kind, name = choice.get("type"), choice.get("name")
     if kind == "tool" and name:
-        return options.tool_options(
+        return generation.tool_options(
             defs, ToolChoice.FUNCTION, choice, name=str(name), parallel=parallel
         )
     known = _CHOICES.get(kind) if isinstance(kind, str) else None
-    return options.tool_options(defs, known, choice, parallel=parallel)
+    return generation.tool_options(defs, known, choice, parallel=parallel)
 
 
 def _thinking(server: Thinking, body: MessagesRequest) -> Thinking:
@@ -221,13 +221,15 @@ def _thinking(server: Thinking, body: MessagesRequest) -> Thinking:
     passed = {k: extra[k] for k in ("chat_template_kwargs",) if k in extra}
     given = body.thinking
     if given is None or given == {"type": "disabled"}:
-        return options.thinking_of(server, passed)
+        return generation.thinking_of(server, passed)
     if not isinstance(given, dict) or given.get("type") != "enabled":
         raise refuse("thinking", "takes enabled (with budget_tokens) or disabled here")
     if set(given) - {"type", "budget_tokens"}:
         raise refuse("thinking", "takes only type and budget_tokens here")
-    budget = options.reasoning_budget(given.get("budget_tokens", 10_000), "thinking.budget_tokens")
-    return replace(options.thinking_of(server, passed), budget=budget, asked="thinking")
+    budget = generation.reasoning_budget(
+        given.get("budget_tokens", 10_000), "thinking.budget_tokens"
+    )
+    return replace(generation.thinking_of(server, passed), budget=budget, asked="thinking")
 
 
 class Messages:
@@ -256,8 +258,8 @@ class Messages:
             max_tokens=body.max_tokens,
             stop=body.stop_sequences or (),
             sampling={"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k},
-            context=options.context_of(o),
-            keep=options.keep_of(o),
+            context=generation.context_of(o),
+            keep=generation.keep_of(o),
             tools=_tools(body),
             constraint=Constraint(json_schema=fmt["schema"]) if fmt is not None else None,
             constraint_param="output_config.format",

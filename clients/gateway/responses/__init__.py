@@ -1,0 +1,1 @@
+"""OpenAI's Responses API, its chains kept as sessions (api.py)."""
