@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 from clients.client import SlotwiseError
 from clients.gateway import GatewayConfig
 from clients.gateway.errors import from_slotwise
-from clients.gateway.llama_server.api import MAX_PIECE_TOKENS, is_native
+from clients.gateway.llama_server.api import MAX_PIECE_TOKENS
+from clients.gateway.llama_server.router import is_native
 from clients.gateway.serve import start_gateway
 from slotwise.v1 import infer_pb2_grpc
 from slotwise_core.tiny_models import TinyPair

@@ -10,7 +10,7 @@ nesting is refused past MAX_BODY_DEPTH.
 Every route reads its body through this module: FastAPI's body parameters through BoundedRoute
 (its requests' `json()`), llama-server's native routes through `read_body`
 (llama_server/settings.py).
-A refusal is a BodyError, which create_app answers in the route's API's error shape.
+A refusal is a BodyError, which the route answers in its API's error shape (routing.py).
 """
 
 from __future__ import annotations

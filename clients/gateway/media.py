@@ -19,9 +19,8 @@ import binascii
 import ipaddress
 import logging
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import httpx
@@ -104,16 +103,22 @@ def check_image_count(count: int, policy: MediaPolicy, param: str, what: str = "
 
 def check_images(
     contents: Iterable[object],
-    is_image: Callable[[Any], bool],
     policy: MediaPolicy,
     param: str,
-    is_sound: Callable[[Any], bool] = lambda _: False,
+    *,
+    image: str,
+    sound: str | None = None,
 ) -> None:
     """check_image_count for a chat: its images and sounds are the parts (of the contents that
-    are lists of parts) that `is_image` and `is_sound` say are."""
-    parts = [part for c in contents if isinstance(c, list) for part in c]
-    images, sounds = sum(map(is_image, parts)), sum(map(is_sound, parts))
+    are lists of parts) of the API's types for them, `image` and `sound`."""
+    kinds = [part_type(part) for c in contents if isinstance(c, list) for part in c]
+    images, sounds = kinds.count(image), kinds.count(sound) if sound is not None else 0
     check_image_count(images + sounds, policy, param, "images and sounds" if sounds else "images")
+
+
+def part_type(part: object) -> object:
+    """A content part's type: a model's `type` field, or a JSON object's "type"."""
+    return part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
 
 
 class _Refused(Exception):

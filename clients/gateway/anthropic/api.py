@@ -16,10 +16,9 @@ import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
 
 from clients.client import (
     AsyncSlotwiseClient,
@@ -32,11 +31,10 @@ from clients.client import (
     ToolOptions,
 )
 from clients.gateway import generation, sse
+from clients.gateway.anthropic.schema import CountRequest, MessagesRequest
 from clients.gateway.errors import ApiError, bad_request, call
 from clients.gateway.media import MediaPolicy, check_images, image_bytes
-from clients.gateway.schema import SlotwiseOptions
 from clients.gateway.turns import Text, Thinking, TurnEnd, TurnRequest, refuse, start_turn
-from slotwise_core.limits import MAX_TOKENS
 
 # Anthropic's error types by HTTP status
 _TYPES = {
@@ -63,49 +61,6 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(body, status_code=e.status, headers=headers)
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class MessageParam(_Open):
-    role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]]
-
-
-class AnthropicTool(_Open):
-    name: str
-    description: str = ""
-    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
-    type: str | None = None  # (custom, or absent: a client tool)
-
-
-class MessagesRequest(_Open):
-    model: str | None = None
-    max_tokens: int = Field(ge=1, le=MAX_TOKENS)
-    messages: list[MessageParam] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[AnthropicTool] | None = None
-    tool_choice: dict[str, Any] | None = None
-    stop_sequences: list[str] | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    stream: bool = False
-    metadata: dict[str, Any] | None = None
-    thinking: Any = None
-    output_config: dict[str, Any] | None = None
-    service_tier: str | None = None
-    slotwise: SlotwiseOptions = Field(default_factory=SlotwiseOptions)
-
-
-class CountRequest(_Open):
-    model: str | None = None
-    messages: list[MessageParam] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[AnthropicTool] | None = None
-    tool_choice: dict[str, Any] | None = None
-
-
 def _system_text(system: str | list[dict[str, Any]] | None) -> str:
     if system is None or isinstance(system, str):
         return system or ""
@@ -115,7 +70,7 @@ def _system_text(system: str | list[dict[str, Any]] | None) -> str:
 async def _messages(
     body: MessagesRequest | CountRequest, media: MediaPolicy, *, sizes: bool = False
 ) -> list[Message]:
-    check_images((m.content for m in body.messages), _is_image, media, "messages")
+    check_images((m.content for m in body.messages), media, "messages", image="image")
     out: list[Message] = []
     system = _system_text(body.system)
     if system:
@@ -171,10 +126,6 @@ _NO_AUDIO = (
     "is not a content block of the Messages API (it has none for sound): send sounds as "
     "input_audio parts to /v1/chat/completions"
 )
-
-
-def _is_image(block: dict[str, Any]) -> bool:
-    return block.get("type") == "image"
 
 
 async def _image(source: dict[str, Any], media: MediaPolicy, where: str) -> bytes:

@@ -22,7 +22,7 @@ import json
 import math
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
@@ -41,7 +41,15 @@ from clients.client import (
 )
 from clients.gateway import generation, sse
 from clients.gateway.bodies import parse
+from clients.gateway.chat import (
+    SYSTEM_FINGERPRINT,
+    chat_messages,
+    check_messages,
+    continuation,
+    prefilled,
+)
 from clients.gateway.choices import choices, interleaved, start_all, wholes
+from clients.gateway.config import DEFAULT_MAX_COMPLETIONS
 from clients.gateway.errors import (
     ApiError,
     call,
@@ -61,15 +69,8 @@ from clients.gateway.llama_server.settings import (
     native_error,
     settings_of,
 )
-from clients.gateway.llama_server.slots import Slots
+from clients.gateway.llama_server.slots import Lease, Slots
 from clients.gateway.media import MediaPolicy, check_image_count
-from clients.gateway.openai.api import (
-    SYSTEM_FINGERPRINT,
-    chat_messages,
-    check_messages,
-    continuation,
-    prefilled,
-)
 from clients.gateway.schema import ChatMessage
 from clients.gateway.sounds import multimodal_item
 from clients.gateway.turns import (
@@ -85,32 +86,17 @@ from clients.gateway.turns import (
 from slotwise.v1 import prompt_pb2
 from slotwise_core.limits import DEFAULT_MAX_MESSAGES, MAX_TOKENIZE_TEXTS
 
-__all__ = ["NATIVE_PATHS", "LlamaServer", "error_response", "is_native"]
+__all__ = ["LlamaServer", "error_body", "error_response"]
 
 BUILD_INFO = SYSTEM_FINGERPRINT
 
-# the paths whose errors come in llama-server's shape (and /slots/{id})
-NATIVE_PATHS = frozenset(
-    {
-        "/completion", "/completions", "/infill", "/tokenize", "/detokenize", "/apply-template",
-        "/props", "/slots", "/embedding", "/rerank", "/reranking", "/v1/rerank", "/v1/reranking",
-        "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
-        "/responses/input_tokens", "/v1/responses/input_tokens", "/v1/health",
-        "/lora-adapters",
-    }
-)  # fmt: skip
-
-# what one request may ask of the services, bounded before any of it starts
-DEFAULT_MAX_COMPLETIONS = 32  # generations of one /completion (prompts x n_cmpl)
+# what one request may ask of the services, bounded before any of it starts (and the
+# generations of one /completion: config.py's DEFAULT_MAX_COMPLETIONS)
 MAX_TOKENIZE_TOKENS = 1 << 20  # tokens a /tokenize answers with (about 4 MB of text)
 MAX_PIECE_TOKENS = 1 << 16  # ... with each one's piece (an object each: 1 GB for 2 MB of text)
 TOKEN_IDS = 1 << 31  # ids are int32 on the wire (a vocabulary is far smaller)
 
 # -- errors ----------------------------------------------------------------------------------
-
-
-def is_native(path: str) -> bool:
-    return path in NATIVE_PATHS or path.startswith("/slots/")
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -408,8 +394,20 @@ class LlamaServer:
         if len(runs) == 1 and s.id_slot >= 0:
             server = await self.server()
             if s.id_slot < server.num_slots:  # (llama-server takes any slot for another id)
-                return await self.slots.run(self.client, s.id_slot, runs[0], self._respond)
+                return await self._on_slot(runs[0], s.id_slot)
         return await self._respond(runs)
+
+    async def _on_slot(self, run: _Run, slot: int) -> Response:
+        """One completion on a native slot: a turn of the slot's session, sending only what
+        of the prompt the session lacks; the slot is held until the answer is done."""
+        prompt = run.request.prompt
+        assert isinstance(prompt, Prepared)
+        lease = await self.slots.acquire(self.client, slot, prompt)
+        try:
+            return await self._respond([_Run.leased(run, lease)], lease)
+        except BaseException:
+            lease.release()
+            raise
 
     def _check_fan_out(self, num_prompts: int, n_cmpl: int) -> None:
         """Refuse a /completion of more generations than max_completions before any prompt is
@@ -475,17 +473,21 @@ class LlamaServer:
         await call(self.client.set_lora_scales(lora_of(body)))
         return {"success": True}
 
-    async def _respond(self, runs: list[_Run]) -> Response:
+    async def _respond(self, runs: list[_Run], lease: Lease | None = None) -> Response:
+        """The completions' answer: streamed, or whole. A slot's lease is released when it is
+        done (a stream's when the stream ends, however it ends)."""
         turns = await start_all(self.client, [r.request for r in runs])
         for r, t in zip(runs, turns, strict=True):
             r.turn = t
         if runs[0].settings.stream:
-            return sse.response(self._stream(runs))
+            return sse.response(self._stream(runs, lease))
         await wholes(runs)
         out = [r.final(self.model) for r in runs]
+        if lease is not None:
+            lease.release()
         return JSONResponse(out[0] if len(out) == 1 else out)
 
-    async def _stream(self, runs: list[_Run]) -> AsyncGenerator[str, None]:
+    async def _stream(self, runs: list[_Run], lease: Lease | None) -> AsyncGenerator[str, None]:
         try:
             chunks = interleaved([r.chunks(self.model, self.client) for r in runs])
             async with contextlib.aclosing(chunks):
@@ -496,6 +498,8 @@ class LlamaServer:
         finally:
             for r in runs:
                 await r.close()
+            if lease is not None:
+                lease.release()
 
     async def infill(self, body: dict[str, Any]) -> Response:
         info = await self.info()
@@ -678,6 +682,15 @@ class LlamaServer:
             raise native_error(503, "no slot available")
         return JSONResponse(out)
 
+    async def slot_action(self, slot: int, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        """/slots/{id}?action=save|restore|erase (the slot and the action checked already)."""
+        if action == "erase":
+            return await self.slots.erase(self.client, slot)
+        if "filename" not in body:
+            raise native_error(400, '"filename" is required')
+        act = self.slots.save if action == "save" else self.slots.restore
+        return await act(self.client, slot, body["filename"])
+
     async def embedding(self, body: dict[str, Any]) -> Response:
         if "input" in body:
             value = body["input"]
@@ -725,6 +738,19 @@ class _Run:
     end: TurnEnd | None = None
     slot: int | None = None  # the native slot it ran on (id_slot)
     held: int = 0  # the prompt's cells the slot's session held: not sent again
+
+    @staticmethod
+    def leased(run: _Run, lease: Lease) -> _Run:
+        """The run as a turn of the leased slot's session: only what of the prompt the
+        session lacks is sent, and the turn keeps what its prompt was (its note)."""
+        request = replace(
+            run.request,
+            prompt=lease.rest,
+            session_id=lease.session_id,
+            expect_turns=lease.expect_turns,
+            note=lambda _: lease.note,
+        )
+        return replace(run, request=request, slot=lease.slot, held=lease.held)
 
     async def whole(self) -> TurnEnd:
         assert self.turn is not None

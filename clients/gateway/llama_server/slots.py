@@ -29,24 +29,16 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
-
-from fastapi.responses import Response, StreamingResponse
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from clients.client import AsyncSlotwiseClient, Prepared, SessionInfo, SlotwiseError
 from clients.gateway.errors import ApiError, call, from_slotwise, translated
 from slotwise.v1 import prompt_pb2
 
-if TYPE_CHECKING:
-    from clients.gateway.llama_server.api import _Run
-
 TITLE = "llama-server slot"  # a slot's session, which no file names
 SAVED = "llama-server slot (saved)"  # ... a file names it: it stays when the slot moves on
 _MISSING = "Unable to restore slot: No available space in KV cache or invalid slot save file"
-
-Respond = Callable[[list["_Run"]], Awaitable[Response]]
 
 
 def _error(status: int, message: str) -> ApiError:
@@ -112,6 +104,27 @@ def valid_filename(name: Any) -> bool:
     return not any(c in name for c in '/\\:*?"<>|') and all(ord(c) >= 32 for c in name)
 
 
+@dataclass
+class Lease:
+    """A native slot held for one completion (one request at a time per slot, as llama-server
+    defers a task for a busy slot): the slot's session, the part of the prompt it lacks, and
+    the note that turn keeps. Released once, when the completion's answer is done."""
+
+    slot: int
+    session_id: str
+    rest: Prepared  # the prompt less what the session holds: what the turn sends
+    held: int  # the prompt's cells the session holds (not sent again)
+    expect_turns: int  # the turns the session has: the turn is refused if another came first
+    note: bytes  # what the turn's prompt was (a count and a digest of its units)
+    _lock: asyncio.Lock = field(repr=False)
+    _released: bool = field(default=False, repr=False)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._lock.release()
+
+
 class Slots:
     def __init__(self) -> None:
         self._held: dict[tuple[int, int], str] = {}  # (caller's client, slot) -> session id
@@ -126,44 +139,22 @@ class Slots:
 
     # -- completions on a slot -----------------------------------------------------------------
 
-    async def run(
-        self, client: AsyncSlotwiseClient, slot: int, run: _Run, respond: Respond
-    ) -> Response:
+    async def acquire(self, client: AsyncSlotwiseClient, slot: int, prompt: Prepared) -> Lease:
+        """The slot, held for a completion of this prompt (waiting while another has it): its
+        session continued where the prompt begins with what the session holds, else a new
+        one. The caller releases the lease when its answer is done."""
         key = self._key(client, slot)
         lock = self._lock(key)
         await lock.acquire()
         try:
-            full = run.request.prompt
-            assert isinstance(full, Prepared)
-            held = units(full.prompt)
-            session, rest, turns = await self._continue(client, key, full.prompt, held)
-            note = json.dumps({"n": len(held), "d": digest(held)}).encode()
-            run.request = replace(
-                run.request,
-                prompt=replace(full, prompt=rest),
-                session_id=session,
-                expect_turns=turns,
-                note=lambda _: note,
-            )
-            run.slot, run.held = slot, full.num_cells - rest.num_cells
-            response = await respond([run])
+            held = units(prompt.prompt)
+            session, rest, turns = await self._continue(client, key, prompt.prompt, held)
         except BaseException:
             lock.release()
             raise
-        if not isinstance(response, StreamingResponse):
-            lock.release()
-            return response
-        body = response.body_iterator
-
-        async def streamed() -> AsyncIterator[Any]:
-            try:
-                async for chunk in body:
-                    yield chunk
-            finally:
-                lock.release()
-
-        response.body_iterator = streamed()
-        return response
+        note = json.dumps({"n": len(held), "d": digest(held)}).encode()
+        sent = replace(prompt, prompt=rest)
+        return Lease(slot, session, sent, prompt.num_cells - rest.num_cells, turns, note, lock)
 
     async def _continue(
         self,

@@ -26,11 +26,10 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
-from typing import Any, Literal
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
 
 from clients.client import (
     AsyncSlotwiseClient,
@@ -49,15 +48,15 @@ from clients.client import (
     TurnRecord,
 )
 from clients.gateway import generation, sse
+from clients.gateway.chat import token_logprobs
 from clients.gateway.errors import ApiError, bad_request, call, from_slotwise
 from clients.gateway.media import MediaPolicy, check_images, image_bytes
-from clients.gateway.openai.api import token_logprobs
-from clients.gateway.schema import SlotwiseOptions
+from clients.gateway.responses.schema import InputItem, ResponsesRequest
 from clients.gateway.sounds import audio_part
 from clients.gateway.turns import Text, Thinking, TurnEnd, TurnRequest, refuse, start_turn
 from clients.reasoning import split_thoughts
 from clients.tool_calls import parse_reply
-from slotwise_core.limits import MAX_TOKENS, MAX_TOP_LOGPROBS, MAX_TURN_NOTE
+from slotwise_core.limits import MAX_TURN_NOTE
 
 _ID = re.compile(r"resp_([0-9a-f]{32})_([0-9]{1,9})")  # (a turn's number: never 4,300 digits)
 _MAX_NOTE = MAX_TURN_NOTE - (4 << 10)  # (with room to spare)
@@ -66,79 +65,14 @@ _CLEANUPS: set[asyncio.Task[None]] = set()
 log = logging.getLogger("slotwise.gateway.responses")
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class InputItem(_Open):
-    type: str | None = None  # message (or absent), function_call, function_call_output
-    role: Literal["user", "system", "developer", "assistant"] | None = None
-    content: str | list[dict[str, Any]] | None = None
-    call_id: str | None = None
-    name: str | None = None
-    arguments: str | None = None
-    output: str | list[dict[str, Any]] | None = None
-
-
-class TextFormat(_Open):
-    type: Literal["text", "json_object", "json_schema"] = "text"
-    name: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class TextConfig(_Open):
-    format: TextFormat | None = None
-    verbosity: str | None = None
-
-
-class ResponsesRequest(_Open):
-    model: str | None = None
-    input: str | list[InputItem]
-    instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    text: TextConfig | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    stream: bool = False
-    store: bool = True
-    previous_response_id: str | None = None
-    metadata: dict[str, Any] | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    include: list[str] | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    reasoning: Any = None
-    background: bool | None = None
-    conversation: Any = None
-    prompt: Any = None
-    slotwise: SlotwiseOptions = Field(default_factory=SlotwiseOptions)
-
-    def unsupported(self) -> str | None:
-        for name in ("conversation", "prompt"):
-            if getattr(self, name) not in (None, {}):
-                return name
-        r = self.reasoning
-        if r not in (None, {}) and (
-            not isinstance(r, dict) or set(r) - {"effort", "summary"} or r.get("summary")
-        ):
-            return "reasoning"  # (its effort only: a model here writes no summaries)
-        if self.background:
-            return "background"
-        if set(self.include or ()) - {"message.output_text.logprobs"}:
-            return "include"
-        return None
-
-
 # -- request -> turn ---------------------------------------------------------------------------
 
 
 async def _messages(items: str | list[InputItem], media: MediaPolicy) -> list[Message]:
     if isinstance(items, str):
         return [Message.user(items)]
-    check_images((item.content for item in items), _is_image, media, "input", _is_sound)
+    check_images((item.content for item in items), media, "input", image="input_image",
+                 sound="input_audio")  # fmt: skip
     out: list[Message] = []
     for i, item in enumerate(items):
         kind = item.type or "message"
@@ -166,14 +100,6 @@ async def _messages(items: str | list[InputItem], media: MediaPolicy) -> list[Me
     if not out:
         raise bad_request("input is empty", "input")
     return out
-
-
-def _is_image(part: dict[str, Any]) -> bool:
-    return part.get("type") == "input_image"
-
-
-def _is_sound(part: dict[str, Any]) -> bool:
-    return part.get("type") == "input_audio"
 
 
 def _text_of(parts: list[dict[str, Any]] | None) -> str:
@@ -236,6 +162,48 @@ def _digest(value: object) -> str:
     return hashlib.blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Chain:
+    """Where a response goes: a new chain, or the next turn of a stored one."""
+
+    id: str  # the chain's (its session is resp-<id>)
+    turn: int  # the response's number in it
+    before: int  # the cells its session held before this turn
+    first: int | None  # the first new message of the turn's (None: a new chain's, found)
+    expect: int  # the turns the session must have (another came first: refused)
+    messages: list[Message]
+    settings: dict[str, Any]  # what cannot change along the chain, as its first response had it
+
+
+def _note_writer(
+    shell: dict[str, Any], chain: _Chain, thinking: Thinking
+) -> Callable[[Prepared], bytes]:
+    """What GET needs to show a stored response again, kept as its turn's note: the response
+    object around its output, its chain's settings, the tool format to read calls with, where
+    a reasoning model's thoughts were."""
+
+    def note(prepared: Prepared) -> bytes:
+        fmt = prepared.tool_format if prepared.tool_constraint else ToolFormat.UNSPECIFIED
+        r = prepared.reasoning if thinking.apart else None
+        # what cannot change along a chain is kept once, by its first response
+        lean = [k for k in _CHAIN_FIXED if chain.turn > 1 and shell[k]]
+        shown = {k: v for k, v in shell.items() if k not in lean}
+        kept = {
+            "shell": shown,
+            "from_first": lean,
+            "context_cells": chain.before,
+            "settings": chain.settings,
+            "tool_format": fmt.value,
+            **({"reasoning": dataclasses.asdict(r)} if r is not None else {}),
+        }
+        data = json.dumps(kept).encode()
+        if len(data) > _MAX_NOTE:  # (a large tool list: GET shows none)
+            data = json.dumps({**kept, "shell": {**shown, "tools": []}}).encode()
+        return data
+
+    return note
+
+
 # -- the API -----------------------------------------------------------------------------------
 
 
@@ -254,98 +222,94 @@ class Responses:
         if name is not None:
             raise refuse(name)
         new = await _messages(body.input, self.media)
-        settings = {"instructions": _digest(body.instructions), "tools": _digest(body.tools)}
-        chain, turn, before, first, expect = uuid.uuid4().hex, 1, 0, None, 0
-        messages = [Message.system(body.instructions), *new] if body.instructions else new
-        if body.previous_response_id is not None:
-            if not body.store:
-                raise bad_request(
-                    "previous_response_id goes with store (the chain is a stored session)",
-                    "store",
-                )
-            chain, expect, last, before = await self._latest(body.previous_response_id)
-            turn = expect + 1
-            held = _note_of(last).get("settings", {})
-            for key in _CHAIN_FIXED:
-                if getattr(body, key) is not None and held.get(key) != settings[key]:
-                    raise bad_request(
-                        f"{key} differ from the chain's first response, which its KV cache "
-                        "holds: start a new chain to change them",
-                        key,
-                    )
-            settings = {key: held.get(key) for key in _CHAIN_FIXED}  # the chain's, carried on
-            # the session holds the rest: a stand-in for what came before, its last reply
-            # (as the model wrote it, so that it is reused), then only the new input
-            messages = [Message.user("(earlier turns)"), Message.assistant(last.text), *new]
-            first = 1
-        rid = f"resp_{chain}_{turn}" if body.store else f"resp_{uuid.uuid4().hex}"
+        chain = await self._chain_of(body, new)
+        rid = f"resp_{chain.id}_{chain.turn}" if body.store else f"resp_{uuid.uuid4().hex}"
         shell = self._shell(body, rid, int(time.time()))
-
-        def note(prepared: Prepared) -> bytes:
-            fmt = prepared.tool_format if prepared.tool_constraint else ToolFormat.UNSPECIFIED
-            r = prepared.reasoning if thinking.apart else None
-            # what cannot change along a chain is kept once, by its first response
-            lean = [k for k in _CHAIN_FIXED if turn > 1 and shell[k]]
-            shown = {k: v for k, v in shell.items() if k not in lean}
-            kept = {
-                "shell": shown,
-                "from_first": lean,
-                "context_cells": before,
-                "settings": settings,
-                "tool_format": fmt.value,
-                **({"reasoning": dataclasses.asdict(r)} if r is not None else {}),
-            }
-            data = json.dumps(kept).encode()
-            if len(data) > _MAX_NOTE:  # (a large tool list: GET shows none)
-                data = json.dumps({**kept, "shell": {**shown, "tools": []}}).encode()
-            return data
-
-        o = body.slotwise
-        # reasoning.effort as llama-server takes it (reasoning_effort: "none" turns thinking
-        # off), and its body fields (chat_template_kwargs, reasoning_budget_tokens, ...)
-        effort = (body.reasoning or {}).get("effort")
-        fields = {**(body.model_extra or {}), **({"reasoning_effort": effort} if effort else {})}
-        thinking = generation.thinking_of(self.thinking, fields)
-        if body.reasoning:
-            thinking = dataclasses.replace(thinking, asked="reasoning")
+        thinking = self._thinking_of(body)
         req = TurnRequest(
-            messages,
+            chain.messages,
             max_tokens=body.max_output_tokens,
             sampling={"temperature": body.temperature, "top_p": body.top_p},
-            context=generation.context_of(o, body.truncation != "disabled" and o.truncate),
-            keep=generation.keep_of(o),
+            context=generation.context_of(
+                body.slotwise, body.truncation != "disabled" and body.slotwise.truncate
+            ),
+            keep=generation.keep_of(body.slotwise),
             tools=_tools(body),
             constraint=_constraint(body),
             constraint_param="text.format",
             logprobs=bool(body.include) or bool(body.top_logprobs),
             top_logprobs=body.top_logprobs or 0,
-            session_id=f"resp-{chain}" if body.store else None,
-            first_message=first,
+            session_id=f"resp-{chain.id}" if body.store else None,
+            first_message=chain.first,
             create_session=body.store and body.previous_response_id is None,
-            expect_turns=expect if body.store else None,
-            cache_salt=o.cache_salt,
-            note=note if body.store else None,
+            expect_turns=chain.expect if body.store else None,
+            cache_salt=body.slotwise.cache_salt,
+            note=_note_writer(shell, chain, thinking) if body.store else None,
             thinking=thinking,
         )
+        return await self._answer(body, req, chain, shell, rid)
+
+    async def _chain_of(self, body: ResponsesRequest, new: list[Message]) -> _Chain:
+        """A new chain, or, with previous_response_id, the next turn of that stored chain:
+        its session holds the rest, so the turn's messages are a stand-in for what came before,
+        its last reply (as the model wrote it, so that it is reused), then only the new input."""
+        settings = {"instructions": _digest(body.instructions), "tools": _digest(body.tools)}
+        if body.previous_response_id is None:
+            messages = [Message.system(body.instructions), *new] if body.instructions else new
+            return _Chain(uuid.uuid4().hex, 1, 0, None, 0, messages, settings)
+        if not body.store:
+            raise bad_request(
+                "previous_response_id goes with store (the chain is a stored session)", "store"
+            )
+        chain, expect, last, before = await self._latest(body.previous_response_id)
+        held = _note_of(last).get("settings", {})
+        for key in _CHAIN_FIXED:
+            if getattr(body, key) is not None and held.get(key) != settings[key]:
+                raise bad_request(
+                    f"{key} differ from the chain's first response, which its KV cache "
+                    "holds: start a new chain to change them",
+                    key,
+                )
+        kept = {key: held.get(key) for key in _CHAIN_FIXED}  # the chain's, carried on
+        messages = [Message.user("(earlier turns)"), Message.assistant(last.text), *new]
+        return _Chain(chain, expect + 1, before, 1, expect, messages, kept)
+
+    def _thinking_of(self, body: ResponsesRequest) -> Thinking:
+        """reasoning.effort as llama-server takes it (reasoning_effort: "none" turns thinking
+        off), and its body fields (chat_template_kwargs, reasoning_budget_tokens, ...)."""
+        effort = (body.reasoning or {}).get("effort")
+        fields = {**(body.model_extra or {}), **({"reasoning_effort": effort} if effort else {})}
+        thinking = generation.thinking_of(self.thinking, fields)
+        if body.reasoning:
+            thinking = dataclasses.replace(thinking, asked="reasoning")
+        return thinking
+
+    async def _answer(
+        self, body: ResponsesRequest, req: TurnRequest, chain: _Chain, shell: dict[str, Any],
+        rid: str,
+    ) -> Response:  # fmt: skip
+        """The turn started, and its reply streamed or whole; a new chain whose first response
+        fails leaves no session behind."""
         new_chain = req.create_session
         try:
             started, _ = await start_turn(self.client, req)
         except BaseException as e:  # (refused, or the client went while it queued)
             if new_chain:
-                self._forget(chain)
+                self._forget(chain.id)
             if isinstance(e, ApiError) and e.code == "session_moved_on":  # another came first
                 e.message = f"{body.previous_response_id} is no longer the latest of its chain"
                 e.param = "previous_response_id"
             raise
         if body.stream:
-            return sse.response(self._stream(started.events(), shell, rid, before, new_chain))
+            events = started.events()
+            return sse.response(self._stream(events, shell, rid, chain.before, new_chain))
         try:
             end = await started.whole()
         except BaseException:
             if new_chain:
-                self._forget(chain)
+                self._forget(chain.id)
             raise
-        usage = _usage(end, before)
+        usage = _usage(end, chain.before)
         out = self._finished(
             shell, rid, end.content, _ids(end.calls, rid), usage, end.finish_reason, end.logprobs,
             end.reasoning,
@@ -497,90 +461,24 @@ class Responses:
         before: int,
         new_chain: bool,
     ) -> AsyncGenerator[str, None]:
-        n = 0
-
-        def event(kind: str, **fields: Any) -> str:
-            nonlocal n
-            n += 1
-            return sse.event(kind, sequence_number=n - 1, **fields)
-
-        msg_id = f"msg_{_hex(rid, 'message')}"
-        at = {"item_id": msg_id, "output_index": 0, "content_index": 0}
-        opened = False
-        thought = {"item_id": f"rs_{_hex(rid, 'reasoning')}", "output_index": 0, "content_index": 0}
-        thinking = False  # (a reasoning item is open: the message comes after it)
-        thoughts: list[str] = []
-
-        def close_thoughts() -> Iterator[str]:
-            """The reasoning item, done (before the message opens, or at the end)."""
-            nonlocal thinking
-            if thinking:
-                thinking, text = False, "".join(thoughts)
-                item = _output(rid, "", (), "completed", (), text)[0]
-                yield event("response.reasoning_text.done", **thought, text=text)
-                yield event("response.output_item.done", output_index=0, item=item)
-
-        def open_message() -> Iterator[str]:
-            nonlocal opened
-            yield from close_thoughts()
-            opened = True
-            item = {"type": "message", "id": msg_id, "status": "in_progress",
-                    "role": "assistant", "content": []}  # fmt: skip
-            yield event("response.output_item.added", output_index=at["output_index"], item=item)
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            yield event("response.content_part.added", **at, part=part)
-
+        out = _StreamedResponse(rid)
         completed = False
-        yield event("response.created", response=shell)
-        yield event("response.in_progress", response=shell)
+        yield out.event("response.created", response=shell)
+        yield out.event("response.in_progress", response=shell)
         try:
             async for e in events:
-                if isinstance(e, Text) and e.reasoning:
-                    if not thinking:
-                        thinking, at["output_index"] = True, 1
-                        item = {"type": "reasoning", "id": thought["item_id"], "summary": [],
-                                "content": [], "encrypted_content": "",
-                                "status": "in_progress"}  # fmt: skip
-                        yield event("response.output_item.added", output_index=0, item=item)
-                    thoughts.append(e.reasoning)
-                    yield event("response.reasoning_text.delta", **thought, delta=e.reasoning)
                 if isinstance(e, Text):
-                    if e.text:
-                        if not opened:
-                            for line in open_message():
-                                yield line
-                        yield event("response.output_text.delta", **at, delta=e.text,
-                                    logprobs=token_logprobs(e.logprobs))  # fmt: skip
+                    for line in out.text(e):
+                        yield line
                     continue
                 full = self._finished(shell, rid, e.content, _ids(e.calls, rid),
                                       _usage(e, before), e.finish_reason, e.logprobs,
                                       e.reasoning)  # fmt: skip
-                for k, item in enumerate(full["output"]):
-                    if item["type"] == "reasoning":  # (a reply that is all thoughts)
-                        for line in close_thoughts():
-                            yield line
-                        continue
-                    if item["type"] == "message":
-                        if not opened:
-                            for line in open_message():
-                                yield line
-                        part = item["content"][0]
-                        yield event("response.output_text.done", **at, text=part["text"],
-                                    logprobs=part["logprobs"])  # fmt: skip
-                        yield event("response.content_part.done", **at, part=part)
-                        yield event("response.output_item.done", output_index=k, item=item)
-                        continue
-                    pending = {**item, "arguments": "", "status": "in_progress"}
-                    call = {"item_id": item["id"], "output_index": k}
-                    yield event("response.output_item.added", output_index=k, item=pending)
-                    yield event("response.function_call_arguments.delta", **call,
-                                delta=item["arguments"])  # fmt: skip
-                    yield event("response.function_call_arguments.done", **call,
-                                arguments=item["arguments"])  # fmt: skip
-                    yield event("response.output_item.done", output_index=k, item=item)
+                for line in out.items_done(full["output"]):
+                    yield line
                 incomplete = full["status"] == "incomplete"
                 completed = True
-                yield event(
+                yield out.event(
                     f"response.{'incomplete' if incomplete else 'completed'}", response=full
                 )
         except ApiError as e:
@@ -589,10 +487,90 @@ class Responses:
                 "status": "failed",
                 "error": {"code": e.code or "server_error", "message": e.message},
             }
-            yield event("response.failed", response=failed)
+            yield out.event("response.failed", response=failed)
         finally:
             if new_chain and not completed:
                 self._forget(rid.split("_")[1])
+
+
+class _StreamedResponse:
+    """The events of one streamed response, numbered, and its open items: a reasoning item
+    while thoughts come (the message comes after it), then the message."""
+
+    def __init__(self, rid: str):
+        self.rid, self.n = rid, 0
+        self.msg_id = f"msg_{_hex(rid, 'message')}"
+        self.at = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+        self.opened = False
+        self.thought = {
+            "item_id": f"rs_{_hex(rid, 'reasoning')}", "output_index": 0, "content_index": 0,
+        }  # fmt: skip
+        self.thinking = False  # (a reasoning item is open: the message comes after it)
+        self.thoughts: list[str] = []
+
+    def event(self, kind: str, **fields: Any) -> str:
+        self.n += 1
+        return sse.event(kind, sequence_number=self.n - 1, **fields)
+
+    def text(self, e: Text) -> Iterator[str]:
+        """A step's thoughts and text, as deltas of the items they go in."""
+        if e.reasoning:
+            if not self.thinking:
+                self.thinking, self.at["output_index"] = True, 1
+                item = {"type": "reasoning", "id": self.thought["item_id"], "summary": [],
+                        "content": [], "encrypted_content": "",
+                        "status": "in_progress"}  # fmt: skip
+                yield self.event("response.output_item.added", output_index=0, item=item)
+            self.thoughts.append(e.reasoning)
+            yield self.event("response.reasoning_text.delta", **self.thought, delta=e.reasoning)
+        if e.text:
+            if not self.opened:
+                yield from self.open_message()
+            yield self.event("response.output_text.delta", **self.at, delta=e.text,
+                             logprobs=token_logprobs(e.logprobs))  # fmt: skip
+
+    def items_done(self, output: list[dict[str, Any]]) -> Iterator[str]:
+        """The finished response's items, each done: the thoughts, the message, and each
+        function call (added, its arguments, done)."""
+        for k, item in enumerate(output):
+            if item["type"] == "reasoning":  # (a reply that is all thoughts)
+                yield from self.close_thoughts()
+                continue
+            if item["type"] == "message":
+                if not self.opened:
+                    yield from self.open_message()
+                part = item["content"][0]
+                yield self.event("response.output_text.done", **self.at, text=part["text"],
+                                 logprobs=part["logprobs"])  # fmt: skip
+                yield self.event("response.content_part.done", **self.at, part=part)
+                yield self.event("response.output_item.done", output_index=k, item=item)
+                continue
+            pending = {**item, "arguments": "", "status": "in_progress"}
+            call = {"item_id": item["id"], "output_index": k}
+            yield self.event("response.output_item.added", output_index=k, item=pending)
+            yield self.event("response.function_call_arguments.delta", **call,
+                             delta=item["arguments"])  # fmt: skip
+            yield self.event("response.function_call_arguments.done", **call,
+                             arguments=item["arguments"])  # fmt: skip
+            yield self.event("response.output_item.done", output_index=k, item=item)
+
+    def close_thoughts(self) -> Iterator[str]:
+        """The reasoning item, done (before the message opens, or at the end)."""
+        if self.thinking:
+            self.thinking, text = False, "".join(self.thoughts)
+            item = _output(self.rid, "", (), "completed", (), text)[0]
+            yield self.event("response.reasoning_text.done", **self.thought, text=text)
+            yield self.event("response.output_item.done", output_index=0, item=item)
+
+    def open_message(self) -> Iterator[str]:
+        yield from self.close_thoughts()
+        self.opened = True
+        item = {"type": "message", "id": self.msg_id, "status": "in_progress",
+                "role": "assistant", "content": []}  # fmt: skip
+        yield self.event("response.output_item.added", output_index=self.at["output_index"],
+                         item=item)  # fmt: skip
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        yield self.event("response.content_part.added", **self.at, part=part)
 
 
 def _named(response_id: str, param: str | None = None) -> tuple[str, int]:
