@@ -220,6 +220,14 @@ def http_arguments(p: argparse.ArgumentParser, *, max_images: bool = True) -> No
     prep's, which it honours too). The defaults are MediaPolicy's and GatewayConfig's, not
     imported: every command builds this parser, and the gateway's imports are not light."""
     g = p.add_argument_group("HTTP API")
+    _access_arguments(g)
+    _size_arguments(g, max_images=max_images)
+    _llama_server_arguments(g)
+    _reasoning_arguments(p.add_argument_group("reasoning models (llama-server's flags)"))
+
+
+def _access_arguments(g: argparse._ArgumentGroup) -> None:
+    """The model's names, and who may call: keys, browser pages."""
     g.add_argument("--model-name", default="slotwise", help="the model's id in /v1/models")
     g.add_argument(
         "--strict-model-name",
@@ -239,6 +247,11 @@ def http_arguments(p: argparse.ArgumentParser, *, max_images: bool = True) -> No
         help="the keys file (`TENANT KEY` lines, or one key): require `Authorization: Bearer "
         "KEY` or `x-api-key`; SIGHUP re-reads it",
     )  # fmt: skip
+
+
+def _size_arguments(g: argparse._ArgumentGroup, *, max_images: bool) -> None:
+    """What one request may carry: images fetched, their sizes and counts, messages,
+    completions, the body's size."""
     g.add_argument(
         "--allow-image-urls", action="store_true", help="fetch http(s) image_url (else data:)"
     )
@@ -276,6 +289,11 @@ def http_arguments(p: argparse.ArgumentParser, *, max_images: bool = True) -> No
         "--max-body-mb", type=positive_int, default=64,
         help="request body size (default %(default)s): larger is refused (413) as it comes in",
     )  # fmt: skip
+
+
+def _llama_server_arguments(g: argparse._ArgumentGroup) -> None:
+    """The page, and llama-server's own flags: slots, aliases and tags, a /completion's
+    defaults, verbose replies."""
     g.add_argument(
         "--no-ui", action="store_true", help="no web page at / (the API behind it stays)"
     )
@@ -307,7 +325,10 @@ def http_arguments(p: argparse.ArgumentParser, *, max_images: bool = True) -> No
         help="every chat completion carries llama-server's __verbose (the prompt as the "
         "template wrote it), as its --verbose gives; a request's `verbose` decides for itself",
     )  # fmt: skip
-    r = p.add_argument_group("reasoning models (llama-server's flags)")
+
+
+def _reasoning_arguments(r: argparse._ArgumentGroup) -> None:
+    """Where a reasoning model's thoughts go, their budget, the chat template's variables."""
     r.add_argument(
         "--reasoning-format", choices=["none", "deepseek", "deepseek-legacy", "auto"],
         default="deepseek",
