@@ -29,8 +29,8 @@ import sys
 from collections.abc import Sequence
 
 from benchmarks import (
+    batched_streams,
     context_shift,
-    four_streams,
     hybrid,
     image_stall,
     kv_types,
@@ -57,7 +57,7 @@ SECTIONS = (
     # (one stream's servers also give the ttft section its first row)
     Section(("stream1", "ttft"), one_stream.run),
     Section(("ttft",), ttft.run),
-    Section(("stream4",), four_streams.run),
+    Section(("stream4",), batched_streams.run),
     Section(("shift",), context_shift.run),
     Section(("prep",), prepare.run),
     Section(("stall",), image_stall.run, needs_model=False),

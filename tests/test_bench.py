@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks import (
+    batched_streams,
     bench,
     context_shift,
-    four_streams,
     hybrid,
     image_stall,
     kv_types,
@@ -40,8 +40,9 @@ EXPECTED = [
     one_stream.ROW_STREAM1,
     one_stream.ROW_TTFT,
     ttft.ROW_TTFT_THREADS,
-    four_streams.ROW_STREAM4,
-    four_streams.ROW_GAIN4,
+    batched_streams.ROW_STREAM4,
+    batched_streams.ROW_GAIN4,
+    batched_streams.ROW_STREAM16,
     *context_shift.ROW_SHIFT.values(),
     prepare.ROW_COUNT,
     prepare.ROW_PREPARE,
@@ -110,7 +111,7 @@ def test_bench_smoke_on_tiny_rope(
     # the image travels once, as its file
     assert rows[prepare.ROW_PREPARE_BYTES]["ratio"] <= 1.25
     # no llama-server given: its rows are skipped, not printed empty
-    assert one_stream.ROW_SERVER1 not in rows and four_streams.ROW_SERVER4 not in rows
+    assert one_stream.ROW_SERVER1 not in rows and batched_streams.ROW_SERVER4 not in rows
     assert not any(name in rows for name in STALL_SERVER_ROWS)
     # A streamed through B's whole wait (a gap is shorter than B's TTFT)
     assert rows[image_stall.ROW_STALL_GAP]["ratio"] < 1.0
