@@ -17,10 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from infer_service.events import TokenDelta
 from infer_service.kv.ledger import ContextConfig, Item
-from infer_service.runner.executor import Executor
-from infer_service.runner.job import Job
+from infer_service.runner.executor import Executor, Sampled
+from infer_service.runner.job import Job, KeptEvents
 from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
 from infer_service.runner.slot import Slot
 from infer_service.runner.stats import EngineStats
@@ -55,7 +54,7 @@ def run(
         def begin(i: int) -> None:
             user = rt.tokenize(f" Question number {i}: what does the text above say?")
             job = Job(
-                [Item.text(prefix, 0), Item.text(user, 1)], {}, lambda e: None,
+                [Item.text(prefix, 0), Item.text(user, 1)], {}, KeptEvents(),
                 sampling=SamplingConfig(temperature=0), max_tokens=4,
                 context=ContextConfig(keep=len(prefix)),
             )  # fmt: skip
@@ -67,7 +66,7 @@ def run(
             while any(s.job for s in slots):
                 for job, event in ex.step(slots).events:
                     i = int(job.note)
-                    if isinstance(event, TokenDelta) and i not in first:
+                    if isinstance(event, Sampled) and i not in first:
                         first[i] = time.perf_counter() - started[i]
 
         begin(0)

@@ -8,13 +8,13 @@ import contextlib
 import dataclasses
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from infer_service.api.metrics import engine_metrics
-from infer_service.api.protobuf import GenerateLimits, speculative_of
+from infer_service.api.request import GenerateLimits, speculative_of
 from infer_service.api.servicer import InferServicer
 from infer_service.engine.client import EngineClient
 from infer_service.engine.loop import Engine
@@ -120,6 +120,7 @@ async def start(
     store = SessionStore(sessions_dir) if sessions_dir else None
     # the media budget: checked images (decoded, preprocessed) and the projector's outputs
     verified_bytes = cache_bytes // VERIFIED_SHARE
+    on_death, died = _engine_death_reporter(server)
     engine = await asyncio.to_thread(
         Engine,
         runtime,
@@ -130,10 +131,10 @@ async def start(
         tenant_limits=tenant_limits,
         fair=fair,
         draft_model=draft,
+        session_limits=session_limits,
+        on_death=on_death,
     )
-    engine.sessions.limits = session_limits  # (before the engine's first periodic work)
     metrics.collect_from(engine_metrics(engine))
-    died = _report_engine_death(engine, server)
     engine.start()
     server.bind(
         infer_pb2_grpc.add_InferServiceServicer_to_server,
@@ -205,8 +206,10 @@ async def _load_models(
     return runtime, embedder, draft
 
 
-def _report_engine_death(engine: Engine, server: Server) -> asyncio.Event:
-    """An event set once the engine thread dies, after health turns NOT_SERVING (called on
+def _engine_death_reporter(
+    server: Server,
+) -> tuple[Callable[[BaseException], None], asyncio.Event]:
+    """The engine's `on_death`, and an event it sets once health turns NOT_SERVING (called on
     the event loop, which the dying engine thread tells)."""
     loop = asyncio.get_running_loop()
     died = asyncio.Event()
@@ -219,8 +222,7 @@ def _report_engine_death(engine: Engine, server: Server) -> asyncio.Event:
         with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
             asyncio.run_coroutine_threadsafe(report_death(), loop)
 
-    engine.on_death = on_death
-    return died
+    return on_death, died
 
 
 def parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from infer_service.api.protobuf import GenerateLimits
+from infer_service.api.request import GenerateLimits
 from infer_service.runner.cache_types import FLASH_ATTN, GGML_TYPES
 from infer_service.runner.lora import LoraFile, lora_files
 from infer_service.runner.runtime import RuntimeConfig

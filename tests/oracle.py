@@ -104,7 +104,6 @@ from infer_service.events import (
     ProblemError,
     Reason,
     Started,
-    TokenDelta,
 )
 from infer_service.kv.ledger import (
     Admission,
@@ -120,7 +119,7 @@ from infer_service.kv.ledger import (
     Segment,
     Shift,
 )
-from infer_service.runner.executor import Ending, Executor, media_cache_key
+from infer_service.runner.executor import Ending, Executor, Sampled, media_cache_key
 from infer_service.runner.job import Job
 from infer_service.runner.media import MediaHandle
 from infer_service.runner.reasoning import State as ThoughtState
@@ -855,9 +854,14 @@ class _Run:
             trail = "\n  ".join(self.trail)
             self.error = OracleError(f"{what}\n{self.spec.describe()}\nlast steps:\n  {trail}")
 
-    def emit(self, event: Event) -> None:
-        if isinstance(event, TokenDelta):
-            self.reply += event.token_ids
+    def post(self, events: Sequence[Event | Sampled]) -> None:
+        """(The job's mailbox) what the executor's step recorded for it, told in order."""
+        for event in events:
+            self.emit(event)
+
+    def emit(self, event: Event | Sampled) -> None:
+        if isinstance(event, Sampled):
+            self.reply.append(event.token)
         elif isinstance(event, ContextShift):
             self.counts[event.policy.name.capitalize()] += 1
             self.counts["cells_evicted"] += event.num_cells_evicted
@@ -998,7 +1002,7 @@ class Oracle:
     def _end(self, run: _Run) -> RunReport | OracleError:
         del self._runs[run.slot.seq]
         if run.slot.job is not None:  # a failed run mid-job
-            self.executor.end(run.slot, FinishReason.CANCELLED)
+            self.executor.finish(run.slot, FinishReason.CANCELLED)
         self.executor.clear(run.slot)
         run.slot.ledger = None
         for handle in run.media.values():
@@ -1068,7 +1072,7 @@ class Oracle:
         job = Job(
             list(items),
             MappingProxyType(run.media),  # (the run's: the job ends, they stay)
-            run.emit,
+            run,
             sampling=SamplingConfig(temperature=spec.temperature, seed=spec.seed),
             context=context,
             max_tokens=max_tokens,
@@ -1192,7 +1196,7 @@ class Oracle:
         self._woken.clear()
         outcome = self.executor.step(self.slots)
         for job, event in outcome.events:  # (the engine tells them the same way)
-            job.emit(event)
+            job.mailbox.post([event])
         for ending in outcome.endings:
             self._ended(ending)
         for slot in self.slots:  # (a thought's end written: one forced token a step)
@@ -1495,7 +1499,7 @@ def _request(oracle: Oracle, run: _Run, items: Sequence[Item], max_tokens: int) 
     job = Job(
         list(items),
         MappingProxyType(run.media),
-        run.emit,
+        run,
         sampling=SamplingConfig(temperature=0),
         context=ContextConfig(run.spec.policy),
         max_tokens=max_tokens,

@@ -34,7 +34,7 @@ from pathlib import Path
 from infer_service.events import FinishReason, ProblemError, Started
 from infer_service.kv.ledger import ContextConfig, Item, Ledger, Policy
 from infer_service.runner.executor import Executor
-from infer_service.runner.job import Job
+from infer_service.runner.job import Job, KeptEvents
 from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
 from infer_service.runner.slot import Slot
 from infer_service.runner.stats import EngineStats
@@ -147,7 +147,7 @@ class PoolOracle:
                     self._start(r, slot, systems, examples, report)
                 elif slot.job is not None and r.random() < 0.03:
                     self.executor._outcome.endings.append(  # (as the engine cancels one)
-                        self.executor.ending(slot, FinishReason.CANCELLED)
+                        self.executor.finish(slot, FinishReason.CANCELLED)
                     )
             waits = self.stats.num_pool_waits
             outcome = self.executor.step(self.slots)
@@ -175,12 +175,12 @@ class PoolOracle:
         pinned = sum(i.num_cells for i in head)
         keep = pinned if r.random() < 0.8 else r.choice([0, 8, len(system)])
         policy = r.choice([Policy.AUTO, Policy.SHIFT, Policy.GAP, Policy.REPREFILL, Policy.STOP])
-        events: list = []
+        events = KeptEvents()
         never = tuple(
             (t, float("-inf")) for t in range(self.runtime.num_vocab) if self.runtime.is_eog(t)
         )
         job = Job(
-            [*head, Item.text(user, 1)], {}, events.append,
+            [*head, Item.text(user, 1)], {}, events,
             sampling=SamplingConfig(temperature=0), max_tokens=r.randint(4, 300),
             context=ContextConfig(policy=policy, keep=keep), tenant=tenant, cache_salt=salt,
             logit_bias=never,

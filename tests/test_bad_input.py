@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from infer_service.__main__ import start as start_infer
-from infer_service.api.protobuf import GenerateLimits
+from infer_service.api.request import GenerateLimits
 from infer_service.runner.runtime import RuntimeConfig
 from slotwise.v1 import infer_pb2, infer_pb2_grpc, prep_pb2, prep_pb2_grpc, prompt_pb2
 from slotwise_core.tiny_models import TinyPair

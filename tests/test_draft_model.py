@@ -6,20 +6,23 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from infer_service.events import Event, TokenDelta
+from infer_service.events import Finished, TokenDelta
 from infer_service.kv.ledger import Item
 from infer_service.runner.draft_model import DraftModel
-from infer_service.runner.executor import Executor
-from infer_service.runner.job import Job
+from infer_service.runner.executor import Executor, Sampled
+from infer_service.runner.job import Job, KeptEvents
 from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
 from infer_service.runner.slot import Slot
 from infer_service.runner.stats import EngineStats
 from infer_service.spec.drafting import SpecConfig, SpecType
+from support.engines import running_engine
+from support.wait import wait_until
 
 
 @pytest.fixture
@@ -99,25 +102,25 @@ def test_drafts_leave_every_other_slot_its_token(tiny: Any) -> None:
     ex = Executor(rt, EngineStats(), cache_bytes=0, host_sequence_bytes=0)
     try:
         slots = [Slot(i) for i in range(3)]
-        events: list[list[Event]] = [[], [], []]
+        events = [KeptEvents(), KeptEvents(), KeptEvents()]
         never = tuple((t, float("-inf")) for t in range(rt.num_vocab) if rt.is_eog(t))
         spec = SpecConfig(SpecType.NGRAM_SIMPLE, n_max=48, size_n=1)
         for slot, seen in zip(slots, events, strict=True):
             tokens = (7, 8, 9, 7, 8, 9, 7, 8)
-            job = Job([Item.text(tokens, 0)], {}, seen.append,
+            job = Job([Item.text(tokens, 0)], {}, seen,
                       sampling=SamplingConfig(temperature=0), max_tokens=1 << 20,
                       logit_bias=never, speculative=spec)  # fmt: skip
             ex.start(slot, job, ex.enter(slot, job))
 
         def tokens(i: int) -> int:
-            return sum(len(e.token_ids) for e in events[i] if isinstance(e, TokenDelta))
+            return sum(1 for e in events[i] if isinstance(e, Sampled))
 
         drafted = 0
         for _ in range(40):
             before = [tokens(i) for i in range(3)]
             outcome = ex.step(slots)
             for job, event in outcome.events:
-                job.emit(event)
+                job.mailbox.post([event])
             if all(b > 0 for b in before):  # (all three generating)
                 assert all(tokens(i) > before[i] for i in range(3)), "a slot got no token"
             drafted = sum(s.usage.num_draft_tokens for s in slots)
@@ -140,8 +143,8 @@ def test_the_model_as_its_own_draft_has_every_guess_land_in_the_step(tiny: Any) 
         never = tuple((t, float("-inf")) for t in range(rt.num_vocab) if rt.is_eog(t))
         words = tuple(random.Random(6).choices(range(32, 200), k=40))
         spec = SpecConfig(SpecType.DRAFT_SIMPLE, n_max=4)
-        seen: list[Event] = []
-        job = Job([Item.text(words, 0)], {}, seen.append,
+        seen = KeptEvents()
+        job = Job([Item.text(words, 0)], {}, seen,
                   sampling=SamplingConfig(temperature=0), max_tokens=60, logit_bias=never,
                   speculative=spec)  # fmt: skip
         asked: list[list[int]] = []
@@ -158,8 +161,8 @@ def test_the_model_as_its_own_draft_has_every_guess_land_in_the_step(tiny: Any) 
         usage = slot.usage
         while slot.job is not None:
             for j, event in ex.step([slot]).events:
-                j.emit(event)
-        generated = [t for e in seen if isinstance(e, TokenDelta) for t in e.token_ids]
+                j.mailbox.post([event])
+        generated = [e.token for e in seen if isinstance(e, Sampled)]
         # the first guesses follow the prompt and the first token sampled, which this step
         # decodes (not the prompt alone)
         assert asked[0] == [*words, generated[0]]
@@ -168,3 +171,45 @@ def test_the_model_as_its_own_draft_has_every_guess_land_in_the_step(tiny: Any) 
     finally:
         ex.close()
         rt.close()
+
+
+def _finished_reply(
+    model: Path, words: tuple[int, ...], stop: tuple[str, ...], spec: SpecConfig
+) -> tuple[Finished, str, int]:
+    """A greedy reply through a whole engine (its output processor finds the stop strings),
+    the model as its own draft; what it said, and the cells its slot holds after it."""
+    with running_engine(model, draft=True) as engine:
+        runtime = engine.runtime
+        never = tuple((t, float("-inf")) for t in range(runtime.num_vocab) if runtime.is_eog(t))
+        box = KeptEvents()
+        job = Job([Item.text(words, 0)], {}, box, sampling=SamplingConfig(temperature=0),
+                  max_tokens=40, stop=stop, logit_bias=never, speculative=spec)  # fmt: skip
+        engine.submit(job)
+        finished = wait_until(
+            lambda: next((e for e in box if isinstance(e, Finished)), None), what="its Finished"
+        )
+        text = "".join(e.text for e in box if isinstance(e, TokenDelta))
+        cells = engine.call(lambda: engine.slots[0].num_cells).result()
+        return finished, text, cells
+
+
+def test_a_stop_string_among_confirmed_drafts_ends_the_reply_where_it_would_without(
+    tiny: Any,
+) -> None:
+    """Drafts the target confirms are several tokens in one step; a stop string met in the
+    middle of them (found by the output processor, after the step) ends the reply at the same
+    token, with the same usage and the same cells as a reply without drafts."""
+    model = tiny["rope"].model
+    words = tuple(random.Random(5).choices(range(32, 200), k=24))
+    plain = SpecConfig()
+    drafts = SpecConfig(SpecType.DRAFT_SIMPLE, n_max=4)
+    _, text, _ = _finished_reply(model, words, (), plain)
+    assert len(text) > 13, text
+    stops = [text[:n] for n in (7, 9, 10, 11, 13)]  # (met at different places in a step)
+    for stop in stops:
+        want, want_text, want_cells = _finished_reply(model, words, (stop,), plain)
+        got, got_text, got_cells = _finished_reply(model, words, (stop,), drafts)
+        assert got.usage.num_accepted_tokens > 0
+        assert (got.reason, got.stop_string, got_text) == (want.reason, stop, want_text)
+        assert got.usage.num_generated_tokens == want.usage.num_generated_tokens
+        assert got_cells == want_cells

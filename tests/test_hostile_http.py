@@ -56,7 +56,7 @@ def services(loop_thread: LoopThread, tiny: dict[str, TinyPair]) -> Iterator[Ser
     """prep (with its metrics), infer (2 slots, replies of at most 4 tokens unless asked: the
     fuzzed bodies generate little) and gateways over them."""
     from infer_service.__main__ import start as start_infer
-    from infer_service.api.protobuf import GenerateLimits
+    from infer_service.api.request import GenerateLimits
     from infer_service.runner.runtime import RuntimeConfig
     from prep_service.__main__ import start as start_prep
 

@@ -174,7 +174,7 @@ def test_prompts_that_together_overflow_the_pool_wait_then_one_ends_pool_full(ti
     end. No decode fails."""
     from infer_service.events import ErrorKind, Reason
     from infer_service.runner.executor import Executor
-    from infer_service.runner.job import Job
+    from infer_service.runner.job import Job, KeptEvents
     from infer_service.runner.runtime import SamplingConfig
     from infer_service.runner.slot import Slot
     from infer_service.runner.stats import EngineStats
@@ -187,7 +187,7 @@ def test_prompts_that_together_overflow_the_pool_wait_then_one_ends_pool_full(ti
 
     def start(slot: Slot, first: int, n: int, max_tokens: int) -> None:
         job = Job(
-            [Item.text([3 + (first + i) % 200 for i in range(n)], 0)], {}, lambda e: None,
+            [Item.text([3 + (first + i) % 200 for i in range(n)], 0)], {}, KeptEvents(),
             sampling=SamplingConfig(temperature=0), max_tokens=max_tokens, logit_bias=never,
         )  # fmt: skip
         ex.start(slot, job, ex.enter(slot, job))

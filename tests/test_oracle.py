@@ -263,7 +263,7 @@ def test_a_window_cache_missing_cells_in_the_window_fails(drivers: Drivers) -> N
         job = Job(
             [Item.text(tuple(range(40, 50)), 0)],
             MappingProxyType(run.media),
-            run.emit,
+            run,
             sampling=SamplingConfig(temperature=0),
             context=ContextConfig(Policy.GAP, keep=10),
             max_tokens=n_swa + 40,

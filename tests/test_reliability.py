@@ -40,7 +40,7 @@ from test_sessions import (
     status_of,
 )
 
-from infer_service.api.mailbox import Mailbox
+from infer_service.api.mailbox import EventRelay, Mailbox
 from infer_service.events import PrefillProgress, TokenDelta
 from infer_service.sessions.session import Lifecycle
 from infer_service.sessions.store import SessionStore
@@ -206,9 +206,9 @@ def test_an_infer_process_whose_engine_dies_exits_70(tiny, prep_servers) -> None
         import sys
         from infer_service import __main__ as infer_main
         from infer_service.runner import executor
-        def step(self, slots):
+        def execute(self, plan):
             raise SystemExit("injected: the engine thread dies")
-        executor.Executor.step = step
+        executor.Executor.execute = execute
         sys.exit(infer_main.main([
             "--model", {str(pair.model)!r}, "--mmproj", {str(pair.mmproj)!r},
             "--host", "127.0.0.1", "--port", "{port}", "--ctx-size", "512", "--threads", "1",
@@ -450,7 +450,7 @@ def test_150_image_turns_keep_memory_bounded(
 
 
 async def _mailbox_of(events: list) -> list:
-    box = Mailbox()
+    box = Mailbox(EventRelay(asyncio.get_running_loop()))
     for e in events:
         box.put(e)
     return [await box.get() for _ in range(len(box))]

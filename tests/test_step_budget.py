@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from infer_service.events import Event, PrefillProgress, TokenDelta
+from infer_service.events import PrefillProgress
 from infer_service.kv.ledger import Item
-from infer_service.runner.executor import Executor
-from infer_service.runner.job import Job
+from infer_service.runner.executor import Executor, Sampled
+from infer_service.runner.job import Job, KeptEvents
 from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig, physical_cores
 from infer_service.runner.slot import Slot
 from infer_service.runner.stats import EngineStats
@@ -59,13 +59,13 @@ def executor(tiny) -> Iterator[Executor]:
         rt.close()
 
 
-def start(ex: Executor, slot: Slot, tokens: list[int], events: list[Event]) -> Job:
+def start(ex: Executor, slot: Slot, tokens: list[int], events: KeptEvents) -> Job:
     rt = ex.runtime
     never = tuple((t, float("-inf")) for t in range(rt.num_vocab) if rt.is_eog(t))
     job = Job(
         [Item(len(tokens), len(tokens), 0, token_ids=tuple(tokens))],
         {},
-        events.append,
+        events,
         sampling=SamplingConfig(temperature=0),
         max_tokens=1 << 20,
         logit_bias=never,  # (A generates until the test is done with it)
@@ -77,25 +77,25 @@ def start(ex: Executor, slot: Slot, tokens: list[int], events: list[Event]) -> J
 def step(ex: Executor, slots: list[Slot]) -> None:
     """One step, its events told to their jobs (as the engine tells them after a step)."""
     for job, event in ex.step(slots).events:
-        job.emit(event)
+        job.mailbox.post([event])
 
 
-def tokens_of(events: list[Event]) -> int:
-    return sum(len(e.token_ids) for e in events if isinstance(e, TokenDelta))
+def tokens_of(events: KeptEvents) -> int:
+    return sum(1 for e in events if isinstance(e, Sampled))
 
 
-def progress_of(events: list[Event]) -> list[int]:
+def progress_of(events: KeptEvents) -> list[int]:
     return [e.num_cells_done for e in events if isinstance(e, PrefillProgress)]
 
 
 def test_a_long_prompt_goes_in_pieces_while_another_slot_generates(executor: Executor) -> None:
     ex, slots = executor, [Slot(0), Slot(1)]
     words = random.Random(7).choices(range(10, 200), k=3000)
-    a: list[Event] = []
+    a = KeptEvents()
     start(ex, slots[0], words[:8], a)
     while tokens_of(a) < 3:  # A generates
         step(ex, slots)
-    b: list[Event] = []
+    b = KeptEvents()
     start(ex, slots[1], words, b)
     budget = prefill_budget(BATCH, 1, len(words))
     steps = 0
@@ -114,7 +114,7 @@ def test_a_long_prompt_goes_in_pieces_while_another_slot_generates(executor: Exe
 def test_a_prompt_alone_goes_in_whole_batches(executor: Executor) -> None:
     ex, slots = executor, [Slot(0), Slot(1)]
     words = random.Random(8).choices(range(10, 200), k=1500)
-    b: list[Event] = []
+    b = KeptEvents()
     start(ex, slots[1], words, b)
     while tokens_of(b) == 0:
         step(ex, slots)

@@ -47,16 +47,16 @@ def test_another_tenant_sees_a_state_only_at_every_step(tenancy) -> None:  # noq
     t = tenancy(parallel=2)
     engine = t.running.engine
     seen: list[tuple[SlotPicture, infer_pb2.SlotView]] = []
-    real_step = engine.executor.step
+    real_execute = engine.executor.execute
 
-    def step(slots: Any) -> Any:  # (on the engine thread: where WatchSlots looks)
-        outcome = real_step(slots)
+    def execute(plan: Any) -> Any:  # (on the engine thread: where WatchSlots looks)
+        outcome = real_execute(plan)
         for p in engine.slot_pictures():
             other = "globex" if p.tenant == "acme" else "acme"
             seen.append((p, slot_view(p, other)))
         return outcome
 
-    engine.executor.step = step  # type: ignore[method-assign]
+    engine.executor.execute = execute  # type: ignore[method-assign]
     errors: list[BaseException] = []
 
     def run(key: str, sessions: list[tuple[str, str]], seed: int) -> None:
@@ -78,7 +78,7 @@ def test_another_tenant_sees_a_state_only_at_every_step(tenancy) -> None:  # noq
         th.start()
     for th in threads:
         th.join(600)
-    engine.executor.step = real_step  # type: ignore[method-assign]
+    engine.executor.execute = real_execute  # type: ignore[method-assign]
     assert not errors, errors
 
     owned = [(p, view) for p, view in seen if p.tenant in ("acme", "globex")]

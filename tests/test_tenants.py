@@ -24,6 +24,7 @@ from clients.client import (
     SlotwiseError,
     collect,
 )
+from infer_service.runner.plan import StepPlan
 from slotwise_core.keys import Keys, KeysError, parse
 from slotwise_core.tiny_models import TinyPair
 from support.loop import LoopThread
@@ -222,14 +223,15 @@ def test_one_tenant_s_flood_does_not_hold_up_another(tenancy, fair: bool) -> Non
     (the order in which clients read their Started events can differ from it under load)."""
     t = tenancy(parallel=2, fair=fair)
     engine = t.running.engine
-    started: list[str] = []  # tenants, in the order the engine thread starts their requests
-    start = engine._start
+    started: list[str] = []  # tenants, in the order the engine's plans start their requests
+    schedule = engine.scheduler.schedule
 
-    def recorded(slot: object, job: object) -> None:
-        started.append(job.tenant)  # type: ignore[attr-defined]
-        start(slot, job)
+    def recorded(now: float) -> StepPlan:
+        plan = schedule(now)
+        started.extend(choice.job.tenant for choice in plan.starts)
+        return plan
 
-    engine._start = recorded
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
 
     def run(key: str) -> None:
         with t.client(key) as c:

@@ -1,7 +1,8 @@
-"""A stream's events on its way from the engine thread to its handler on the event loop.
+"""A stream's events on their way from the engine thread to its handler on the event loop.
 
-`EventRelay` hands a batch of events to the loop in one wake-up; `Mailbox` holds one stream's
-events there, bounded however slowly its client reads.
+A `Mailbox` is what a job carries: the engine posts a step's events to it at once (from its
+thread), its handler reads them on the loop, bounded however slowly its client reads. The
+loop's `EventRelay` hands every mailbox's posts to the loop in one wake-up.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Sequence
 
 from infer_service.events import ContextShift, Event, TokenDelta
 
@@ -20,11 +22,17 @@ class Mailbox:
 
     MAX_EVENTS = 256
 
-    def __init__(self) -> None:
+    def __init__(self, relay: EventRelay) -> None:
+        self._relay = relay
         self._events: deque[Event] = deque()
         self._ready = asyncio.Event()
 
+    def post(self, events: Sequence[Event]) -> None:
+        """(Any thread) events for the reader, in order."""
+        self._relay.send(self, events)
+
     def put(self, event: Event) -> None:
+        """(On the loop)"""
         last = self._events[-1] if self._events else None
         if isinstance(event, TokenDelta) and isinstance(last, TokenDelta):
             self._events[-1] = last.merged(event)
@@ -65,18 +73,18 @@ def _folded(events: deque[Event]) -> list[Event]:
 class EventRelay:
     """Events from the engine thread to the handlers' mailboxes on one event loop.
 
-    What the engine emits while a hand-off is pending rides along with it: one loop wake-up
-    (a self-pipe write) per batch of events instead of one per token and stream.
+    What the engine posts while a hand-off is pending rides along with it: one loop wake-up
+    (a self-pipe write) per step, whatever the streams.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
         self._lock = threading.Lock()
-        self._items: list[tuple[Mailbox, Event]] = []
+        self._items: list[tuple[Mailbox, Sequence[Event]]] = []
 
-    def send(self, mailbox: Mailbox, event: Event) -> None:
+    def send(self, mailbox: Mailbox, events: Sequence[Event]) -> None:
         with self._lock:
-            self._items.append((mailbox, event))
+            self._items.append((mailbox, events))
             if len(self._items) > 1:
                 return  # a delivery is already on its way
         try:
@@ -88,5 +96,6 @@ class EventRelay:
     def _deliver(self) -> None:
         with self._lock:
             items, self._items = self._items, []
-        for mailbox, event in items:
-            mailbox.put(event)
+        for mailbox, events in items:
+            for event in events:
+                mailbox.put(event)

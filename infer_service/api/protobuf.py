@@ -14,12 +14,13 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import singledispatch
 from typing import Any
 
 import grpc
 
+from infer_service.api.request import bad_request
 from infer_service.events import (
     ContextShift,
     ErrorKind,
@@ -29,33 +30,24 @@ from infer_service.events import (
     PrefillProgress,
     Problem,
     ProblemError,
-    Reason,
     Started,
     TokenChoice,
     TokenDelta,
     TokenLogprobs,
     Usage,
 )
-from infer_service.kv.ledger import ContextConfig, EvictionUnit, Policy
+from infer_service.kv.ledger import EvictionUnit, Policy
 from infer_service.kv.pool import PoolFigures
 from infer_service.kv.view import CellKind, CellRun, SharedPicture, SlotPicture, SlotState
-from infer_service.runner.lora import LoraAdapters, LoraError, LoraSet
-from infer_service.runner.reasoning import Thoughts
-from infer_service.runner.runtime import SamplingConfig
+from infer_service.runner.lora import LoraAdapters, LoraError
 from infer_service.runner.stats import TenantStats
-from infer_service.sessions.session import SessionView, public_id, scoped
-from infer_service.sessions.store import SessionIdError, check_session_id
-from infer_service.spec.drafting import SpecConfig, SpecType
+from infer_service.sessions.session import SessionView, public_id
+from infer_service.spec.drafting import SpecType
 from slotwise.v1 import infer_pb2
-from slotwise_core.descriptors import DescriptorError, PreparedPrompt, TextChunk, memory_kind_pb
+from slotwise_core.descriptors import memory_kind_pb
 from slotwise_core.enum_names import from_numbers, to_numbers
 from slotwise_core.limits import (
-    MAX_CACHE_SALT,
-    MAX_DRAFTS,
-    MAX_NGRAM,
     MAX_TITLE_CHARS,
-    MAX_TOKENS,
-    MAX_TURN_NOTE,
 )
 from slotwise_core.serving import abort
 
@@ -157,198 +149,6 @@ def _logprobs_pb(lp: TokenLogprobs) -> infer_pb2.TokenLogprobs:
     return infer_pb2.TokenLogprobs(chosen=_choice_pb(lp.chosen), top=map(_choice_pb, lp.top))
 
 
-# -- requests: the contract's options as the domain's values, checked -----------------------------
-
-
-@dataclass(frozen=True)
-class GenerateLimits:
-    default_max_tokens: int = 1024
-    max_tokens: int = MAX_TOKENS
-    max_stop_strings: int = 16
-    max_stop_chars: int = 1000  # of each (every token's text is searched for each)
-    speculative: SpecConfig = SpecConfig()  # what a request leaves unset (--spec-*)
-    draft_model: bool = False  # whether a draft model is loaded (--model-draft)
-
-
-MAX_STREAM_TOKENS = 256
-
-
-def bad_request(message: str, field: str = "") -> ProblemError:
-    return ProblemError(
-        Problem(ErrorKind.INVALID_ARGUMENT, message, Reason.BAD_REQUEST, field=field)
-    )
-
-
-@dataclass(frozen=True)
-class GenerateParams:
-    """A GenerateRequest's options, checked, with a session's defaults for what it leaves
-    unset (its constraint is checked against the model, in the servicer)."""
-
-    context: ContextConfig
-    sampling: SamplingConfig
-    max_tokens: int
-    stop: tuple[str, ...]
-    stream_tokens: int
-    speculative: SpecConfig
-    note: bytes
-    cache_salt: str
-    reasoning: Thoughts | None = None
-
-    @classmethod
-    def from_pb(
-        cls,
-        r: infer_pb2.GenerateRequest,
-        limits: GenerateLimits,
-        session: SessionView | None = None,
-    ) -> GenerateParams:
-        """ProblemError (INVALID_ARGUMENT, naming the field) for an option that can never work."""
-        max_tokens = r.max_tokens or limits.default_max_tokens
-        if max_tokens > limits.max_tokens:
-            raise bad_request(f"max_tokens {max_tokens} is over the limit {limits.max_tokens}",
-                              "max_tokens")  # fmt: skip
-        if len(r.stop) > limits.max_stop_strings:
-            raise bad_request(f"at most {limits.max_stop_strings} stop strings", "stop")
-        if any(len(s) > limits.max_stop_chars for s in r.stop):
-            raise bad_request(f"a stop string has at most {limits.max_stop_chars} characters",
-                              "stop")  # fmt: skip
-        if r.stream_tokens > MAX_STREAM_TOKENS:
-            raise bad_request(f"stream_tokens must be at most {MAX_STREAM_TOKENS}, got "
-                              f"{r.stream_tokens}", "stream_tokens")  # fmt: skip
-        if len(r.turn_note) > MAX_TURN_NOTE:
-            raise bad_request(f"turn_note: at most {MAX_TURN_NOTE} bytes", "turn_note")
-        if r.turn_note and session is None:
-            raise bad_request("turn_note goes with a session turn", "turn_note")
-        if len(r.cache_salt) > MAX_CACHE_SALT:
-            raise bad_request(f"cache_salt: at most {MAX_CACHE_SALT} characters", "cache_salt")
-        return cls(
-            context=context_of(r.context, session.context if session else ContextConfig()),
-            sampling=sampling_of(r.sampling, session.sampling if session else SamplingConfig()),
-            max_tokens=max_tokens,
-            stop=tuple(r.stop),
-            stream_tokens=max(1, r.stream_tokens),
-            speculative=speculative_of(r.speculative, limits.speculative, limits.draft_model),
-            note=r.turn_note,
-            cache_salt=r.cache_salt,
-            reasoning=reasoning_of(r.reasoning) if r.HasField("reasoning") else None,
-        )
-
-
-def reasoning_of(pb: infer_pb2.ReasoningOptions) -> Thoughts:
-    """A request's reasoning options (their token ids are checked against the vocabulary in
-    the servicer)."""
-    budget = pb.budget_tokens if pb.HasField("budget_tokens") else None
-    if budget is not None and budget > MAX_TOKENS:
-        raise bad_request(f"reasoning.budget_tokens: at most {MAX_TOKENS}",
-                          "reasoning.budget_tokens")  # fmt: skip
-    try:
-        return Thoughts(
-            tuple(pb.start_token_ids), tuple(pb.end_token_ids), pb.started, budget,
-            tuple(pb.forced_token_ids),
-        )  # fmt: skip
-    except ValueError as e:
-        raise bad_request(f"reasoning: {e}", "reasoning") from None
-
-
-def context_of(c: infer_pb2.ContextOptions, base: ContextConfig) -> ContextConfig:
-    """The fields the request sets, over base (a session's options, or the defaults)."""
-    if c.HasField("policy") and c.policy not in POLICIES:
-        raise bad_request(f"unknown shift policy {c.policy}", "context.policy")
-    if c.HasField("unit") and c.unit not in UNITS:
-        raise bad_request(f"unknown eviction unit {c.unit}", "context.unit")
-    fraction = c.discard_fraction if c.HasField("discard_fraction") else base.discard_fraction
-    if not 0.0 <= fraction <= 1.0:  # NaN fails too
-        raise bad_request(f"discard_fraction must be within [0, 1], got {fraction}",
-                          "context.discard_fraction")  # fmt: skip
-    return ContextConfig(
-        policy=POLICIES[c.policy] if c.HasField("policy") else base.policy,
-        keep=c.keep if c.HasField("keep") else base.keep,
-        discard_fraction=fraction,
-        unit=UNITS[c.unit] if c.HasField("unit") else base.unit,
-        truncate_prompt=c.truncate_prompt
-        if c.HasField("truncate_prompt")
-        else base.truncate_prompt,
-    )
-
-
-def sampling_of(pb: infer_pb2.SamplingParams, d: SamplingConfig) -> SamplingConfig:
-    def get(name: str, default: float) -> float:
-        return getattr(pb, name) if pb.HasField(name) else default
-
-    s = SamplingConfig(
-        temperature=get("temperature", d.temperature),
-        top_k=int(get("top_k", d.top_k)),
-        top_p=get("top_p", d.top_p),
-        min_p=get("min_p", d.min_p),
-        repeat_penalty=get("repeat_penalty", d.repeat_penalty),
-        penalty_last_n=int(get("penalty_last_n", d.penalty_last_n)),
-        presence_penalty=get("presence_penalty", d.presence_penalty),
-        frequency_penalty=get("frequency_penalty", d.frequency_penalty),
-        seed=int(get("seed", d.seed)),
-    )
-    _within("sampling", [
-        ("temperature", s.temperature, 0.0, 100.0),
-        ("top_k", s.top_k, 0, 1 << 20),
-        ("top_p", s.top_p, 0.0, 1.0),
-        ("min_p", s.min_p, 0.0, 1.0),
-        ("repeat_penalty", s.repeat_penalty, 1e-3, 100.0),
-        ("penalty_last_n", s.penalty_last_n, -1, 1 << 20),
-        ("presence_penalty", s.presence_penalty, -100.0, 100.0),
-        ("frequency_penalty", s.frequency_penalty, -100.0, 100.0),
-    ])  # fmt: skip
-    return s
-
-
-def speculative_of(
-    pb: infer_pb2.SpeculativeOptions, d: SpecConfig, draft_model: bool = False
-) -> SpecConfig:
-    """The request's speculative options over the server's."""
-    if pb.type and pb.type not in SPEC_TYPES:
-        raise bad_request(f"speculative.type {pb.type} is not a known type", "speculative.type")
-
-    def get(name: str, default: float) -> float:
-        return getattr(pb, name) if pb.HasField(name) else default
-
-    s = SpecConfig(
-        type=SPEC_TYPES[pb.type] if pb.type else d.type,
-        n_max=int(get("n_max", d.n_max)),
-        n_min=int(get("n_min", d.n_min)),
-        p_min=get("p_min", d.p_min),
-        size_n=int(get("ngram_size_n", d.size_n)),
-        size_m=int(get("ngram_size_m", d.size_m)),
-        min_hits=int(get("ngram_min_hits", d.min_hits)),
-    )
-    _within("speculative", [
-        ("n_max", s.n_max, 0, MAX_DRAFTS),
-        ("n_min", s.n_min, 0, s.n_max),
-        ("p_min", s.p_min, 0.0, 1.0),
-        ("ngram_size_n", s.size_n, 1, MAX_NGRAM),
-        ("ngram_size_m", s.size_m, 1, 1024),
-        ("ngram_min_hits", s.min_hits, 1, 1 << 16),
-    ])  # fmt: skip
-    if s.type is SpecType.DRAFT_SIMPLE and not draft_model:
-        raise bad_request("speculative.type draft-simple needs a draft model: start "
-                          "infer_service with --model-draft", "speculative.type")  # fmt: skip
-    return s
-
-
-def _within(where: str, checks: list[tuple[str, float, float, float]]) -> None:
-    for name, value, lo, hi in checks:
-        if not lo <= value <= hi:  # NaN fails too
-            raise bad_request(f"{where}.{name} must be within [{lo}, {hi}], got {value}",
-                              f"{where}.{name}")  # fmt: skip
-
-
-def lora_of(
-    lora: LoraAdapters, tenant: str, scales: Sequence[infer_pb2.LoraScale], field: str = "lora"
-) -> LoraSet:
-    """A request's LoRA adapter set: those it lists (the others at 0), or its tenant's scales
-    when it lists none; INVALID_ARGUMENT for an id not loaded or a scale not finite."""
-    try:
-        return lora.resolve(tenant, [(s.id, s.scale) for s in scales])
-    except LoraError as e:
-        raise bad_request(str(e), field) from None
-
-
 def set_lora_scales(
     lora: LoraAdapters, tenant: str, scales: Sequence[infer_pb2.LoraScale]
 ) -> list[infer_pb2.LoraAdapter]:
@@ -380,33 +180,6 @@ def title_of(title: str) -> str:
             f"a title has at most {MAX_TITLE_CHARS} characters and no control characters", "title"
         )
     return title
-
-
-def session_key(tenant: str, session_id: str) -> str:
-    """The caller's session of that id (INVALID_ARGUMENT for an id that cannot be one)."""
-    try:
-        return scoped(tenant, check_session_id(session_id))
-    except SessionIdError as e:
-        raise bad_request(str(e), "session_id") from None
-
-
-def prompt_of(pb: Any, num_vocab: int) -> PreparedPrompt:
-    """The descriptor, read; token ids outside the vocabulary refused (llama.cpp would refuse
-    the whole batch they go in with, other clients' tokens included)."""
-    try:
-        prompt = PreparedPrompt.from_pb(pb)
-    except DescriptorError as e:
-        raise bad_request(str(e), "prompt") from None
-    for i, chunk in enumerate(prompt.chunks):
-        if isinstance(chunk, TextChunk) and (
-            min(chunk.token_ids) < 0 or max(chunk.token_ids) >= num_vocab
-        ):
-            bad = next(t for t in chunk.token_ids if not 0 <= t < num_vocab)
-            raise bad_request(
-                f"chunk {i}: token id {bad} is outside this model's vocabulary [0, {num_vocab})",
-                f"prompt.chunks[{i}].text.token_ids",
-            )
-    return prompt
 
 
 # -- answers ------------------------------------------------------------------------------------

@@ -1,47 +1,40 @@
-"""InferService: the gRPC edge. A request's options become checked domain values in
-api/protobuf.py, what the model must judge (a constraint, the images) is checked here off the
-event loop, and the job goes to the engine through its client (infer_service/engine/client.py);
-answers and errors go back through api/protobuf.py. A ProblemError raised anywhere in a handler
-is the call's status."""
+"""InferService: the gRPC edge. A GenerateRequest is checked and queued as a job in one call
+(api/request.py, through the engine's client, infer_service/engine/client.py); its events come
+back through its mailbox, and answers and errors go out through api/protobuf.py. A ProblemError
+raised anywhere in a handler is the call's status."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from infer_service.api.mailbox import EventRelay, Mailbox
 from infer_service.api.protobuf import (
-    GenerateLimits,
-    GenerateParams,
     abort_problem,
     answering,
-    bad_request,
     broken_session_info,
     embed_pb,
     event_pb,
     lora_adapters_pb,
-    lora_of,
-    prompt_of,
     server_info_pb,
     session_info,
-    session_key,
     set_lora_scales,
     slots_pb,
     title_of,
 )
+from infer_service.api.request import (
+    Admission,
+    GenerateLimits,
+    GenerateParams,
+    bad_request,
+    session_key,
+)
 from infer_service.engine.client import EngineClient
-from infer_service.engine.scheduler import Reservation
 from infer_service.events import (
-    EngineStoppedError,
     ErrorKind,
-    Event,
     Finished,
     Problem,
     ProblemError,
@@ -50,30 +43,16 @@ from infer_service.events import (
     storage_problem,
 )
 from infer_service.runner.embedder import Embedder, EmbedError
-from infer_service.runner.job import Job, prompt_items
 from infer_service.runner.media import (
-    MediaLimits,
-    StaleDescriptorError,
     VerifiedMedia,
-    verify_prompt,
 )
-from infer_service.runner.runtime import Runtime, SamplingConfig
-from infer_service.runner.sampling import (
-    Constraint,
-    ConstraintError,
-    SamplerSpec,
-    check_spec,
-    json_schema_grammar,
-)
+from infer_service.runner.runtime import Runtime
 from infer_service.runner.stats import TenantStats
-from infer_service.sessions.session import MAX_RECORDS, SessionView
+from infer_service.sessions.session import MAX_RECORDS
 from infer_service.sessions.store import SessionIdError, check_session_id
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
-from slotwise_core.descriptors import PreparedPrompt
 from slotwise_core.limits import DEFAULT_WATCH_MS, MIN_WATCH_MS
-from slotwise_core.native import NativeError
 from slotwise_core.serving import current_tenant
-from slotwise_core.sounds import DEFAULT_MAX_SECONDS
 
 __all__ = ["GenerateLimits", "InferServicer"]
 
@@ -96,21 +75,12 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         verified: VerifiedMedia | None = None,
     ):
         self.engine = engine
-        self.runtime = (
-            runtime  # (its model, for checking prompts off the event loop; not the engine)
-        )
+        self.runtime = runtime  # (its model's facts; the engine's is the engine's)
         self.limits = limits
         self.embedder = embedder
-        self.verified = verified  # images checked before: a resent one is not decoded again
-        mtmd = runtime.mtmd
-        self.media_limits = MediaLimits(
-            runtime.ubatch_size,
-            bool(mtmd and mtmd.non_causal),
-            max_samples=round(DEFAULT_MAX_SECONDS * (mtmd.sample_rate if mtmd else 0)),
-        )
+        self.admission = Admission(engine, runtime, limits, verified)
         self.draining = draining or asyncio.Event()
         self._watches: Counter[str] = Counter()  # WatchSlots calls open, by tenant
-        self._relays: dict[asyncio.AbstractEventLoop, EventRelay] = {}
 
     @answering
     async def Embed(self, request, context):
@@ -160,16 +130,7 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             )  # fmt: skip
 
     async def _generate(self, request, context, tenant: str, seen: list[Finished]):
-        session_id = session_key(tenant, request.session_id) if request.session_id else None
-        prompt = prompt_of(request.prompt, self.runtime.num_vocab)
-        if session_id is None and request.HasField("expect_turns"):
-            raise bad_request("expect_turns goes with a session_id", "expect_turns")
-        # a place in the queue first: a request refused costs no image decoding
-        reservation = self.engine.reserve(tenant)
-        try:
-            job, mailbox = await self._admit(request, prompt, session_id, reservation, context)
-        finally:
-            reservation.release()  # (the job's now, unless it was refused)
+        job, mailbox = await self.admission.admit(request, tenant, context.time_remaining())
         finished = False
         try:
             while not finished:
@@ -187,108 +148,6 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             if not finished:
                 job.cancel()  # client went away or the deadline passed: free the slot
 
-    async def _admit(
-        self,
-        request,
-        prompt: PreparedPrompt,
-        session_id: str | None,
-        reservation: Reservation,
-        context,
-    ) -> tuple[Job, Mailbox]:
-        """Begin the session's turn, check the request and queue its job in the reserved
-        place (a refusal: ProblemError, the turn ended again)."""
-        session = None
-        if session_id is not None:
-            session = await self.engine.begin_turn(session_id)
-        try:
-            # (the turn is ours now: no other can change num_turns under it)
-            expected = request.expect_turns if request.HasField("expect_turns") else None
-            if session is not None and expected is not None and session.num_turns != expected:
-                raise ProblemError(
-                    Problem(
-                        ErrorKind.FAILED_PRECONDITION,
-                        f"the session has {session.num_turns} turns, not the {expected} this "
-                        "turn expects",
-                        Reason.SESSION_MOVED_ON,
-                        (("num_turns", str(session.num_turns)),),
-                    )
-                )
-            job, mailbox = await self._job(request, prompt, session, context)
-            try:
-                self.engine.submit(job, reservation)
-            except BaseException:
-                job.release()
-                raise
-        except BaseException:
-            if session_id is not None:
-                self.engine.end_turn_later(session_id)  # it must happen even if we go
-            raise
-        return job, mailbox
-
-    async def _job(
-        self, request, prompt: PreparedPrompt, session: SessionView | None, context
-    ) -> tuple[Job, Mailbox]:
-        """Check everything that can be checked before queueing."""
-        rt = self.runtime
-        params = GenerateParams.from_pb(request, self.limits, session)
-        # a grammar (or schema) is parsed off the event loop: it may be large
-        sampler = await asyncio.to_thread(
-            _borrowing, rt, _sampler_fields, rt, request, params.sampling
-        )
-        tenant = current_tenant()
-        lora = lora_of(rt.lora, tenant, request.lora)
-        limits = self.media_limits
-        try:
-            media, decoded = await asyncio.to_thread(
-                _borrowing, rt, verify_prompt, prompt, fingerprint=rt.fingerprint, mtmd=rt.mtmd,
-                limits=limits, cache=self.verified, scope=f"{tenant}\0{params.cache_salt}",
-            )  # fmt: skip
-        except StaleDescriptorError as e:
-            raise ProblemError(
-                Problem(ErrorKind.FAILED_PRECONDITION, str(e), Reason.STALE_DESCRIPTOR)
-            ) from None
-        except ValueError as e:
-            raise bad_request(str(e), "prompt") from None
-        items, pixels = prompt_items(prompt)
-        # admission is the engine's: a resent conversation longer than the context may continue
-        # what a slot holds (only its new part is decoded)
-        if items[-1].media_id:
-            for h in media.values():
-                h.close()
-            raise bad_request(
-                "the prompt ends with media: add text after it (the model needs a text token "
-                "to produce the first logits)", "prompt",
-            )  # fmt: skip
-        relay, mailbox = self._relay(), Mailbox()
-        remaining = context.time_remaining()
-
-        def emit(event: Event) -> None:
-            relay.send(mailbox, event)
-
-        job = Job(
-            items=items,
-            media=media,
-            pixels=pixels,
-            # a session keeps the pixels it holds until they are on disk
-            rgb=decoded if session is not None else {},
-            emit=emit,
-            sampling=params.sampling,
-            context=params.context,
-            max_tokens=params.max_tokens,
-            stop=params.stop,
-            deadline=time.monotonic() + remaining if remaining is not None else None,
-            session_id=session.key if session else None,
-            stream_tokens=params.stream_tokens,
-            note=params.note,
-            tenant=tenant,
-            cache_salt=params.cache_salt,
-            lora=lora,
-            speculative=params.speculative,
-            reasoning=params.reasoning,
-            **sampler,
-        )
-        return job, mailbox
-
     @answering
     async def LoraListAdapters(self, request, context):
         adapters = lora_adapters_pb(self.runtime.lora, current_tenant())
@@ -299,12 +158,6 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
         """The caller's tenant's scales (another tenant's replies never change with them)."""
         adapters = set_lora_scales(self.runtime.lora, current_tenant(), request.scales)
         return infer_pb2.LoraSetScalesResponse(adapters=adapters)
-
-    def _relay(self) -> EventRelay:
-        loop = asyncio.get_running_loop()
-        if self._relays.get(loop) is None:
-            self._relays[loop] = EventRelay(loop)
-        return self._relays[loop]
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -415,63 +268,6 @@ class InferServicer(infer_pb2_grpc.InferServiceServicer):
             )
         finally:
             watching[tenant] -= 1
-
-
-def _borrowing(rt: Runtime, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """fn on a worker thread, with the runtime borrowed: it is not freed under fn (a handler
-    cancelled at shutdown leaves its thread running)."""
-    try:
-        with rt.borrowed():
-            return fn(*args, **kwargs)
-    except NativeError as e:
-        if rt.closing:
-            raise EngineStoppedError(
-                Problem(ErrorKind.UNAVAILABLE, str(e), Reason.SHUTTING_DOWN)
-            ) from None
-        raise
-
-
-def _sampler_fields(
-    rt: Runtime, request: infer_pb2.GenerateRequest, sampling: SamplingConfig
-) -> dict[str, Any]:
-    """The request's constraint, logit biases and log-probabilities, checked against the
-    model (INVALID_ARGUMENT naming the field)."""
-    try:
-        constraint = None
-        c = request.constraint
-        kind = c.WhichOneof("kind")
-        if kind is not None or c.trigger_patterns:
-            if kind == "json_schema":
-                grammar = json_schema_grammar(c.json_schema)
-            elif kind == "grammar" and c.grammar.strip():
-                grammar = c.grammar
-            else:
-                raise ConstraintError("constraint: give a grammar or a json_schema", "constraint")
-            constraint = Constraint(grammar, tuple(c.trigger_patterns))
-        if request.top_logprobs and not request.logprobs:
-            raise ConstraintError("top_logprobs needs logprobs", "top_logprobs")
-        spec = SamplerSpec(
-            sampling,
-            constraint,
-            logit_bias=tuple(sorted(request.logit_bias.items())),
-            top_logprobs=request.top_logprobs if request.logprobs else None,
-        )
-        check_spec(rt, spec)
-    except ConstraintError as e:
-        raise bad_request(str(e), e.field) from None
-    r = request.reasoning
-    ids = (*r.start_token_ids, *r.end_token_ids, *r.forced_token_ids)
-    if any(not 0 <= t < rt.num_vocab for t in ids):
-        raise bad_request(
-            f"reasoning: token ids are within the vocabulary [0, {rt.num_vocab})", "reasoning"
-        )
-    if request.ignore_eos:  # (after the check: the vocabulary's own, not the caller's count)
-        spec = replace(spec, logit_bias=spec.logit_bias + rt.eog_bans)
-    return {
-        "constraint": spec.constraint,
-        "logit_bias": spec.logit_bias,
-        "top_logprobs": spec.top_logprobs,
-    }
 
 
 def _loggable(session_id: str) -> str:

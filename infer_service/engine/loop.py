@@ -1,14 +1,20 @@
-"""The engine: one thread that owns llama.cpp, and the loop that ties its three parts.
+"""The engine: one thread that owns llama.cpp, and its loop. Each step is three calls:
+
+    plan = scheduler.schedule(now)      # who ends, who starts, in which slot (values)
+    outcome = executor.execute(plan)    # the llama.cpp calls; what happened (values)
+    outputs.process(outcome)            # text, stops, endings, sessions' turns, events
 
 - the scheduler (infer_service/engine/scheduler.py): the wait queue, which job starts, and
-  in which slot;
-- the executor (infer_service/runner/executor.py): every llama.cpp call for a slot, a step at
-  a time;
+  in which slot (a session's turn entered there by the session manager);
+- the executor (infer_service/runner/executor.py): every llama.cpp call for a slot;
+- the output processor (infer_service/engine/outputs.py): the only code that walks a step's
+  outcome, and the only one that tells callers (each job's mailbox, once a step);
 - the session manager (infer_service/sessions/manager.py): sessions, their saves and swaps.
 
-Handlers talk to the engine through `submit`, `call` and the job's `emit` callback; they never
-touch llama.cpp. A finished request leaves its sequence in the slot: the next request that
-shares a prefix (chunk identity: token ids, media ids) decodes only the rest.
+Handlers talk to the engine through its client (infer_service/engine/client.py): `submit`,
+`call`, and the job's mailbox; they never touch llama.cpp, and none of their code runs on the
+engine thread. A finished request leaves its sequence in the slot: the next request that shares
+a prefix (chunk identity: token ids, media ids) decodes only the rest.
 """
 
 from __future__ import annotations
@@ -19,38 +25,35 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import CancelledError, Future
-from dataclasses import asdict, dataclass, replace
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from infer_service.engine.outputs import OutputProcessor, post_best_effort
 from infer_service.engine.scheduler import Reservation, Scheduler, TenantLimits
 from infer_service.events import (
     EngineStoppedError,
     ErrorKind,
-    Event,
     Finished,
     FinishReason,
-    Persistence,
     Problem,
-    ProblemError,
     Reason,
     Rejected,
-    cancelled,
-    storage_problem,
 )
 from infer_service.kv.host_cache import ReuseKey
 from infer_service.kv.ledger import Segment
 from infer_service.kv.pool import PoolFigures
 from infer_service.kv.view import SharedPicture, SlotPicture, SlotState, runs
 from infer_service.runner.draft_model import DraftModel
-from infer_service.runner.executor import Ending, Executor, StepOutcome
+from infer_service.runner.executor import Executor
 from infer_service.runner.job import Job
+from infer_service.runner.plan import StepPlan
 from infer_service.runner.runtime import Runtime
 from infer_service.runner.slot import Slot
 from infer_service.runner.stats import EngineStats
 from infer_service.sessions.disk_queues import run_unless_cancelled
 from infer_service.sessions.manager import SessionManager
-from infer_service.sessions.session import TurnRecord, owner_of
+from infer_service.sessions.session import SessionLimits, owner_of
 from infer_service.sessions.store import SessionStore
 
 __all__ = ["Engine", "EngineSnapshot"]
@@ -89,6 +92,8 @@ class Engine:
         tenant_limits: TenantLimits = TenantLimits(),
         fair: bool = True,
         draft_model: DraftModel | None = None,
+        session_limits: SessionLimits = SessionLimits(),
+        on_death: Callable[[BaseException], None] = lambda error: None,
     ):
         self.runtime = runtime
         self.slots = [Slot(seq) for seq in range(runtime.num_slots)]
@@ -108,16 +113,19 @@ class Engine:
             slots=self.slots,
         )
         self.sessions = SessionManager(
-            self.executor, self.slots, store, self.stats, call=self.call, notify=self._notify
-        )
+            self.executor, self.slots, store, self.stats, call=self.call,
+            notify=self._notify, limits=session_limits,
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.slots, self.sessions, self.executor.host_sequences, self._wake,
             max_queue=max_queue, tenant_limits=tenant_limits, fair=fair,
             pooled=self.executor.pooled_cells, own_cells=self.executor.own_cells,
         )  # fmt: skip
+        self.outputs = OutputProcessor(self.executor, self.sessions, self.stats, runtime)
         self.cache = self.executor.cache
         self.host_sequences = self.executor.host_sequences
-        self.on_death: Callable[[BaseException], None] = lambda error: None
+        self._on_death = on_death  # (the process is told: it stops serving)
+        self._plan: StepPlan | None = None  # the step's, while the executor carries it out
 
     def start(self) -> None:
         self._thread.start()
@@ -131,6 +139,7 @@ class Engine:
             self._wake.notify()
         if self._thread.is_alive() or self._thread.ident is not None:
             self._thread.join()
+        self.outputs.close()
         self.executor.close()
         self.sessions.close()
 
@@ -302,22 +311,29 @@ class Engine:
                 self.died = e
             log.critical("the engine thread died", exc_info=e)
             gone = Problem(ErrorKind.UNAVAILABLE, f"the engine died: {e!r}", Reason.ENGINE_DIED)
-            self._end_everything(gone)
-            self.on_death(e)
+            self._finish_everything(gone)
+            self._on_death(e)
 
-    def _end_everything(self, why: Problem) -> None:
+    def _finish_everything(self, why: Problem) -> None:
         """Every active, queued and pending caller gets `why`; nothing waits forever."""
+        self.outputs.drain()  # (what they were told so far goes first)
+        plan, self._plan = self._plan, None
+        for job, event in plan.dropped if plan is not None else ():
+            post_best_effort(job, [event])
+        for choice in plan.starts if plan is not None else ():
+            if choice.slot.job is not choice.job:  # (out of the queue, not yet in its slot)
+                post_best_effort(choice.job, [Rejected(why)])
         for slot in self.slots:
             if slot.job:
                 job, slot.job = slot.job, None
-                emit_best_effort(
-                    job.emit, Finished(FinishReason.CANCELLED, error=why.message, problem=why)
+                post_best_effort(
+                    job, [Finished(FinishReason.CANCELLED, error=why.message, problem=why)]
                 )
         waiting = self.scheduler.take_all()
         with self._wake:
             calls, self._calls = list(self._calls), deque()
         for job in waiting:
-            emit_best_effort(job.emit, Rejected(why))
+            post_best_effort(job, [Rejected(why)])
         for _, future in calls:
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineStoppedError(why))
@@ -341,21 +357,7 @@ class Engine:
                 self._calls.clear()
             for fn, future in calls:  # (one whose caller went away is skipped, never run late)
                 run_unless_cancelled(future, fn)
-            ended = False
-            try:
-                self._admit_waiting()
-                self._end_expired()
-                # (a wake-up for calls or the sessions' periodic work alone steps nothing)
-                if self.executor.encoding or any(s.job for s in self.slots):
-                    outcome = self.executor.step(self.slots)
-                    ended = bool(outcome.endings)
-                    self._apply(outcome)
-            except Exception as e:  # a bug: fail the active jobs, keep serving
-                log.exception("engine step failed")
-                self._apply(self.executor.take_outcome())  # what it ended before it failed
-                for slot in self.slots:
-                    if slot.job:
-                        self._finish(slot, FinishReason.ERROR, error=f"internal error: {e}")
+            ended = self._step()
             now = time.monotonic()
             # looked at again when a turn (or a session call) may have made one idle, or one
             # is due: not on every token's step
@@ -366,9 +368,25 @@ class Engine:
                     log.exception("the sessions' periodic work failed")
                     wait = None
                 idle_at = None if wait is None else now + wait
-        self._end_everything(
+        self._finish_everything(
             Problem(ErrorKind.UNAVAILABLE, "server shutting down", Reason.SHUTTING_DOWN)
         )
+
+    def _step(self) -> bool:
+        """One step, in three calls (a wake-up for calls or the sessions' periodic work alone
+        decodes nothing); whether it finished a request."""
+        plan = self._plan = self.scheduler.schedule(time.monotonic())
+        busy = self.executor.encoding or any(s.job for s in self.slots)
+        if not (busy or plan.starts or plan.overdue or plan.dropped):
+            return False
+        try:
+            outcome = self.executor.execute(plan)
+        except Exception as e:  # a bug: the active requests fail, the engine goes on
+            log.exception("engine step failed")
+            outcome = self.executor.fail_all(e, plan)
+        self._plan = None  # (its jobs are in the outcome, or in their slots)
+        self.outputs.process(outcome)
+        return bool(outcome.endings or outcome.dropped)
 
     def _has_work(self) -> bool:
         runnable = any(
@@ -378,140 +396,6 @@ class Engine:
             for s in self.slots
         )
         return runnable or self.scheduler.has_startable()
-
-    def _admit_waiting(self) -> None:
-        for job in self.scheduler.take_expired(time.monotonic()):
-            self.sessions.end_turn(job, completed=False)
-            deadline = not job.cancelled.is_set()
-            why = f"{'deadline exceeded' if deadline else 'cancelled'} while queued"
-            job.emit(Finished(FinishReason.CANCELLED, error=why, problem=cancelled(deadline, why)))
-            job.release()
-        for slot, job in self.scheduler.startable():
-            try:
-                self._start(slot, job)
-            except ProblemError as e:
-                slot.job = None
-                self._reject(job, e.problem)
-            except Exception as e:  # a bug: the request fails, the engine goes on
-                log.exception("starting a request failed")
-                slot.job = None
-                self._reject(job, Problem(ErrorKind.INTERNAL, f"internal error: {e}"))
-
-    def _start(self, slot: Slot, job: Job) -> None:
-        tenant = self.stats.tenant(job.tenant)
-        tenant.num_requests += 1
-        tenant.queue_wait_seconds += time.monotonic() - job.submitted
-        if slot.owner is not None and slot.owner != job.session_id:
-            self.sessions.swap_out(slot)
-        if job.session_id is not None:
-            ledger, start, reprefill = self.sessions.enter(slot, job)
-        else:
-            ledger, start, reprefill = self.executor.enter(slot, job), 0, None
-        try:
-            self.executor.start(slot, job, ledger, start, reprefill=reprefill)
-        except ProblemError:
-            if reprefill is not None:  # its sequence lacks what its ledger says: never saved
-                self.sessions.swap_out(slot, save=False)  # its next turn re-prefills it
-            raise
-
-    def _reject(self, job: Job, why: Problem) -> None:
-        self.sessions.end_turn(job, completed=False)
-        job.emit(Rejected(why))
-        job.release()
-
-    def _end_expired(self) -> None:
-        now = time.monotonic()
-        for slot in self.slots:
-            job = slot.job
-            if job is None or not job.expired(now):
-                continue
-            deadline = not job.cancelled.is_set()
-            why = "deadline exceeded" if deadline else "cancelled by the client"
-            self._finish(slot, FinishReason.CANCELLED, error=why, problem=cancelled(deadline, why))
-
-    def _apply(self, outcome: StepOutcome) -> None:
-        """What a step did, told: its events to their callers, in order, shifts to their
-        sessions, first tokens to the metrics, and every request it ended to its caller (each
-        on its own: one failing is not another's)."""
-        for job, event in outcome.events:
-            emit_best_effort(job.emit, event)
-        for slot in outcome.shifted:
-            try:
-                self.sessions.on_shift(slot)
-            except Exception:  # a count of shifts, never a request's end
-                log.exception("counting a shift failed")
-        for seconds in outcome.first_tokens:
-            self.stats.time_to_first_token.observe(seconds)
-        for ending in outcome.endings:
-            self._settle_safely(ending)
-        if outcome.pool_wanted:
-            try:
-                self.sessions.make_room(outcome.pool_wanted)
-            except Exception:  # (the prompt waits on, and asks again next step)
-                log.exception("swapping idle sessions out of the pool failed")
-
-    def _finish(self, slot: Slot, reason: FinishReason, **why: Any) -> None:
-        ending = self.executor.ending(slot, reason, **why)
-        self._apply(self.executor.take_outcome())  # (its last tokens go before its end)
-        self._settle_safely(ending)
-
-    def _settle_safely(self, ending: Ending) -> None:
-        try:
-            self._settle(ending)
-        except Exception as e:  # a bug: this request hears it, the others go on
-            log.exception("ending a request failed")
-            why = Problem(ErrorKind.INTERNAL, f"internal error: {e}")
-            emit_best_effort(
-                ending.job.emit, Finished(FinishReason.ERROR, error=why.message, problem=why)
-            )
-
-    def _settle(self, ending: Ending) -> None:
-        """Tell an ended request's caller, after its session took the turn in (or rolled it
-        back); a completed session turn says whether it is on disk."""
-        job, reason, usage, error = ending.job, ending.reason, ending.usage, ending.error
-        stop_string, problem = ending.stop_string, ending.problem
-        if reason is FinishReason.ERROR and problem is None:
-            problem = Problem(ErrorKind.INTERNAL, error or "internal error")
-        self.stats.tenant(job.tenant).num_generated_tokens += usage.num_generated_tokens
-        completed = reason.completed
-        record = None
-        if completed and job.session_id is not None:
-            record = TurnRecord(0, ending.reply, int(reason), asdict(usage), job.note, time.time())
-        saved = self.sessions.end_turn(job, completed=completed, record=record)
-        # the slot is free before the client hears about it: its next request finds it so
-        finished = Finished(reason, usage, stop_string=stop_string, error=error, problem=problem)
-        if saved is None:
-            if completed and job.session_id is not None:
-                finished = replace(finished, persistence=Persistence.MEMORY)
-            job.emit(finished)
-            return
-
-        def report(write: Future[None]) -> None:  # a finished turn is on disk when it says so
-            e = CancelledError() if write.cancelled() else write.exception()
-            if e is None:
-                job.emit(replace(finished, persistence=Persistence.SAVED))
-                return
-            why = (
-                e.problem
-                if isinstance(e, ProblemError)
-                else storage_problem(
-                    e if isinstance(e, OSError) else OSError(str(e)), "the turn was not saved"
-                )
-            )
-            why = replace(why, reason=Reason.SESSION_NOT_SAVED, metadata=(
-                *why.metadata, ("session_id", job.session_id or ""),
-                ("storage", why.reason.value),
-            ))  # fmt: skip
-            job.emit(
-                replace(
-                    finished,
-                    persistence=Persistence.NOT_SAVED,
-                    error=f"{why.message} (the session goes on in memory)",
-                    problem=why,
-                )
-            )
-
-        saved.add_done_callback(report)
 
 
 def _segments_covering(segments: Sequence[Segment], num_cells: int) -> int:
@@ -528,11 +412,3 @@ def _owner(key: object) -> str:
     """The tenant of a shared prefix's key (the executor keys prefixes by `Job.reuse_key`)."""
     whose: ReuseKey = key  # type: ignore[assignment]
     return whose[0]
-
-
-def emit_best_effort(emit: Callable[[Event], None], event: Event) -> None:
-    """Tell a caller that may already be gone (its loop closed): that must not stop us."""
-    try:
-        emit(event)
-    except Exception:
-        log.debug("a caller could not be told %r", event, exc_info=True)

@@ -11,13 +11,24 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence, Set
+from dataclasses import dataclass, replace
 
-from infer_service.events import ErrorKind, Problem, QueueFullError, Reason
+from infer_service.events import (
+    ErrorKind,
+    Finished,
+    FinishReason,
+    Problem,
+    ProblemError,
+    QueueFullError,
+    Reason,
+    Rejected,
+    cancelled,
+)
 from infer_service.kv.host_cache import HostSequenceCache, reuse_of
 from infer_service.kv.ledger import Item, Ledger
 from infer_service.runner.job import Job
+from infer_service.runner.plan import SlotChoice, StepPlan
 from infer_service.runner.slot import Slot
 from infer_service.sessions.manager import SessionManager
 
@@ -167,7 +178,73 @@ class Scheduler:
         depth = max((len(q) for q in queues), default=0)
         return [q[i] for i in range(depth) for q in queues if i < len(q)]
 
-    def take_expired(self, now: float) -> list[Job]:
+    def schedule(self, now: float) -> StepPlan:
+        """The step's plan: the requests that end before it (cancelled, past their deadline)
+        and the waiting jobs that start in it, each with its slot (a session's turn entered
+        there by the session manager)."""
+        plan = StepPlan()
+        if not self._num_waiting:  # (a job put in now is planned next step: it wakes the loop)
+            self._overdue(plan, now)
+            return plan
+        for job in self._take_expired(now):
+            deadline = not job.cancelled.is_set()
+            why = f"{'deadline exceeded' if deadline else 'cancelled'} while queued"
+            gone = Finished(FinishReason.CANCELLED, error=why, problem=cancelled(deadline, why))
+            plan.dropped.append((job, gone))
+        self._overdue(plan, now)
+        self._choose_starts(plan)
+        return plan
+
+    def _overdue(self, plan: StepPlan, now: float) -> None:
+        for slot in self.slots:
+            if slot.job is not None and slot.job.expired(now):
+                deadline = not slot.job.cancelled.is_set()
+                why = "deadline exceeded" if deadline else "cancelled by the client"
+                plan.overdue.append((slot, cancelled(deadline, why)))
+
+    def _choose_starts(self, plan: StepPlan) -> None:
+        """Round robin across tenants, each tenant's jobs in their order; each slot chosen
+        after the previous job took its own."""
+        taken: set[int] = set()
+        while True:
+            with self._lock:
+                waiting = self._order()
+            for job in waiting:
+                if not self._may_run(job.tenant, plan.starts):
+                    continue
+                choice = self._choose(job, taken)
+                if choice is None:
+                    continue
+                with self._lock:
+                    self._remove(job)
+                    if job.tenant in self._rotation:  # served: the others come first now
+                        self._rotation.remove(job.tenant)
+                        self._rotation.append(job.tenant)
+                if job.session_id is not None:
+                    try:
+                        choice = replace(choice, entry=self.sessions.enter(choice.slot, job))
+                    except ProblemError as e:
+                        plan.dropped.append((job, Rejected(e.problem)))
+                        break
+                taken.add(choice.slot.seq)
+                plan.starts.append(choice)
+                break  # the order changed: look again
+            else:
+                return
+
+    def _choose(self, job: Job, taken: set[int]) -> SlotChoice | None:
+        """Its slot, if it may start now (a session's turn: once its saved state is read)."""
+        slot, resume = self.choose_slot(job, taken)
+        if slot is None:
+            return None
+        free = self.num_free_slots - len(taken)
+        if job.session_id is not None and not self.sessions.ready(job, free):
+            return None
+        if slot.owner is not None and slot.owner != job.session_id:
+            self.sessions.swap_out(slot)  # an idle session's slot: it leaves it
+        return SlotChoice(slot, job, resume=resume)
+
+    def _take_expired(self, now: float) -> list[Job]:
         """The waiting jobs cancelled or past their deadline, out of the queue."""
         with self._lock:
             gone = [job for q in self._queues.values() for job in q if job.expired(now)]
@@ -189,71 +266,65 @@ class Scheduler:
         if free == 0 or not self._num_waiting:
             return False
         return any(
-            self._may_run(j.tenant) and not self.sessions.waits_for_read(j, free)
+            self._may_run(j.tenant)
+            and (j.session_id is None or not self.sessions.waits_for_read(j, free))
             for q in self._queues.values()
             for j in q
         )
 
-    def _may_run(self, tenant: str) -> bool:
+    def _may_run(self, tenant: str, starting: Sequence[SlotChoice] = ()) -> bool:
         limit = self.tenant_limits.max_active
-        return not limit or sum(1 for s in self.slots if s.job and s.job.tenant == tenant) < limit
+        if not limit:
+            return True
+        running = sum(1 for s in self.slots if s.job and s.job.tenant == tenant)
+        return running + sum(1 for c in starting if c.job.tenant == tenant) < limit
 
     @property
     def num_free_slots(self) -> int:
         return sum(1 for s in self.slots if s.job is None)
 
-    def startable(self) -> Iterator[tuple[Slot, Job]]:
-        """The jobs to start now, each out of the queue with its slot (chosen after the
-        previous one started): round robin across tenants, each tenant's in its order."""
-        while True:
-            with self._lock:
-                waiting = self._order()
-            for job in waiting:
-                if not self._may_run(job.tenant):
-                    continue
-                slot = self.choose_slot(job)
-                if slot is None or not self.sessions.ready(job, self.num_free_slots):
-                    continue
-                with self._lock:
-                    self._remove(job)
-                    if job.tenant in self._rotation:  # served: the others come first now
-                        self._rotation.remove(job.tenant)
-                        self._rotation.append(job.tenant)
-                yield slot, job
-                break  # the order changed: look again
-            else:
-                return
-
-    def choose_slot(self, job: Job) -> Slot | None:
-        free = [s for s in self.slots if s.job is None]
+    def choose_slot(
+        self, job: Job, taken: Set[int] = frozenset()
+    ) -> tuple[Slot | None, int | None]:
+        """The slot a job starts in (None: none now), and the host sequence it resumes there
+        (stateless: a conversation that lost its slot, when it brings more than the slot
+        holds). `taken`: slots this step's plan gave to jobs before it."""
+        free = [s for s in self.slots if s.job is None and s.seq not in taken]
         if not free:
-            return None
+            return None, None
         if job.session_id is not None:
             own = self.sessions.slot_of(job.session_id)
             if own is not None:
-                return self.slots[own]  # its own slot, never used by others while owned
+                # its own slot, never used by others while owned
+                return (self.slots[own] if own not in taken else None), None
         unowned = [s for s in free if s.owner is None]
-        if unowned and job.session_id is None:  # (Executor.start matches the chosen one again)
-            job.resume = None
-            pooled = self.pooled(job)  # (the pool's shared prefix: any slot starts with it)
-
-            def worth(slot: Slot) -> int:
-                own = reused_cells(slot.ledger, job.items) if slot.reuse_key == job.reuse_key else 0
-                return own if not pooled or own >= pooled + OVER_POOL else pooled
-
-            reuse = {s.seq: worth(s) for s in unowned}
-            # the most reuse; on a tie, the slot whose content is worth least
-            best = max(unowned, key=lambda s: (reuse[s.seq], -self.own_cells(s)))
-            cached = self.host_sequences.best(job.items, job.reuse_key)
-            margin = OVER_POOL if pooled else 0
-            if cached is not None and cached[1].num_cells > reuse[best.seq] + margin:
-                job.resume = cached[0]  # a conversation that lost its slot: put it back
-                return min(unowned, key=lambda s: (reuse[s.seq], self.own_cells(s)))
-            return best
+        if unowned and job.session_id is None:
+            return self._stateless_slot(job, unowned)
         if unowned:
-            return min(unowned, key=self.own_cells)
+            return min(unowned, key=self.own_cells), None
         idle = [s for s in free if s.owner is not None]
-        return min(idle, key=lambda s: self.sessions.last_used(s.owner)) if idle else None  # type: ignore[arg-type]
+        if not idle:
+            return None, None
+        return min(idle, key=lambda s: self.sessions.last_used(s.owner or "")), None
+
+    def _stateless_slot(self, job: Job, unowned: list[Slot]) -> tuple[Slot, int | None]:
+        """The unowned slot whose sequence the job reuses most (Executor.start matches it
+        again), or a cached sequence worth more, put back into the slot worth least."""
+        pooled = self.pooled(job)  # (the pool's shared prefix: any slot starts with it)
+
+        def worth(slot: Slot) -> int:
+            own = reused_cells(slot.ledger, job.items) if slot.reuse_key == job.reuse_key else 0
+            return own if not pooled or own >= pooled + OVER_POOL else pooled
+
+        reuse = {s.seq: worth(s) for s in unowned}
+        # the most reuse; on a tie, the slot whose content is worth least
+        best = max(unowned, key=lambda s: (reuse[s.seq], -self.own_cells(s)))
+        cached = self.host_sequences.best(job.items, job.reuse_key)
+        margin = OVER_POOL if pooled else 0
+        if cached is not None and cached[1].num_cells > reuse[best.seq] + margin:
+            # a conversation that lost its slot: put it back
+            return min(unowned, key=lambda s: (reuse[s.seq], self.own_cells(s))), cached[0]
+        return best, None
 
 
 def reused_cells(ledger: Ledger | None, items: Sequence[Item]) -> int:

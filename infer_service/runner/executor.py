@@ -48,8 +48,9 @@ from infer_service.events import (
     Problem,
     ProblemError,
     Reason,
+    Rejected,
     Started,
-    TokenDelta,
+    TokenLogprobs,
     Usage,
     too_long,
 )
@@ -75,13 +76,13 @@ from infer_service.runner.draft_model import DraftModel
 from infer_service.runner.grammar_worker import GrammarTooCostly, GrammarWorker
 from infer_service.runner.job import Job
 from infer_service.runner.media import MediaHandle
+from infer_service.runner.plan import SlotChoice, StepPlan
 from infer_service.runner.reasoning import ThoughtTracker
 from infer_service.runner.runtime import EmbeddingCache, Runtime
 from infer_service.runner.sampling import ConstraintError, GrammarDeadEnd, SlotSampler
 from infer_service.runner.slot import MediaPiece, Slot
 from infer_service.runner.stats import EngineStats
 from infer_service.runner.step_budget import prefill_budget
-from infer_service.runner.text_stream import TextStream
 from infer_service.spec.drafting import NO_TOKEN, Speculation, StepCost
 from slotwise_core import native
 
@@ -93,25 +94,38 @@ WORTH_SHARING = 32  # cells: a pinned prefix smaller than this is decoded by eac
 
 @dataclass
 class Ending:
-    """A request the executor ended: its slot is free, the rest is the engine's to tell."""
+    """A request the executor finished: its slot is free, the rest is the output processor's
+    to tell (infer_service/engine/outputs.py)."""
 
     slot: Slot
     job: Job
     reason: FinishReason
     usage: Usage
-    reply: str  # what a session turn generated, for its record
     error: str = ""
     stop_string: str = ""
     problem: Problem | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """A token the step sampled for a request: its text is the output processor's to make."""
+
+    token: int
+    logprobs: TokenLogprobs | None = None
+    piece: bytes | None = None  # its bytes, when the step read them (a thought tracker's)
+
+
 @dataclass
 class StepOutcome:
-    """What a step (or a start, or an ending) did, for the engine to tell: the events for each
-    request in the order they happened, then the requests it ended."""
+    """What a plan's step did, for the output processor to tell: each request's events and
+    tokens in the order they happened, then the requests it finished."""
 
-    events: list[tuple[Job, Event]] = field(default_factory=list)
+    events: list[tuple[Job, Event | Sampled]] = field(default_factory=list)
     endings: list[Ending] = field(default_factory=list)
+    # jobs that left without a slot, each with its one event (the plan's, and refused starts)
+    dropped: list[tuple[Job, Event]] = field(default_factory=list)
+    # (a session's turn) slots whose sequence lacks what its ledger says: never saved
+    unsaved: list[Slot] = field(default_factory=list)
     shifted: list[Slot] = field(default_factory=list)  # one entry per shift carried out
     first_tokens: list[float] = field(default_factory=list)  # seconds from start (TTFT)
     # (pool) cells a prompt waits for that idle sessions hold: the engine swaps them out
@@ -273,13 +287,13 @@ class Executor:
                 ledger.clone(), self.runtime.state_get(slot.seq), slot.reuse_key
             )
 
-    def enter(self, slot: Slot, job: Job) -> Ledger:
-        """The ledger a stateless request continues: what the slot holds, or a cached
-        sequence put back into it (what the slot held goes to the cache: after the take, so
-        that its put cannot evict the entry being taken). A sequence of another tenant (or
-        salt) is never continued: the slot starts empty."""
-        if job.resume is not None:
-            ledger, state = self.host_sequences.take(job.resume)
+    def enter(self, slot: Slot, job: Job, resume: int | None = None) -> Ledger:
+        """The ledger a stateless request continues: what the slot holds, or the cached
+        sequence `resume` put back into it (what the slot held goes to the cache: after the
+        take, so that its put cannot evict the entry being taken). A sequence of another
+        tenant (or salt) is never continued: the slot starts empty."""
+        if resume is not None:
+            ledger, state = self.host_sequences.take(resume)
             self.stash(slot)
             self.clear(slot)
             slot.ledger = ledger if self.load_state(slot, bytes(state)) else None
@@ -292,7 +306,30 @@ class Executor:
         slot.reuse_key = job.reuse_key
         return slot.ledger
 
-    # -- starting and ending a request --------------------------------------------------------
+    # -- starting and finishing a request -----------------------------------------------------
+
+    def _start_choice(self, choice: SlotChoice) -> None:
+        """A choice of the plan starts; a refusal is its job's alone (it leaves, told why)."""
+        slot, job, entry = choice.slot, choice.job, choice.entry
+        tenant = self.stats.tenant(job.tenant)
+        tenant.num_requests += 1
+        tenant.queue_wait_seconds += time.monotonic() - job.submitted
+        try:
+            if entry is None:
+                ledger, start, reprefill = self.enter(slot, job, choice.resume), 0, None
+            else:
+                ledger, start, reprefill = entry
+            self.start(slot, job, ledger, start, reprefill=reprefill, resumed=choice.resume)
+        except Exception as e:
+            slot.job = None
+            if isinstance(e, ProblemError):
+                why = e.problem
+            else:  # a bug: the request fails, the engine goes on
+                log.exception("starting a request failed")
+                why = Problem(ErrorKind.INTERNAL, f"internal error: {e}")
+            if entry is not None and entry.reprefill is not None:
+                self._outcome.unsaved.append(slot)  # its next turn re-prefills it
+            self._outcome.dropped.append((job, Rejected(why)))
 
     def start(
         self,
@@ -302,12 +339,14 @@ class Executor:
         start: int = 0,
         *,
         reprefill: int | None = None,
+        resumed: int | None = None,
     ) -> None:
         """Reuse what the sequence shares with the job's prompt, admit the rest and make the
         job the slot's. `start`: the segments before it are the session's and stay.
         `reprefill`: the sequence holds only the ledger's segments before this one (a
         checkpoint older than the ledger; 0: its saved state did not load); those the ledger
-        keeps after it are decoded again. A refused prompt raises ProblemError."""
+        keeps after it are decoded again. `resumed`: the host sequence `enter` put back in
+        the slot. A refused prompt raises ProblemError."""
         if job.sampler_spec.constraint is not None and self.grammars.full(job.tenant):
             raise ProblemError(
                 Problem(
@@ -325,7 +364,7 @@ class Executor:
             bad = Problem(ErrorKind.INVALID_ARGUMENT, str(e), Reason.BAD_REQUEST)
             raise ProblemError(bad) from e
         try:
-            self._begin(slot, job, ledger, start, sampler, reprefill=reprefill)
+            self._begin(slot, job, ledger, start, sampler, reprefill=reprefill, resumed=resumed)
         except BaseException:
             if slot.sampler is not sampler:  # (not the slot's yet: nobody else frees it)
                 sampler.close()
@@ -340,12 +379,58 @@ class Executor:
         sampler: SlotSampler,
         *,
         reprefill: int | None,
+        resumed: int | None,
     ) -> None:
         ctx = job.context
         ledger.reconfigure(
             policy=ctx.policy, keep=ctx.keep, discard_fraction=ctx.discard_fraction, unit=ctx.unit
         )
         num_before = sum(seg.num_cells for seg in ledger.segments[:start])
+        reused = self._reuse(slot, job, ledger, start, reprefill, resumed)
+        # (a turn whose session state was decoded again, or cut back before it began, reuses
+        # none of its own)
+        num_reused = max(0, ledger.num_cells - num_before)
+        # a reused M-RoPE image holds more cells than positions: count its positions
+        num_reused_positions = sum(seg.num_positions for seg in ledger.segments[start:])
+        kept, dropped = _admitted(job, ledger, reused.rest, reused.continued)
+        self._occupy(slot, job, ledger, sampler, deque([*reused.restore, *kept]))
+        slot.reply_index = max((i.message_index for i in kept), default=0)
+        prompt, before = [*reused.again_in_turn, *kept], reused.again_before
+        slot.usage = Usage(
+            num_prompt_cells=num_reused
+            + sum(i.num_cells for i in prompt)
+            - sum(i.num_cells for i in before),
+            num_prompt_positions=num_reused_positions
+            + sum(i.num_positions for i in prompt)
+            - sum(i.num_positions for i in before),
+            num_reused_cells=num_reused,
+        )
+        self._record(
+            job,
+            Started(
+                slot=slot.seq,
+                num_prompt_cells=slot.usage.num_prompt_cells,
+                num_prompt_positions=slot.usage.num_prompt_positions,
+                num_capacity_cells=self.runtime.num_cells_per_slot,
+                num_truncated_cells=sum(i.num_cells for i in dropped),
+                num_truncated_chunks=len(dropped),
+                truncated_media_ids=tuple(i.media_id for i in dropped if i.media_id),
+                num_reused_cells=num_reused,
+            ),
+        )
+
+    def _reuse(
+        self,
+        slot: Slot,
+        job: Job,
+        ledger: Ledger,
+        start: int,
+        reprefill: int | None,
+        resumed: int | None,
+    ) -> _Reused:
+        """Cut the sequence back to what the job reuses of it (a session: what it holds; a
+        stateless request: the longer of the continuation and the exact-prefix rule; (pool)
+        the shared prefix of its kind), and say what is left to decode."""
         continued = False
         if job.session_id is not None:  # a session continues what it holds
             si, so, rest = ledger.common_prefix(job.items, start)
@@ -360,7 +445,7 @@ class Executor:
                 reuse.rest,
                 reuse.continued,
             )
-            if ledger.num_cells - reuse.num_cells >= WORTH_KEEPING and job.resume is None:
+            if ledger.num_cells - reuse.num_cells >= WORTH_KEEPING and resumed is None:
                 self.stash(slot)  # what the cut drops may be resumed later
         restore: list[Item] = []
         # (what is decoded again of the turn's own items is still its prompt; what is decoded
@@ -388,36 +473,12 @@ class Executor:
             if shared is not None:
                 rest, continued, restore = list(job.items[shared:]), False, []
             self._pin_shared(slot, ledger)
-        # (a turn whose session state was decoded again, or cut back before it began, reuses
-        # none of its own)
-        num_reused = max(0, ledger.num_cells - num_before)
-        # a reused M-RoPE image holds more cells than positions: count its positions
-        num_reused_positions = sum(seg.num_positions for seg in ledger.segments[start:])
-        admission = ledger.admit(rest, truncate=ctx.truncate_prompt)
-        if isinstance(admission, CannotFit):
-            error: ProblemError | None = ProblemError(too_long(admission))
-        elif admission.kept and admission.kept[-1].media_id:
-            error = ProblemError(
-                Problem(
-                    ErrorKind.INVALID_ARGUMENT,
-                    "the prompt ends with media: add text after it",
-                    Reason.BAD_REQUEST,
-                )
-            )
-        else:
-            error = None
-        if error is not None:
-            raise error
-        assert not isinstance(admission, CannotFit)
-        kept, dropped = admission.kept, admission.dropped
-        if (
-            job.session_id is None
-            and dropped
-            and not continued
-            and len(ledger.segments) == ledger.num_pinned_segments
-        ):
-            ledger.begin_history(dropped)  # truncated now: continued next turn
-        pending = deque([*restore, *kept])
+        return _Reused(rest, continued, restore, again_in_turn, again_before)
+
+    def _occupy(
+        self, slot: Slot, job: Job, ledger: Ledger, sampler: SlotSampler, pending: deque[Item]
+    ) -> None:
+        """The job is the slot's now, its prompt pending."""
         # (a rejected draft cannot be cut out of a recurrent state: no drafts there)
         spec = (
             Speculation(job.speculative, history(ledger.segments, pending), self.step_cost)
@@ -430,8 +491,6 @@ class Executor:
         slot.sampler = sampler
         slot.spec = spec
         slot.thoughts = ThoughtTracker(job.reasoning) if job.reasoning is not None else None
-        slot.reply = []
-        slot.text = TextStream(job.stop)
         slot.num_prefill_total = sum(i.num_cells for i in slot.pending)
         slot.num_prefill_done = 0
         slot.checkpoint_at = (
@@ -440,31 +499,7 @@ class Executor:
             else frozenset()
         )
         slot.prefilling = True
-        slot.reply_index = max((i.message_index for i in kept), default=0)
-        prompt = [*again_in_turn, *kept]
-        slot.usage = Usage(
-            num_prompt_cells=num_reused
-            + sum(i.num_cells for i in prompt)
-            - sum(i.num_cells for i in again_before),
-            num_prompt_positions=num_reused_positions
-            + sum(i.num_positions for i in prompt)
-            - sum(i.num_positions for i in again_before),
-            num_reused_cells=num_reused,
-        )
         slot.t_start = time.perf_counter()
-        self._tell(
-            job,
-            Started(
-                slot=slot.seq,
-                num_prompt_cells=slot.usage.num_prompt_cells,
-                num_prompt_positions=slot.usage.num_prompt_positions,
-                num_capacity_cells=self.runtime.num_cells_per_slot,
-                num_truncated_cells=sum(i.num_cells for i in dropped),
-                num_truncated_chunks=len(dropped),
-                truncated_media_ids=tuple(i.media_id for i in dropped if i.media_id),
-                num_reused_cells=num_reused,
-            ),
-        )
 
     # -- the pool (kv_unified) ----------------------------------------------------------------
 
@@ -651,7 +686,7 @@ class Executor:
             Reason.POOL_FULL,
             retry_after=1.0,
         )
-        self._end(slot, FinishReason.ERROR, error=why.message, problem=why)
+        self._finish(slot, FinishReason.ERROR, error=why.message, problem=why)
         return True
 
     def _victim(self, tenant: str) -> Slot | None:
@@ -745,9 +780,23 @@ class Executor:
                 slot.ledger.truncate(0)
                 slot.pending.extendleft(reversed(items))
 
-    def end(self, slot: Slot, reason: FinishReason) -> Job:
-        """The slot's job leaves it (its last tokens sent). The sequence stays for the next
-        request with the same prefix, unless the job failed without a session."""
+    def finish(
+        self,
+        slot: Slot,
+        reason: FinishReason,
+        *,
+        error: str = "",
+        stop_string: str = "",
+        problem: Problem | None = None,
+    ) -> Ending:
+        """The slot's request is over: it leaves the slot, and this says how. The sequence
+        stays for the next request with the same prefix, unless the request failed without a
+        session."""
+        usage = slot.usage
+        job = self._vacate(slot, reason)
+        return Ending(slot, job, reason, usage, error, stop_string, problem)
+
+    def _vacate(self, slot: Slot, reason: FinishReason) -> Job:
         job = slot.job
         assert job is not None
         self._drop_piece(slot)
@@ -760,7 +809,6 @@ class Executor:
             self._checkpoint(slot, due=True)  # (the end of its reply: the next turn's start)
         if slot.prefilling:
             slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
-        self.send_delta(slot, slot.text.flush() if reason.completed else "")
         if slot.sampler is not None:
             slot.sampler.close()
             slot.sampler = None
@@ -775,26 +823,24 @@ class Executor:
         job.release()
         return job
 
-    def ending(
-        self,
-        slot: Slot,
-        reason: FinishReason,
-        *,
-        error: str = "",
-        stop_string: str = "",
-        problem: Problem | None = None,
-    ) -> Ending:
-        """End the slot's request (as `end`) and say how, for the engine to tell."""
-        usage = slot.usage
-        job = self.end(slot, reason)
-        return Ending(slot, job, reason, usage, "".join(slot.reply), error, stop_string, problem)
+    def _finish(self, slot: Slot, reason: FinishReason, **why: Any) -> None:
+        self._outcome.endings.append(self.finish(slot, reason, **why))
 
-    def _end(self, slot: Slot, reason: FinishReason, **why: Any) -> None:
-        self._outcome.endings.append(self.ending(slot, reason, **why))
+    def stopped(self, slot: Slot, job: Job, num_later: int) -> Ending | None:
+        """The output processor found a stop string in the job's text, `num_later` tokens
+        before the last one the step sampled for it (drafts confirmed after it): those leave
+        its usage, and their cells its sequence (as if it had stopped there); it finishes
+        (STOP), unless the step finished it already (its Ending is in the outcome then)."""
+        if num_later:
+            slot.usage.num_generated_tokens -= num_later
+            slot.usage.num_accepted_tokens -= num_later
+            self.stats.num_generated_tokens -= num_later
+            self._give_back(slot, num_later)
+        return self.finish(slot, FinishReason.STOP) if slot.job is job else None
 
-    def _tell(self, job: Job, event: Event) -> None:
-        """An event for the job's caller, sent by the engine once the step is over (the
-        executor itself tells nobody anything)."""
+    def _record(self, job: Job, event: Event | Sampled) -> None:
+        """An event for the job's caller, told by the output processor once the step is over
+        (the executor itself tells nobody anything)."""
         self._outcome.events.append((job, event))
 
     def take_outcome(self) -> StepOutcome:
@@ -815,8 +861,36 @@ class Executor:
     def encoding(self) -> bool:
         return bool(self._encoding)
 
+    def execute(self, plan: StepPlan) -> StepOutcome:
+        """Carry out a plan: its overdue requests finish, its choices start, and every slot
+        that can goes a step (at most one llama_decode per LoRA set, and media pieces)."""
+        self._outcome.dropped.extend(plan.dropped)
+        for slot, why in plan.overdue:
+            self._finish(slot, FinishReason.CANCELLED, error=why.message, problem=why)
+        for choice in plan.starts:
+            self._start_choice(choice)
+        if self._encoding or any(s.job for s in self.slots):
+            self._step(self.slots)
+        return self.take_outcome()
+
     def step(self, slots: Sequence[Slot]) -> StepOutcome:
+        """A step of these slots alone, no plan (the oracles drive the executor so)."""
         self._step(slots)
+        return self.take_outcome()
+
+    def fail_all(self, e: Exception, plan: StepPlan) -> StepOutcome:
+        """A step that raised (a bug): what it did before, every request in a slot finished,
+        and every job of the plan not yet in its slot refused (INTERNAL); the engine goes on."""
+        why = Problem(ErrorKind.INTERNAL, f"internal error: {e}", Reason.INTERNAL)
+        for slot in self.slots:
+            if slot.job is not None:
+                self._finish(slot, FinishReason.ERROR, error=why.message, problem=why)
+        told = {id(job) for job, _ in self._outcome.dropped}
+        for choice in plan.starts:
+            if id(choice.job) not in told and not any(
+                ending.job is choice.job for ending in self._outcome.endings
+            ):
+                self._outcome.dropped.append((choice.job, Rejected(why)))
         return self.take_outcome()
 
     def _step(self, slots: Sequence[Slot]) -> None:
@@ -844,7 +918,7 @@ class Executor:
                         f"the image could not be decoded: {e}",
                         Reason.MEDIA_FAILED,
                     )
-                    self._end(slot, FinishReason.ERROR, error=failed.message, problem=failed)
+                    self._finish(slot, FinishReason.ERROR, error=failed.message, problem=failed)
         self._decode_text(slots)
         if self._encoding or self._encoded:  # (nothing to look at on a plain text step)
             self._forget_unwanted_media(slots)
@@ -882,6 +956,8 @@ class Executor:
         """Take the finished encodes: embeddings to decode, or the errors of those that
         failed (their requests end alone)."""
         failed: dict[str, BaseException] = {}
+        if not self._encoding:
+            return failed
         for key, future in [(k, f) for k, f in self._encoding.items() if f.done()]:
             del self._encoding[key]
             if future.cancelled():
@@ -1044,7 +1120,7 @@ class Executor:
         rc = self.runtime.decode()
         self._reserved = 0  # (in the ledgers below, or given back by a failed decode)
         self.stats.num_decodes += 1
-        if len({t.slot.seq for t in taken}) > 1:
+        if len(taken) > 1 and len({t.slot.seq for t in taken}) > 1:
             self.stats.num_multi_seq_decodes += 1
         if rc != 0:
             self.stats.num_failed_decodes += 1
@@ -1158,7 +1234,7 @@ class Executor:
         log.error("slot %d: its item failed", slot.seq, exc_info=e)
         why = Problem(ErrorKind.INTERNAL, f"internal error: {e!r}", Reason.INTERNAL)
         if slot.job is not None:
-            self._end(slot, FinishReason.ERROR, error=why.message, problem=why)
+            self._finish(slot, FinishReason.ERROR, error=why.message, problem=why)
 
     def _decode_alone(self, taken: list[Taken]) -> None:
         """Decode each sequence of a failed batch on its own: only those that fail again end."""
@@ -1177,7 +1253,7 @@ class Executor:
                 why = Problem(
                     ErrorKind.INTERNAL, f"llama_decode failed (rc={rc})", Reason.DECODE_FAILED
                 )
-                self._end(slot, FinishReason.ERROR, error=why.message, problem=why)
+                self._finish(slot, FinishReason.ERROR, error=why.message, problem=why)
                 continue
             try:
                 slot.ledger.append(item)
@@ -1234,8 +1310,9 @@ class Executor:
             self.pool.cut(slot.seq, ledger.num_cells)
 
     def _emit_next(self, slot: Slot, index: int) -> int | None:
-        """Sample at `index` and hand the token on (text, stop strings, max_tokens); the
-        token, or None when the request ended."""
+        """Sample at `index`: the token, handed on to the output processor, or None when the
+        request finished here (its end of generation, its grammar's dead end, max_tokens;
+        stop strings are found in its text, by the output processor)."""
         job = slot.job
         assert job is not None and slot.sampler is not None
         thoughts = slot.thoughts
@@ -1253,44 +1330,28 @@ class Executor:
             else:
                 token, logprobs = slot.sampler.sample(index)
         except GrammarDeadEnd:
-            self._end(slot, FinishReason.GRAMMAR)
+            self._finish(slot, FinishReason.GRAMMAR)
             return None
         except GrammarTooCostly as e:
-            self._end(slot, FinishReason.ERROR, error=e.problem.message, problem=e.problem)
+            self._finish(slot, FinishReason.ERROR, error=e.problem.message, problem=e.problem)
             return None
         if self.runtime.is_eog(token):
-            self._end(slot, FinishReason.STOP)
+            self._finish(slot, FinishReason.STOP)
             return None
         slot.usage.num_generated_tokens += 1
         self.stats.num_generated_tokens += 1
-        piece = self.runtime.piece(token)  # (once a token: the thought tracker and the text)
+        piece = None
         if thoughts is not None:  # (a grammar that holds the reply: no thought opens in it)
+            piece = self.runtime.piece(token)  # (read once: the text is made of it too)
             may_open = not slot.sampler.grammar or slot.sampler.awaiting_trigger
             thoughts.accept(token, piece, may_open=may_open)
         if slot.spec is not None:
             slot.spec.took(token)
-        text = slot.text.push(piece)
-        delta = TokenDelta((token,), text, (logprobs,) if logprobs else ())
-        slot.unsent = slot.unsent.merged(delta) if slot.unsent else delta
-        if slot.text.stopped_by is not None:
-            self._end(slot, FinishReason.STOP, stop_string=slot.text.stopped_by)
-            return None
+        self._record(job, Sampled(token, logprobs, piece))
         if slot.usage.num_generated_tokens >= job.max_tokens:
-            self._end(slot, FinishReason.LENGTH)
+            self._finish(slot, FinishReason.LENGTH)
             return None
-        n = len(slot.unsent.token_ids)
-        if n >= job.stream_tokens or slot.usage.num_generated_tokens == 1:
-            self.send_delta(slot)
         return token
-
-    def send_delta(self, slot: Slot, tail: str = "") -> None:
-        delta, slot.unsent = slot.unsent, None
-        if tail:
-            delta = delta.merged(TokenDelta((), tail)) if delta else TokenDelta((), tail)
-        if delta is not None and slot.job is not None:
-            if slot.job.session_id is not None:
-                slot.reply.append(delta.text)
-            self._tell(slot.job, delta)
 
     # -- the ledger's plans -------------------------------------------------------------------
 
@@ -1309,9 +1370,9 @@ class Executor:
                 self._observer.on_cannot_fit(slot, plan, num_cells)
             if slot.prefilling:
                 why = too_long(plan)
-                self._end(slot, FinishReason.ERROR, error=why.message, problem=why)
+                self._finish(slot, FinishReason.ERROR, error=why.message, problem=why)
             else:
-                self._end(slot, FinishReason.LENGTH)
+                self._finish(slot, FinishReason.LENGTH)
             return False
         if isinstance(plan, Shift):
             self.runtime.seq_rm(slot.seq, plan.p0, plan.p1)
@@ -1333,7 +1394,6 @@ class Executor:
         if self._observer is not None:
             self._observer.on_plan(slot)
         self.stats.num_shifts += 1
-        self.send_delta(slot)  # the tokens before the shift go before it
         self.stats.num_evicted_cells += plan.num_cells_evicted
         used = policy_of(plan).value
         self.stats.shifts_by_policy[used] = self.stats.shifts_by_policy.get(used, 0) + 1
@@ -1364,7 +1424,7 @@ class Executor:
                 sequence=ledger.serial,
             )
         )
-        self._tell(slot.job, shift)
+        self._record(slot.job, shift)
         return not isinstance(plan, Reprefill)
 
     def _reprefill(self, slot: Slot, ledger: Ledger, plan: Reprefill) -> Reprefill:
@@ -1390,7 +1450,44 @@ class Executor:
         if not slot.prefilling or slot.job is None:
             return
         slot.num_prefill_done += num_cells
-        self._tell(slot.job, PrefillProgress(slot.num_prefill_done, slot.num_prefill_total))
+        self._record(slot.job, PrefillProgress(slot.num_prefill_done, slot.num_prefill_total))
+
+
+class _Reused(NamedTuple):
+    """What a starting request reuses of its sequence, and what is left to decode."""
+
+    rest: list[Item]  # its items past what the sequence keeps
+    continued: bool  # (stateless) by the continuation rule
+    restore: list[Item]  # decoded again first: what a saved state lacked
+    again_in_turn: list[Item]  # ... of them, the turn's own (still its prompt)
+    again_before: list[Item]  # the session's own items cut back before the turn began
+
+
+def _admitted(
+    job: Job, ledger: Ledger, rest: list[Item], continued: bool
+) -> tuple[Sequence[Item], Sequence[Item]]:
+    """The ledger's admission of the rest: what is decoded, and what truncation dropped
+    (ProblemError: a prompt that can never fit, or that ends with media)."""
+    admission = ledger.admit(rest, truncate=job.context.truncate_prompt)
+    if isinstance(admission, CannotFit):
+        raise ProblemError(too_long(admission))
+    if admission.kept and admission.kept[-1].media_id:
+        raise ProblemError(
+            Problem(
+                ErrorKind.INVALID_ARGUMENT,
+                "the prompt ends with media: add text after it",
+                Reason.BAD_REQUEST,
+            )
+        )
+    kept, dropped = admission.kept, admission.dropped
+    if (
+        job.session_id is None
+        and dropped
+        and not continued
+        and len(ledger.segments) == ledger.num_pinned_segments
+    ):
+        ledger.begin_history(dropped)  # truncated now: continued next turn
+    return kept, dropped
 
 
 def shareable(job: Job) -> Share | None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from infer_service.events import Event
 from infer_service.kv.host_cache import LoraSet, ReuseKey
@@ -19,12 +20,20 @@ from slotwise_core.descriptors import MediaChunk, PreparedPrompt
 from slotwise_core.keys import DEFAULT_TENANT
 
 
+class Mailbox(Protocol):
+    """Where a job's events go: its caller's, on whatever thread posts them (the engine's, once
+    a step; a disk worker's, for a turn's save). It never blocks, and it never fails because
+    its reader is gone."""
+
+    def post(self, events: Sequence[Event]) -> None: ...
+
+
 @dataclass(eq=False)  # a job is itself: the wait queue removes this one, not an equal one
 class Job:
     items: list[Item]
     # media key -> its native chunk; a session's turn reads its session's (which it does not own)
     media: Mapping[str, MediaHandle]
-    emit: Callable[[Event], None]
+    mailbox: Mailbox
     sampling: SamplingConfig = SamplingConfig()
     context: ContextConfig = ContextConfig()
     max_tokens: int = 256
@@ -35,7 +44,6 @@ class Job:
     pixels: dict[str, Pixels] = field(default_factory=dict)
     rgb: dict[str, bytes] = field(default_factory=dict)  # media_id -> pixels (session turns)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    resume: int | None = None  # a HostSequenceCache entry to continue (chosen with the slot)
     constraint: Constraint | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs: int | None = None  # None: no log-probabilities
@@ -89,3 +97,11 @@ def prompt_items(prompt: PreparedPrompt) -> tuple[list[Item], dict[str, Pixels]]
             n = len(c.token_ids)
             items.append(Item(n, n, c.message_index, token_ids=c.token_ids, group=group))
     return items, pixels
+
+
+class KeptEvents(list[Any]):
+    """A mailbox that keeps what it is posted, for callers in the engine's own process (the
+    oracles, the benchmarks that drive the executor)."""
+
+    def post(self, events: Sequence[Any]) -> None:
+        self.extend(events)

@@ -105,6 +105,10 @@ class SamplingConfig:
 class Runtime:
     def __init__(self, config: RuntimeConfig):
         self.config = config
+        # a token's bytes and whether it ends generation, as the vocabulary says (it never
+        # changes): read from llama.cpp once a token, not on every step
+        self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
         self.fingerprint: Fingerprint = model_files.fingerprint(config.model, config.mmproj)
         extra_bufts = config.extra_bufts
         if extra_bufts is None:
@@ -554,10 +558,16 @@ class Runtime:
         llama_cpp.llama_sampler_free(sampler)
 
     def is_eog(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+        return eog
 
     def piece(self, token: int) -> bytes:
-        return native.token_piece(self.vocab, token)
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = native.token_piece(self.vocab, token)
+        return piece
 
 
 class TokenBatch:
@@ -592,6 +602,11 @@ class TokenBatch:
         """Append tokens of one sequence at consecutive positions; returns the last index.
         logits_last: the last `num_logits` tokens get logits (a drafted run: each of them)."""
         i, n = self.size, len(tokens)
+        if n == 1:  # (a generating slot's one token, every step: no slices)
+            self.tokens[i], self.pos[i], self.logits[i] = tokens[0], pos, logits_last
+            self._seq_ids[i][0] = seq
+            self.size = self.native.n_tokens = i + 1
+            return i
         self.tokens[i : i + n] = tokens
         self.pos[i : i + n] = np.arange(pos, pos + n)
         self.logits[i : i + n] = 0

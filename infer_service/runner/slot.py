@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from infer_service.events import TokenDelta, Usage
+from infer_service.events import Usage
 from infer_service.kv.host_cache import ReuseKey
 from infer_service.kv.ledger import Item, Ledger
 from infer_service.kv.pool import Share
@@ -15,7 +15,6 @@ from infer_service.kv.view import MAX_SHIFT_MARKS, SequenceRuns, ShiftMark
 from infer_service.runner.job import Job
 from infer_service.runner.reasoning import ThoughtTracker
 from infer_service.runner.sampling import SlotSampler
-from infer_service.runner.text_stream import TextStream
 from infer_service.spec.drafting import Speculation
 
 if TYPE_CHECKING:
@@ -44,9 +43,6 @@ class Slot:
     sampler: SlotSampler | None = None
     spec: Speculation | None = None  # the request's drafting, when it speculates
     thoughts: ThoughtTracker | None = None  # where the reply is in its thoughts (reasoning)
-    reply: list[str] = field(default_factory=list)  # a session turn's text, for its record
-    text: TextStream = field(default_factory=TextStream)
-    unsent: TokenDelta | None = None  # tokens held for the next TokenDelta (stream_tokens > 1)
     piece: MediaPiece | None = None  # a media chunk being decoded, a piece per step
     share: Share | None = None  # (pool) a pinned prefix to hold for others once decoded
     usage: Usage = field(default_factory=Usage)

@@ -55,9 +55,10 @@ from infer_service.events import (
     Reason,
     problem,
 )
-from infer_service.kv.ledger import ContextConfig, Ledger
+from infer_service.kv.ledger import ContextConfig
 from infer_service.runner.executor import Executor
 from infer_service.runner.job import Job
+from infer_service.runner.plan import SessionEntry
 from infer_service.runner.runtime import SamplingConfig
 from infer_service.runner.slot import Slot
 from infer_service.runner.stats import EngineStats
@@ -97,6 +98,7 @@ class SessionManager:
         *,
         call: Call,
         notify: Callable[[], None],
+        limits: SessionLimits = SessionLimits(),
     ):
         self.executor = executor
         self.runtime = executor.runtime
@@ -107,7 +109,7 @@ class SessionManager:
         self.stats = stats
         self.swaps = Swapper(executor, self.persistence, stats, notify)
         self.idle_checkpoint_seconds = IDLE_CHECKPOINT_SECONDS
-        self.limits = SessionLimits()
+        self.limits = limits
         self.clock: Callable[[], float] = time.time  # what a session's age is counted in
         self.sweep_seconds = SWEEP_SECONDS
         self.in_use_seconds = IN_USE_SECONDS
@@ -410,7 +412,7 @@ class SessionManager:
         session = self.table.live(job.session_id) if job.session_id is not None else None
         return self.swaps.waits_for_read(session, num_free_slots)
 
-    def enter(self, slot: Slot, job: Job) -> tuple[Ledger, int, int | None]:
+    def enter(self, slot: Slot, job: Job) -> SessionEntry:
         """The session's turn takes slot: its ledger, the segment where the turn's prompt
         starts, and the segment from which the sequence must be decoded again (None: the
         sequence holds the whole ledger; 0: its state did not load)."""
@@ -433,7 +435,7 @@ class SessionManager:
         session.rgb.update(job.rgb)
         # the session owns the native chunks and pixels now; the turn reads them through it
         job.media, job.rgb = self.swaps.media(session), {}
-        return session.ledger, session.ledger.generated_tail(), reprefill
+        return SessionEntry(session.ledger, session.ledger.generated_tail(), reprefill)
 
     def end_turn(
         self, job: Job, *, completed: bool, record: TurnRecord | None = None
