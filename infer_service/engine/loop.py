@@ -385,8 +385,11 @@ class Engine:
             log.exception("engine step failed")
             outcome = self.executor.fail_all(e, plan)
         self._plan = None  # (its jobs are in the outcome, or in their slots)
-        self.outputs.process(outcome)
-        return bool(outcome.endings or outcome.dropped)
+        try:
+            return self.outputs.process(outcome)
+        except Exception:  # a bug: what it had not told is lost, the engine goes on
+            log.exception("telling what a step did failed")
+            return True
 
     def _has_work(self) -> bool:
         runnable = any(

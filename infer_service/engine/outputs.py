@@ -76,26 +76,30 @@ class OutputProcessor:
         self._thread = threading.Thread(target=self._serve, name="outputs", daemon=True)
         self._thread.start()
 
-    def process(self, outcome: StepOutcome) -> None:
+    def process(self, outcome: StepOutcome) -> bool:
         """(Engine thread) what a step did; a request that met a stop string is finished
-        before this returns."""
+        before this returns. Whether it finished any request."""
         for dropped, why in outcome.dropped:
             self._drop(dropped, why)
         for seconds in outcome.first_tokens:
             self._stats.time_to_first_token.observe(seconds)
-        for ending in outcome.endings:
-            self._count(ending)
         here, there = _Text(), _Text()
         for job, event in outcome.events:
             (here if _stoppable(job) else there).events.append((job, event))
         for ending in outcome.endings:
             (here if _stoppable(ending.job) else there).endings.append(ending)
+        for ending in there.endings:  # (their usage is final: no stop string takes any back)
+            self._count(ending)
         if there.events or there.endings:
             with self._idle:
                 self._pending += 1
             self._work.put(there)
-        self._tell(here)
+        self._shifted(outcome)  # (before a turn that ended with a shift is saved)
+        told = self._tell(here)
+        for ending in told:
+            self._count(ending)
         self._tell_sessions(outcome)
+        return bool(outcome.dropped or there.endings or told)
 
     def drain(self) -> None:
         """(Engine thread) wait until the output thread told all it was given."""
@@ -108,10 +112,7 @@ class OutputProcessor:
 
     def _serve(self) -> None:
         while (text := self._work.get()) is not None:
-            try:
-                self._tell(text)
-            except Exception:  # (a bug: its requests may miss an event; the thread goes on)
-                log.exception("telling a step's text failed")
+            self._tell(text)
             with self._idle:
                 self._pending -= 1
                 self._idle.notify_all()
@@ -120,28 +121,38 @@ class OutputProcessor:
         tenant = self._stats.tenant(ending.job.tenant)
         tenant.num_generated_tokens += ending.usage.num_generated_tokens
 
-    def _tell(self, text: _Text) -> None:
+    def _tell(self, text: _Text) -> list[Ending]:
+        """Tell a step's events and endings (of some of its requests), in order; the endings
+        told, stop strings' included. A failure is the requests' it met, told as theirs."""
         posts: dict[Job, list[Event]] = {}
-        endings = text.endings
+        endings = list(text.endings)
+        try:
+            self._text(text, posts, endings)
+        except Exception:  # (a bug: their endings are told all the same)
+            log.exception("making a step's text failed")
+        for ending in endings:  # (each on its own: one failing is not another's)
+            self._finish_safely(ending, posts.pop(ending.job, []))
+        for job, events in posts.items():
+            if events:
+                post_best_effort(job, events)
+        return endings
+
+    def _text(self, text: _Text, posts: dict[Job, list[Event]], endings: list[Ending]) -> None:
+        """The step's tokens into text and its events into each request's post; a request
+        whose text met a stop string joins `endings`."""
         for i, (job, event) in enumerate(text.events):
             out = posts.get(job)
             if out is None:
                 out = posts[job] = []
             if isinstance(event, Sampled):
                 if self._token(job, event, out):  # its text met a stop string
-                    stopped = self._stopped(job, text.events[i + 1 :], text.endings)
+                    stopped = self._stopped(job, event.at, text.events[i + 1 :], text.endings)
                     if stopped is not None:
-                        self._count(stopped)
-                        endings = [*endings, stopped]
+                        endings.append(stopped)
                 continue
             if isinstance(event, ContextShift) and job in self._replies:
                 self._send(job, self._replies[job], out)  # its tokens before it go first
             out.append(event)
-        for ending in endings:  # (each on its own: one failing is not another's)
-            self._finish_safely(ending, posts.pop(ending.job, []))
-        for job, events in posts.items():
-            if events:
-                post_best_effort(job, events)
 
     def _token(self, job: Job, sampled: Sampled, out: list[Event]) -> bool:
         """A sampled token into its request's text; whether its text met a stop string."""
@@ -162,16 +173,25 @@ class OutputProcessor:
         return False
 
     def _stopped(
-        self, job: Job, later: list[tuple[Job, Event | Sampled]], endings: list[Ending]
+        self, job: Job, at: int, later: list[tuple[Job, Event | Sampled]], endings: list[Ending]
     ) -> Ending | None:
-        """A request whose text met a stop string: the tokens the step sampled for it after
-        the stop (drafts it confirmed) are taken back, and it finishes; None when the step
-        finished it already (its Ending says STOP when it is told)."""
+        """A request whose text met a stop string at the step's token `at` for it: what the
+        step did after it is taken back, and it finishes; None when the step finished it
+        already (its Ending says STOP when it is told)."""
         num_later = sum(1 for j, e in later if j is job and isinstance(e, Sampled))
         slot = next((s for s in self._executor.slots if s.job is job), None)
         if slot is None:
             slot = next((e.slot for e in endings if e.job is job), None)
-        return self._executor.stopped(slot, job, num_later) if slot is not None else None
+        if slot is None:
+            return None
+        try:
+            return self._executor.stopped(slot, job, at, num_later)
+        except Exception as e:  # (a bug, or llama.cpp refused the cut: it ends, failed)
+            log.exception("stopping a request at its stop string failed")
+            if slot.job is not job:
+                return None
+            why = Problem(ErrorKind.INTERNAL, f"internal error: {e!r}", Reason.INTERNAL)
+            return self._executor.finish(slot, FinishReason.ERROR, error=why.message, problem=why)
 
     def _reply(self, job: Job) -> _Reply:
         reply = self._replies.get(job)
@@ -198,11 +218,16 @@ class OutputProcessor:
         post_best_effort(job, [event])
         job.release()
 
-    def _tell_sessions(self, outcome: StepOutcome) -> None:
-        """The sessions hear what the step did to their slots (none of it is a request's)."""
-        try:
-            for slot in outcome.shifted:
+    def _shifted(self, outcome: StepOutcome) -> None:
+        for slot in outcome.shifted:
+            try:
                 self._sessions.on_shift(slot)
+            except Exception:  # a count of shifts, never a request's end
+                log.exception("counting a shift failed")
+
+    def _tell_sessions(self, outcome: StepOutcome) -> None:
+        """The sessions hear what else the step did to their slots (none of it a request's)."""
+        try:
             for slot in outcome.unsaved:  # its sequence lacks what its ledger says
                 self._sessions.swap_out(slot, save=False)  # its next turn re-prefills it
             if outcome.pool_wanted:  # (the prompt waits on, and asks again next step)

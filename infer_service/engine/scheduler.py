@@ -9,6 +9,7 @@ runs on the engine thread.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence, Set
@@ -31,6 +32,8 @@ from infer_service.runner.job import Job
 from infer_service.runner.plan import SlotChoice, StepPlan
 from infer_service.runner.slot import Slot
 from infer_service.sessions.manager import SessionManager
+
+log = logging.getLogger("slotwise.engine")
 
 
 class Reservation:
@@ -205,14 +208,19 @@ class Scheduler:
     def _choose_starts(self, plan: StepPlan) -> None:
         """Round robin across tenants, each tenant's jobs in their order; each slot chosen
         after the previous job took its own."""
-        taken: set[int] = set()
+        taken: set[int] = set()  # slots given in this plan
+        resumed: set[int] = set()  # host sequences promised in this plan
         while True:
             with self._lock:
                 waiting = self._order()
             for job in waiting:
                 if not self._may_run(job.tenant, plan.starts):
                     continue
-                choice = self._choose(job, taken)
+                try:
+                    choice = self._choose(job, taken, resumed)
+                except Exception as e:  # (a bug: this job fails, the engine goes on)
+                    self._drop(plan, job, e)
+                    break
                 if choice is None:
                     continue
                 with self._lock:
@@ -223,18 +231,32 @@ class Scheduler:
                 if job.session_id is not None:
                     try:
                         choice = replace(choice, entry=self.sessions.enter(choice.slot, job))
-                    except ProblemError as e:
-                        plan.dropped.append((job, Rejected(e.problem)))
+                    except Exception as e:
+                        self._drop(plan, job, e, queued=False)
                         break
                 taken.add(choice.slot.seq)
+                if choice.resume is not None:
+                    resumed.add(choice.resume)
                 plan.starts.append(choice)
                 break  # the order changed: look again
             else:
                 return
 
-    def _choose(self, job: Job, taken: set[int]) -> SlotChoice | None:
+    def _drop(self, plan: StepPlan, job: Job, e: Exception, *, queued: bool = True) -> None:
+        """A job whose start failed leaves (told why; a bug is INTERNAL)."""
+        if queued:
+            with self._lock:
+                self._remove(job)
+        if isinstance(e, ProblemError):
+            why = e.problem
+        else:
+            log.exception("choosing a slot for a request failed", exc_info=e)
+            why = Problem(ErrorKind.INTERNAL, f"internal error: {e}")
+        plan.dropped.append((job, Rejected(why)))
+
+    def _choose(self, job: Job, taken: Set[int], resumed: Set[int]) -> SlotChoice | None:
         """Its slot, if it may start now (a session's turn: once its saved state is read)."""
-        slot, resume = self.choose_slot(job, taken)
+        slot, resume = self.choose_slot(job, taken, resumed)
         if slot is None:
             return None
         free = self.num_free_slots - len(taken)
@@ -284,11 +306,12 @@ class Scheduler:
         return sum(1 for s in self.slots if s.job is None)
 
     def choose_slot(
-        self, job: Job, taken: Set[int] = frozenset()
+        self, job: Job, taken: Set[int] = frozenset(), resumed: Set[int] = frozenset()
     ) -> tuple[Slot | None, int | None]:
         """The slot a job starts in (None: none now), and the host sequence it resumes there
         (stateless: a conversation that lost its slot, when it brings more than the slot
-        holds). `taken`: slots this step's plan gave to jobs before it."""
+        holds). `taken`, `resumed`: slots and host sequences this step's plan gave to jobs
+        before it."""
         free = [s for s in self.slots if s.job is None and s.seq not in taken]
         if not free:
             return None, None
@@ -299,7 +322,7 @@ class Scheduler:
                 return (self.slots[own] if own not in taken else None), None
         unowned = [s for s in free if s.owner is None]
         if unowned and job.session_id is None:
-            return self._stateless_slot(job, unowned)
+            return self._stateless_slot(job, unowned, resumed)
         if unowned:
             return min(unowned, key=self.own_cells), None
         idle = [s for s in free if s.owner is not None]
@@ -307,7 +330,9 @@ class Scheduler:
             return None, None
         return min(idle, key=lambda s: self.sessions.last_used(s.owner or "")), None
 
-    def _stateless_slot(self, job: Job, unowned: list[Slot]) -> tuple[Slot, int | None]:
+    def _stateless_slot(
+        self, job: Job, unowned: list[Slot], resumed: Set[int]
+    ) -> tuple[Slot, int | None]:
         """The unowned slot whose sequence the job reuses most (Executor.start matches it
         again), or a cached sequence worth more, put back into the slot worth least."""
         pooled = self.pooled(job)  # (the pool's shared prefix: any slot starts with it)
@@ -319,7 +344,7 @@ class Scheduler:
         reuse = {s.seq: worth(s) for s in unowned}
         # the most reuse; on a tie, the slot whose content is worth least
         best = max(unowned, key=lambda s: (reuse[s.seq], -self.own_cells(s)))
-        cached = self.host_sequences.best(job.items, job.reuse_key)
+        cached = self.host_sequences.best(job.items, job.reuse_key, skip=resumed)
         margin = OVER_POOL if pooled else 0
         if cached is not None and cached[1].num_cells > reuse[best.seq] + margin:
             # a conversation that lost its slot: put it back

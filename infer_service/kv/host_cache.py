@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 from infer_service.kv.ledger import Item, Ledger
@@ -81,6 +81,9 @@ class HostSequenceCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: int) -> bool:
+        return key in self._entries
+
     def put(
         self, ledger: Ledger, state: bytes | bytearray | memoryview, reuse_key: ReuseKey
     ) -> None:
@@ -94,12 +97,14 @@ class HostSequenceCache:
             _, old = self._entries.popitem(last=False)
             self.num_bytes -= old.num_bytes
 
-    def best(self, items: Sequence[Item], reuse_key: ReuseKey) -> tuple[int, Reuse] | None:
+    def best(
+        self, items: Sequence[Item], reuse_key: ReuseKey, skip: Set[int] = frozenset()
+    ) -> tuple[int, Reuse] | None:
         """The entry of this reuse key that holds the most of items (continuing it, or by
-        exact prefix)."""
+        exact prefix); `skip`: entries promised to others already."""
         found: tuple[int, Reuse] | None = None
         for key, entry in self._entries.items():
-            if entry.reuse_key != reuse_key:
+            if entry.reuse_key != reuse_key or key in skip:
                 continue
             reuse = reuse_of(entry.ledger, items)
             if (

@@ -113,6 +113,7 @@ class Sampled:
     token: int
     logprobs: TokenLogprobs | None = None
     piece: bytes | None = None  # its bytes, when the step read them (a thought tracker's)
+    at: int = 0  # its place among the tokens the step sampled for the request (drafts: > 0)
 
 
 @dataclass
@@ -291,8 +292,9 @@ class Executor:
         """The ledger a stateless request continues: what the slot holds, or the cached
         sequence `resume` put back into it (what the slot held goes to the cache: after the
         take, so that its put cannot evict the entry being taken). A sequence of another
-        tenant (or salt) is never continued: the slot starts empty."""
-        if resume is not None:
+        tenant (or salt) is never continued: the slot starts empty. (An entry that left the
+        cache since it was chosen is no error: the slot goes on with what it holds.)"""
+        if resume is not None and resume in self.host_sequences:
             ledger, state = self.host_sequences.take(resume)
             self.stash(slot)
             self.clear(slot)
@@ -826,16 +828,17 @@ class Executor:
     def _finish(self, slot: Slot, reason: FinishReason, **why: Any) -> None:
         self._outcome.endings.append(self.finish(slot, reason, **why))
 
-    def stopped(self, slot: Slot, job: Job, num_later: int) -> Ending | None:
-        """The output processor found a stop string in the job's text, `num_later` tokens
-        before the last one the step sampled for it (drafts confirmed after it): those leave
-        its usage, and their cells its sequence (as if it had stopped there); it finishes
-        (STOP), unless the step finished it already (its Ending is in the outcome then)."""
-        if num_later:
-            slot.usage.num_generated_tokens -= num_later
-            slot.usage.num_accepted_tokens -= num_later
-            self.stats.num_generated_tokens -= num_later
-            self._give_back(slot, num_later)
+    def stopped(self, slot: Slot, job: Job, at: int, num_later: int) -> Ending | None:
+        """The output processor found a stop string in the job's text at the step's token
+        `at` for it, with `num_later` tokens sampled after it: those leave its usage, and the
+        cells of the drafts confirmed after it its sequence (as if it had stopped there); it
+        finishes (STOP), unless the step finished it already (its Ending says so then)."""
+        slot.usage.num_generated_tokens -= num_later
+        self.stats.num_generated_tokens -= num_later
+        confirmed_after = max(0, slot.num_confirmed - at)
+        if confirmed_after:
+            slot.usage.num_accepted_tokens -= confirmed_after
+            self._give_back(slot, confirmed_after)
         return self.finish(slot, FinishReason.STOP) if slot.job is job else None
 
     def _record(self, job: Job, event: Event | Sampled) -> None:
@@ -1278,7 +1281,7 @@ class Executor:
         spec = slot.spec  # (an ending below lets go of it)
         confirmed = 0  # drafts whose sample matched: their cells hold the right input
         for i in range(len(drafts) + 1):
-            token = self._emit_next(slot, index + i)
+            token = self._emit_next(slot, index + i, i)
             if token is None:  # the request ended here (the token that ended it is no input)
                 break
             if i < len(drafts) and token == drafts[i]:
@@ -1289,6 +1292,7 @@ class Executor:
                 Item(1, 1, slot.reply_index, token_ids=(token,), generated=True, thought=thought)
             )
             break
+        slot.num_confirmed = confirmed
         if drafts:
             slot.usage.num_draft_tokens += len(drafts)
             slot.usage.num_accepted_tokens += confirmed
@@ -1309,7 +1313,7 @@ class Executor:
         if self.pool is not None:
             self.pool.cut(slot.seq, ledger.num_cells)
 
-    def _emit_next(self, slot: Slot, index: int) -> int | None:
+    def _emit_next(self, slot: Slot, index: int, at: int = 0) -> int | None:
         """Sample at `index`: the token, handed on to the output processor, or None when the
         request finished here (its end of generation, its grammar's dead end, max_tokens;
         stop strings are found in its text, by the output processor)."""
@@ -1347,7 +1351,7 @@ class Executor:
             thoughts.accept(token, piece, may_open=may_open)
         if slot.spec is not None:
             slot.spec.took(token)
-        self._record(job, Sampled(token, logprobs, piece))
+        self._record(job, Sampled(token, logprobs, piece, at))
         if slot.usage.num_generated_tokens >= job.max_tokens:
             self._finish(slot, FinishReason.LENGTH)
             return None

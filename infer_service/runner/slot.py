@@ -46,6 +46,7 @@ class Slot:
     piece: MediaPiece | None = None  # a media chunk being decoded, a piece per step
     share: Share | None = None  # (pool) a pinned prefix to hold for others once decoded
     usage: Usage = field(default_factory=Usage)
+    num_confirmed: int = 0  # drafts its latest step confirmed (their cells are the sequence's)
     num_prefill_total: int = 0
     num_prefill_done: int = 0
     prefilling: bool = True
