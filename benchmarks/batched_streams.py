@@ -12,12 +12,13 @@ from collections.abc import Callable
 
 from benchmarks.calls import PROMPTS, concurrently, generate, prepare_text, prompt_tokens
 from benchmarks.harness import Bench
-from benchmarks.results import Row, Stream, compared, median, streamed_rate
+from benchmarks.results import Row, Stream, compared, decode_share, median, share_row, streamed_rate
 
 ROW_STREAM4 = "4 streams tok/s: gRPC / raw batched loop"
 ROW_STREAM16 = "16 streams tok/s: gRPC / raw batched loop"
 ROW_GAIN4 = "4 streams / 1 stream (slotwise)"
 ROW_SERVER4 = "4 streams tok/s: slotwise / llama-server"
+ROW_SHARE = "{n} streams: streamed / inside llama_decode"
 
 
 def run(b: Bench) -> None:
@@ -45,10 +46,12 @@ def _streams(b: Bench, n: int, row: str, target: str, server_row: str = "") -> f
         b.llama_server(ctx=n * o.ctx, parallel=n, wanted=bool(server_row)) as server,
     ):
         last: dict[str, list[Stream]] = {}
+        shares: list[float] = []
 
         def ours() -> float:
             fns = [lambda p=p: generate(infer, p, o.tokens) for p in prompts]
             last["ours"] = concurrently(fns)
+            shares.append(decode_share(last["ours"]))
             return streamed_rate(last["ours"])
 
         def ref() -> float:
@@ -65,6 +68,7 @@ def _streams(b: Bench, n: int, row: str, target: str, server_row: str = "") -> f
         counts = "/".join(str(s.num_tokens) for s in last["ours"])
         note = f"aggregate of {n} streams ({counts} tokens), --parallel {n}, ctx {n * o.ctx}"
         b.rows.append(compared(row, res["grpc"], res["raw"], "tok/s", target, note))
+        b.rows.append(share_row(ROW_SHARE.format(n=n), shares[1:]))  # (the warm-up's left out)
         if server:
             b.rows.append(
                 compared(server_row, res["grpc"], res["server"], "tok/s", ">= 1.0", f"-np {n}")

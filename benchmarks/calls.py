@@ -95,6 +95,7 @@ def generate(
         elif kind == "finished":
             s.finish = infer_pb2.FinishReason.Name(r.finished.reason)
             s.decode_seconds = r.finished.usage.decode_seconds
+            s.prefill_seconds = r.finished.usage.prefill_seconds
             s.drafted = r.finished.usage.num_draft_tokens
             s.accepted = r.finished.usage.num_accepted_tokens
             if r.finished.reason == infer_pb2.FINISH_REASON_ERROR:

@@ -16,11 +16,12 @@ from typing import Any
 from benchmarks.calls import PROMPTS, TTFT_PROMPT, generate, prepare_text, prompt_tokens
 from benchmarks.harness import Bench
 from benchmarks.reference import RawContext
-from benchmarks.results import Stream, compared, median, streamed_rate
+from benchmarks.results import Stream, compared, decode_share, median, share_row, streamed_rate
 
 ROW_STREAM1 = "1 stream tok/s: gRPC / raw loop"
 ROW_SERVER1 = "1 stream tok/s: slotwise / llama-server"
 ROW_TTFT = "TTFT ms: gRPC / in-process"
+ROW_SHARE1 = "1 stream: streamed / inside llama_decode"
 
 
 def run(b: Bench) -> None:
@@ -37,9 +38,11 @@ def run(b: Bench) -> None:
     ):
         if "stream1" in o.only:
             last: dict[str, Stream] = {}
+            shares: list[float] = []
 
             def ours() -> float:
                 s = last["ours"] = generate(infer, prompt, o.tokens)
+                shares.append(decode_share([s]))
                 return streamed_rate([s])
 
             def ref() -> float:
@@ -63,6 +66,7 @@ def run(b: Bench) -> None:
                 f"llama_decode (server-side) the last run went at {engine:.1f} tok/s"
             )
             b.rows.append(compared(ROW_STREAM1, res["grpc"], res["raw"], "tok/s", ">= 0.97", note))
+            b.rows.append(share_row(ROW_SHARE1, shares[1:]))  # (the warm-up's left out)
             if server:
                 b.rows.append(compared(ROW_SERVER1, res["grpc"], res["server"], "tok/s", ">= 1.0"))
         if "ttft" in o.only:

@@ -104,6 +104,7 @@ class Stream:
     finish: str = ""
     t_sent: float = 0.0
     decode_seconds: float = 0.0  # server side: time inside llama_decode (slotwise only)
+    prefill_seconds: float = 0.0  # ... and from its start in its slot to its first token
     drafted: int = 0  # speculative: drafts verified
     accepted: int = 0  # ... and accepted
     slot: int = -1  # (slotwise) where it ran
@@ -120,6 +121,28 @@ class Stream:
     @property
     def ttft(self) -> float:
         return self.arrivals[0][0] - self.t_sent
+
+
+def share_row(name: str, shares: Sequence[float]) -> Row:
+    """The median share of repeats (their lowest and highest beside it)."""
+    note = (
+        "server side, same run: the share of the streams' time inside llama_decode (1 - it: "
+        "the engine's own cost per step)"
+    )
+    return Row(name, median(shares), "", None, median(shares), "", note, (min(shares), max(shares)))
+
+
+def decode_share(streams: Sequence[Stream]) -> float:
+    """What of the requests' time (sent to last token, as their reader saw it) the server
+    spent in its slot (its prefill, then llama_decode for its tokens): 1.0 when nothing but
+    llama.cpp stands between the model and the client. Both are of the same run, so a
+    machine whose speed changes from second to second moves them together."""
+    live = [s for s in streams if s.arrivals]
+    inside = max((s.prefill_seconds + s.decode_seconds for s in live), default=0.0)
+    if inside <= 0:
+        raise BenchError("no decode time reported (not a slotwise stream?)")
+    window = max(s.arrivals[-1][0] for s in live) - min(s.t_sent for s in live)
+    return inside / window
 
 
 def streamed_rate(streams: Sequence[Stream]) -> float:

@@ -43,6 +43,9 @@ EXPECTED = [
     batched_streams.ROW_STREAM4,
     batched_streams.ROW_GAIN4,
     batched_streams.ROW_STREAM16,
+    one_stream.ROW_SHARE1,
+    batched_streams.ROW_SHARE.format(n=4),
+    batched_streams.ROW_SHARE.format(n=16),
     *context_shift.ROW_SHIFT.values(),
     prepare.ROW_COUNT,
     prepare.ROW_PREPARE,
@@ -106,6 +109,8 @@ def test_bench_smoke_on_tiny_rope(
     # the hybrid chat: checkpoints spare most of the prompts (counts: the same on any machine),
     # and it goes on past the slot where no checkpoints would stop it
     assert rows[hybrid.ROW_DECODED]["ratio"] < 0.5, rows[hybrid.ROW_DECODED]["note"]
+    # llama_decode takes a share of a stream's time, never more than the whole of it
+    assert 0 < rows[one_stream.ROW_SHARE1]["ratio"] <= 1.0
     assert rows[hybrid.ROW_TURNS]["ours"] == 6 and rows[hybrid.ROW_TURNS]["ratio"] > 1
     assert hybrid.ROW_TURNS_SERVER not in rows
     # the image travels once, as its file

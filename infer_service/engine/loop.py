@@ -62,7 +62,7 @@ log = logging.getLogger("slotwise.engine")
 T = TypeVar("T")
 
 _CHECKPOINT_WAIT = 30.0  # seconds a stopping engine waits for its sessions' checkpoints
-_ENCODE_POLL = 0.05  # seconds: how often a slot waiting for its image checks its deadline
+_WAITING_POLL = 0.05  # seconds: how often a waiting request's deadline is looked at
 
 
 @dataclass(frozen=True)
@@ -344,8 +344,10 @@ class Engine:
         while True:
             with self._wake:
                 while not (self._stopping or self._calls or self._has_work()):
-                    if self.executor.encoding:  # a slot waiting for its image may be cancelled
-                        self._wake.wait(_ENCODE_POLL)
+                    if self.executor.encoding or any(s.job for s in self.slots):
+                        # a request waiting (for its image, for room in the pool) may be
+                        # cancelled or pass its deadline, which wakes nobody
+                        self._wake.wait(_WAITING_POLL)
                         break
                     if idle_at is not None:
                         self._wake.wait(max(0.0, idle_at - time.monotonic()))
