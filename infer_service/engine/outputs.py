@@ -59,8 +59,9 @@ class _Reply:
 
 
 class OutputProcessor:
-    """Runs on the engine thread, after each step and before the next is planned: a request
-    that met a stop string is out of its slot before the next decode."""
+    """`process` runs on the engine thread, after each step and before the next is planned (a
+    request that met a stop string is out of its slot before the next decode); the text of
+    the others is told from the output thread, in the order of the steps."""
 
     def __init__(
         self, executor: Executor, sessions: SessionManager, stats: EngineStats, runtime: Runtime
