@@ -46,6 +46,9 @@ from infer_service.sessions.session import TurnRecord
 
 log = logging.getLogger("slotwise.engine")
 
+# steps whose text the output thread may have yet to tell before the engine waits for it
+MAX_STEPS_BEHIND = 4
+
 
 @dataclass(eq=False)
 class _Reply:
@@ -92,7 +95,8 @@ class OutputProcessor:
         for ending in there.endings:  # (their usage is final: no stop string takes any back)
             self._count(ending)
         if there.events or there.endings:
-            with self._idle:
+            with self._idle:  # (a thread that falls behind holds the engine, not memory)
+                self._idle.wait_for(lambda: self._pending < MAX_STEPS_BEHIND)
                 self._pending += 1
             self._work.put(there)
         self._shifted(outcome)  # (before a turn that ended with a shift is saved)
