@@ -254,6 +254,7 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
         grammar_ms=s["max_grammar_ms"],
         ctx_checkpoints=max(0, s["ctx_checkpoints"]),
         checkpoint_min_step=s["checkpoint_min_step"],
+        spec_rollback=max(0, s["spec_rollback"]),
         cache_types=CacheTypes(s["cache_type_k"], s["cache_type_v"], s["flash_attn"]),
         lora=lora_in_order(s["lora"], s["lora_scaled"]),
         lora_init_without_apply=s["lora_init_without_apply"],

@@ -134,6 +134,11 @@ OPTIONS = (
            help="tokens drafted from one match at most"),
     option("--spec-ngram-min-hits", type=positive_int, default=_spec.min_hits,
            help="ngram-map-k: occurrences of the n-gram before it drafts"),
+    option("--spec-rollback", type=int, default=_d.spec_rollback,
+           help="hybrid models (Qwen3.5, LFM2): the recurrent state keeps a snapshot per token "
+           "for this many of the last tokens a step decodes, so that many rejected drafts roll "
+           "back in place (llama.cpp's n_rs_seq: memory for as many states per slot); a longer "
+           "draft is verified from a checkpoint of the state, taken before its step"),
     option("--max-grammar-ms", type=positive_int, default=_d.grammar_ms,
            help="the most one token's grammar work may take on the engine thread; a request "
            "whose grammar takes longer ends (RESOURCE_EXHAUSTED GRAMMAR_TOO_COSTLY)"),

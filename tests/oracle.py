@@ -28,13 +28,15 @@ sequence that llama.cpp cannot cut back) runs the same scripts, plus regeneratio
 (re-sends that part from the sequence inside the last reply, at the prompt's end, or earlier),
 each run keeping 0..4 checkpoints of the recurrent state (``checkpoint_min_step`` small, per
 shape). Every eviction resolves to a Reprefill (from the pinned prefix's checkpoint, or 0),
-drafts are asked for and never made, and in addition:
+rejected drafts roll back in place (llama.cpp's per-token snapshots, ``spec_rollback`` per
+shape) or from a checkpoint taken before their step, and in addition:
 
 - the attention cells are read out of the first part of the hybrid state, and the recurrent
   cell of the second (its bytes are the sequence's checkpoint): one when the ledger holds
   cells, at the position of the ledger's last cell;
 - at every request's first token (so after every reuse: a request that starts on a sequence
-  holding cells, and every checkpoint restore) and the first after every Reprefill, the logits
+  holding cells, and every checkpoint restore), the first after every Reprefill and the first
+  after every step that rejected drafts, the logits
   the engine samples from equal a fresh prefill's of the ledger's segments on a runtime of its
   own (``FreshPrefill``), within ``FRESH_TOLERANCE``: what proves the recurrent state right,
   which the cells cannot show. These runtimes keep f32 K/V cells without flash attention
@@ -118,6 +120,7 @@ from infer_service.kv.ledger import (
     Reprefill,
     Segment,
     Shift,
+    text_like,
 )
 from infer_service.runner.executor import Ending, Executor, Sampled, media_cache_key
 from infer_service.runner.job import Job
@@ -172,6 +175,9 @@ class ContextShape:
     # (recurrent memory) RuntimeConfig.checkpoint_min_step: small, so that long prompts are
     # checkpointed on the way too (the checkpoints a run keeps, 0..4, are its spec's)
     checkpoint_min_step: int = 8192
+    # (hybrid memory) RuntimeConfig.spec_rollback: rejected drafts rolled back in place up to
+    # this many, past it from a checkpoint taken before the step (0: always from one)
+    spec_rollback: int = 0
 
 
 # Tight contexts (n_ctx is padded to multiples of 256 per sequence: these are exact). Small
@@ -189,14 +195,14 @@ SHAPES: dict[str, tuple[ContextShape, ...]] = {
     # hybrid memory: attention cells beside a recurrent state (qwen35: IMROPE, images of fewer
     # positions than cells, no shift; lfm2: 64-cell LLaVA images, can shift)
     "qwen35": (
-        ContextShape(256, 256, 256, checkpoint_min_step=24),
+        ContextShape(256, 256, 256, checkpoint_min_step=24, spec_rollback=4),
         ContextShape(512, 512, 96, checkpoint_min_step=64),
-        ContextShape(256, 64, 32, checkpoint_min_step=16),
+        ContextShape(256, 64, 32, checkpoint_min_step=16, spec_rollback=16),
     ),
     "lfm2": (
         ContextShape(256, 256, 256, checkpoint_min_step=32),
-        ContextShape(512, 128, 128, checkpoint_min_step=16),
-        ContextShape(256, 48, 32, checkpoint_min_step=48),
+        ContextShape(512, 128, 128, checkpoint_min_step=16, spec_rollback=2),
+        ContextShape(256, 48, 32, checkpoint_min_step=48, spec_rollback=8),
     ),
     # 2026 families: qwen3vl (IMROPE: images of fewer positions than cells, up to 196 cells,
     # no shift); gemma4 (a 512-token sliding window beside full attention, can shift; images
@@ -262,6 +268,7 @@ def _runtime(pair: TinyPair, shape: ContextShape, lanes: int, threads: int) -> R
             encode_threads=threads,
             ctx_checkpoints=MAX_CHECKPOINTS,  # (each ledger keeps its run's number of them)
             checkpoint_min_step=shape.checkpoint_min_step,
+            spec_rollback=shape.spec_rollback,
         )
     )
 
@@ -644,7 +651,7 @@ def make_spec(pair: str, seed: int) -> RunSpec:
         spec = SpecConfig(kind, n_max=r.randint(1, 16), size_n=r.randint(1, 4), size_m=48)
     # sampled text repeats itself less: drafts that miss, their cells given back
     temperature = 1.0 if spec.enabled and r.random() < 0.5 else 0.0
-    # (drawn last too; on recurrent memory the spec's drafts are asked for and never made)
+    # (drawn last too)
     checkpoints = r.randint(0, MAX_CHECKPOINTS) if pair in HYBRID else 0
     thoughts = _thoughts(r) if r.random() < 0.4 else None  # (drawn last too)
     return RunSpec(
@@ -782,6 +789,18 @@ class FreshPrefill:
         return np.ctypeslib.as_array(ptr, shape=(rt.num_vocab,)).copy()
 
 
+def prefix_to(segments: Sequence[Segment], pos: int) -> list[Segment]:
+    """The segments up to the text token at position `pos`, that one included."""
+    out: list[Segment] = []
+    for seg in segments:
+        if seg.pos_start > pos:
+            break
+        if not seg.is_media and seg.pos_start + seg.num_cells > pos + 1:
+            seg = replace(seg, item=text_like(seg.item, seg.token_ids[: pos - seg.pos_start + 1]))
+        out.append(seg)
+    return out
+
+
 def compare_logits(engine: np.ndarray, fresh: np.ndarray) -> tuple[float, str | None]:
     """(max abs difference, why they disagree or None)."""
     diff = float(np.abs(engine - fresh).max())
@@ -840,6 +859,7 @@ class _Run:
         # (recurrent memory) why its next sample is compared with a fresh prefill: "start" (a
         # request's first token), "reuse", "restore" (a checkpoint loaded), "reprefill"
         self.fresh_due: set[str] = set()
+        self.rejected = 0  # drafts the job running now had rejected so far
         self.max_logit_diff = 0.0
         self.t0 = time.perf_counter()
 
@@ -1115,8 +1135,6 @@ class Oracle:
                 run.counts["decoded_from_0"] += 1  # (no checkpoint before where it parts)
             if spec.spec.enabled:
                 run.counts["drafts_asked"] += 1
-                if run.slot.spec is not None:
-                    raise OracleError("drafts on recurrent memory (they cannot be taken back)")
         self._verify(run)
         return True
 
@@ -1128,8 +1146,6 @@ class Oracle:
         run.counts["drafted"] += ending.usage.num_draft_tokens
         run.counts["accepted"] += ending.usage.num_accepted_tokens
         run.trail.append(f"finished: {ending.reason.name} {ending.error}")
-        if self.runtime.recurrent and ending.usage.num_draft_tokens:
-            run.fail(OracleError(f"{ending.usage.num_draft_tokens} drafts on recurrent memory"))
         if ending.reason is FinishReason.ERROR:
             run.fail(OracleError(f"the executor failed the request: {ending.error}"))
 
@@ -1163,7 +1179,8 @@ class Oracle:
         why, run.fresh_due = sorted(run.fresh_due), set()
         ptr = llama_cpp.llama_get_logits_ith(self.runtime.ctx, index)
         engine = np.ctypeslib.as_array(ptr, shape=(self.runtime.num_vocab,)).copy()
-        segments = run.ledger.segments
+        # (drafts after the sampled token are in the ledger already: not in its prefix)
+        segments = prefix_to(run.ledger.segments, int(self.runtime.batch.native.pos[index]))
         fresh = self.fresh.logits(segments, run.media)
         diff, problem = compare_logits(engine, fresh)
         run.max_logit_diff = max(run.max_logit_diff, diff)
@@ -1193,12 +1210,25 @@ class Oracle:
     def _step(self) -> None:
         before = self._progress()
         failed = self.stats.num_failed_decodes
+        rollbacks, restores = self.stats.num_spec_rollbacks, self.stats.num_spec_restores
         self._woken.clear()
         outcome = self.executor.step(self.slots)
         for job, event in outcome.events:  # (the engine tells them the same way)
             job.mailbox.post([event])
         for ending in outcome.endings:
             self._ended(ending)
+        taken_back = (  # (recurrent memory) how the step's rejected drafts left
+            self.stats.num_spec_rollbacks - rollbacks,
+            self.stats.num_spec_restores - restores,
+        )
+        for run in self._runs.values():
+            rejected = run.slot.usage.num_draft_tokens - run.slot.usage.num_accepted_tokens
+            if rejected > run.rejected and run.slot.job is not None and self.runtime.recurrent:
+                run.fresh_due.add("rejected_drafts")
+                run.counts["spec_rollbacks"] += taken_back[0]
+                run.counts["spec_restores"] += taken_back[1]
+                taken_back = (0, 0)  # (the step's counts go to one of its runs)
+            run.rejected = rejected
         for slot in self.slots:  # (a thought's end written: one forced token a step)
             if slot.thoughts is not None and slot.thoughts.state is ThoughtState.FORCING:
                 self._runs[slot.seq].counts["forcing_steps"] += 1
@@ -1683,11 +1713,13 @@ class Sweep:
                 f"{c['reprefills_from_checkpoint']} Reprefills kept a pinned prefix), "
                 f"{c['decoded_from_0']} requests decoded from 0 instead; {c['regenerations']} "
                 f"regenerations, {c['edits']} edits ({c['edits_in_last_reply']} in the last "
-                f"reply); drafts asked by "
-                f"{c['drafts_asked']} requests, none made",
+                f"reply); drafts asked by {c['drafts_asked']} requests, rejected ones taken "
+                f"back in place {c['spec_rollbacks']} times, from a checkpoint "
+                f"{c['spec_restores']} times",
                 f"  fresh-prefill checks {c['fresh_checks']} ({c['fresh_cells']} cells): after "
                 f"reuse {c['fresh_after_reuse']}, restore {c['fresh_after_restore']}, "
-                f"reprefill {c['fresh_after_reprefill']}; max |logit diff| "
+                f"reprefill {c['fresh_after_reprefill']}, rejected drafts "
+                f"{c['fresh_after_rejected_drafts']}; max |logit diff| "
                 f"{self.max_logit_diff:.2g}, greedy ties {c['fresh_ties']}",
             ]
         if c["swa_checks"]:

@@ -224,7 +224,7 @@ def test_chats_taking_turns_on_one_slot_resume_from_host_memory(
 
 
 @pytest.mark.parametrize("pair", HYBRID_PAIRS)
-def test_drafts_are_off_on_recurrent_memory(stack: Callable[..., Stack], pair: str) -> None:
+def test_drafts_on_recurrent_memory_keep_the_reply(stack: Callable[..., Stack], pair: str) -> None:
     s = stack(pair)
     client = s.client()
     messages = [{"role": "user", "content": "Repeat: a b c d a b c d a b c d"}]
@@ -234,4 +234,4 @@ def test_drafts_are_off_on_recurrent_memory(stack: Callable[..., Stack], pair: s
         extra_body={"speculative": {"type": "ngram-simple"}, "speculative.ngram_size_n": 2},
     )  # fmt: skip
     assert asked.choices[0].message.content == plain.choices[0].message.content
-    assert asked.usage.model_extra["slotwise"]["draft_tokens"] == 0  # type: ignore[union-attr]
+    assert asked.usage.model_extra["slotwise"]["draft_tokens"] > 0  # type: ignore[union-attr]

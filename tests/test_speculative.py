@@ -80,6 +80,33 @@ def test_greedy_tokens_are_the_same_with_drafts_through_shifts_and_images(
     assert_same(plain, drafted)
 
 
+@pytest.mark.parametrize(("pair", "rollback"), [(p, r) for p in ("qwen35", "lfm2") for r in (0, 4)])
+def test_hybrid_memory_drafts_keep_the_greedy_tokens_through_rejects_and_reprefills(
+    pair: str, rollback: int, prep_servers: Callable[[str], int], infer_server: Callable[..., Any]
+) -> None:
+    """A rejected draft leaves the recurrent state as if it had never been decoded: rolled
+    back in place (`rollback` tokens of snapshots) or from the checkpoint before its step; the
+    reply is the one without drafts, through re-prefills of a chat with an image in it."""
+    server = infer_server(pair, ctx_size=256, spec_rollback=rollback, ctx_checkpoints=4)
+    marker = media_marker(prep_servers(pair))
+    prompt = prepare(
+        prep_servers(pair),
+        raw=f"Look: {marker} and copy a b c d a b c d",
+        images=[image_bytes(64, 48, seed=5)],
+    )
+    req = make_request(prompt, max_tokens=400, policy=POLICIES["auto"], keep=1)
+    req.logit_bias.update(NO_END)
+    # a text the n-gram drafts get half right: after an `a` the last `a` was followed by
+    # the other letter (rejected), after a `b` or `c` by the rest of the cycle (accepted)
+    req.constraint.grammar = 'root ::= ("abac")+'
+    plain, drafted = both(server.port, req, n_max=12, ngram_size_n=1)
+    assert plain.text.startswith("abacabac")
+    assert len(plain.shifts) > 0  # 400 tokens in 256 cells: evicted by re-prefilling
+    assert_same(plain, drafted)
+    u = drafted.finished.usage
+    assert u.num_accepted_tokens < u.num_draft_tokens  # some were rejected, and taken back
+
+
 @pytest.mark.parametrize("kind", [SIMPLE, MAP_K])
 def test_seeded_sampling_and_a_grammar_keep_their_tokens_with_drafts(
     kind: int, prep_servers: Callable[[str], int], infer_server: Callable[..., Any]

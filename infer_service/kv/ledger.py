@@ -276,7 +276,7 @@ class Admission:
         return tuple(dict.fromkeys(i.media_id for i in self.dropped if i.media_id is not None))
 
 
-def _text_like(item: Item, token_ids: tuple[int, ...]) -> Item:
+def text_like(item: Item, token_ids: tuple[int, ...]) -> Item:
     """Part of a text item: same message, group and origin, fewer tokens."""
     n = len(token_ids)
     return replace(item, num_cells=n, num_positions=n, token_ids=token_ids)
@@ -285,8 +285,8 @@ def _text_like(item: Item, token_ids: tuple[int, ...]) -> Item:
 def _split(seg: Segment, num_head: int) -> tuple[Segment, Segment]:
     """Split an ungrouped text segment after ``num_head`` tokens."""
     ids = seg.token_ids
-    head = Segment(_text_like(seg.item, ids[:num_head]), seg.pos_start, seg.pinned)
-    tail = Segment(_text_like(seg.item, ids[num_head:]), seg.pos_start + num_head, seg.pinned)
+    head = Segment(text_like(seg.item, ids[:num_head]), seg.pos_start, seg.pinned)
+    tail = Segment(text_like(seg.item, ids[num_head:]), seg.pos_start + num_head, seg.pinned)
     return head, tail
 
 
@@ -369,7 +369,7 @@ def _match(
         if _closed(closed, si, so) and _closed(items, ii, io):
             rest = list(items[ii:])
             if io:
-                rest[0] = _text_like(rest[0], rest[0].token_ids[io:])
+                rest[0] = text_like(rest[0], rest[0].token_ids[io:])
             return si, so, rest
     return 0, 0, list(items)
 
@@ -727,7 +727,7 @@ class Ledger:
         out = [s.item for s in self._segments[start:num_segments]]
         if num_tokens:
             seg = self._segments[num_segments]
-            out.append(_text_like(seg.item, seg.token_ids[:num_tokens]))
+            out.append(text_like(seg.item, seg.token_ids[:num_tokens]))
         return out
 
     def _remember(self, evicted: Sequence[Segment]) -> None:
@@ -861,7 +861,7 @@ class Ledger:
             seg = self._segments[num_segments]
             if seg.is_media or seg.group is not None or num_tokens >= seg.num_cells:
                 raise ValueError("only ungrouped text can be cut inside")
-            kept.append(replace(seg, item=_text_like(seg.item, seg.token_ids[:num_tokens])))
+            kept.append(replace(seg, item=text_like(seg.item, seg.token_ids[:num_tokens])))
         if num_segments < self._num_pinned_segments:
             self._forget_history()  # the evicted units sat after the cut
         self._segments = kept

@@ -69,6 +69,7 @@ from infer_service.kv.ledger import (
     Shift,
     atoms,
     num_pinned,
+    text_like,
 )
 from infer_service.kv.pool import Holder, Pool, PoolFigures, Share
 from infer_service.kv.view import ShiftMark, at_cell, runs
@@ -481,10 +482,9 @@ class Executor:
         self, slot: Slot, job: Job, ledger: Ledger, sampler: SlotSampler, pending: deque[Item]
     ) -> None:
         """The job is the slot's now, its prompt pending."""
-        # (a rejected draft cannot be cut out of a recurrent state: no drafts there)
         spec = (
             Speculation(job.speculative, history(ledger.segments, pending), self.step_cost)
-            if job.speculative.enabled and not self.runtime.recurrent
+            if job.speculative.enabled
             else None
         )
         slot.job = job
@@ -1183,6 +1183,8 @@ class Executor:
         drafts = (
             self._drafts(slot, item, (budget if spare is None else spare) - n) if generating else ()
         )
+        if drafts and not self._rollback_ready(slot, len(drafts)):
+            drafts = drafts[: self.runtime.rollback_tokens]
         if drafts:
             tokens = item.token_ids + drafts
             item = replace(item, num_cells=len(tokens), num_positions=len(tokens), token_ids=tokens)
@@ -1192,6 +1194,24 @@ class Executor:
         )  # fmt: skip
         self._reserved += item.num_cells
         return Taken(slot, item, end - len(drafts) if last else None, drafts)
+
+    def _rollback_ready(self, slot: Slot, num_drafts: int) -> bool:
+        """(hybrid memory) Whether the step can take back `num_drafts` rejected drafts: in
+        place (llama.cpp's per-token snapshots of the recurrent state), or else from a
+        checkpoint of the state taken now, before the step (llama-server's speculative
+        checkpoint). False where neither: the draft is cut to what rolls back in place."""
+        slot.spec_checkpoint = None
+        if not self.runtime.recurrent or num_drafts <= self.runtime.rollback_tokens:
+            return True
+        assert slot.ledger is not None
+        try:
+            state = self.runtime.checkpoint(slot.seq)
+        except native.NativeError as e:
+            log.warning("slot %d: no speculative checkpoint: %s", slot.seq, e)
+            return False
+        slot.spec_checkpoint = (state, slot.ledger.num_segments)
+        self.stats.num_spec_checkpoints += 1
+        return True
 
     def _drafts(self, slot: Slot, taken: Item, budget: int) -> tuple[int, ...]:
         """Tokens to verify after the slot's last one (the end of `taken`), in the cells left
@@ -1304,14 +1324,50 @@ class Executor:
     def _give_back(self, slot: Slot, num_cells: int) -> None:
         """The last cells of the sequence's newest segment leave it (rejected drafts)."""
         ledger = slot.ledger
+        checkpoint, slot.spec_checkpoint = slot.spec_checkpoint, None
         if num_cells <= 0 or ledger is None or not ledger.segments:
             return  # (a request that failed without a session: its sequence is cleared)
         newest = len(ledger.segments) - 1
         last = ledger.segments[newest]
-        self.runtime.seq_rm(slot.seq, last.pos_start + last.num_cells - num_cells, -1)
-        ledger.truncate(newest, last.num_cells - num_cells)  # (once llama.cpp has let go)
+        keep = last.num_cells - num_cells
+        if self.runtime.recurrent and not self._roll_back(slot, last.pos_start + keep, num_cells):
+            self._take_back(slot, ledger, newest, keep, checkpoint)
+        else:
+            self.runtime.seq_rm(slot.seq, last.pos_start + keep, -1)
+            ledger.truncate(newest, keep)  # (once llama.cpp has let go)
         if self.pool is not None:
             self.pool.cut(slot.seq, ledger.num_cells)
+
+    def _roll_back(self, slot: Slot, pos: int, num_cells: int) -> bool:
+        """(hybrid memory) Whether llama.cpp can take the last `num_cells` out of the
+        sequence in place: once a step, and no more than its per-token snapshots reach."""
+        if num_cells > self.runtime.rollback_tokens:
+            return False
+        if not self.runtime.try_seq_rm(slot.seq, pos, -1):
+            return False  # (refused, nothing changed: a rollback of this step came first)
+        self.stats.num_spec_rollbacks += 1
+        return True
+
+    def _take_back(
+        self, slot: Slot, ledger: Ledger, newest: int, keep: int,
+        checkpoint: tuple[bytes, int] | None,
+    ) -> None:  # fmt: skip
+        """(hybrid memory) The newest segment cut to its first `keep` tokens where the state
+        cannot roll back in place: the state before the segment's step is put back and the
+        kept tokens go in again with the slot's next step (llama-server's replay), or, without
+        that checkpoint, the sequence goes back to its last context checkpoint."""
+        segment = ledger.segments[newest]
+        redo: list[Item]
+        if checkpoint is not None and checkpoint[1] == newest:
+            self.runtime.restore(slot.seq, checkpoint[0], segment.pos_start)
+            ledger.truncate(newest)
+            tokens = segment.token_ids[:keep]
+            redo = [text_like(segment.item, tokens)] if tokens else []
+            self.stats.num_spec_restores += 1
+        else:
+            redo = self._rewind(slot, ledger, newest, keep)
+        if slot.job is not None:  # (a finished request's slot keeps what its cache holds)
+            slot.pending.extendleft(reversed(redo))
 
     def _emit_next(self, slot: Slot, index: int, at: int = 0) -> int | None:
         """Sample at `index`: the token, handed on to the output processor, or None when the

@@ -80,6 +80,10 @@ class RuntimeConfig:
     # a prompt decodes between two (llama-server's --ctx-checkpoints, --checkpoint-min-step)
     ctx_checkpoints: int = 32
     checkpoint_min_step: int = 8192
+    # (hybrid memory) the recurrent state keeps one snapshot per token for this many of the
+    # last tokens a step decodes (llama.cpp's n_rs_seq): that many rejected drafts roll back in
+    # place; a longer draft is verified from a checkpoint of the state taken before its step
+    spec_rollback: int = 0
     # the types of K and V cells and flash attention (--cache-type-k/v, --flash-attn); None:
     # llama.cpp's defaults (f16, f16, auto)
     cache_types: CacheTypes | None = None
@@ -178,6 +182,8 @@ class Runtime:
         # a state per sequence that llama.cpp cannot cut back (only clear or restore)
         self.recurrent = self.memory_kind != "attention"
         self.checkpoint_bytes = 0  # (recurrent) one sequence's state: the last one saved
+        # (recurrent) rejected drafts a step can roll back in place (0: none, a checkpoint)
+        self.rollback_tokens = llama_cpp.llama_n_rs_seq(self.ctx) if self.recurrent else 0
         self.uses_mrope = bool(self.mtmd and self.mtmd.uses_mrope)
         self._null_callback = mtmd_cpp.mtmd_helper_post_decode_callback(0)
         self.bytes_per_cell = self._measure_bytes_per_cell()
@@ -193,6 +199,7 @@ class Runtime:
         params.n_threads = config.threads
         params.n_threads_batch = config.threads_batch
         params.kv_unified = config.kv_unified  # else every sequence has its own budget of cells
+        params.n_rs_seq = config.spec_rollback  # (llama.cpp clamps it to 0 where not hybrid)
         params.no_perf = True
         if config.cache_types is not None:
             config.cache_types.check_head_size(native.head_size(self.model))
@@ -268,8 +275,13 @@ class Runtime:
     # -- memory ---------------------------------------------------------------------------
 
     def seq_rm(self, seq: int, p0: int, p1: int) -> None:
-        if not llama_cpp.llama_memory_seq_rm(self.memory, seq, p0, p1):
+        if not self.try_seq_rm(seq, p0, p1):
             raise native.NativeError(f"llama_memory_seq_rm({seq}, {p0}, {p1}) failed")
+
+    def try_seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        """False where llama.cpp refuses (a recurrent state cut back past its snapshots):
+        then nothing changed."""
+        return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq, p0, p1))
 
     def seq_add(self, seq: int, p0: int, delta: int) -> None:
         if not self.can_shift:  # (llama.cpp aborts the process there: M-RoPE, IMROPE)

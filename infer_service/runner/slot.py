@@ -47,6 +47,9 @@ class Slot:
     share: Share | None = None  # (pool) a pinned prefix to hold for others once decoded
     usage: Usage = field(default_factory=Usage)
     num_confirmed: int = 0  # drafts its latest step confirmed (their cells are the sequence's)
+    # (hybrid memory) the recurrent state before the step that verifies a draft longer than
+    # llama.cpp rolls back in place, and the ledger's segment count then
+    spec_checkpoint: tuple[bytes, int] | None = None
     num_prefill_total: int = 0
     num_prefill_done: int = 0
     prefilling: bool = True

@@ -58,6 +58,11 @@ class EngineStats:
     num_shared_cells: int = 0  # (kv_unified) the cells those requests did not decode
     num_checkpoints: int = 0  # (recurrent memory) recurrent states saved
     num_checkpoint_restores: int = 0  # (recurrent memory) sequences cut back to one
+    # (hybrid memory) rejected drafts: rolled back in place, or from a checkpoint taken
+    # before the step (those checkpoints counted too)
+    num_spec_rollbacks: int = 0
+    num_spec_restores: int = 0
+    num_spec_checkpoints: int = 0
     shifts_by_policy: dict[str, int] = field(default_factory=dict)
     # speculative decoding, by type: [tokens drafted, tokens accepted]
     drafts_by_type: dict[str, list[int]] = field(default_factory=dict)

@@ -25,7 +25,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-NO_TOKEN = -1  # in the history: a media chunk, which no n-gram spans
+from infer_service.spec.proposer import NO_TOKEN
+
 HISTORY_TOKENS = 1 << 16  # a request's history for lookups (its newest tokens)
 
 
