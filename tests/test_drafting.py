@@ -18,8 +18,9 @@ def reference(tokens: list[int], n: int, limit: int, min_hits: int = 1) -> list[
     ends = [e for e in range(n - 1, end) if tokens[e - n + 1 : e + 1] == gram]
     if len(ends) < min_hits:
         return []
+    # what followed, then (past the end) the copy again: the tokens at period p = end - found
     out = []
-    for t in tokens[ends[-1] + 1 : ends[-1] + 1 + limit]:
+    for t in (tokens + tokens[ends[-1] + 1 :] * limit)[ends[-1] + 1 : ends[-1] + 1 + limit]:
         if t == NO_TOKEN:
             break
         out.append(t)
@@ -94,3 +95,27 @@ def test_the_step_cost_weighs_a_draft_against_the_token_it_may_save() -> None:
     for n in (1, 4, 16) * 200:  # a GPU: a step costs about the same whatever it holds
         cost.observe(n, 0.010 + 0.0001 * n)
     assert cost.ratio(1) < 0.05
+
+
+def test_a_run_of_one_token_drafts_as_far_as_asked() -> None:
+    """The latest earlier occurrence of a run's last n tokens ends one token before now: the
+    copy goes on reading what it copied (a repeating reply drafts its period again)."""
+    index = NgramIndex(3)
+    index.extend([9, 5, 5, 5, 5])
+    assert index.draft(6) == [5] * 6
+    index = NgramIndex(2)
+    index.extend([1, 2, 3, 1, 2, 3, 1, 2])
+    assert index.draft(7) == [3, 1, 2, 3, 1, 2, 3]
+
+
+def test_the_draft_length_follows_the_measured_cost_of_long_steps() -> None:
+    """Where a step of many tokens costs more a token than the line through the small ones
+    says (a recurrent layer's scan on a CPU), the length stops where drafts stop paying."""
+    cost = StepCost()
+    for n in (1, 2, 4, 8, 9, 10, 12) * 20:  # 3 ms alone, 1 ms a token more up to 12
+        cost.observe(n, 0.003 + 0.001 * (n - 1))
+    assert cost.worth(1, 0.95, 12) == 12  # every draft pays
+    for _ in range(20):
+        cost.observe(49, 0.120)  # 49 tokens: 2.4 ms each
+    assert 4 <= cost.worth(1, 0.95, 48) <= 16
+    assert cost.worth(1, 0.2, 48) <= 1  # drafts that rarely land: one at most

@@ -104,7 +104,8 @@ class NgramIndex:
 
     def draft(self, limit: int, *, min_hits: int = 1) -> list[int]:
         """What followed the last n tokens the last time they occurred before now, at most
-        `limit` tokens (none across a media chunk)."""
+        `limit` tokens (none across a media chunk); where that runs into the end of the
+        history, it goes on as the copy it is (a repeating reply drafts its period again)."""
         end = len(self._tokens) - 1
         key = self._key(end)
         if key is None or limit <= 0:
@@ -112,12 +113,7 @@ class NgramIndex:
         found = self._previous(key, end, min_hits)
         if found is None:
             return []
-        out = []
-        for t in self._tokens[found + 1 : found + 1 + limit]:
-            if t == NO_TOKEN:
-                break
-            out.append(t)
-        return out
+        return overlapping_copy(self._tokens, found + 1, limit)
 
     def _previous(self, key: int, end: int, min_hits: int) -> int | None:
         """The end of the n-gram's occurrence before the one at `end` (checked token by
@@ -130,6 +126,21 @@ class NgramIndex:
         if self._tokens[found - n + 1 : found + 1] != self._tokens[end - n + 1 : end + 1]:
             return None
         return found
+
+
+def overlapping_copy(tokens: Sequence[int], start: int, limit: int) -> list[int]:
+    """At most `limit` tokens copied from `start` on, LZ77's way: a copy that reaches the end
+    of `tokens` goes on reading what it copied (the history's last `len(tokens) - start`
+    tokens, repeated); it stops at a media chunk."""
+    out: list[int] = []
+    n = len(tokens)
+    for i in range(limit):
+        k = start + i
+        t = tokens[k] if k < n else out[k - n]
+        if t == NO_TOKEN:
+            break
+        out.append(t)
+    return out
 
 
 class StepCost:
@@ -147,6 +158,10 @@ class StepCost:
         self._t: float | None = None
         self._nn: float | None = None
         self._nt: float | None = None
+        # a moving average of the step's seconds per size bucket: where a step of many tokens
+        # costs more than the line says (a recurrent layer's chunked scan on a CPU: 49 tokens
+        # at 2 ms each, 9 at 1.1), the draft length follows what was measured
+        self._by_size: dict[int, float] = {}
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         n, t, w = float(num_tokens), seconds, self.weight
@@ -154,20 +169,68 @@ class StepCost:
         self._t = _moved(self._t, t, w)
         self._nn = _moved(self._nn, n * n, w)
         self._nt = _moved(self._nt, n * t, w)
+        bucket = _bucket(num_tokens)
+        self._by_size[bucket] = _moved(self._by_size.get(bucket), seconds, 4 * w)
+
+    def seconds(self, num_tokens: int) -> float | None:
+        """What a step of `num_tokens` costs: measured at its size (or the size bucket it
+        shares), else read off the line; None before any step."""
+        measured = self._by_size.get(_bucket(num_tokens))
+        if measured is not None:
+            return measured
+        line = self._line()
+        return None if line is None else line[0] + line[1] * num_tokens
+
+    def _line(self) -> tuple[float, float] | None:
+        """(t0, c): a step of n tokens takes about t0 + c*n."""
+        if self._n is None or self._t is None or self._nn is None or self._nt is None:
+            return None
+        spread = self._nn - self._n * self._n
+        if spread < 0.25:
+            return None
+        c = max(0.0, (self._nt - self._n * self._t) / spread)
+        return max(0.0, self._t - c * self._n), c
+
+    def worth(self, num_generating: int, acceptance: float, limit: int) -> int:
+        """The draft length, at most `limit`, whose expected tokens pay most for the time it
+        adds to the step: a slot among g that generate saves (step of g)/g per accepted draft
+        (the j-th lands with probability a^j) and adds T(g + k) - T(g)."""
+        g = max(1, num_generating)
+        base = self.seconds(g)
+        if base is None or limit <= 0:
+            return limit
+        per_token = base / g
+        best, best_gain, expected = 0, 0.0, 0.0
+        for k in range(1, limit + 1):
+            expected += acceptance**k
+            cost = self.seconds(g + k)
+            if cost is None:
+                return limit
+            gain = per_token * expected - (cost - base)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
 
     def ratio(self, num_generating: int = 1, extra: float = 0.0) -> float:
         """(c + extra) / ((t0 + c*g) / g): a draft's cost (and `extra` seconds of drafting it)
         over the token it may save."""
-        if self._n is None or self._t is None or self._nn is None or self._nt is None:
+        if self._t is None:
             return self.prior
-        spread = self._nn - self._n * self._n
-        if spread < 0.25:  # (steps all of one size so far: no line to draw)
+        line = self._line()
+        if line is None:  # (steps all of one size so far: no line to draw)
             return min(1.0, self.prior + (extra / self._t if self._t > 0 else 0.0))
-        c = max(0.0, (self._nt - self._n * self._t) / spread)
-        t0 = max(0.0, self._t - c * self._n)
+        t0, c = line
         g = max(1, num_generating)
         per_token = (t0 + c * g) / g
         return min(1.0, max(0.01, (c + extra) / per_token)) if per_token > 0 else self.prior
+
+
+def _bucket(num_tokens: int) -> int:
+    """Sizes up to 8 on their own, then buckets an eighth of a power of two wide."""
+    if num_tokens <= 8:
+        return num_tokens
+    shift = num_tokens.bit_length() - 4
+    return (num_tokens >> shift) << shift
 
 
 def _moved(average: float | None, value: float, weight: float) -> float:
@@ -239,6 +302,8 @@ class Speculation:
         `draw_seconds` each."""
         ratio = self.cost.ratio(num_generating, extra=draw_seconds)
         k = min(self.length.limit(ratio), room, self.config.size_m)
+        if k > 1 and self.length.a > ratio:  # (a probe of one draft stays one)
+            k = max(1, self.cost.worth(num_generating, self.length.a, k))
         if k < max(1, self.config.n_min):
             return ()
         if self.index is not None:
