@@ -50,6 +50,19 @@ n_pos == n_tokens; a sound over 30 s is one audio chunk per window, wrapped once
   conformer; no padding to 30 s: 2 s is 50 cells, 35 s 750 + 125; causal). Wrapped in
   ``<|image>`` ... ``<image|>`` and ``<|audio>`` ... ``<audio|>`` (this pair's own tokens).
 
+A multi-token-prediction pair (``MTP``; written only when named):
+
+* ``qwen35mtp`` -- text ``qwen35`` (the ``qwen35`` pair's layers and shapes) plus one nextn
+  (MTP) block, ``blk.4.nextn.*`` (``nextn_predict_layers`` 1, block_count 5:
+  ``llama_model_n_layer_nextn`` 1; llama.cpp loads it only with ``load_mtp``), for
+  ``draft-mtp`` speculative decoding (infer_service/runner/mtp.py) + the ``qwen35`` pair's
+  projector. Its layer weights are stronger (std 0.045, not 0.02): the ``qwen35`` pair's
+  greedy text only ever repeats its last token, whatever the recurrent state holds, so no draft
+  would be rejected and a wrong rollback would not show; these make greedy text that depends
+  on the state and repeats a token now and then. The nextn block's eh_proj passes the token
+  embedding through (identity plus noise): it drafts "the same token again", which the target
+  accepts about one time in six (random weights would never agree).
+
 A reasoning pair (``REASONING``; written only when named):
 
 * ``think``     -- text ``llama`` (as ``rope``, K-shift capable) + the ``rope`` pair's LLaVA
@@ -91,6 +104,7 @@ __all__ = [
     "FAMILIES_2026",
     "HYBRID",
     "LORA_ARCHS",
+    "MTP",
     "REASONING",
     "SPECIAL_TOKENS",
     "THINK_TEMPLATE",
@@ -106,9 +120,10 @@ HYBRID: tuple[str, ...] = ("qwen35", "lfm2")
 AUDIO: tuple[str, ...] = ("ultravox", "qwen2a")
 FAMILIES_2026: tuple[str, ...] = ("qwen3vl", "gemma4")
 REASONING: tuple[str, ...] = ("think",)
+MTP: tuple[str, ...] = ("qwen35mtp",)
 # Pairs llama.cpp cannot serve as they are: tokenizing promises a count encoding breaks.
 BROKEN: tuple[str, ...] = ("ultravox8",)
-_NAMES = ALL + HYBRID + AUDIO + FAMILIES_2026 + REASONING + BROKEN
+_NAMES = ALL + HYBRID + AUDIO + FAMILIES_2026 + REASONING + MTP + BROKEN
 
 CONTEXT_LENGTH = 4096
 
@@ -166,7 +181,7 @@ _MERGES: tuple[tuple[str, str], ...] = (("Ä ", "t"), ("h", "e"), ("i", "n"), ("Ä
 _SEEDS = {
     "mrope": 1001, "rope": 1002, "noncausal": 1003, "qwen35": 1004, "lfm2": 1005,
     "ultravox": 1006, "qwen2a": 1007, "ultravox8": 1008, "qwen3vl": 1009, "gemma4": 1010,
-    "think": 1011,
+    "think": 1011, "qwen35mtp": 1012,
 }  # fmt: skip
 _STD = 0.02
 
@@ -300,9 +315,10 @@ class _Tensors:
     def __init__(self, seed: int) -> None:
         self._rng = np.random.default_rng(seed)
         self.items: list[tuple[str, np.ndarray]] = []
+        self.std = _STD  # of the random tensors made from now on
 
     def rand(self, name: str, *ne: int) -> None:
-        a = self._rng.normal(0.0, _STD, size=tuple(reversed(ne))).astype(np.float32)
+        a = self._rng.normal(0.0, self.std, size=tuple(reversed(ne))).astype(np.float32)
         self.items.append((name, a))
 
     def ones(self, name: str, *ne: int) -> None:
@@ -413,6 +429,19 @@ def write_text_model(path: Path, size: Text, seed: int = 7) -> Path:
     return Path(path)
 
 
+# A wide qwen35 whose step costs what a GPU's does (about 2 ms on one core): 16 heads keep the
+# attention head at 16, as the imrope sections of the tiny one expect.
+WIDE_HYBRID = Text(width=256, ff=1024, layers=8, heads=16, kv_heads=4)
+
+
+def write_qwen35_model(path: Path, size: Text = WIDE_HYBRID, seed: int = 1) -> Path:
+    """A hybrid-memory ``qwen35`` text model of ``size`` with the tiny vocabulary (no
+    projector): what the bench drafts on."""
+    kv = _text_kv("qwen35", "qwen35", _qwen35_kv, size)
+    _write(Path(path), "qwen35", kv, _qwen35_tensors(seed, size))
+    return Path(path)
+
+
 # hybrid text models: some layers keep a recurrent state per sequence instead of KV cells
 
 # Qwen3.5's gated delta-net, tiny: 2 key heads and 4 value heads of 16 (value_dim 64 = width).
@@ -457,26 +486,56 @@ def _delta_net(t: _Tensors, p: str, n: int) -> None:
     t.linear(f"{p}.ssm_out", value_dim, n)
 
 
-def _qwen35_tensors(seed: int, size: Text = _HYBRID_TEXT) -> _Tensors:
+def _qwen35_tensors(seed: int, size: Text = _HYBRID_TEXT, layer_std: float = _STD) -> _Tensors:
+    """layer_std: the random layer weights' (token_embd keeps _STD)."""
     t = _Tensors(seed)
-    n, n_kv = size.width, size.head_dim * size.kv_heads
+    n = size.width
     t.rand("token_embd.weight", n, _N_VOCAB)  # output.weight is tied to it
     t.ones("output_norm.weight", n)
+    t.std = layer_std
     for i in range(size.layers):
         p = f"blk.{i}"
         t.ones(f"{p}.attn_norm.weight", n)
         if (i + 1) % _QWEN35_ATTN_INTERVAL == 0:
-            # gated attention: q is twice as wide, its second half gates the output per head
-            t.linear(f"{p}.attn_q", n, 2 * n)
-            t.linear(f"{p}.attn_k", n, n_kv)
-            t.linear(f"{p}.attn_v", n, n_kv)
-            t.linear(f"{p}.attn_output", n, n)
-            t.ones(f"{p}.attn_q_norm.weight", size.head_dim)
-            t.ones(f"{p}.attn_k_norm.weight", size.head_dim)
+            _qwen35_attention(t, p, size)
         else:
             _delta_net(t, p, n)
         t.ones(f"{p}.post_attention_norm.weight", n)  # (the norm before the FFN)
         _swiglu_ffn(t, p, size)
+    return t
+
+
+def _qwen35_attention(t: _Tensors, p: str, size: Text) -> None:
+    """Qwen3.5's gated attention: q is twice as wide, its second half gates the output per
+    head; q/k RMS norms."""
+    n, n_kv = size.width, size.head_dim * size.kv_heads
+    t.linear(f"{p}.attn_q", n, 2 * n)
+    t.linear(f"{p}.attn_k", n, n_kv)
+    t.linear(f"{p}.attn_v", n, n_kv)
+    t.linear(f"{p}.attn_output", n, n)
+    t.ones(f"{p}.attn_q_norm.weight", size.head_dim)
+    t.ones(f"{p}.attn_k_norm.weight", size.head_dim)
+
+
+def _qwen35_nextn(seed: int, size: Text = _HYBRID_TEXT) -> _Tensors:
+    """The nextn (MTP) block after the trunk's layers (Qwen3.5's, as llama.cpp loads it): a
+    gated-attention decoder block whose input is eh_proj(concat(enorm(embed(token)),
+    hnorm(h))), h the target's last hidden state (after output_norm) at the previous position.
+    Without nextn.embed_tokens / shared_head_head / shared_head_norm (optional) it reuses
+    token_embd, output and output_norm, as the converted Qwen3.5 files do. eh_proj is the
+    identity on the token half plus noise: the head mostly drafts the token it is given again,
+    which the target writes now and then, so some drafts are accepted, most not."""
+    t = _Tensors(seed)
+    n, p = size.width, f"blk.{size.layers}"
+    t.ones(f"{p}.attn_norm.weight", n)
+    _qwen35_attention(t, p, size)
+    t.ones(f"{p}.post_attention_norm.weight", n)
+    _swiglu_ffn(t, p, size)
+    t.rand(f"{p}.nextn.eh_proj.weight", 2 * n, n)  # ne: (2n in, n out); numpy (n, 2n)
+    eh_proj = t.items[-1][1]
+    eh_proj[:, :n] += np.eye(n, dtype=np.float32)
+    t.ones(f"{p}.nextn.enorm.weight", n)
+    t.ones(f"{p}.nextn.hnorm.weight", n)
     return t
 
 
@@ -709,6 +768,24 @@ def _write_qwen35(d: Path, seed: int, v: Vision) -> None:
     _write(d / "mmproj.gguf", "clip", kv, t)
 
 
+_MTP_LAYER_STD = 0.045  # (see qwen35mtp in the module docstring)
+
+
+def _write_qwen35mtp(d: Path, seed: int, v: Vision) -> None:
+    # block_count counts the nextn block, nextn_predict_layers says it is one (the last)
+    def mtp_kv(w) -> None:
+        _qwen35_kv(w)
+        w.add_uint32("qwen35.nextn_predict_layers", 1)
+
+    blocks = Text(layers=_HYBRID_TEXT.layers + 1)
+    kv = _text_kv("qwen35", "qwen35", mtp_kv, blocks)
+    t = _qwen35_tensors(seed, layer_std=_MTP_LAYER_STD)
+    t.items += _qwen35_nextn(seed + 2).items
+    _write(d / "model.gguf", "qwen35", kv, t)
+    kv, mm = _mmproj_qwen3vl(_SEEDS["qwen35"] + 1, v)
+    _write(d / "mmproj.gguf", "clip", kv, mm)
+
+
 def _write_lfm2(d: Path, seed: int, v: Vision) -> None:
     def conv(w) -> None:
         w.add_uint32("lfm2.shortconv.l_cache", _LFM2_L_CACHE)
@@ -819,6 +896,7 @@ _WRITERS: dict[str, Callable[[Path, int, Vision], None]] = {
     "qwen3vl": _write_qwen3vl,
     "gemma4": _write_gemma4,
     "think": _write_think,
+    "qwen35mtp": _write_qwen35mtp,
 }
 
 
