@@ -71,6 +71,11 @@ class SpecType(enum.StrEnum):
     NGRAM_SIMPLE = "ngram-simple"
     NGRAM_MAP_K = "ngram-map-k"
     DRAFT_SIMPLE = "draft-simple"  # a draft model (infer --model-draft)
+    NGRAM_MAP_K4V = "ngram-map-k4v"
+    NGRAM_MOD = "ngram-mod"  # llama-server's --spec-default (a pool per tenant, across requests)
+    NGRAM_CACHE = "ngram-cache"
+    SUFFIX = "suffix"  # the tenant's earlier prompts and replies (slotwise's own)
+    DRAFT_MTP = "draft-mtp"  # the model's multi-token-prediction head
 
 
 class ToolChoice(enum.StrEnum):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
-from clients.enums import FinishReason, Persistence, Policy, from_pb
+from clients.enums import FinishReason, Persistence, Policy, SpecType, from_pb
 from slotwise.v1 import infer_pb2
 
 __all__ = [
@@ -90,6 +90,15 @@ class Usage:
     decode_seconds: float = 0.0
     num_draft_tokens: int = 0  # speculative: drafted and verified
     num_accepted_tokens: int = 0  # ... of which the model sampled the same
+    drafts_by_type: tuple[DraftCount, ...] = ()  # the same per draft type that drafted
+
+
+@dataclass(frozen=True)
+class DraftCount:
+    type: SpecType | str
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_cache_hits: int = 0  # (suffix) drafts from the tenant's earlier requests
 
 
 @dataclass(frozen=True)
@@ -153,6 +162,15 @@ def event_from_pb(pb: infer_pb2.GenerateResponse) -> Event | None:
                 decode_seconds=u.decode_seconds,
                 num_draft_tokens=u.num_draft_tokens,
                 num_accepted_tokens=u.num_accepted_tokens,
+                drafts_by_type=tuple(
+                    DraftCount(
+                        from_pb(SpecType, d.type),
+                        d.num_draft_tokens,
+                        d.num_accepted_tokens,
+                        d.num_cache_hits,
+                    )
+                    for d in u.drafts_by_type
+                ),
             ),
             stop_string=f.stop_string,
             error=f.error,

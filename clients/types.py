@@ -156,21 +156,34 @@ class Speculative:
     """Speculative decoding for Generate (None fields: the server's --spec-* flags). The text
     is what it would be without drafts; only copy-heavy replies come faster."""
 
-    type: SpecType | str = SpecType.UNSPECIFIED
+    type: SpecType | str = SpecType.UNSPECIFIED  # (or several: "ngram-mod,suffix")
     n_max: int | None = None
     n_min: int | None = None
     p_min: float | None = None
     ngram_size_n: int | None = None
     ngram_size_m: int | None = None
     ngram_min_hits: int | None = None
+    ngram_mod_n_match: int | None = None
+    ngram_mod_n_min: int | None = None
+    ngram_mod_n_max: int | None = None
 
     def to_pb(self) -> infer_pb2.SpeculativeOptions:
-        pb = infer_pb2.SpeculativeOptions(type=to_pb(SpecType, self.type))  # type: ignore[arg-type]
-        for name in ("n_max", "n_min", "p_min", "ngram_size_n", "ngram_size_m", "ngram_min_hits"):
+        names = [n.strip() for n in str(self.type).split(",") if n.strip()]
+        if len(names) > 1:  # (several types: llama-server's --spec-type a,b)
+            pb = infer_pb2.SpeculativeOptions(types=[to_pb(SpecType, n) for n in names])
+        else:
+            pb = infer_pb2.SpeculativeOptions(type=to_pb(SpecType, self.type))  # type: ignore[arg-type]
+        for name in SPECULATIVE_FIELDS:
             value = getattr(self, name)
             if value is not None:
                 setattr(pb, name, value)
         return pb
+
+
+SPECULATIVE_FIELDS = (
+    "n_max", "n_min", "p_min", "ngram_size_n", "ngram_size_m", "ngram_min_hits",
+    "ngram_mod_n_match", "ngram_mod_n_min", "ngram_mod_n_max",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

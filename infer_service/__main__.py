@@ -28,7 +28,7 @@ from infer_service.runner.media import VerifiedMedia
 from infer_service.runner.runtime import Runtime, RuntimeConfig
 from infer_service.sessions.session import SessionLimits
 from infer_service.sessions.store import SessionStore
-from infer_service.spec.drafting import SpecConfig, SpecType
+from infer_service.spec.drafting import SpecConfig, SpecType, spec_types
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.flags import add_options, settings
 from slotwise_core.metrics import ServiceMetrics
@@ -95,9 +95,10 @@ async def start(
     session_limits: SessionLimits = SessionLimits(),
     model_draft: Path | None = None,
     cache_types_draft: CacheTypes | None = None,
+    spec_cache_bytes: int = 256 << 20,
 ) -> RunningInfer:
     """Listen first (health NOT_SERVING), load the model, then report SERVING."""
-    _check_speculative_defaults(limits, model_draft is not None)
+    _check_speculative_defaults(limits, model_draft is not None, config.mtp)
     metrics = ServiceMetrics("infer")
     server = await create_server(
         address,
@@ -117,6 +118,8 @@ async def start(
     )
     if draft is not None:
         limits = dataclasses.replace(limits, draft_model=True)
+    if runtime.mtp is not None:
+        limits = dataclasses.replace(limits, mtp=True)
     store = SessionStore(sessions_dir) if sessions_dir else None
     # the media budget: checked images (decoded, preprocessed) and the projector's outputs
     verified_bytes = cache_bytes // VERIFIED_SHARE
@@ -133,6 +136,7 @@ async def start(
         draft_model=draft,
         session_limits=session_limits,
         on_death=on_death,
+        spec_cache_bytes=spec_cache_bytes,
     )
     metrics.collect_from(engine_metrics(engine))
     engine.start()
@@ -153,11 +157,11 @@ async def start(
     return RunningInfer(server, engine, died, embedder, verified)
 
 
-def _check_speculative_defaults(limits: GenerateLimits, draft_model: bool) -> None:
+def _check_speculative_defaults(limits: GenerateLimits, draft_model: bool, mtp: bool) -> None:
     """The server's own speculative defaults (ValueError): wrong ones would refuse every
     request."""
     try:
-        speculative_of(infer_pb2.SpeculativeOptions(), limits.speculative, draft_model)
+        speculative_of(infer_pb2.SpeculativeOptions(), limits.speculative, draft_model, mtp)
     except ProblemError as e:
         raise ValueError(f"--spec-* options: {e.problem.message}") from None
 
@@ -255,6 +259,7 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
         ctx_checkpoints=max(0, s["ctx_checkpoints"]),
         checkpoint_min_step=s["checkpoint_min_step"],
         spec_rollback=max(0, s["spec_rollback"]),
+        mtp=SpecType.DRAFT_MTP in speculative_flags(s).kinds,
         cache_types=CacheTypes(s["cache_type_k"], s["cache_type_v"], s["flash_attn"]),
         lora=lora_in_order(s["lora"], s["lora_scaled"]),
         lora_init_without_apply=s["lora_init_without_apply"],
@@ -264,16 +269,9 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
         "cache_bytes": s["media_cache_mb"] << 20,
         "limits": GenerateLimits(
             default_max_tokens=s["default_max_tokens"],
-            speculative=SpecConfig(
-                SpecType(s["spec_type"]),
-                s["spec_draft_n_max"],
-                s["spec_draft_n_min"],
-                s["spec_draft_p_min"],
-                s["spec_ngram_size_n"],
-                s["spec_ngram_size_m"],
-                s["spec_ngram_min_hits"],
-            ),
+            speculative=speculative_flags(s),
         ),
+        "spec_cache_bytes": max(0, s["spec_cache_mb"]) << 20,
         "max_message_bytes": s["max_message_mb"] << 20,
         "sessions_dir": s["sessions_dir"],
         "host_sequence_bytes": s["state_cache_mb"] << 20,
@@ -288,6 +286,27 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
             s["tenant_max_sessions"], s["tenant_max_session_mb"] << 20, float(s["session_ttl"])
         ),
     }
+
+
+def speculative_flags(s: dict[str, Any]) -> SpecConfig:
+    """The --spec-* flags (--spec-default: llama-server's, ngram-mod 24/48/64)."""
+    kinds = spec_types(s["spec_type"])
+    mod = (s["spec_ngram_mod_n_match"], s["spec_ngram_mod_n_min"], s["spec_ngram_mod_n_max"])
+    if s["spec_default"]:
+        kinds, mod = tuple(dict.fromkeys((*kinds, SpecType.NGRAM_MOD))), (24, 48, 64)
+    return SpecConfig(
+        kinds[0] if kinds else SpecType.NONE,
+        s["spec_draft_n_max"],
+        s["spec_draft_n_min"],
+        s["spec_draft_p_min"],
+        s["spec_ngram_size_n"],
+        s["spec_ngram_size_m"],
+        s["spec_ngram_min_hits"],
+        types=kinds[1:],
+        mod_n_match=mod[0],
+        mod_n_min=mod[1],
+        mod_n_max=mod[2],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -245,6 +245,9 @@ class Usage:
     decode_seconds: float = 0.0
     num_draft_tokens: int = 0  # speculative: drafted and verified
     num_accepted_tokens: int = 0  # ... of which the target sampled the same
+    # the same per draft type (its name): [drafted, accepted, drafts from the tenant's
+    # earlier requests (the suffix cache's)]
+    drafts_by_type: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

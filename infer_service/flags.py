@@ -12,11 +12,21 @@ from infer_service.runner.cache_types import FLASH_ATTN, GGML_TYPES
 from infer_service.runner.lora import LoraFile, lora_files
 from infer_service.runner.runtime import RuntimeConfig
 from infer_service.sessions.session import SessionLimits
-from infer_service.spec.drafting import SpecConfig, SpecType
+from infer_service.spec.drafting import SpecConfig, SpecType, spec_types
 from slotwise_core.flags import option, positive_int
 from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
 
 _d = RuntimeConfig(model=Path())
+
+
+def spec_types_flag(text: str) -> str:
+    try:
+        spec_types(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 _spec = SpecConfig()
 _life = SessionLimits()
 
@@ -115,10 +125,24 @@ OPTIONS = (
     option("--extra-bufts", choices=["auto", "on", "off"], default="auto",
            help="llama.cpp's repacked weight buffers (AMX among them); auto: off where the CPU "
            "reports AMX and the kernel refuses it"),
-    option("--spec-type", choices=[t.value for t in SpecType], default=_spec.type.value,
-           help="speculative decoding: drafts from the sequence's own tokens, verified in the "
-           "step's batch (the output does not change; copy-heavy replies come faster); a "
-           "request's `speculative` overrides it"),
+    option("--spec-type", type=spec_types_flag, default=_spec.type.value,
+           help="speculative decoding, one type or several (a,b: the first with a draft "
+           f"drafts, in llama-server's order): {', '.join(t.value for t in SpecType)}; drafts "
+           "are verified in the step's batch (the output does not change; copy-heavy replies "
+           "come faster); a request's `speculative` overrides it"),
+    option("--spec-default", action="store_true",
+           help="llama-server's default speculative config: ngram-mod, n-match 24, n-min 48, "
+           "n-max 64"),
+    option("--spec-ngram-mod-n-match", type=positive_int, default=_spec.mod_n_match,
+           help="ngram-mod: tokens of the n-gram hashed"),
+    option("--spec-ngram-mod-n-min", type=int, default=_spec.mod_n_min,
+           help="ngram-mod: a shorter draft is none"),
+    option("--spec-ngram-mod-n-max", type=int, default=_spec.mod_n_max,
+           help="ngram-mod: the longest draft"),
+    option("--spec-cache-mb", type=int, default=256,
+           help="what drafts learn across requests (ngram-mod's pools, ngram-cache's stores, "
+           "the suffix cache), per tenant and never shared between tenants: all of them "
+           "together; the least recently used tenant's go first"),
     option("--model-draft", type=Path,
            help="a draft model of the same vocabulary (speculative type draft-simple): its "
            "greedy guesses are verified as n-gram drafts are"),

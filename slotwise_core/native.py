@@ -47,11 +47,17 @@ def quiet_native_logs() -> None:
 
 
 def load_model(
-    path: Path, *, vocab_only: bool, n_gpu_layers: int = 0, extra_bufts: bool = True
+    path: Path,
+    *,
+    vocab_only: bool,
+    n_gpu_layers: int = 0,
+    extra_bufts: bool = True,
+    load_mtp: bool = False,
 ) -> int:
     """Load a GGUF text model and return its handle (freed with free_model).
 
     extra_bufts False: no repacked weight buffers (the AMX ones among them; see amx_usable).
+    load_mtp: its multi-token-prediction (nextn) tensors too, which llama.cpp skips otherwise.
     """
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
@@ -61,6 +67,7 @@ def load_model(
     params.vocab_only = vocab_only
     params.n_gpu_layers = n_gpu_layers
     params.use_extra_bufts = extra_bufts
+    params.load_mtp = load_mtp
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise NativeError(f"llama.cpp could not load {path} (not a GGUF text model?)")

@@ -17,6 +17,7 @@ from slotwise_core.tiny_models import (
     BROKEN,
     FAMILIES_2026,
     HYBRID,
+    MTP,
     REASONING,
     TinyPair,
     write_tiny_models,
@@ -28,7 +29,7 @@ T = TypeVar("T")
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyPair]:
-    names = [*ALL, *HYBRID, *AUDIO, *FAMILIES_2026, *REASONING, *BROKEN]
+    names = [*ALL, *HYBRID, *MTP, *AUDIO, *FAMILIES_2026, *REASONING, *BROKEN]
     return write_tiny_models(tmp_path_factory.mktemp("tiny-models"), names)
 
 

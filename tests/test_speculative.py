@@ -107,6 +107,96 @@ def test_hybrid_memory_drafts_keep_the_greedy_tokens_through_rejects_and_reprefi
     assert u.num_accepted_tokens < u.num_draft_tokens  # some were rejected, and taken back
 
 
+EVERY_TYPE = {
+    "ngram-simple": [SIMPLE],
+    "ngram-map-k": [MAP_K],
+    "ngram-map-k4v": [infer_pb2.SPEC_TYPE_NGRAM_MAP_K4V],
+    "ngram-mod": [infer_pb2.SPEC_TYPE_NGRAM_MOD],
+    "ngram-cache": [infer_pb2.SPEC_TYPE_NGRAM_CACHE],
+    "suffix": [infer_pb2.SPEC_TYPE_SUFFIX],
+    "mod+suffix": [infer_pb2.SPEC_TYPE_SUFFIX, infer_pb2.SPEC_TYPE_NGRAM_MOD],
+}
+
+
+@pytest.mark.parametrize("pair", ["rope", "qwen35"])
+@pytest.mark.parametrize("name", list(EVERY_TYPE))
+def test_every_draft_type_keeps_the_greedy_tokens(
+    pair: str, name: str, prep_servers: Callable[[str], int], infer_server: Callable[..., Any]
+) -> None:
+    """Each n-gram type llama-server has, the suffix cache, and several at once (the first in
+    llama-server's order with a draft drafts): the reply is the one without drafts, the usage
+    counts each type's drafts."""
+    server = infer_server(pair, ctx_size=512, spec_rollback=2)
+    prompt = prepare(prep_servers(pair), raw="Say: abacabacabacabac")
+    req = make_request(prompt, max_tokens=160)
+    req.logit_bias.update(NO_END)
+    req.constraint.grammar = 'root ::= ("abac")+'
+    plain = run(server.port, req)
+    drafted_req = speculating(req, ngram_size_n=2, ngram_mod_n_match=2, ngram_mod_n_min=1)
+    drafted_req.speculative.type = infer_pb2.SPEC_TYPE_UNSPECIFIED
+    drafted_req.speculative.types.extend(EVERY_TYPE[name])
+    drafted = run(server.port, drafted_req)
+    assert_same(plain, drafted)
+    u = drafted.finished.usage
+    by_type = {infer_pb2.SpecType.Name(d.type): d for d in u.drafts_by_type}
+    assert sum(d.num_draft_tokens for d in by_type.values()) == u.num_draft_tokens
+    assert sum(d.num_accepted_tokens for d in by_type.values()) == u.num_accepted_tokens
+    if name == "mod+suffix":  # (ngram-mod comes first in llama-server's order)
+        assert "SPEC_TYPE_NGRAM_MOD" in by_type
+
+
+def test_the_suffix_cache_drafts_a_tenant_s_earlier_reply_and_never_another_s(
+    prep_servers: Callable[[str], int], infer_server: Callable[..., Any]
+) -> None:
+    """A reply said before is drafted from the tenant's cache when it comes again (hits
+    counted); another tenant (another key of the keys file would do the same) never drafts
+    from it: a cache_salt-free request under another tenant id gets no hit."""
+    server = infer_server("rope", ctx_size=512)
+    prompt = prepare(prep_servers("rope"), raw="Call the tool:")
+    req = make_request(prompt, max_tokens=120)
+    req.logit_bias.update(NO_END)
+    req.constraint.grammar = 'root ::= "{\\"name\\": \\"search\\", \\"q\\": \\"" [a-e]+'
+    spec = speculating(req, kind=infer_pb2.SPEC_TYPE_SUFFIX)
+    first = run(server.port, spec)
+    again = run(server.port, spec)
+    assert again.token_ids == first.token_ids
+    hits = {infer_pb2.SpecType.Name(d.type): d.num_cache_hits for d in again.finished.usage.drafts_by_type}
+    assert hits.get("SPEC_TYPE_SUFFIX", 0) > 0
+
+
+@pytest.mark.parametrize("rollback", [0, 4])
+def test_the_model_s_mtp_head_drafts_and_keeps_the_greedy_tokens(
+    rollback: int, prep_servers: Callable[[str], int], infer_server: Callable[..., Any]
+) -> None:
+    """draft-mtp on the tiny qwen35 with a nextn layer: the head's drafts are verified as any
+    others (rejected ones rolled back on the hybrid memory); the reply is the one without."""
+    mtp = infer_pb2.SPEC_TYPE_DRAFT_MTP
+    server = infer_server("qwen35mtp", ctx_size=512, spec_rollback=rollback, mtp=True)
+    marker = media_marker(prep_servers("qwen35mtp"))
+    prompt = prepare(
+        prep_servers("qwen35mtp"), raw=f"Look: {marker} and tell", images=[image_bytes(64, 48)]
+    )
+    req = make_request(prompt, max_tokens=120)
+    req.logit_bias.update(NO_END)
+    plain, drafted = both(server.port, req, kind=mtp, n_max=3)
+    assert drafted.token_ids == plain.token_ids
+    u = drafted.finished.usage
+    assert u.num_draft_tokens > u.num_accepted_tokens > 0  # drafts landed, and missed
+    (count,) = u.drafts_by_type
+    assert count.type == mtp and count.num_draft_tokens == u.num_draft_tokens
+
+
+def test_draft_mtp_without_the_head_is_invalid_argument(
+    prep_servers: Callable[[str], int], infer_server: Callable[..., Any]
+) -> None:
+    server = infer_server("qwen35", ctx_size=256)
+    req = make_request(prepare(prep_servers("qwen35"), raw="hi"), max_tokens=2)
+    req.speculative.type = infer_pb2.SPEC_TYPE_DRAFT_MTP
+    e = rpc_error(lambda: run(server.port, req))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
+    assert "draft-mtp" in e.details()
+
+
 @pytest.mark.parametrize("kind", [SIMPLE, MAP_K])
 def test_seeded_sampling_and_a_grammar_keep_their_tokens_with_drafts(
     kind: int, prep_servers: Callable[[str], int], infer_server: Callable[..., Any]

@@ -110,7 +110,7 @@ def speculative_of(nested: Any, body: Mapping[str, Any]) -> Speculative | None:
         raise invalid(e.errors(), "speculative") from None
     return Speculative(
         o.type or SpecType.UNSPECIFIED, o.n_max, o.n_min, o.p_min, o.ngram_size_n, o.ngram_size_m,
-        o.ngram_min_hits,
+        o.ngram_min_hits, o.ngram_mod_n_match, o.ngram_mod_n_min, o.ngram_mod_n_max,
     )  # fmt: skip
 
 

@@ -20,6 +20,13 @@ from slotwise_core.limits import (
 )
 
 MAX_N = 8  # choices per request
+# the draft types a request may name (llama-server's --spec-type names, and slotwise's suffix)
+SPEC_TYPE_NAMES = (
+    "none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache",
+    "suffix", "draft-simple", "draft-mtp",
+)  # fmt: skip
+_NAME = "(?:" + "|".join(SPEC_TYPE_NAMES) + ")"
+SPEC_TYPE_PATTERN = f"^{_NAME}(?: *, *{_NAME})*$"
 
 
 class OpenModel(BaseModel):
@@ -97,10 +104,14 @@ class SpeculativeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["none", "ngram-simple", "ngram-map-k", "draft-simple"] | None = None
+    # one of SPEC_TYPE_NAMES, or several separated by commas (llama-server's --spec-type a,b)
+    type: str | None = Field(default=None, max_length=200, pattern=SPEC_TYPE_PATTERN)
     n_max: int | None = Field(default=None, ge=0, le=MAX_DRAFTS)
     n_min: int | None = Field(default=None, ge=0, le=MAX_DRAFTS)
     p_min: float | None = Field(default=None, ge=0.0, le=1.0)
     ngram_size_n: int | None = Field(default=None, ge=1, le=MAX_NGRAM)
     ngram_size_m: int | None = Field(default=None, ge=1, le=1024)
     ngram_min_hits: int | None = Field(default=None, ge=1, lt=1 << 16)
+    ngram_mod_n_match: int | None = Field(default=None, ge=1, le=MAX_NGRAM)
+    ngram_mod_n_min: int | None = Field(default=None, ge=0, le=1024)
+    ngram_mod_n_max: int | None = Field(default=None, ge=0, le=1024)

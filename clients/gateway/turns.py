@@ -190,6 +190,14 @@ class TurnEnd:
             "saved": _SAVED.get(self.finished.persistence) if self.finished else None,
             "draft_tokens": u.num_draft_tokens if u else 0,
             "accepted_tokens": u.num_accepted_tokens if u else 0,
+            "drafts_by_type": {
+                str(d.type): {
+                    "draft_tokens": d.num_draft_tokens,
+                    "accepted_tokens": d.num_accepted_tokens,
+                    "cache_hits": d.num_cache_hits,
+                }
+                for d in (u.drafts_by_type if u else ())
+            },
             "finish": self.finished.reason.value if self.finished else "unspecified",
             "media": self.media,
         }

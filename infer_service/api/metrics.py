@@ -72,6 +72,7 @@ def slot_metrics(snap: EngineSnapshot, capacity: int) -> Iterable[Metric]:
     for i, (name, help_) in enumerate((
         ("draft_tokens", "speculative drafts verified, by type"),
         ("accepted_tokens", "speculative drafts the model sampled the same, by type"),
+        ("draft_cache_hits", "speculative drafts from the tenant's earlier requests (suffix)"),
     )):  # fmt: skip
         drafts = CounterMetricFamily(f"slotwise_infer_{name}", help_, labels=["type"])
         for kind, counts in sorted(snap.stats.drafts_by_type.items()):

@@ -58,6 +58,7 @@ PERSISTENCE_TO_PB = to_numbers(Persistence, infer_pb2.Persistence, "PERSISTENCE_
 CELL_KIND_TO_PB = to_numbers(CellKind, infer_pb2.CellKind, "CELL_KIND_")
 SLOT_STATE_TO_PB = to_numbers(SlotState, infer_pb2.SlotState, "SLOT_STATE_")
 SPEC_TYPES: Mapping[int, SpecType] = from_numbers(SpecType, infer_pb2.SpecType, "SPEC_TYPE_")
+SPEC_TYPE_NUMBERS: Mapping[str, int] = {t.value: n for n, t in SPEC_TYPES.items()}
 # requests: an unset policy or unit means the default
 POLICIES: Mapping[int, Policy] = from_numbers(
     Policy, infer_pb2.ShiftPolicy, "SHIFT_POLICY_", unset=Policy.AUTO
@@ -138,7 +139,15 @@ def shift_pb(s: ContextShift) -> infer_pb2.ContextShift:
 
 def usage_pb(u: Usage | Mapping[str, Any]) -> infer_pb2.Usage:
     """A usage, or one kept with a turn record (its fields by name)."""
-    return infer_pb2.Usage(**(u if isinstance(u, Mapping) else u.__dict__))
+    fields = dict(u if isinstance(u, Mapping) else u.__dict__)
+    by_type = fields.pop("drafts_by_type", None) or {}
+    pb = infer_pb2.Usage(**fields)
+    for name, (drafted, accepted, hits) in by_type.items():
+        pb.drafts_by_type.add(
+            type=SPEC_TYPE_NUMBERS[name], num_draft_tokens=drafted,
+            num_accepted_tokens=accepted, num_cache_hits=hits,
+        )  # fmt: skip
+    return pb
 
 
 def _choice_pb(c: TokenChoice) -> infer_pb2.TokenLogprob:

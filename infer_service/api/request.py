@@ -222,6 +222,7 @@ class GenerateLimits:
     max_stop_chars: int = 1000  # of each (every token's text is searched for each)
     speculative: SpecConfig = SpecConfig()  # what a request leaves unset (--spec-*)
     draft_model: bool = False  # whether a draft model is loaded (--model-draft)
+    mtp: bool = False  # whether the model's MTP head drafts (--spec-type draft-mtp)
 
 
 MAX_STREAM_TOKENS = 256
@@ -280,7 +281,9 @@ class GenerateParams:
             max_tokens=max_tokens,
             stop=tuple(r.stop),
             stream_tokens=max(1, r.stream_tokens),
-            speculative=speculative_of(r.speculative, limits.speculative, limits.draft_model),
+            speculative=speculative_of(
+                r.speculative, limits.speculative, limits.draft_model, limits.mtp
+            ),
             note=r.turn_note,
             cache_salt=r.cache_salt,
             reasoning=reasoning_of(r.reasoning) if r.HasField("reasoning") else None,
@@ -353,17 +356,31 @@ def sampling_of(pb: infer_pb2.SamplingParams, d: SamplingConfig) -> SamplingConf
 
 
 def speculative_of(
-    pb: infer_pb2.SpeculativeOptions, d: SpecConfig, draft_model: bool = False
+    pb: infer_pb2.SpeculativeOptions, d: SpecConfig, draft_model: bool = False, mtp: bool = False
 ) -> SpecConfig:
     """The request's speculative options over the server's."""
-    if pb.type and pb.type not in SPEC_TYPES:
-        raise bad_request(f"speculative.type {pb.type} is not a known type", "speculative.type")
+    for field, kinds in (("type", [pb.type]), ("types", list(pb.types))):
+        if any(k and k not in SPEC_TYPES for k in kinds):
+            raise bad_request(f"speculative.{field}: {kinds} holds an unknown type",
+                              f"speculative.{field}")  # fmt: skip
+    if len(pb.types) > len(SPEC_TYPES):
+        raise bad_request("speculative.types: each type once", "speculative.types")
 
     def get(name: str, default: float) -> float:
         return getattr(pb, name) if pb.HasField(name) else default
 
+    if pb.types:  # (several: the first in llama-server's order with a draft drafts)
+        kinds, others = SPEC_TYPES[pb.types[0]], tuple(SPEC_TYPES[k] for k in pb.types[1:] if k)
+    elif pb.type:
+        kinds, others = SPEC_TYPES[pb.type], ()
+    else:
+        kinds, others = d.type, d.types
     s = SpecConfig(
-        type=SPEC_TYPES[pb.type] if pb.type else d.type,
+        type=kinds,
+        types=others,
+        mod_n_match=int(get("ngram_mod_n_match", d.mod_n_match)),
+        mod_n_min=int(get("ngram_mod_n_min", d.mod_n_min)),
+        mod_n_max=int(get("ngram_mod_n_max", d.mod_n_max)),
         n_max=int(get("n_max", d.n_max)),
         n_min=int(get("n_min", d.n_min)),
         p_min=get("p_min", d.p_min),
@@ -378,10 +395,17 @@ def speculative_of(
         ("ngram_size_n", s.size_n, 1, MAX_NGRAM),
         ("ngram_size_m", s.size_m, 1, 1024),
         ("ngram_min_hits", s.min_hits, 1, 1 << 16),
+        ("ngram_mod_n_match", s.mod_n_match, 1, MAX_NGRAM),
+        ("ngram_mod_n_min", s.mod_n_min, 0, 1024),
+        ("ngram_mod_n_max", s.mod_n_max, 0, 1024),
     ])  # fmt: skip
-    if s.type is SpecType.DRAFT_SIMPLE and not draft_model:
+    if SpecType.DRAFT_SIMPLE in s.kinds and not draft_model:
         raise bad_request("speculative.type draft-simple needs a draft model: start "
                           "infer_service with --model-draft", "speculative.type")  # fmt: skip
+    if SpecType.DRAFT_MTP in s.kinds and not mtp:
+        raise bad_request("speculative.type draft-mtp needs the model's MTP head: start "
+                          "infer_service with --spec-type draft-mtp on a model with nextn "
+                          "layers", "speculative.type")  # fmt: skip
     return s
 
 

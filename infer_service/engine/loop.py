@@ -94,6 +94,7 @@ class Engine:
         draft_model: DraftModel | None = None,
         session_limits: SessionLimits = SessionLimits(),
         on_death: Callable[[BaseException], None] = lambda error: None,
+        spec_cache_bytes: int = 256 << 20,
     ):
         self.runtime = runtime
         self.slots = [Slot(seq) for seq in range(runtime.num_slots)]
@@ -111,6 +112,7 @@ class Engine:
             notify=self._notify,
             draft_model=draft_model,
             slots=self.slots,
+            spec_cache_bytes=spec_cache_bytes,
         )
         self.sessions = SessionManager(
             self.executor, self.slots, store, self.stats, call=self.call,

@@ -23,6 +23,7 @@ ledgers after every plan, and after every step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -84,7 +85,9 @@ from infer_service.runner.sampling import ConstraintError, GrammarDeadEnd, SlotS
 from infer_service.runner.slot import MediaPiece, Slot
 from infer_service.runner.stats import EngineStats
 from infer_service.runner.step_budget import prefill_budget
-from infer_service.spec.drafting import NO_TOKEN, Speculation, StepCost
+from infer_service.spec.drafting import NO_TOKEN, SpecType, Speculation, StepCost
+from infer_service.spec.proposers import make_proposer
+from infer_service.spec.stores import DraftStores
 from slotwise_core import native
 
 log = logging.getLogger("slotwise.engine")
@@ -141,6 +144,7 @@ class Taken(NamedTuple):
     item: Item  # a generating slot's: its last token, then its drafts
     logits_at: int | None  # batch index of the first logits (None: a prompt piece)
     drafts: tuple[int, ...] = ()
+    at: int = 0  # batch index of its first token
 
 
 class StepObserver(Protocol):
@@ -163,6 +167,7 @@ class Executor:
         observer: StepObserver | None = None,
         draft_model: DraftModel | None = None,
         slots: Sequence[Slot] = (),
+        spec_cache_bytes: int = 256 << 20,
     ):
         self.runtime = rt
         self.slots = slots  # every slot: the pool counts their cells
@@ -185,6 +190,8 @@ class Executor:
         self._observer = observer
         self.grammars = GrammarWorker()  # every slot's grammar work, each call under a budget
         self.step_cost = StepCost()  # what a draft costs to verify, for slots to weigh it by
+        # what drafts learn across requests, per tenant (ngram-mod, ngram-cache, suffix)
+        self.draft_stores = DraftStores(spec_cache_bytes)
         self._outcome = StepOutcome()  # what the step under way did so far
         self._preempting: list[Slot] = []  # (pool) to put aside once the step's decode is done
         self._num_generating = 0  # slots of the step under way that generate (not prefilling)
@@ -212,6 +219,8 @@ class Executor:
 
     def clear(self, slot: Slot) -> None:
         self.runtime.seq_clear(slot.seq)
+        if self.runtime.mtp is not None:
+            self.runtime.mtp.clear(slot.seq)
         slot.share = None
         if self.pool is not None:
             self.pool.unshare(slot.seq)
@@ -482,11 +491,14 @@ class Executor:
         self, slot: Slot, job: Job, ledger: Ledger, sampler: SlotSampler, pending: deque[Item]
     ) -> None:
         """The job is the slot's now, its prompt pending."""
-        spec = (
-            Speculation(job.speculative, history(ledger.segments, pending), self.step_cost)
-            if job.speculative.enabled
-            else None
-        )
+        spec = None
+        if job.speculative.enabled:
+            make = functools.partial(
+                make_proposer, config=job.speculative, stores=self.draft_stores, tenant=job.tenant
+            )
+            spec = Speculation(
+                job.speculative, history(ledger.segments, pending), self.step_cost, make
+            )
         slot.job = job
         slot.ledger = ledger
         slot.pending = pending
@@ -815,6 +827,8 @@ class Executor:
             slot.sampler.close()
             slot.sampler = None
         slot.job = None
+        if slot.spec is not None:
+            slot.spec.close()  # (what it learnt goes to its tenant's stores)
         slot.spec = None
         slot.thoughts = None
         slot.share = None
@@ -1133,6 +1147,8 @@ class Executor:
         elapsed = time.perf_counter() - t0
         if not any(t.slot.prefilling for t in taken):  # (generation only: a logit per token)
             self.step_cost.observe(sum(t.item.num_cells for t in taken), elapsed)
+        if self.runtime.mtp is not None:
+            self._mtp_catch_up(taken)
         for t in taken:
             slot = t.slot
             try:
@@ -1151,6 +1167,25 @@ class Executor:
                     self._sample(slot, t.logits_at, t.drafts)
             except Exception as e:
                 self._fail(slot, e)
+
+    def _mtp_catch_up(self, taken: list[Taken]) -> None:
+        """(draft-mtp) The MTP context decodes what the target just did, each token beside
+        the target's hidden state of the one before (llama.cpp's process()). A failure costs
+        the sequence its MTP cells (its drafts get worse), never the request."""
+        mtp = self.runtime.mtp
+        assert mtp is not None
+        rows = []
+        for t in taken:
+            assert t.slot.ledger is not None
+            rows.append((t.slot.seq, t.item.token_ids, t.slot.ledger.next_pos, t.at))
+        try:
+            for seq, _, pos, _ in rows:  # (what it held from there on is another text's)
+                mtp.rewind(seq, pos)
+            mtp.after_decode(rows)
+        except native.NativeError as e:
+            log.warning("the MTP context's catch-up failed: %s", e)
+            for seq, *_ in rows:
+                mtp.clear(seq)
 
     def _take_text(self, slot: Slot, budget: int, spare: int | None = None) -> Taken | None:
         """The slot's next text into the batch, after the ledger's plan made room for it (a
@@ -1193,7 +1228,8 @@ class Executor:
             num_logits=1 + len(drafts),
         )  # fmt: skip
         self._reserved += item.num_cells
-        return Taken(slot, item, end - len(drafts) if last else None, drafts)
+        first = end - item.num_cells + 1
+        return Taken(slot, item, end - len(drafts) if last else None, drafts, first)
 
     def _rollback_ready(self, slot: Slot, num_drafts: int) -> bool:
         """(hybrid memory) Whether the step can take back `num_drafts` rejected drafts: in
@@ -1230,26 +1266,37 @@ class Executor:
             ledger.n_ctx_train - ledger.next_pos - taken.num_cells,  # (positions, under GAP)
             job.max_tokens - slot.usage.num_generated_tokens - 1,
         )
-        draw, cost = None, 0.0
-        model = self.draft_model
-        if model is not None and spec.index is None:
-            tokens = text_tokens(ledger.segments, [taken])  # (None: it holds media)
-            if tokens is not None:
-                p_min, owner = spec.config.p_min, job.reuse_key
-
-                def draw(k: int) -> list[int]:
-                    try:
-                        return model.draft(slot.seq, tokens, k, p_min, owner=owner)
-                    except native.NativeError:  # a guess that failed is no request's end
-                        log.warning("slot %d: the draft model failed", slot.seq, exc_info=True)
-                        return []
-
-                cost = model.seconds_per_draft
-        drafts = spec.drafts(room, self._num_generating, draw, cost) if room > 0 else ()
+        cost = self._model_draws(slot, spec, taken) if room > 0 else 0.0
+        drafts = spec.drafts(room, self._num_generating, cost) if room > 0 else ()
         if thoughts is not None and drafts:  # (nor one that opens a thought)
             opens = [k for k, t in enumerate(drafts) if t in thoughts.thoughts.start]
             drafts = drafts[: opens[0]] if opens else drafts
         return drafts
+
+    def _model_draws(self, slot: Slot, spec: Speculation, taken: Item) -> float:
+        """Give this step's model drafters what they draw from (a draft model: the sequence's
+        text; the MTP head: the slot's last token and its position): the seconds a model's
+        draft costs. A guess that fails is no request's end: no drafts."""
+        ledger, job = slot.ledger, slot.job
+        assert ledger is not None and job is not None
+        cost, p_min = 0.0, spec.config.p_min
+        simple, mtp = spec.model(SpecType.DRAFT_SIMPLE), spec.model(SpecType.DRAFT_MTP)
+        if simple is not None:
+            simple.draw = None
+            model, tokens = self.draft_model, text_tokens(ledger.segments, [taken])
+            if model is not None and tokens is not None:  # (None: it holds media)
+                owner = job.reuse_key
+                simple.draw = _guarded(
+                    slot, lambda k: model.draft(slot.seq, tokens, k, p_min, owner=owner)
+                )
+                cost = model.seconds_per_draft
+        if mtp is not None:
+            mtp.draw = None
+            head = self.runtime.mtp
+            if head is not None and taken.num_cells == 1:  # (after a replay: none this step)
+                last, pos = taken.token_ids[0], ledger.next_pos
+                mtp.draw = _guarded(slot, lambda k: head.draft(slot.seq, last, pos, k, p_min))
+        return cost
 
     def _fail(self, slot: Slot, e: Exception) -> None:
         """A bug met while carrying out one slot's item: that request ends (INTERNAL, its
@@ -1262,7 +1309,7 @@ class Executor:
     def _decode_alone(self, taken: list[Taken]) -> None:
         """Decode each sequence of a failed batch on its own: only those that fail again end."""
         batch = self.runtime.batch
-        for slot, item, logits_at, drafts in taken:
+        for slot, item, logits_at, drafts, _ in taken:
             assert slot.ledger is not None
             batch.clear()
             end = batch.add(
@@ -1317,9 +1364,34 @@ class Executor:
             slot.usage.num_draft_tokens += len(drafts)
             slot.usage.num_accepted_tokens += confirmed
             if spec is not None:
-                self.stats.count_drafts(spec.config.type.value, len(drafts), confirmed)
-                spec.verified(len(drafts), confirmed)
+                self._count_drafts(slot, spec, len(drafts), confirmed)
+            if self.runtime.mtp is not None:
+                self._mtp_accept(slot, confirmed)
             self._give_back(slot, len(drafts) - confirmed)
+
+    def _count_drafts(
+        self, slot: Slot, spec: Speculation, num_drafted: int, num_accepted: int
+    ) -> None:
+        """The drafts just verified, counted for their type (and as the suffix cache's hits
+        when they came from the tenant's earlier requests); the slot's length adapts."""
+        kind = spec.last.name if spec.last is not None else "unknown"
+        hit = int(kind == SpecType.SUFFIX.value and spec.cache_hit())
+        self.stats.count_drafts(kind, num_drafted, num_accepted, hit)
+        counts = slot.usage.drafts_by_type.setdefault(kind, [0, 0, 0])
+        counts[0] += num_drafted
+        counts[1] += num_accepted
+        counts[2] += hit
+        spec.verified(num_drafted, num_accepted)
+
+    def _mtp_accept(self, slot: Slot, num_accepted: int) -> None:
+        """(draft-mtp) The MTP context keeps what the verification kept."""
+        mtp = self.runtime.mtp
+        assert mtp is not None
+        try:
+            mtp.accept(slot.seq, num_accepted)
+        except native.NativeError as e:
+            log.warning("slot %d: the MTP context's accept failed: %s", slot.seq, e)
+            mtp.clear(slot.seq)
 
     def _give_back(self, slot: Slot, num_cells: int) -> None:
         """The last cells of the sequence's newest segment leave it (rejected drafts)."""
@@ -1687,3 +1759,16 @@ def policy_of(plan: Plan) -> Policy:
     if isinstance(plan, Gap):
         return Policy.GAP
     return Policy.REPREFILL
+
+
+def _guarded(slot: Slot, draw: Callable[[int], list[int]]) -> Callable[[int], list[int]]:
+    """A model's draw whose failure drafts nothing (the request goes on without drafts)."""
+
+    def guarded(k: int) -> list[int]:
+        try:
+            return draw(k)
+        except native.NativeError:
+            log.warning("slot %d: drafting failed", slot.seq, exc_info=True)
+            return []
+
+    return guarded

@@ -24,6 +24,7 @@ from llama_cpp import mtmd_cpp
 
 from infer_service.runner.cache_types import FLASH_ATTN, GGML_TYPES, CacheTypes
 from infer_service.runner.lora import LoraAdapters, LoraFile, LoraSet
+from infer_service.runner.mtp import MtpDrafter
 from slotwise_core import model_files, native
 from slotwise_core.descriptors import Fingerprint
 from slotwise_core.lru import SizedLRU
@@ -83,7 +84,10 @@ class RuntimeConfig:
     # (hybrid memory) the recurrent state keeps one snapshot per token for this many of the
     # last tokens a step decodes (llama.cpp's n_rs_seq): that many rejected drafts roll back in
     # place; a longer draft is verified from a checkpoint of the state taken before its step
-    spec_rollback: int = 0
+    spec_rollback: int = 4
+    # the model's own multi-token-prediction head drafts (speculative type draft-mtp): its
+    # nextn layers loaded, and an MTP context beside the target's
+    mtp: bool = False
     # the types of K and V cells and flash attention (--cache-type-k/v, --flash-attn); None:
     # llama.cpp's defaults (f16, f16, auto)
     cache_types: CacheTypes | None = None
@@ -125,7 +129,14 @@ class Runtime:
             vocab_only=False,
             n_gpu_layers=config.gpu_layers,
             extra_bufts=extra_bufts,
+            load_mtp=config.mtp,
         )
+        if config.mtp and llama_cpp.llama_model_n_layer_nextn(self.model) <= 0:
+            native.free_model(self.model)
+            raise native.NativeError(
+                f"{config.model.name} has no nextn (multi-token-prediction) layers: the "
+                "speculative type draft-mtp needs a model that ships them"
+            )
         try:
             self.lora = LoraAdapters.load(
                 self.model, config.lora, apply=not config.lora_init_without_apply
@@ -152,7 +163,13 @@ class Runtime:
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.mtmd: native.Multimodal | None = None
         self._batch: TokenBatch | None = None
+        self.mtp: MtpDrafter | None = None
         try:
+            if config.mtp:
+                self.mtp = MtpDrafter(
+                    self.model, self.ctx, params_seqs(config, holders),
+                    llama_cpp.llama_n_ctx(self.ctx), config.threads,
+                )  # fmt: skip
             if config.mmproj:
                 self.mtmd = native.Multimodal(
                     config.mmproj,
@@ -195,7 +212,7 @@ class Runtime:
         params.n_ctx = config.ctx_size
         params.n_batch = config.batch_size
         params.n_ubatch = config.ubatch_size
-        params.n_seq_max = config.parallel + holders
+        params.n_seq_max = params_seqs(config, holders)
         params.n_threads = config.threads
         params.n_threads_batch = config.threads_batch
         params.kv_unified = config.kv_unified  # else every sequence has its own budget of cells
@@ -262,6 +279,9 @@ class Runtime:
         if self._batch is not None:
             self._batch.close()
             self._batch = None
+        if self.mtp is not None:
+            self.mtp.close()
+            self.mtp = None
         if self.mtmd is not None:
             self.mtmd.close()
             self.mtmd = None
@@ -639,6 +659,11 @@ class EmbeddingCache(SizedLRU[str, np.ndarray]):
 
     def __init__(self, max_bytes: int = 1 << 30):
         super().__init__(max_bytes, lambda embeddings: embeddings.nbytes)
+
+
+def params_seqs(config: RuntimeConfig, holders: int) -> int:
+    """The context's sequences: one a slot, one a held prefix."""
+    return config.parallel + holders
 
 
 def type_name(ggml_type: int) -> str:

@@ -64,16 +64,20 @@ class EngineStats:
     num_spec_restores: int = 0
     num_spec_checkpoints: int = 0
     shifts_by_policy: dict[str, int] = field(default_factory=dict)
-    # speculative decoding, by type: [tokens drafted, tokens accepted]
+    # speculative decoding, by type: [tokens drafted, tokens accepted, drafts from the
+    # tenant's earlier requests (the suffix cache's hits)]
     drafts_by_type: dict[str, list[int]] = field(default_factory=dict)
     by_tenant: dict[str, TenantStats] = field(default_factory=dict)  # (tenants: the keys file's)
     # from a request's start in its slot to its first sampled token
     time_to_first_token: Latencies = field(default_factory=Latencies)
 
-    def count_drafts(self, spec_type: str, num_drafted: int, num_accepted: int) -> None:
-        counts = self.drafts_by_type.setdefault(spec_type, [0, 0])
+    def count_drafts(
+        self, spec_type: str, num_drafted: int, num_accepted: int, num_cache_hits: int = 0
+    ) -> None:
+        counts = self.drafts_by_type.setdefault(spec_type, [0, 0, 0])
         counts[0] += num_drafted
         counts[1] += num_accepted
+        counts[2] += num_cache_hits
 
     def tenant(self, name: str) -> TenantStats:
         stats = self.by_tenant.get(name)

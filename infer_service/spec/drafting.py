@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from infer_service.spec.proposer import NO_TOKEN
+from infer_service.spec.proposer import NO_TOKEN, Proposer
 
 HISTORY_TOKENS = 1 << 16  # a request's history for lookups (its newest tokens)
 
@@ -34,7 +34,36 @@ class SpecType(enum.Enum):
     NONE = "none"
     NGRAM_SIMPLE = "ngram-simple"  # the latest earlier occurrence of the last n tokens
     NGRAM_MAP_K = "ngram-map-k"  # the same, once the n-gram occurred min_hits times
+    NGRAM_MAP_K4V = "ngram-map-k4v"  # n-grams with up to 4 continuations, the likeliest
+    NGRAM_MOD = "ngram-mod"  # a hash of n-grams to their next token, chained (the tenant's)
+    NGRAM_CACHE = "ngram-cache"  # n-gram statistics of the request and the tenant's earlier
+    SUFFIX = "suffix"  # the tenant's earlier prompts and replies (a suffix cache)
     DRAFT_SIMPLE = "draft-simple"  # a draft model's greedy guesses (--model-draft)
+    DRAFT_MTP = "draft-mtp"  # the model's own multi-token-prediction head
+
+
+# llama-server's order of preference (common_speculative_init): the first type with a draft
+# drafts; the suffix cache is slotwise's own and goes after the n-gram types
+PRECEDENCE = (
+    SpecType.NGRAM_SIMPLE, SpecType.NGRAM_MAP_K, SpecType.NGRAM_MAP_K4V, SpecType.NGRAM_MOD,
+    SpecType.NGRAM_CACHE, SpecType.SUFFIX, SpecType.DRAFT_SIMPLE, SpecType.DRAFT_MTP,
+)  # fmt: skip
+MODEL_TYPES = frozenset({SpecType.DRAFT_SIMPLE, SpecType.DRAFT_MTP})
+# llama.cpp's draft types that need a draft model's architecture slotwise cannot run
+UNSUPPORTED = ("draft-eagle3", "draft-dflash", "draft-dspark")
+
+
+def spec_types(text: str) -> tuple[SpecType, ...]:
+    """`--spec-type a,b` (llama-server's comma-separated list) in precedence order."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name in UNSUPPORTED:
+            raise ValueError(
+                f"{name} needs a draft model of an architecture slotwise does not run "
+                "(README: speculative decoding)"
+            )
+    kinds = {SpecType(n) for n in names} - {SpecType.NONE}
+    return tuple(t for t in PRECEDENCE if t in kinds)
 
 
 @dataclass(frozen=True)
@@ -48,10 +77,20 @@ class SpecConfig:
     size_n: int = 12  # the n-gram looked up (--spec-ngram-size-n)
     size_m: int = 48  # the longest continuation drafted from one match (--spec-ngram-size-m)
     min_hits: int = 1  # ngram-map-k: occurrences of the n-gram before it drafts
+    types: tuple[SpecType, ...] = ()  # more types beside `type` (--spec-type a,b)
+    mod_n_match: int = 24  # ngram-mod (--spec-ngram-mod-n-match, -n-min, -n-max)
+    mod_n_min: int = 48
+    mod_n_max: int = 64
+
+    @property
+    def kinds(self) -> tuple[SpecType, ...]:
+        """Every type asked for, in precedence order."""
+        asked = {self.type, *self.types} - {SpecType.NONE}
+        return tuple(t for t in PRECEDENCE if t in asked)
 
     @property
     def enabled(self) -> bool:
-        return self.type is not SpecType.NONE and self.n_max > 0
+        return bool(self.kinds) and self.n_max > 0
 
 
 class NgramIndex:
@@ -276,47 +315,131 @@ class DraftLength:
             self._pause = min(self.max_pause, 2 * self._pause)
 
 
-class Speculation:
-    """One request's drafting: the sequence's tokens so far (indexed), and its draft length."""
+class IndexDrafts:
+    """ngram-simple and ngram-map-k (prompt lookup) as a Proposer, on the request's index."""
 
-    def __init__(self, config: SpecConfig, history: Iterable[int], cost: StepCost):
+    def __init__(self, index: NgramIndex, name: str, min_hits: int):
+        self.index, self.name, self.min_hits = index, name, min_hits
+
+    def append(self, token: int) -> None:
+        pass  # (the index is the request's: Speculation feeds it once for both types)
+
+    def propose(self, limit: int) -> list[int]:
+        return self.index.draft(limit, min_hits=self.min_hits)
+
+    def verified(self, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ModelDrafts:
+    """A model's drafts (a draft model's, the MTP head's) as a Proposer: `draw(k)`, set for
+    the step by the executor, which holds the model; nothing to learn from the history."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.draw: Callable[[int], list[int]] | None = None
+
+    def append(self, token: int) -> None:
+        pass
+
+    def propose(self, limit: int) -> list[int]:
+        return self.draw(limit) if self.draw is not None else []
+
+    def verified(self, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Speculation:
+    """One request's drafting: a proposer per type asked for (in llama-server's order: the
+    first with a draft drafts), the history they see, and the draft length."""
+
+    def __init__(
+        self,
+        config: SpecConfig,
+        history: Iterable[int],
+        cost: StepCost,
+        make: Callable[[SpecType], Proposer] | None = None,
+    ):
+        """make(type): the proposer of a type that learns across requests (ngram-mod,
+        ngram-map-k4v, ngram-cache, suffix: infer_service/spec/proposers.py builds them with
+        the tenant's stores)."""
         self.config = config
-        self.index: NgramIndex | None = None  # (a draft model draws from its own context)
-        if config.type is not SpecType.DRAFT_SIMPLE:
-            self.index = NgramIndex(
-                config.size_n, max_tokens=max(HISTORY_TOKENS, 4 * config.size_n)
-            )
-            self.index.extend(history)
+        self.index: NgramIndex | None = None
+        self.proposers: dict[SpecType, Proposer] = {}
+        for kind in config.kinds:
+            if kind in (SpecType.NGRAM_SIMPLE, SpecType.NGRAM_MAP_K):
+                if self.index is None:
+                    self.index = NgramIndex(
+                        config.size_n, max_tokens=max(HISTORY_TOKENS, 4 * config.size_n)
+                    )
+                hits = config.min_hits if kind is SpecType.NGRAM_MAP_K else 1
+                self.proposers[kind] = IndexDrafts(self.index, kind.value, hits)
+            elif kind in MODEL_TYPES:
+                self.proposers[kind] = ModelDrafts(kind.value)
+            elif make is not None:
+                self.proposers[kind] = make(kind)
+        for t in history:
+            self.took(t)
         self.length = DraftLength(config.n_max)
         self.cost = cost
+        self.last: Proposer | None = None  # the proposer of the drafts being verified
+        self.hits_before = 0
+
+    def model(self, kind: SpecType) -> ModelDrafts | None:
+        proposer = self.proposers.get(kind)
+        return proposer if isinstance(proposer, ModelDrafts) else None
 
     def drafts(
-        self,
-        room: int,
-        num_generating: int = 1,
-        draw: Callable[[int], list[int]] | None = None,
-        draw_seconds: float = 0.0,
+        self, room: int, num_generating: int = 1, draw_seconds: float = 0.0
     ) -> tuple[int, ...]:
         """The drafts to verify after the sequence's last token, at most `room` of them, in a
-        step where `num_generating` slots generate; `draw(k)`: a draft model's k guesses, at
-        `draw_seconds` each."""
+        step where `num_generating` slots generate (a model's drafts cost `draw_seconds`
+        each)."""
         ratio = self.cost.ratio(num_generating, extra=draw_seconds)
-        k = min(self.length.limit(ratio), room, self.config.size_m)
+        k = min(self.length.limit(ratio), room, max(self.config.size_m, self.config.mod_n_max))
         if k > 1 and self.length.a > ratio:  # (a probe of one draft stays one)
             k = max(1, self.cost.worth(num_generating, self.length.a, k))
+        self.last = None
         if k < max(1, self.config.n_min):
             return ()
-        if self.index is not None:
-            min_hits = self.config.min_hits if self.config.type is SpecType.NGRAM_MAP_K else 1
-            found = self.index.draft(k, min_hits=min_hits)
-        else:
-            found = draw(k) if draw is not None else []
-        return tuple(found) if len(found) >= self.config.n_min else ()
+        for proposer in self.proposers.values():
+            hits = getattr(proposer, "hits", 0)
+            found = proposer.propose(min(k, self._most(proposer)))
+            if found and len(found) >= self.config.n_min:
+                self.last, self.hits_before = proposer, hits
+                return tuple(found)
+        return ()
+
+    def _most(self, proposer: Proposer) -> int:
+        """The longest draft a type gives: ngram-mod's own n_max, the others' size_m or the
+        request's n_max."""
+        if proposer.name == SpecType.NGRAM_MOD.value:
+            return self.config.mod_n_max
+        return self.config.size_m if proposer.name.startswith("ngram") else self.config.n_max
 
     def took(self, token: int) -> None:
-        """A token the target sampled: the history's newest."""
+        """A token the target sampled (or the prompt's): the history's newest."""
         if self.index is not None:
             self.index.append(token)
+        for proposer in self.proposers.values():
+            proposer.append(token)
 
     def verified(self, num_drafted: int, num_accepted: int) -> None:
         self.length.update(num_drafted, num_accepted)
+        if self.last is not None:
+            self.last.verified(num_drafted, num_accepted)
+
+    def cache_hit(self) -> bool:
+        """Whether the drafts just verified came from the tenant's earlier requests."""
+        return self.last is not None and getattr(self.last, "hits", 0) > self.hits_before
+
+    def close(self) -> None:
+        """The request ended: what it gives the tenant's stores is handed over."""
+        for proposer in self.proposers.values():
+            proposer.close()

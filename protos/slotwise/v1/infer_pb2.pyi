@@ -30,6 +30,11 @@ class SpecType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPEC_TYPE_NGRAM_SIMPLE: _ClassVar[SpecType]
     SPEC_TYPE_NGRAM_MAP_K: _ClassVar[SpecType]
     SPEC_TYPE_DRAFT_SIMPLE: _ClassVar[SpecType]
+    SPEC_TYPE_NGRAM_MAP_K4V: _ClassVar[SpecType]
+    SPEC_TYPE_NGRAM_MOD: _ClassVar[SpecType]
+    SPEC_TYPE_NGRAM_CACHE: _ClassVar[SpecType]
+    SPEC_TYPE_SUFFIX: _ClassVar[SpecType]
+    SPEC_TYPE_DRAFT_MTP: _ClassVar[SpecType]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -75,6 +80,11 @@ SPEC_TYPE_NONE: SpecType
 SPEC_TYPE_NGRAM_SIMPLE: SpecType
 SPEC_TYPE_NGRAM_MAP_K: SpecType
 SPEC_TYPE_DRAFT_SIMPLE: SpecType
+SPEC_TYPE_NGRAM_MAP_K4V: SpecType
+SPEC_TYPE_NGRAM_MOD: SpecType
+SPEC_TYPE_NGRAM_CACHE: SpecType
+SPEC_TYPE_SUFFIX: SpecType
+SPEC_TYPE_DRAFT_MTP: SpecType
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -285,7 +295,7 @@ class ReasoningOptions(_message.Message):
     def __init__(self, start_token_ids: _Optional[_Iterable[int]] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., started: _Optional[bool] = ..., budget_tokens: _Optional[int] = ..., forced_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculativeOptions(_message.Message):
-    __slots__ = ("type", "n_max", "n_min", "p_min", "ngram_size_n", "ngram_size_m", "ngram_min_hits")
+    __slots__ = ("type", "n_max", "n_min", "p_min", "ngram_size_n", "ngram_size_m", "ngram_min_hits", "types", "ngram_mod_n_match", "ngram_mod_n_min", "ngram_mod_n_max")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     N_MAX_FIELD_NUMBER: _ClassVar[int]
     N_MIN_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +303,10 @@ class SpeculativeOptions(_message.Message):
     NGRAM_SIZE_N_FIELD_NUMBER: _ClassVar[int]
     NGRAM_SIZE_M_FIELD_NUMBER: _ClassVar[int]
     NGRAM_MIN_HITS_FIELD_NUMBER: _ClassVar[int]
+    TYPES_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_MOD_N_MATCH_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_MOD_N_MIN_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_MOD_N_MAX_FIELD_NUMBER: _ClassVar[int]
     type: SpecType
     n_max: int
     n_min: int
@@ -300,7 +314,11 @@ class SpeculativeOptions(_message.Message):
     ngram_size_n: int
     ngram_size_m: int
     ngram_min_hits: int
-    def __init__(self, type: _Optional[_Union[SpecType, str]] = ..., n_max: _Optional[int] = ..., n_min: _Optional[int] = ..., p_min: _Optional[float] = ..., ngram_size_n: _Optional[int] = ..., ngram_size_m: _Optional[int] = ..., ngram_min_hits: _Optional[int] = ...) -> None: ...
+    types: _containers.RepeatedScalarFieldContainer[SpecType]
+    ngram_mod_n_match: int
+    ngram_mod_n_min: int
+    ngram_mod_n_max: int
+    def __init__(self, type: _Optional[_Union[SpecType, str]] = ..., n_max: _Optional[int] = ..., n_min: _Optional[int] = ..., p_min: _Optional[float] = ..., ngram_size_n: _Optional[int] = ..., ngram_size_m: _Optional[int] = ..., ngram_min_hits: _Optional[int] = ..., types: _Optional[_Iterable[_Union[SpecType, str]]] = ..., ngram_mod_n_match: _Optional[int] = ..., ngram_mod_n_min: _Optional[int] = ..., ngram_mod_n_max: _Optional[int] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("slot", "num_prompt_cells", "num_prompt_positions", "num_capacity_cells", "num_truncated_cells", "truncated_media_ids", "num_truncated_chunks", "num_reused_cells")
@@ -375,7 +393,7 @@ class ContextShift(_message.Message):
     def __init__(self, policy: _Optional[_Union[ShiftPolicy, str]] = ..., num_cells_evicted: _Optional[int] = ..., num_positions_evicted: _Optional[int] = ..., media_ids_evicted: _Optional[_Iterable[str]] = ..., num_cells_used_after: _Optional[int] = ..., next_position_after: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("num_prompt_cells", "num_prompt_positions", "num_generated_tokens", "num_shifts", "num_evicted_cells", "num_reused_cells", "prefill_seconds", "decode_seconds", "num_draft_tokens", "num_accepted_tokens")
+    __slots__ = ("num_prompt_cells", "num_prompt_positions", "num_generated_tokens", "num_shifts", "num_evicted_cells", "num_reused_cells", "prefill_seconds", "decode_seconds", "num_draft_tokens", "num_accepted_tokens", "drafts_by_type")
     NUM_PROMPT_CELLS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -386,6 +404,7 @@ class Usage(_message.Message):
     DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_BY_TYPE_FIELD_NUMBER: _ClassVar[int]
     num_prompt_cells: int
     num_prompt_positions: int
     num_generated_tokens: int
@@ -396,7 +415,20 @@ class Usage(_message.Message):
     decode_seconds: float
     num_draft_tokens: int
     num_accepted_tokens: int
-    def __init__(self, num_prompt_cells: _Optional[int] = ..., num_prompt_positions: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_shifts: _Optional[int] = ..., num_evicted_cells: _Optional[int] = ..., num_reused_cells: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
+    drafts_by_type: _containers.RepeatedCompositeFieldContainer[DraftCount]
+    def __init__(self, num_prompt_cells: _Optional[int] = ..., num_prompt_positions: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_shifts: _Optional[int] = ..., num_evicted_cells: _Optional[int] = ..., num_reused_cells: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., drafts_by_type: _Optional[_Iterable[_Union[DraftCount, _Mapping]]] = ...) -> None: ...
+
+class DraftCount(_message.Message):
+    __slots__ = ("type", "num_draft_tokens", "num_accepted_tokens", "num_cache_hits")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    type: SpecType
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_cache_hits: int
+    def __init__(self, type: _Optional[_Union[SpecType, str]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_cache_hits: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("reason", "usage", "stop_string", "error", "persistence")
