@@ -29,6 +29,7 @@ import sys
 from collections.abc import Sequence
 
 from benchmarks import (
+    agent_loop,
     batched_streams,
     context_shift,
     hybrid,
@@ -40,6 +41,7 @@ from benchmarks import (
     session_turns,
     shared,
     spec,
+    spec_hybrid,
     text_stall,
     ttft,
 )
@@ -49,7 +51,7 @@ from benchmarks.harness import main as run_bench
 # The names --only takes, in the order its help lists them.
 NAMES = (
     "stream1", "stream4", "shift", "prep", "ttft", "stall", "textstall", "resent", "session",
-    "spec", "shared", "hybrid", "kvtypes",
+    "spec", "spechybrid", "agent", "shared", "hybrid", "kvtypes",
 )  # fmt: skip
 
 # The sections, in the order they run; each runs when --only names any of its names.
@@ -65,6 +67,8 @@ SECTIONS = (
     Section(("resent",), resent_chat.run, needs_model=False),
     Section(("session",), session_turns.run),
     Section(("spec",), spec.run),
+    Section(("spechybrid",), spec_hybrid.run, needs_model=False),
+    Section(("agent",), agent_loop.run, needs_model=False),
     Section(("shared",), shared.run),
     Section(("hybrid",), hybrid.run, needs_model=False),
     Section(("kvtypes",), kv_types.run),

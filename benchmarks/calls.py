@@ -36,9 +36,13 @@ PROMPTS = (
 TTFT_PROMPT = " ".join(PROMPTS) * 2
 
 
-def prepare_text(prep: prep_pb2_grpc.PrepServiceStub, text: str) -> Any:
+def prepare_text(
+    prep: prep_pb2_grpc.PrepServiceStub, text: str, metadata: Sequence[tuple[str, str]] = ()
+) -> Any:
     r = prep.Prepare(
-        prep_pb2.PrepareRequest(raw=prep_pb2.RawPrompt(text=text, add_special=True)), timeout=60
+        prep_pb2.PrepareRequest(raw=prep_pb2.RawPrompt(text=text, add_special=True)),
+        timeout=60,
+        metadata=metadata,
     )
     return r.prompt
 
@@ -63,6 +67,8 @@ def generate(
     until: Callable[[], bool] = lambda: False,
     speculative: Any = None,
     cache_salt: str = "",
+    grammar: str = "",
+    metadata: Sequence[tuple[str, str]] = (),
 ) -> Stream:
     ctx = infer_pb2.ContextOptions(policy=policy, keep=keep)
     if discard_fraction is not None:
@@ -76,8 +82,10 @@ def generate(
         speculative=speculative,
         cache_salt=cache_salt,
     )
+    if grammar:
+        req.constraint.grammar = grammar
     s = Stream(t_sent=time.perf_counter() if t_sent is None else t_sent)
-    call = infer.Generate(req, timeout=600)
+    call = infer.Generate(req, timeout=600, metadata=metadata)
     for r in call:
         t = time.perf_counter()
         kind = r.WhichOneof("event")
@@ -98,6 +106,7 @@ def generate(
             s.prefill_seconds = r.finished.usage.prefill_seconds
             s.drafted = r.finished.usage.num_draft_tokens
             s.accepted = r.finished.usage.num_accepted_tokens
+            s.cache_hits = sum(d.num_cache_hits for d in r.finished.usage.drafts_by_type)
             if r.finished.reason == infer_pb2.FINISH_REASON_ERROR:
                 raise BenchError(f"generation failed: {r.finished.error}")
     return s

@@ -107,6 +107,7 @@ class Stream:
     prefill_seconds: float = 0.0  # ... and from its start in its slot to its first token
     drafted: int = 0  # speculative: drafts verified
     accepted: int = 0  # ... and accepted
+    cache_hits: int = 0  # (slotwise) drafts from the tenant's earlier requests (suffix)
     slot: int = -1  # (slotwise) where it ran
     prompt_cells: int = 0  # ... and its prompt's cells, reused ones included
 

@@ -288,7 +288,7 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[RuntimeConfig, dict[str, Any]
     }
 
 
-def speculative_flags(s: dict[str, Any]) -> SpecConfig:
+def speculative_flags(s: Mapping[str, Any]) -> SpecConfig:
     """The --spec-* flags (--spec-default: llama-server's, ngram-mod 24/48/64)."""
     kinds = spec_types(s["spec_type"])
     mod = (s["spec_ngram_mod_n_match"], s["spec_ngram_mod_n_min"], s["spec_ngram_mod_n_max"])

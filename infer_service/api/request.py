@@ -359,9 +359,9 @@ def speculative_of(
     pb: infer_pb2.SpeculativeOptions, d: SpecConfig, draft_model: bool = False, mtp: bool = False
 ) -> SpecConfig:
     """The request's speculative options over the server's."""
-    for field, kinds in (("type", [pb.type]), ("types", list(pb.types))):
-        if any(k and k not in SPEC_TYPES for k in kinds):
-            raise bad_request(f"speculative.{field}: {kinds} holds an unknown type",
+    for field, given in (("type", [pb.type]), ("types", list(pb.types))):
+        if any(k and k not in SPEC_TYPES for k in given):
+            raise bad_request(f"speculative.{field}: {given} holds an unknown type",
                               f"speculative.{field}")  # fmt: skip
     if len(pb.types) > len(SPEC_TYPES):
         raise bad_request("speculative.types: each type once", "speculative.types")
@@ -369,14 +369,15 @@ def speculative_of(
     def get(name: str, default: float) -> float:
         return getattr(pb, name) if pb.HasField(name) else default
 
-    if pb.types:  # (several: the first in llama-server's order with a draft drafts)
-        kinds, others = SPEC_TYPES[pb.types[0]], tuple(SPEC_TYPES[k] for k in pb.types[1:] if k)
+    listed = [SPEC_TYPES[k] for k in pb.types if k]
+    if listed:  # (several: the first in llama-server's order with a draft drafts)
+        kind, others = listed[0], tuple(listed[1:])
     elif pb.type:
-        kinds, others = SPEC_TYPES[pb.type], ()
+        kind, others = SPEC_TYPES[pb.type], ()
     else:
-        kinds, others = d.type, d.types
+        kind, others = d.type, d.types
     s = SpecConfig(
-        type=kinds,
+        type=kind,
         types=others,
         mod_n_match=int(get("ngram_mod_n_match", d.mod_n_match)),
         mod_n_min=int(get("ngram_mod_n_min", d.mod_n_min)),

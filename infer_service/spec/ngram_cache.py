@@ -187,7 +187,7 @@ class NgramCache:
             return
         if not self.context.learn(self._tokens[self._num_learnt :]):
             # full: start again from the newest tokens (at most half full again)
-            pass
+            self.context.clear()
             self.context.learn(self._tokens[-(self.context.max_ngrams // (2 * NGRAM_MAX)) :])
         self._num_learnt = len(self._tokens)
 
