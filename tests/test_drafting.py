@@ -119,3 +119,16 @@ def test_the_draft_length_follows_the_measured_cost_of_long_steps() -> None:
         cost.observe(49, 0.120)  # 49 tokens: 2.4 ms each
     assert 4 <= cost.worth(1, 0.95, 48) <= 16
     assert cost.worth(1, 0.2, 48) <= 1  # drafts that rarely land: one at most
+
+
+def test_a_draft_past_what_rolls_back_in_place_weighs_its_replay() -> None:
+    """(hybrid memory) Drafts past the state's in-place rollback are taken back from a
+    checkpoint: a rejection re-decodes what was kept, so where drafts often miss the length
+    stays within what rolls back in place."""
+    cost = StepCost()
+    for n in (1, 2, 3, 4, 6, 8, 12, 16) * 30:  # 3 ms alone, 0.5 ms a token more
+        cost.observe(n, 0.003 + 0.0005 * (n - 1))
+    free = cost.worth(1, 0.7, 16)
+    replayed = cost.worth(1, 0.7, 16, in_place=2)
+    assert replayed < free
+    assert cost.worth(1, 0.99, 16, in_place=2) == cost.worth(1, 0.99, 16)  # (they land)

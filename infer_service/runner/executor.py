@@ -1267,7 +1267,8 @@ class Executor:
             job.max_tokens - slot.usage.num_generated_tokens - 1,
         )
         cost = self._model_draws(slot, spec, taken) if room > 0 else 0.0
-        drafts = spec.drafts(room, self._num_generating, cost) if room > 0 else ()
+        in_place = self.runtime.rollback_tokens if self.runtime.recurrent else None
+        drafts = spec.drafts(room, self._num_generating, cost, in_place) if room > 0 else ()
         if thoughts is not None and drafts:  # (nor one that opens a thought)
             opens = [k for k, t in enumerate(drafts) if t in thoughts.thoughts.start]
             drafts = drafts[: opens[0]] if opens else drafts

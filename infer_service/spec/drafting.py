@@ -230,10 +230,15 @@ class StepCost:
         c = max(0.0, (self._nt - self._n * self._t) / spread)
         return max(0.0, self._t - c * self._n), c
 
-    def worth(self, num_generating: int, acceptance: float, limit: int) -> int:
+    def worth(
+        self, num_generating: int, acceptance: float, limit: int, in_place: int | None = None
+    ) -> int:
         """The draft length, at most `limit`, whose expected tokens pay most for the time it
         adds to the step: a slot among g that generate saves (step of g)/g per accepted draft
-        (the j-th lands with probability a^j) and adds T(g + k) - T(g)."""
+        (the j-th lands with probability a^j) and adds T(g + k) - T(g). (Hybrid memory) a
+        draft longer than `in_place` is taken back from a checkpoint: a rejection after j
+        accepted drafts decodes those j and the token before them again next step, which
+        costs what j + 1 more tokens add to a step."""
         g = max(1, num_generating)
         base = self.seconds(g)
         if base is None or limit <= 0:
@@ -246,9 +251,19 @@ class StepCost:
             if cost is None:
                 return limit
             gain = per_token * expected - (cost - base)
+            if in_place is not None and k > in_place:
+                gain -= self._replay(g, base, acceptance, k)
             if gain > best_gain:
                 best, best_gain = k, gain
         return best
+
+    def _replay(self, g: int, base: float, acceptance: float, k: int) -> float:
+        """The expected time of decoding again what a rejection among k drafts kept."""
+        out = 0.0
+        for j in range(k):  # (j drafts accepted, the next rejected)
+            step = self.seconds(g + j + 1)
+            out += acceptance**j * (1 - acceptance) * ((step or base) - base)
+        return out
 
     def ratio(self, num_generating: int = 1, extra: float = 0.0) -> float:
         """(c + extra) / ((t0 + c*g) / g): a draft's cost (and `extra` seconds of drafting it)
@@ -396,15 +411,19 @@ class Speculation:
         return proposer if isinstance(proposer, ModelDrafts) else None
 
     def drafts(
-        self, room: int, num_generating: int = 1, draw_seconds: float = 0.0
+        self,
+        room: int,
+        num_generating: int = 1,
+        draw_seconds: float = 0.0,
+        in_place: int | None = None,
     ) -> tuple[int, ...]:
         """The drafts to verify after the sequence's last token, at most `room` of them, in a
         step where `num_generating` slots generate (a model's drafts cost `draw_seconds`
-        each)."""
+        each; on hybrid memory, rejected drafts past `in_place` cost a replay)."""
         ratio = self.cost.ratio(num_generating, extra=draw_seconds)
         k = min(self.length.limit(ratio), room, max(self.config.size_m, self.config.mod_n_max))
         if k > 1 and self.length.a > ratio:  # (a probe of one draft stays one)
-            k = max(1, self.cost.worth(num_generating, self.length.a, k))
+            k = max(1, self.cost.worth(num_generating, self.length.a, k, in_place))
         self.last = None
         if k < max(1, self.config.n_min):
             return ()

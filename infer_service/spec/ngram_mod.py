@@ -28,14 +28,14 @@ drops media from the tokens it drafts from, so its n-grams join the text around 
 
 from __future__ import annotations
 
-from array import array
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infer_service.spec.drafting import HISTORY_TOKENS
 from infer_service.spec.proposer import NO_TOKEN
 
-EMPTY = -1  # an unused entry (common_ngram_mod::EMPTY; the same value as NO_TOKEN)
+EMPTY = -1  # what a lookup that finds nothing gives (common_ngram_mod::EMPTY)
 MULTIPLIER = 6364136223846793005  # common_ngram_mod::idx's
 MASK64 = (1 << 64) - 1  # idx computes in size_t
 DEFAULT_ENTRIES = 4 * 1024 * 1024  # the table llama.cpp allocates (16 MiB of int32)
@@ -72,7 +72,7 @@ class NgramModPool:
         if n_match < 1 or num_entries < 1:
             raise ValueError(f"n_match and num_entries must be >= 1, got {n_match}, {num_entries}")
         self.n_match = n_match
-        self._entries = array("i", [EMPTY]) * num_entries
+        self._entries = _empty_table(num_entries)
         self._top = pow(MULTIPLIER, n_match - 1, 1 << 64)  # a window's first token's weight
         self.num_used = 0
         self.hits = 0  # proposals, over all its requests, that returned drafts
@@ -84,14 +84,14 @@ class NgramModPool:
 
     @property
     def size_bytes(self) -> int:
-        return self._entries.itemsize * len(self._entries)
+        return self._entries.nbytes
 
     @property
     def occupancy(self) -> float:
         return self.num_used / len(self._entries)
 
     def reset(self) -> None:
-        self._entries = array("i", [EMPTY]) * len(self._entries)
+        self._entries = _empty_table(len(self._entries))
         self.num_used = 0
         self.num_resets += 1
 
@@ -125,9 +125,9 @@ class NgramModPool:
                 self._store(h % len(self._entries), tokens[i + n])
 
     def _store(self, slot: int, token: int) -> None:
-        if self._entries[slot] == EMPTY:
+        if self._entries[slot] == 0:
             self.num_used += 1
-        self._entries[slot] = token
+        self._entries[slot] = token + 1
 
     def chain(self, seed: Sequence[int], num_lookups: int) -> list[int]:
         """Up to `num_lookups` tokens, each looked up after the n tokens before it (the last n
@@ -138,13 +138,20 @@ class NgramModPool:
         h = window_hash(window, 0, n)
         found: list[int] = []
         for _ in range(num_lookups):
-            token = self._entries[h % len(self._entries)]
+            token = self._entries[h % len(self._entries)] - 1
             if token == EMPTY:
                 break
             found.append(token)
             window.append(token)
             h = ((h - (window[-n - 1] & MASK64) * top) * MULTIPLIER + token) & MASK64
         return found
+
+
+def _empty_table(num_entries: int) -> memoryview:
+    """int32 entries holding token + 1, 0 when unused, in anonymous memory: the kernel gives
+    zeroed pages as they are first written, so a new or emptied table costs microseconds
+    (filling 16 MiB from Python takes tens of ms, on the engine's thread)."""
+    return memoryview(mmap.mmap(-1, 4 * num_entries)).cast("i")
 
 
 def window_hash(tokens: Sequence[int], start: int, n: int) -> int:
@@ -268,3 +275,4 @@ class NgramMod:
         if not self._begun and not self._closed:
             self._begin()
         self._closed = True
+        self._tokens = []
