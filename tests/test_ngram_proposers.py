@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import zip_longest
+from typing import TypeVar
 from unittest import mock
 
 import pytest
@@ -19,6 +20,8 @@ from infer_service.spec.ngram_cache import NgramCache, NgramCacheStore
 from infer_service.spec.ngram_map import NgramMapK4v
 from infer_service.spec.ngram_mod import NgramMod, NgramModConfig, NgramModPool
 from infer_service.spec.proposer import NO_TOKEN, Proposer
+
+AnyProposer = TypeVar("AnyProposer", bound=Proposer)
 
 # a step of a request: tokens the target emitted, the drafts asked for, how many may land
 Step = tuple[list[int], int, int]
@@ -81,7 +84,7 @@ def run(proposer: Proposer, script: list[Step]) -> list[list[int]]:
     return drafts
 
 
-def feed(proposer: Proposer, tokens: Sequence[int]) -> Proposer:
+def feed(proposer: AnyProposer, tokens: Sequence[int]) -> AnyProposer:
     for t in tokens:
         proposer.append(t)
     return proposer
@@ -236,12 +239,19 @@ def test_ngram_mod_empties_the_pool_after_five_low_acceptances() -> None:
     assert proposer.propose(4) == [13, 14, 15, 16]
 
 
-def test_ngram_mod_counts_acceptance_over_the_draft_before_the_limit() -> None:
+def test_ngram_mod_counts_acceptance_over_what_was_verified() -> None:
+    """A slot verifies as many drafts as pay their way: a draft cut to one token and accepted
+    is no low acceptance (llama.cpp counts it over the 8 it drafted: five of those would
+    empty the tenant's pool); five verified drafts accepted below a quarter do."""
     pool = NgramModPool(n_match=2, num_entries=1 << 16)
     proposer = feed(NgramMod(pool, NgramModConfig(2, 1, 8)), [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2])
     for _ in range(5):
         assert proposer.propose(1) == [3]
-        proposer.verified(1, 1)  # all it was given landed: 1 of the 8 llama.cpp counts
+        proposer.verified(1, 1)  # all it was given landed
+    assert pool.num_resets == 0
+    for _ in range(5):
+        assert proposer.propose(8)
+        proposer.verified(8, 1)  # 1 of 8: low
     assert pool.num_resets == 1
 
 
@@ -598,6 +608,14 @@ def test_ngram_cache_drafts_from_its_tenant_s_earlier_requests() -> None:
     assert feed(NgramCache(store), text[:30]).propose(8) == []  # strict: 1 sample is too few
     feed(NgramCache(store), text).close()
     assert feed(NgramCache(store), text[:30]).propose(8) == text[30:38]
+
+
+def test_a_full_context_cache_starts_again_from_the_newest_tokens() -> None:
+    proposer = feed(NgramCache(max_ngrams=32), range(50))  # 190 n-grams
+    assert proposer.propose(8) == []
+    assert len(proposer.context) == 6  # those of its last 32 // 8 tokens
+    feed(proposer, [46, 47, 48])
+    assert proposer.propose(8) == [49]  # (46, 47, 48) -> 49 was kept
 
 
 def test_a_full_store_starts_again_with_the_newest_request() -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from infer_service.spec.proposer import NO_TOKEN, Proposer
 
 HISTORY_TOKENS = 1 << 16  # a request's history for lookups (its newest tokens)
+MAX_DRAFTS = 64  # a step's drafts for one slot at most (slotwise_core.limits.MAX_DRAFTS)
 
 
 class SpecType(enum.Enum):
@@ -401,7 +402,9 @@ class Speculation:
                 self.proposers[kind] = make(kind)
         for t in history:
             self.took(t)
-        self.length = DraftLength(config.n_max)
+        # (ngram-mod drafts up to its own n_max: llama-server's --spec-default, 64)
+        most = max(config.n_max, config.mod_n_max) if SpecType.NGRAM_MOD in config.kinds else 0
+        self.length = DraftLength(min(MAX_DRAFTS, max(config.n_max, most)))
         self.cost = cost
         self.last: Proposer | None = None  # the proposer of the drafts being verified
         self.hits_before = 0

@@ -19,8 +19,8 @@ flag (the static counts then weigh every candidate alike).
 What is llama.cpp's on purpose, quirks included:
 - the context cache learns, at each `propose`, the n-grams inside the tokens that came since the
   last one (the first: the whole history); an n-gram across that boundary is never learnt;
-- two followers equally frequent (at 50%, which the lax thresholds let through): the one seen
-  first later drafts, as libstdc++'s unordered_map iterates them (libc++ builds may differ).
+- of two followers equally frequent (50% each, which the lax thresholds let through), the one
+  first seen later drafts, as libstdc++'s unordered_map orders them (libc++ builds may differ).
 
 Where slotwise differs: a media chunk (NO_TOKEN) ends n-grams (llama-server drops media from
 the tokens it drafts from); an n-gram reaching before the history's first token is not looked

@@ -256,10 +256,14 @@ class NgramMod:
         return found
 
     def verified(self, num_drafted: int, num_accepted: int) -> None:
-        """llama.cpp's accept: a streak of low acceptance empties the pool."""
+        """llama.cpp's accept: a streak of low acceptance empties the pool. The fraction is
+        of what was verified (llama.cpp's: of what it drafted, before the caller cut it):
+        slotwise's slots verify as many drafts as pay their way, often fewer than n_max, and
+        a draft accepted whole must not count as low (five of those would empty the
+        tenant's pool)."""
         if num_drafted <= 0 or self._num_drafted_last <= 0:
             return
-        if num_accepted / self._num_drafted_last >= LOW_ACCEPTANCE:
+        if num_accepted / num_drafted >= LOW_ACCEPTANCE:
             self._num_low = 0
             return
         self._num_low += 1
