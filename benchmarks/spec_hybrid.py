@@ -18,6 +18,7 @@ ngram-mod) drafts the repeats from the first. The rate of a side is the median o
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from statistics import median
 
@@ -59,14 +60,12 @@ def run(b: Bench) -> None:
         runs: dict[str, Callable[[], float]] = {}
         for label, flags in {"none": ("--spec-type", "none"), **OURS}.items():
             infer = up.enter_context(b.infer(ctx=CTX, parallel=1, model=model, extra=flags))
-            runs[label] = _side(seen, label, lambda i=infer: generate(i, prompt, TOKENS))
+            runs[label] = _side(seen, label, functools.partial(generate, infer, prompt, TOKENS))
         for label, extra in {"none": (), **THEIRS}.items():
             server = up.enter_context(b.llama_server(ctx=CTX, parallel=1, model=model, extra=extra))
             if server is not None:
-                runs[f"llama-server {label}"] = _side(
-                    seen, f"llama-server {label}",
-                    lambda s=server: s.generate(PROMPT, TOKENS, cache_prompt=True),
-                )  # fmt: skip
+                one = functools.partial(server.generate, PROMPT, TOKENS, cache_prompt=True)
+                runs[f"llama-server {label}"] = _side(seen, f"llama-server {label}", one)
         rates = b.interleaved(runs, REQUESTS)  # (each side: the same request, three times)
     for label, streams in seen.items():
         b.log(f"spechybrid {label}: {_said(streams, rates[label])}")

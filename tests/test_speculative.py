@@ -160,7 +160,10 @@ def test_the_suffix_cache_drafts_a_tenant_s_earlier_reply_and_never_another_s(
     first = run(server.port, spec)
     again = run(server.port, spec)
     assert again.token_ids == first.token_ids
-    hits = {infer_pb2.SpecType.Name(d.type): d.num_cache_hits for d in again.finished.usage.drafts_by_type}
+    hits = {
+        infer_pb2.SpecType.Name(d.type): d.num_cache_hits
+        for d in again.finished.usage.drafts_by_type
+    }
     assert hits.get("SPEC_TYPE_SUFFIX", 0) > 0
 
 

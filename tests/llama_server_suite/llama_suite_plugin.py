@@ -1,7 +1,8 @@
 """A pytest plugin (``-p llama_suite_plugin``, loaded by run.py) that runs llama.cpp's own
 server tests, unmodified, on local files: each preset that would download a model from the
-hub gets the local tiny model of the same kind instead. The test files, their conftest.py and
-utils.py are not touched; their ``ServerPreset`` methods are wrapped here.
+hub gets the local tiny model of the same kind instead, and so does a test that downloads a
+model itself (test_speculative's draft model). The test files, their conftest.py and utils.py
+are not touched; their ``ServerPreset`` methods and ``download_file`` are wrapped here.
 
 The models come in ``SLOTWISE_SUITE_MODELS`` (JSON: ``text``, ``vision``, and the vision
 model's projector, which the shim adds as ``-hf`` adds a repository's mmproj).
@@ -17,7 +18,8 @@ import types
 from typing import Any
 
 # utils.py imports wget for download_file(); nothing here may download, so a download fails
-# as it would offline, and the tests that need one fail (they are listed in the README)
+# as it would offline (but for the models in _DOWNLOAD_MODEL, below), and the tests that need
+# one fail (they are listed in the README)
 if "wget" not in sys.modules:
     _wget = types.ModuleType("wget")
 
@@ -37,6 +39,12 @@ _PRESET_MODEL = {
     "bert_bge_small_with_fa": "text",
     "jina_reranker_tiny": "text",
 }
+# which local model stands in for a model a test downloads itself: stories15M-q4_0 drafts for
+# stories15m_moe, whose stand-in is the text model; a model is a valid draft of itself (the
+# same vocabulary), so both servers draft with the tiny model for the tiny model
+_DOWNLOAD_MODEL = {
+    "https://huggingface.co/ggml-org/tiny-llamas/resolve/main/stories15M-q4_0.gguf": "text",
+}
 
 
 def _local(make: Any, path: str) -> Any:
@@ -51,6 +59,15 @@ def _local(make: Any, path: str) -> Any:
     return staticmethod(preset)
 
 
+def _local_download(download: Any, models: dict[str, Any]) -> Any:
+    @functools.wraps(download)
+    def download_file(url: str, output_file_path: str | None = None) -> str:
+        kind = _DOWNLOAD_MODEL.get(url)
+        return models[kind] if kind is not None else download(url, output_file_path)
+
+    return download_file
+
+
 def pytest_configure(config: Any) -> None:
     import utils  # the vendored tests' own module (their folder is the rootdir)
 
@@ -60,5 +77,7 @@ def pytest_configure(config: Any) -> None:
         make = presets.__dict__.get(name)
         if make is not None:
             setattr(presets, name, _local(make.__func__, models[kind]))
+    # before the test modules import it (`from utils import *` binds the wrapped one)
+    utils.download_file = _local_download(utils.download_file, models)
     # load_all() starts every preset once to fill the download cache: nothing to download
     presets.load_all = staticmethod(lambda: None)

@@ -5,11 +5,12 @@ llama-cpp-python 0.3.36 vendors), unmodified, against `slotwise serve` or llama-
     .venv/bin/python tests/llama_server_suite/run.py --llama-server /path/to/llama-server
 
 The tests come from the llama-cpp-python sdist (`pip download`, cached), or from --tests DIR;
-their presets' hub models become local tiny models (plugin.py) and LLAMA_SERVER_BIN_PATH is
-the shim beside this file, which runs `slotwise serve` with llama-server's flags translated
-(or the real binary given by --llama-server, for the baseline on the same models). The files
-run by default are those whose presets have a local stand-in (FILES); pytest's arguments go
-after `--`. At the end: passed and failed by file, and each failed test.
+their presets' hub models (and test_speculative's draft model) become local tiny models
+(llama_suite_plugin.py) and LLAMA_SERVER_BIN_PATH is the shim beside this file, which runs
+`slotwise serve` with llama-server's flags translated (or the real binary given by
+--llama-server, for the baseline on the same models). The files run by default are those
+whose models have a local stand-in (FILES); pytest's arguments go after `--`. At the end:
+passed and failed by file, and each failed test.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ FILES = (
     "test_completion.py",
     "test_ctx_shift.py",
     "test_security.py",
+    "test_speculative.py",
     "test_template.py",
     "test_tokenize.py",
     "test_tool_call.py",
