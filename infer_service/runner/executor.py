@@ -89,6 +89,7 @@ from infer_service.spec.drafting import NO_TOKEN, SpecType, Speculation, StepCos
 from infer_service.spec.proposers import make_proposer
 from infer_service.spec.stores import DraftStores
 from slotwise_core import native
+from slotwise_core.lru import SizedLRU
 
 log = logging.getLogger("slotwise.engine")
 
@@ -192,6 +193,11 @@ class Executor:
         self.step_cost = StepCost()  # what a draft costs to verify, for slots to weigh it by
         # what drafts learn across requests, per tenant (ngram-mod, ngram-cache, suffix)
         self.draft_stores = DraftStores(spec_cache_bytes)
+        # the acceptance its drafts last ended with, per tenant and types: a request starts
+        # drafting where the tenant's last one of its kind ended (a tenant's own figure)
+        self._acceptance: SizedLRU[tuple[str, tuple[SpecType, ...]], float] = SizedLRU(
+            1024, lambda _: 1
+        )  # (a count of entries)
         self._outcome = StepOutcome()  # what the step under way did so far
         self._preempting: list[Slot] = []  # (pool) to put aside once the step's decode is done
         self._num_generating = 0  # slots of the step under way that generate (not prefilling)
@@ -496,9 +502,11 @@ class Executor:
             make = functools.partial(
                 make_proposer, config=job.speculative, stores=self.draft_stores, tenant=job.tenant
             )
+            prior = self._acceptance.get((job.tenant, job.speculative.kinds))
             spec = Speculation(
-                job.speculative, history(ledger.segments, pending), self.step_cost, make
-            )
+                job.speculative, history(ledger.segments, pending), self.step_cost, make,
+                prior=0.9 if prior is None else prior,
+            )  # fmt: skip
         slot.job = job
         slot.ledger = ledger
         slot.pending = pending
@@ -829,6 +837,8 @@ class Executor:
         slot.job = None
         if slot.spec is not None:
             slot.spec.close()  # (what it learnt goes to its tenant's stores)
+            key = (job.tenant, slot.spec.config.kinds)
+            self._acceptance.put(key, slot.spec.length.a)
         slot.spec = None
         slot.thoughts = None
         slot.share = None

@@ -381,6 +381,7 @@ class Speculation:
         history: Iterable[int],
         cost: StepCost,
         make: Callable[[SpecType], Proposer] | None = None,
+        prior: float = 0.9,
     ):
         """make(type): the proposer of a type that learns across requests (ngram-mod,
         ngram-map-k4v, ngram-cache, suffix: infer_service/spec/proposers.py builds them with
@@ -404,7 +405,7 @@ class Speculation:
             self.took(t)
         # (ngram-mod drafts up to its own n_max: llama-server's --spec-default, 64)
         most = max(config.n_max, config.mod_n_max) if SpecType.NGRAM_MOD in config.kinds else 0
-        self.length = DraftLength(min(MAX_DRAFTS, max(config.n_max, most)))
+        self.length = DraftLength(min(MAX_DRAFTS, max(config.n_max, most)), prior=prior)
         self.cost = cost
         self.last: Proposer | None = None  # the proposer of the drafts being verified
         self.hits_before = 0
