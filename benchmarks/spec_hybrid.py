@@ -35,11 +35,12 @@ PROMPT = (
 TOKENS, REQUESTS, CTX = 256, 3, 1024
 ROW_DRAFTS = "spec hybrid (wide qwen35): tok/s drafts / none"
 ROW_SERVER = "spec hybrid (wide qwen35): slotwise drafts / llama-server's best"
-OURS = {  # what slotwise runs, each a server of its own flags (n_rs_seq 4 is the default)
+OURS = {  # what slotwise runs, each a server of its own flags
     "ngram-simple": ("--spec-type", "ngram-simple"),
     "--spec-default": ("--spec-default",),
-    "ngram-simple, --spec-rollback 0": ("--spec-type", "ngram-simple", "--spec-rollback", "0"),
-    "ngram-simple, --spec-rollback 16": ("--spec-type", "ngram-simple", "--spec-rollback", "16"),
+    "--spec-default, --spec-rollback 4": ("--spec-default", "--spec-rollback", "4"),
+    "--spec-default, --spec-rollback 64": ("--spec-default", "--spec-rollback", "64"),
+    "ngram-simple,suffix": ("--spec-type", "ngram-simple,suffix"),
 }
 THEIRS = {
     "--spec-default": ("--spec-default",),

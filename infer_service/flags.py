@@ -161,8 +161,9 @@ OPTIONS = (
     option("--spec-rollback", type=int, default=_d.spec_rollback,
            help="hybrid models (Qwen3.5, LFM2): the recurrent state keeps a snapshot per token "
            "for this many of the last tokens a step decodes, so that many rejected drafts roll "
-           "back in place (llama.cpp's n_rs_seq: memory for as many states per slot); a longer "
-           "draft is verified from a checkpoint of the state, taken before its step"),
+           "back in place (llama.cpp's n_rs_seq: memory for as many states per slot, and time "
+           "in every step); a longer draft is verified from a checkpoint of the state, taken "
+           "before its step (0, the default: always so, as llama-server does for n-gram drafts)"),
     option("--max-grammar-ms", type=positive_int, default=_d.grammar_ms,
            help="the most one token's grammar work may take on the engine thread; a request "
            "whose grammar takes longer ends (RESOURCE_EXHAUSTED GRAMMAR_TOO_COSTLY)"),

@@ -83,8 +83,11 @@ class RuntimeConfig:
     checkpoint_min_step: int = 8192
     # (hybrid memory) the recurrent state keeps one snapshot per token for this many of the
     # last tokens a step decodes (llama.cpp's n_rs_seq): that many rejected drafts roll back in
-    # place; a longer draft is verified from a checkpoint of the state taken before its step
-    spec_rollback: int = 4
+    # place; a longer draft is verified from a checkpoint of the state taken before its step.
+    # 0: always a checkpoint (what llama-server does for n-gram drafts): the snapshots cost
+    # every step (a one-token step of the bench's wide qwen35: 4.0 ms with 4, 3.0 without),
+    # a checkpoint only a drafting one (10 us there), and a rejection a replay
+    spec_rollback: int = 0
     # the model's own multi-token-prediction head drafts (speculative type draft-mtp): its
     # nextn layers loaded, and an MTP context beside the target's
     mtp: bool = False
