@@ -298,8 +298,44 @@ def test_the_openai_edge_takes_llama_server_s_speculative_fields(
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**common, extra_body={"speculative.n_max": 1000})
         assert e.value.body["param"] == "speculative.n_max"  # type: ignore[index]
+        several = client.chat.completions.create(
+            **common, extra_body={"speculative": {"type": "ngram-mod,suffix"},
+                                  "speculative.ngram_mod_n_match": 2,
+                                  "speculative.ngram_mod_n_min": 1},
+        )  # fmt: skip
+        assert several.choices[0].message.content == plain.choices[0].message.content
+        by_type = several.usage.model_extra["slotwise"]["drafts_by_type"]  # type: ignore[union-attr]
+        assert set(by_type) <= {"ngram-mod", "suffix"} and by_type
+        _other_apis_take_speculative(stack)
     finally:
         stacks.close()
+
+
+def _other_apis_take_speculative(stack: Any) -> None:
+    """The Responses API and Anthropic Messages read `speculative` too (the engine's counters
+    grow by their drafts; a bad value is a 400 in each API's shape)."""
+    import anthropic
+    import openai
+
+    stats = stack.infer.engine.stats
+    client = stack.client()
+    spec = {"speculative": {"type": "ngram-simple"}, "speculative.ngram_size_n": 1}
+    text = "Repeat: a b c d a b c d a b c d"
+    before = sum(c[0] for c in stats.drafts_by_type.values())
+    client.responses.create(model="m", input=text, max_output_tokens=60, temperature=0,
+                            extra_body=spec)  # fmt: skip
+    after_responses = sum(c[0] for c in stats.drafts_by_type.values())
+    assert after_responses > before
+    claude = anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0)
+    claude.messages.create(model="m", max_tokens=60, extra_body={**spec, "temperature": 0},
+                           messages=[{"role": "user", "content": text}])  # fmt: skip
+    assert sum(c[0] for c in stats.drafts_by_type.values()) > after_responses
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="m", input=text, extra_body={"speculative.n_max": 1000})
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="m", max_tokens=4, extra_body={"speculative": 7},
+                               messages=[{"role": "user", "content": text}])  # fmt: skip
+    assert e.value.body["type"] == "error"  # type: ignore[index]
 
 
 # -- a draft model -------------------------------------------------------------------------------

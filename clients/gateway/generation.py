@@ -114,6 +114,13 @@ def speculative_of(nested: Any, body: Mapping[str, Any]) -> Speculative | None:
     )  # fmt: skip
 
 
+def speculative_in(body: Any) -> Speculative | None:
+    """A body's `speculative` (a SpeculativeOptions field, any API's) with its flat
+    `speculative.*` keys, which an open model keeps as extra."""
+    nested = body.speculative.model_dump(exclude_none=True) if body.speculative else None
+    return speculative_of(nested, body.model_extra or {})
+
+
 REASONING_FORMATS = ("none", "deepseek", "deepseek-legacy", "auto")  # (auto: deepseek)
 
 

@@ -216,6 +216,7 @@ class Messages:
             constraint_param="output_config.format",
             session_id=o.session_id,
             cache_salt=o.cache_salt,
+            speculative=generation.speculative_in(body),
             thinking=thinking,
         )
         turn, _ = await start_turn(self.client, req)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from clients.gateway.schema import OpenModel, SlotwiseOptions
+from clients.gateway.schema import OpenModel, SlotwiseOptions, SpeculativeOptions
 from slotwise_core.limits import MAX_TOKENS
 
 
@@ -40,6 +40,7 @@ class MessagesRequest(OpenModel):
     output_config: dict[str, Any] | None = None
     service_tier: str | None = None
     slotwise: SlotwiseOptions = Field(default_factory=SlotwiseOptions)
+    speculative: SpeculativeOptions | None = None  # llama-server's (also flat keys)
 
 
 class CountRequest(OpenModel):

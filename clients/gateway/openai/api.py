@@ -31,7 +31,6 @@ from clients.client import (
     Constraint,
     Message,
     Prepared,
-    Speculative,
     TokenLogprobs,
     Tool,
     ToolCall,
@@ -151,9 +150,6 @@ def _note(note: str) -> Callable[[Prepared], bytes] | None:
     return (lambda _: note.encode()) if note else None
 
 
-def speculative_of(body: SamplingRequest) -> Speculative | None:
-    nested = body.speculative.model_dump(exclude_none=True) if body.speculative else None
-    return generation.speculative_of(nested, body.model_extra or {})  # (the flat keys are extra)
 
 
 def lora_of(body: SamplingRequest) -> list[tuple[int, float]]:
@@ -211,7 +207,7 @@ async def chat_completion(
         top_logprobs=body.top_logprobs or 0,
         session_id=body.slotwise.session_id,
         cache_salt=body.salt,
-        speculative=speculative_of(body),
+        speculative=generation.speculative_in(body),
         note=_note(body.slotwise.note),
         lora=lora_of(body),
         thinking=thinking,
@@ -237,7 +233,7 @@ async def completion(client: AsyncSlotwiseClient, body: CompletionRequest, model
         logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0,
         cache_salt=body.salt,
-        speculative=speculative_of(body),
+        speculative=generation.speculative_in(body),
         lora=lora_of(body),
     )
     if body.slotwise.session_id:

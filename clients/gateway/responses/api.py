@@ -244,6 +244,7 @@ class Responses:
             create_session=body.store and body.previous_response_id is None,
             expect_turns=chain.expect if body.store else None,
             cache_salt=body.slotwise.cache_salt,
+            speculative=generation.speculative_in(body),
             note=_note_writer(shell, chain, thinking) if body.store else None,
             thinking=thinking,
         )

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from clients.gateway.schema import OpenModel, SlotwiseOptions
+from clients.gateway.schema import OpenModel, SlotwiseOptions, SpeculativeOptions
 from slotwise_core.limits import MAX_TOKENS, MAX_TOP_LOGPROBS
 
 
@@ -56,6 +56,7 @@ class ResponsesRequest(OpenModel):
     conversation: Any = None
     prompt: Any = None
     slotwise: SlotwiseOptions = Field(default_factory=SlotwiseOptions)
+    speculative: SpeculativeOptions | None = None  # llama-server's (also flat keys)
 
     def unsupported(self) -> str | None:
         for name in ("conversation", "prompt"):
