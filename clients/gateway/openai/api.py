@@ -150,8 +150,6 @@ def _note(note: str) -> Callable[[Prepared], bytes] | None:
     return (lambda _: note.encode()) if note else None
 
 
-
-
 def lora_of(body: SamplingRequest) -> list[tuple[int, float]]:
     return [(x.id, x.scale) for x in body.lora or ()]
 
