@@ -153,6 +153,9 @@ def test_a_repeated_tool_call_is_drafted_whole_on_the_next_request() -> None:
         first.append(t)
         first.propose(8)
     first.close()
+    # (counted later: what followed each token, the first none)
+    assert caches.for_tenant("acme").num_pending == len(prompt) + len(reply) - 1
+    caches.work(1 << 20)  # (the engine's steps, a slice each)
     assert first.hits == 0  # (nothing earlier to draft from)
 
     # the same turn again: the whole call at once
@@ -247,6 +250,7 @@ def test_the_registry_holds_its_total_and_each_tenants_share(
         for t in text:
             drafts.append(t)
         drafts.close()
+        caches.work(1 << 20)
         assert caches.num_bytes <= max_bytes
         assert caches.for_tenant(tenant).num_bytes <= min(max_bytes, max_bytes_per_tenant)
 
@@ -299,6 +303,7 @@ def test_no_tenant_drafts_from_another_tenants_text(requests, queries, max_bytes
         for t in text:
             drafts.append(t + (10 if is_b else 0))
         drafts.close()
+        caches.work(1 << 20)
     for query in queries:
         for tenant, offset in (("A", 10), ("B", 0), ("B", 10), ("A", 0)):
             history = [t + offset for t in query]  # (also the other's text, word for word)
@@ -331,7 +336,33 @@ def test_a_request_gives_its_history_to_the_cache_once() -> None:
     for t in range(50):
         drafts.append(t)
     drafts.close()
+    while cache.work(7):  # (a slice at a time, as the engine's steps count it)
+        pass
     num_bytes = cache.num_bytes
     drafts.close()
+    assert cache.work(1 << 20) == 0
     assert cache.num_requests == 1 and cache.num_bytes == num_bytes > 0
     assert drafts.propose(4) == []
+
+
+def test_a_long_history_is_counted_a_slice_a_proposal() -> None:
+    """Counting costs about 8 us a token on the engine's thread: a proposal counts at most
+    OWN_TOKENS_PER_PROPOSAL new tokens of its own history, an ended request's text goes in a
+    slice per `work` call, and what the slices counted drafts as a whole count would."""
+    from infer_service.spec.suffix_cache import OWN_TOKENS_PER_PROPOSAL
+
+    cache = SuffixCache()
+    drafts = SuffixDrafts(cache)
+    text = [t % 50 for t in range(5 * OWN_TOKENS_PER_PROPOSAL)]
+    for t in text:
+        drafts.append(t)
+    drafts.propose(4)
+    assert drafts._num_counted == OWN_TOKENS_PER_PROPOSAL + 1
+    drafts.close()
+    slices = 0
+    while cache.work(100):
+        slices += 1
+    assert slices == -(-(len(text) - 1) // 100)
+    whole = SuffixCache()
+    whole.add(text)
+    assert cache.propose(text[:60], 16).tokens == whole.propose(text[:60], 16).tokens != []

@@ -898,6 +898,7 @@ class Executor:
             self._start_choice(choice)
         if self._encoding or any(s.job for s in self.slots):
             self._step(self.slots)
+            self.draft_stores.work()  # (a bounded slice: what ended requests gave the cache)
         return self.take_outcome()
 
     def step(self, slots: Sequence[Slot]) -> StepOutcome:

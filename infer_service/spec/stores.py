@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 from infer_service.spec.ngram_cache import MAX_NGRAMS, NgramCacheStore
 from infer_service.spec.ngram_mod import DEFAULT_ENTRIES, NgramModPool
-from infer_service.spec.suffix_cache import SuffixCache, SuffixCaches
+from infer_service.spec.suffix_cache import WORK_TOKENS, SuffixCache, SuffixCaches
 
 NGRAM_BYTES = 170  # (ngram_cache.py's estimate of one counted n-gram)
 MOD_ENTRY_BYTES = 4
@@ -49,6 +49,10 @@ class DraftStores:
             self._fit(self._cache, self.max_bytes // 4, self._cache_ngrams * NGRAM_BYTES)
         self._cache.move_to_end(tenant)
         return store
+
+    def work(self) -> None:
+        """A step's slice of counting what ended requests gave the suffix caches."""
+        self.suffix.work(WORK_TOKENS)
 
     @property
     def num_bytes(self) -> int:

@@ -53,10 +53,17 @@ import math
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from infer_service.spec.drafting import HISTORY_TOKENS
 from infer_service.spec.proposer import NO_TOKEN
+
+# (about 8 us a token counted, on the engine's thread) a proposal counts at most this much of
+# its request's own new text, a step at most WORK_TOKENS of the texts ended requests gave
+OWN_TOKENS_PER_PROPOSAL = 256
+WORK_TOKENS = 64
+MAX_PENDING = 16  # texts waiting to be counted, per tenant
 
 MODULUS = (1 << 61) - 1  # a Mersenne prime: contexts collide with odds of about 2^-61
 BASE = 0x5BD1E9955BD1E995 % MODULUS
@@ -100,6 +107,7 @@ class SuffixCache:
         self.max_depth = max_depth
         self._table = _ContextTable(max_depth)
         self._requests: deque[array[int]] = deque()  # oldest first
+        self._pending: deque[_Pending] = deque()  # enqueued, counted a slice at a time
         self._num_text_bytes = 0
         self._on_added = on_added
         self.retired = False  # dropped by its registry: what in-flight requests add is ignored
@@ -121,15 +129,55 @@ class SuffixCache:
         longer than the budget could hold keeps its newest tokens."""
         if self.retired:
             return
+        text = self._kept(tokens)
+        if text is not None:
+            self._table.count(text, _prefix_hashes(text))
+            self._kept_whole(text)
+
+    def enqueue(self, tokens: Sequence[int]) -> None:
+        """A request's text, to be counted a slice at a time by `work` (counting costs about
+        8 us a token: the engine's thread spends a bounded slice of each step on it). At most
+        MAX_PENDING texts wait; past that the oldest not yet begun goes."""
+        if self.retired:
+            return
+        text = self._kept(tokens)
+        if text is None:
+            return
+        if len(self._pending) >= MAX_PENDING:
+            del self._pending[1]  # (the first may be half counted: it is finished)
+        self._pending.append(_Pending(text, [0], 1, self._table.reserve(len(text))))
+
+    def work(self, max_tokens: int) -> int:
+        """Count up to `max_tokens` of the enqueued texts, oldest first; returns how many."""
+        num_done = 0
+        while self._pending and num_done < max_tokens and not self.retired:
+            p = self._pending[0]
+            stop = min(len(p.text), p.next + max_tokens - num_done)
+            _extend_hashes(p.hashes, p.text, stop)
+            self._table.count(p.text, p.hashes, start=p.next, stop=stop, base=p.base)
+            num_done, p.next = num_done + stop - p.next, stop
+            if p.next == len(p.text):
+                self._pending.popleft()
+                self._kept_whole(p.text)
+        return num_done
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(p.text) - p.next for p in self._pending)
+
+    def _kept(self, tokens: Sequence[int]) -> array[int] | None:
+        """The newest tokens of a text that the budget could hold (None: too few)."""
         per_token = TOKEN_BYTES + len(self._table.orders) * ENTRY_BYTES
         num_kept = min(len(tokens), (self.max_bytes - REQUEST_BYTES) // per_token)
         if num_kept < 2:  # (nothing follows a context in a single token)
-            return
-        text = array("i", tokens[len(tokens) - num_kept :])
-        self._table.count(text, _prefix_hashes(text))
+            return None
+        return array("i", tokens[len(tokens) - num_kept :])
+
+    def _kept_whole(self, text: array[int]) -> None:
+        """A text counted whole: kept for its eviction; the oldest go past the budget."""
         self._requests.append(text)
         self._num_text_bytes += _text_bytes(text)
-        while self.num_bytes > self.max_bytes:
+        while self.num_bytes > self.max_bytes and self._requests:
             self._evict_oldest()
         if self._on_added is not None:
             self._on_added()
@@ -142,6 +190,7 @@ class SuffixCache:
     def clear(self) -> None:
         self._table = _ContextTable(self.max_depth)
         self._requests.clear()
+        self._pending.clear()
         self._num_text_bytes = 0
 
     def retire(self) -> None:
@@ -196,6 +245,16 @@ class SuffixCaches:
             self._caches[tenant] = cache
         self._caches.move_to_end(tenant)
         return cache
+
+    def work(self, max_tokens: int) -> int:
+        """Count up to `max_tokens` of what ended requests gave, the least recently used
+        tenant's first."""
+        num_done = 0
+        for cache in list(self._caches.values()):
+            if num_done >= max_tokens:
+                break
+            num_done += cache.work(max_tokens - num_done)
+        return num_done
 
     def _added(self, tenant: str) -> None:
         self._caches.move_to_end(tenant)
@@ -262,10 +321,13 @@ class SuffixDrafts:
         return own.tokens
 
     def _count_own_history(self) -> None:
-        """Count what came since the last proposal (deferred so that `append` stays O(1))."""
-        _extend_hashes(self._hashes, self._tokens)
-        self._own.count(self._tokens, self._hashes, start=self._num_counted)
-        self._num_counted = max(1, len(self._tokens))
+        """Count what came since the last proposal (deferred so that `append` stays O(1)),
+        at most OWN_TOKENS_PER_PROPOSAL of it: a long prompt is counted over several steps,
+        never in one (about 8 us a token, on the engine's thread)."""
+        stop = min(len(self._tokens), self._num_counted + OWN_TOKENS_PER_PROPOSAL)
+        _extend_hashes(self._hashes, self._tokens, stop)
+        self._own.count(self._tokens, self._hashes, start=self._num_counted, stop=stop)
+        self._num_counted = max(1, stop)
 
     def verified(self, num_drafted: int, num_accepted: int) -> None:
         """(Nothing to learn: the executor's draft length follows acceptance.)"""
@@ -275,9 +337,19 @@ class SuffixDrafts:
         if self._closed:
             return
         self._closed = True
-        self.cache.add(self._tokens)
+        self.cache.enqueue(self._tokens)
         self._tokens, self._hashes = [], [0]
         self._own = _ContextTable(self.cache.max_depth)
+
+
+@dataclass
+class _Pending:
+    """A text enqueued: its prefix hashes so far, where counting goes on, its first stamp."""
+
+    text: array[int]
+    hashes: list[int]
+    next: int
+    base: int
 
 
 class _Branch:
@@ -335,25 +407,42 @@ class _ContextTable:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def count(self, tokens: Sequence[int], hashes: list[int], start: int = 1) -> None:
-        """Count what followed each context, for the tokens from `start` on."""
-        for key, token, position in self._pairs(tokens, hashes, start):
-            self._increment(key, token, self._num_stamped + position)
-        self._num_stamped += len(tokens)
+    def count(
+        self,
+        tokens: Sequence[int],
+        hashes: list[int],
+        start: int = 1,
+        stop: int | None = None,
+        base: int | None = None,
+    ) -> None:
+        """Count what followed each context, for the tokens from `start` to `stop` (hashes
+        known that far). `base`: the stamp of the text's first token, reserved (`reserve`)
+        when the text is counted a slice at a time; None: the next stamps."""
+        stop = len(tokens) if stop is None else stop
+        first = self._num_stamped if base is None else base
+        for key, token, position in self._pairs(tokens, hashes, start, stop):
+            self._increment(key, token, first + position)
+        if base is None:
+            self._num_stamped += len(tokens)
+
+    def reserve(self, num_tokens: int) -> int:
+        """Stamps for a text counted later: later texts stamp as newer."""
+        first, self._num_stamped = self._num_stamped, self._num_stamped + num_tokens
+        return first
 
     def uncount(self, tokens: Sequence[int], hashes: list[int]) -> None:
         """Undo `count` of the same tokens (eviction: they were the oldest counted)."""
-        for key, token, _ in self._pairs(tokens, hashes, 1):
+        for key, token, _ in self._pairs(tokens, hashes, 1, len(tokens)):
             self._decrement(key, token)
 
     def _pairs(
-        self, tokens: Sequence[int], hashes: list[int], start: int
+        self, tokens: Sequence[int], hashes: list[int], start: int, stop: int
     ) -> Iterator[tuple[int, int, int]]:
         """(the context's key, the token after it, its position) for each position from
         `start` and each order whose context holds no media chunk."""
         powers = self._powers
         clean_from = _media_free_start(tokens, start - 1, self.max_depth)
-        for i in range(start, len(tokens)):
+        for i in range(start, stop):
             if tokens[i - 1] == NO_TOKEN:
                 clean_from = i
             token = tokens[i]
@@ -480,12 +569,13 @@ def _prefix_hashes(tokens: Sequence[int]) -> list[int]:
     return hashes
 
 
-def _extend_hashes(hashes: list[int], tokens: Sequence[int]) -> None:
-    """Hashes of every prefix of `tokens`, extended from those `hashes` has. A token t is the
-    digit t + 2 (a media chunk 1): no digit is 0, so contexts of different lengths differ."""
+def _extend_hashes(hashes: list[int], tokens: Sequence[int], stop: int | None = None) -> None:
+    """Hashes of every prefix of `tokens` (up to `stop` tokens), extended from those `hashes`
+    has. A token t is the digit t + 2 (a media chunk 1): no digit is 0, so contexts of
+    different lengths differ."""
     h = hashes[-1]
-    for t in tokens[len(hashes) - 1 :]:
-        h = (h * BASE + t + 2) % MODULUS
+    for i in range(len(hashes) - 1, len(tokens) if stop is None else stop):
+        h = (h * BASE + tokens[i] + 2) % MODULUS
         hashes.append(h)
 
 
