@@ -1051,6 +1051,8 @@ class Executor:
             slot.piece = None
             slot.pending.popleft()
             self.stats.num_media_decodes += 1
+            if self.runtime.mtp is not None:  # (the text after it pairs with its last row)
+                self._mtp_after_media(slot, n - 1)
             self._hold(slot)
             self._checkpoint(slot)
 
@@ -1394,6 +1396,15 @@ class Executor:
         counts[1] += num_accepted
         counts[2] += hit
         spec.verified(num_drafted, num_accepted)
+
+    def _mtp_after_media(self, slot: Slot, last_index: int) -> None:
+        mtp = self.runtime.mtp
+        assert mtp is not None
+        try:
+            mtp.after_media(slot.seq, last_index)
+        except native.NativeError as e:
+            log.warning("slot %d: the MTP context's media row failed: %s", slot.seq, e)
+            mtp.clear(slot.seq)
 
     def _mtp_accept(self, slot: Slot, num_accepted: int) -> None:
         """(draft-mtp) The MTP context keeps what the verification kept."""
