@@ -88,7 +88,7 @@ def test_the_pure_logic_imports_the_stdlib_only() -> None:
     for name in (
         "infer_service/kv/ledger", "infer_service/runner/text_stream",
         "infer_service/sessions/header_delta", "infer_service/runner/step_budget",
-        "infer_service/spec/drafting", "slotwise_core/keys", "slotwise_core/enum_names",
+        "infer_service/spec/proposer", "slotwise_core/keys", "slotwise_core/enum_names",
     ):  # fmt: skip
         path = ROOT / f"{name}.py"
         outside = imports(path) - set(sys.stdlib_module_names) - {"__future__"}
@@ -96,6 +96,10 @@ def test_the_pure_logic_imports_the_stdlib_only() -> None:
     for name in ("host_cache", "view", "pool"):  # (they build on the ledger)
         found = imports(ROOT / "infer_service" / "kv" / f"{name}.py")
         assert found - set(sys.stdlib_module_names) - {"__future__", "infer_service"} == set()
+    # every draft source builds on the proposer's protocol, and nothing else
+    for path in sorted((ROOT / "infer_service" / "spec").glob("*.py")):
+        found = imports(path) - set(sys.stdlib_module_names) - {"__future__", "infer_service"}
+        assert found == set(), f"{path.name} imports {found}"
 
 
 def test_the_client_side_needs_no_serve_extra() -> None:

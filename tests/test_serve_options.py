@@ -16,7 +16,7 @@ from test_cli import start_serve
 from clients.client import Message, SlotwiseClient, SlotwiseError
 from infer_service import __main__ as infer_main
 from infer_service.flags import OPTIONS as INFER
-from infer_service.flags import nice_value
+from infer_service.flags import nice_value, spec_types_flag
 from prep_service import __main__ as prep_main
 from prep_service.flags import OPTIONS as PREP
 from slotwise_core.flags import Option, positive_int, settings
@@ -40,6 +40,8 @@ def unusual(o: Option, tmp_path: Path) -> list[str]:
         return [o.flag, str((kw.get("default") or 0) + 3)]
     if kw.get("metavar") == "FNAME:SCALE":  # (--lora-scaled)
         return [o.flag, f"{tmp_path / o.name}.gguf:0.5"]
+    if kw.get("type") is spec_types_flag:  # (one type or several)
+        return [o.flag, "ngram-mod,suffix"]
     return [o.flag, f"{o.name}-value"]
 
 

@@ -158,6 +158,7 @@ def events(media_id: str) -> dict[str, object]:
                 decode_seconds=1.5,
                 num_draft_tokens=9,
                 num_accepted_tokens=6,
+                drafts_by_type={"ngram-mod": [5, 4, 0], "suffix": [4, 2, 3]},
             ),
             stop_string="\n\n",
             persistence=Persistence.SAVED,
