@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import (
+    agent_loop,
     batched_streams,
     bench,
     context_shift,
@@ -30,6 +31,7 @@ from benchmarks import (
     session_turns,
     shared,
     spec,
+    spec_hybrid,
     text_stall,
     ttft,
 )
@@ -63,6 +65,9 @@ EXPECTED = [
     *(spec.row_drafts(task) for task in spec.tasks()),
     spec.ROW_BESIDE,
     spec.ROW_STREAMS4,
+    spec_hybrid.ROW_DRAFTS,
+    agent_loop.ROW,
+    agent_loop.ROW_TENANT,
     *shared.ROWS,
     *hybrid.ROWS,
     kv_types.ROW_CELLS,
@@ -100,6 +105,9 @@ def test_bench_smoke_on_tiny_rope(
     for name in EXPECTED:
         assert name in printed
         r = rows[name]
+        if name == agent_loop.ROW_TENANT:  # (a count that must be 0: never another's text)
+            assert r["ours"] == 0, r["note"]
+            continue
         for key in ("ours", "reference", "ratio"):
             v = r[key]
             if v is not None:
