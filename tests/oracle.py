@@ -647,8 +647,15 @@ def make_spec(pair: str, seed: int) -> RunSpec:
         steps = _edits(random.Random(f"oracle-edits:{pair}:{seed}"), steps)
     spec = SpecConfig()  # (drawn last: the scripts of the seeds before drafts are unchanged)
     if r.random() < 0.5:  # greedy random weights repeat themselves: drafts land, and miss
-        kind = r.choice([SpecType.NGRAM_SIMPLE, SpecType.NGRAM_MAP_K])
-        spec = SpecConfig(kind, n_max=r.randint(1, 16), size_n=r.randint(1, 4), size_m=48)
+        kind = r.choice([
+            SpecType.NGRAM_SIMPLE, SpecType.NGRAM_MAP_K, SpecType.NGRAM_MAP_K4V,
+            SpecType.NGRAM_MOD, SpecType.NGRAM_CACHE, SpecType.SUFFIX,
+        ])  # fmt: skip
+        match = r.randint(1, 4)
+        spec = SpecConfig(
+            kind, n_max=r.randint(1, 16), size_n=match, size_m=48,
+            mod_n_match=match, mod_n_min=1, mod_n_max=16,
+        )  # fmt: skip
     # sampled text repeats itself less: drafts that miss, their cells given back
     temperature = 1.0 if spec.enabled and r.random() < 0.5 else 0.0
     # (drawn last too)
