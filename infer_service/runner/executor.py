@@ -78,6 +78,7 @@ from infer_service.runner.draft_model import DraftModel
 from infer_service.runner.grammar_worker import GrammarTooCostly, GrammarWorker
 from infer_service.runner.job import Job
 from infer_service.runner.media import MediaHandle
+from infer_service.runner.mtp import MtpDrafter
 from infer_service.runner.plan import SlotChoice, StepPlan
 from infer_service.runner.reasoning import ThoughtTracker
 from infer_service.runner.runtime import EmbeddingCache, Runtime
@@ -1051,8 +1052,8 @@ class Executor:
             slot.piece = None
             slot.pending.popleft()
             self.stats.num_media_decodes += 1
-            if self.runtime.mtp is not None:  # (the text after it pairs with its last row)
-                self._mtp_after_media(slot, n - 1)
+            # (draft-mtp: the text after it pairs with its last row)
+            self._mtp([slot.seq], "media row", lambda mtp: mtp.after_media(slot.seq, n - 1))
             self._hold(slot)
             self._checkpoint(slot)
 
@@ -1161,7 +1162,9 @@ class Executor:
         if not any(t.slot.prefilling for t in taken):  # (generation only: a logit per token)
             self.step_cost.observe(sum(t.item.num_cells for t in taken), elapsed)
         if self.runtime.mtp is not None:
-            self._mtp_catch_up(taken)
+            pos = self.runtime.batch.pos  # (where the batch put each one's first token)
+            rows = [(t.slot.seq, t.item.token_ids, int(pos[t.at]), t.at) for t in taken]
+            self._mtp([r[0] for r in rows], "catch-up", functools.partial(_catch_up, rows=rows))
         for t in taken:
             slot = t.slot
             try:
@@ -1180,25 +1183,6 @@ class Executor:
                     self._sample(slot, t.logits_at, t.drafts)
             except Exception as e:
                 self._fail(slot, e)
-
-    def _mtp_catch_up(self, taken: list[Taken]) -> None:
-        """(draft-mtp) The MTP context decodes what the target just did, each token beside
-        the target's hidden state of the one before (llama.cpp's process()). A failure costs
-        the sequence its MTP cells (its drafts get worse), never the request."""
-        mtp = self.runtime.mtp
-        assert mtp is not None
-        rows = []
-        for t in taken:
-            assert t.slot.ledger is not None
-            rows.append((t.slot.seq, t.item.token_ids, t.slot.ledger.next_pos, t.at))
-        try:
-            for seq, _, pos, _ in rows:  # (what it held from there on is another text's)
-                mtp.rewind(seq, pos)
-            mtp.after_decode(rows)
-        except native.NativeError as e:
-            log.warning("the MTP context's catch-up failed: %s", e)
-            for seq, *_ in rows:
-                mtp.clear(seq)
 
     def _take_text(self, slot: Slot, budget: int, spare: int | None = None) -> Taken | None:
         """The slot's next text into the batch, after the ledger's plan made room for it (a
@@ -1379,8 +1363,7 @@ class Executor:
             slot.usage.num_accepted_tokens += confirmed
             if spec is not None:
                 self._count_drafts(slot, spec, len(drafts), confirmed)
-            if self.runtime.mtp is not None:
-                self._mtp_accept(slot, confirmed)
+            self._mtp([slot.seq], "accept", lambda mtp: mtp.accept(slot.seq, confirmed))
             self._give_back(slot, len(drafts) - confirmed)
 
     def _count_drafts(
@@ -1397,24 +1380,19 @@ class Executor:
         counts[2] += hit
         spec.verified(num_drafted, num_accepted)
 
-    def _mtp_after_media(self, slot: Slot, last_index: int) -> None:
+    def _mtp(self, seqs: Sequence[int], what: str, call: Callable[[MtpDrafter], None]) -> None:
+        """(draft-mtp) A call on the MTP context: its catch-up after a decode, its accept
+        after a verification, an image's last row. A failure costs these sequences their MTP
+        cells (their drafts get worse), never a request."""
         mtp = self.runtime.mtp
-        assert mtp is not None
+        if mtp is None:
+            return
         try:
-            mtp.after_media(slot.seq, last_index)
+            call(mtp)
         except native.NativeError as e:
-            log.warning("slot %d: the MTP context's media row failed: %s", slot.seq, e)
-            mtp.clear(slot.seq)
-
-    def _mtp_accept(self, slot: Slot, num_accepted: int) -> None:
-        """(draft-mtp) The MTP context keeps what the verification kept."""
-        mtp = self.runtime.mtp
-        assert mtp is not None
-        try:
-            mtp.accept(slot.seq, num_accepted)
-        except native.NativeError as e:
-            log.warning("slot %d: the MTP context's accept failed: %s", slot.seq, e)
-            mtp.clear(slot.seq)
+            log.warning("the MTP context's %s failed: %s", what, e)
+            for seq in seqs:
+                mtp.clear(seq)
 
     def _give_back(self, slot: Slot, num_cells: int) -> None:
         """The last cells of the sequence's newest segment leave it (rejected drafts)."""
@@ -1795,3 +1773,12 @@ def _guarded(slot: Slot, draw: Callable[[int], list[int]]) -> Callable[[int], li
             return []
 
     return guarded
+
+
+def _catch_up(mtp: MtpDrafter, rows: list[tuple[int, tuple[int, ...], int, int]]) -> None:
+    """(draft-mtp) The MTP context decodes what the target just did, each token beside the
+    target's hidden state of the one before (llama.cpp's process()); what it held from each
+    row's position on was another text's."""
+    for seq, _, pos, _ in rows:
+        mtp.rewind(seq, pos)
+    mtp.after_decode(rows)
