@@ -56,7 +56,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from infer_service.spec.drafting import HISTORY_TOKENS
 from infer_service.spec.proposer import NO_TOKEN
 
 # (about 8 us a token counted, on the engine's thread) a proposal counts at most this much of
@@ -64,6 +63,9 @@ from infer_service.spec.proposer import NO_TOKEN
 OWN_TOKENS_PER_PROPOSAL = 256
 WORK_TOKENS = 64
 MAX_PENDING = 16  # texts waiting to be counted, per tenant
+# a request's own history counted (about 0.8 KB a token: 6.5 MB a slot at most), and what it
+# gives its tenant's cache
+OWN_HISTORY_TOKENS = 1 << 13
 
 MODULUS = (1 << 61) - 1  # a Mersenne prime: contexts collide with odds of about 2^-61
 BASE = 0x5BD1E9955BD1E995 % MODULUS
@@ -279,7 +281,7 @@ class SuffixDrafts:
         *,
         min_prob: float = 0.1,
         spec_factor: float = 1.0,
-        max_tokens: int = HISTORY_TOKENS,
+        max_tokens: int = OWN_HISTORY_TOKENS,
     ):
         if max_tokens < 2:
             raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
