@@ -28,7 +28,7 @@ from infer_service.runner.media import VerifiedMedia
 from infer_service.runner.runtime import Runtime, RuntimeConfig
 from infer_service.sessions.session import SessionLimits
 from infer_service.sessions.store import SessionStore
-from infer_service.spec.drafting import SpecConfig, SpecType, spec_types
+from infer_service.spec.drafting import SpecConfig, SpecType, spec_types, synth_rates
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.flags import add_options, settings
 from slotwise_core.metrics import ServiceMetrics
@@ -294,6 +294,10 @@ def speculative_flags(s: Mapping[str, Any]) -> SpecConfig:
     mod = (s["spec_ngram_mod_n_match"], s["spec_ngram_mod_n_min"], s["spec_ngram_mod_n_max"])
     if s["spec_default"]:
         kinds, mod = tuple(dict.fromkeys((*kinds, SpecType.NGRAM_MOD))), (24, 48, 64)
+    rates = [float(r) for r in (s["spec_synth_rates"] or "").split(",") if r.strip()]
+    synth = synth_rates(rates, s["spec_synth_len"], s["spec_draft_n_max"])
+    if synth:
+        log.warning("synthetic speculative acceptance (--spec-synth-*): the output is not valid")
     return SpecConfig(
         kinds[0] if kinds else SpecType.NONE,
         s["spec_draft_n_max"],
@@ -306,6 +310,7 @@ def speculative_flags(s: Mapping[str, Any]) -> SpecConfig:
         mod_n_match=mod[0],
         mod_n_min=mod[1],
         mod_n_max=mod[2],
+        synth=synth,
     )
 
 
@@ -315,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         config, arguments = start_arguments(settings(args, OPTIONS))
-    except CacheTypeError as e:  # (a combination llama.cpp would refuse)
+    except (CacheTypeError, ValueError) as e:  # (llama.cpp would refuse; --spec-synth-*)
         p.error(str(e))
 
     async def run() -> int:

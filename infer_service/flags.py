@@ -139,6 +139,13 @@ OPTIONS = (
            help="ngram-mod: a shorter draft is none"),
     option("--spec-ngram-mod-n-max", type=int, default=_spec.mod_n_max,
            help="ngram-mod: the longest draft"),
+    option("--spec-synth-rates", metavar="P0,P1,...",
+           help="benchmarking only (the output is not the model's): each draft position is "
+           "accepted with this probability, whatever the model samples (llama-server's; as "
+           "many values as --spec-draft-n-max, non-increasing)"),
+    option("--spec-synth-len", type=float, metavar="L",
+           help="benchmarking only: --spec-synth-rates from a mean acceptance length, the "
+           "model's token included"),
     option("--spec-cache-mb", type=int, default=256,
            help="what drafts learn across requests (ngram-mod's pools, ngram-cache's stores, "
            "the suffix cache), per tenant and never shared between tenants: all of them "

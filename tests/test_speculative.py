@@ -200,6 +200,43 @@ def test_draft_mtp_without_the_head_is_invalid_argument(
     assert "draft-mtp" in e.details()
 
 
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_synthetic_acceptance_accepts_at_its_rate_whatever_the_model_samples(
+    rate: float, prep_servers: Callable[[str], int], infer_server: Callable[..., Any]
+) -> None:
+    """--spec-synth-rates (llama-server's benchmarking aid): 0 rejects every draft, so the
+    reply is the model's own; 1 accepts every one, the model's samples or not."""
+    from infer_service.api.request import GenerateLimits
+    from infer_service.spec.drafting import SpecConfig, SpecType, synth_rates
+
+    spec = SpecConfig(SpecType.NGRAM_SIMPLE, n_max=4, size_n=1,
+                      synth=synth_rates([rate] * 4, None, 4))  # fmt: skip
+    server = infer_server("rope", ctx_size=512, limits=GenerateLimits(speculative=spec))
+    req = make_request(prepare(prep_servers("rope"), raw="a b c d a b c d e"), max_tokens=48)
+    req.logit_bias.update(NO_END)
+    req.sampling.seed = 7
+    plain = run(server.port, speculating(req, infer_pb2.SPEC_TYPE_NONE))
+    drafted = run(server.port, req)
+    u = drafted.finished.usage
+    assert u.num_draft_tokens > 0 and u.num_generated_tokens == 48
+    if rate == 0.0:
+        assert u.num_accepted_tokens == 0 and drafted.token_ids == plain.token_ids
+    else:
+        assert u.num_accepted_tokens == u.num_draft_tokens
+        assert run(server.port, req).token_ids == drafted.token_ids  # (seeded: the same draws)
+
+
+def test_synthetic_rates_are_refused_unless_llama_server_s_shape() -> None:
+    from infer_service.spec.drafting import synth_rates
+
+    assert synth_rates([], None, 4) == ()
+    assert synth_rates([1.0, 0.5, 0.25], None, 3) == (1.0, 0.5, 0.5)
+    assert synth_rates([], 1.0, 3) == (0.0, 0.0, 0.0) and synth_rates([], 4.0, 3) == (1.0,) * 3
+    for bad in (([0.5], None, 3), ([0.2, 0.5, 0.1], None, 3), ([0.5] * 3, 2.0, 3), ([], 9.0, 3)):
+        with pytest.raises(ValueError):
+            synth_rates(*bad)
+
+
 @pytest.mark.parametrize("kind", [SIMPLE, MAP_K])
 def test_seeded_sampling_and_a_grammar_keep_their_tokens_with_drafts(
     kind: int, prep_servers: Callable[[str], int], infer_server: Callable[..., Any]

@@ -379,6 +379,7 @@ def speculative_of(
     s = SpecConfig(
         type=kind,
         types=others,
+        synth=d.synth,  # (the server's alone: a benchmarking aid)
         mod_n_match=int(get("ngram_mod_n_match", d.mod_n_match)),
         mod_n_min=int(get("ngram_mod_n_min", d.mod_n_min)),
         mod_n_max=int(get("ngram_mod_n_max", d.mod_n_max)),

@@ -81,7 +81,7 @@ from infer_service.runner.media import MediaHandle
 from infer_service.runner.mtp import MtpDrafter
 from infer_service.runner.plan import SlotChoice, StepPlan
 from infer_service.runner.reasoning import ThoughtTracker
-from infer_service.runner.runtime import EmbeddingCache, Runtime
+from infer_service.runner.runtime import RANDOM_SEED, EmbeddingCache, Runtime
 from infer_service.runner.sampling import ConstraintError, GrammarDeadEnd, SlotSampler
 from infer_service.runner.slot import MediaPiece, Slot
 from infer_service.runner.stats import EngineStats
@@ -504,9 +504,11 @@ class Executor:
                 make_proposer, config=job.speculative, stores=self.draft_stores, tenant=job.tenant
             )
             prior = self._acceptance.get((job.tenant, job.speculative.kinds))
+            seed = job.sampler_spec.sampling.seed  # (--spec-synth-rates' draws: the request's)
             spec = Speculation(
                 job.speculative, history(ledger.segments, pending), self.step_cost, make,
                 prior=0.9 if prior is None else prior,
+                seed=None if seed == RANDOM_SEED else seed,
             )  # fmt: skip
         slot.job = job
         slot.ledger = ledger
@@ -1345,11 +1347,17 @@ class Executor:
             self._outcome.first_tokens.append(slot.usage.prefill_seconds)
         spec = slot.spec  # (an ending below lets go of it)
         confirmed = 0  # drafts whose sample matched: their cells hold the right input
+        synthetic = spec is not None and spec.synthetic is not None
         for i in range(len(drafts) + 1):
-            token = self._emit_next(slot, index + i, i)
+            given = None
+            if synthetic and i < len(drafts):
+                assert spec is not None and spec.synthetic is not None
+                if spec.synthetic.accepts(i) and not self.runtime.is_eog(drafts[i]):
+                    given = drafts[i]
+            token = self._emit_next(slot, index + i, i, given)
             if token is None:  # the request ended here (the token that ended it is no input)
                 break
-            if i < len(drafts) and token == drafts[i]:
+            if i < len(drafts) and token == drafts[i] and (given is not None or not synthetic):
                 confirmed += 1
                 continue
             thought = slot.thoughts is not None and slot.thoughts.last_was_thought
@@ -1442,10 +1450,14 @@ class Executor:
         if slot.job is not None:  # (a finished request's slot keeps what its cache holds)
             slot.pending.extendleft(reversed(redo))
 
-    def _emit_next(self, slot: Slot, index: int, at: int = 0) -> int | None:
+    def _emit_next(
+        self, slot: Slot, index: int, at: int = 0, synthetic: int | None = None
+    ) -> int | None:
         """Sample at `index`: the token, handed on to the output processor, or None when the
         request finished here (its end of generation, its grammar's dead end, max_tokens;
-        stop strings are found in its text, by the output processor)."""
+        stop strings are found in its text, by the output processor). `synthetic`: a draft
+        accepted by --spec-synth-rates, emitted whatever the target samples (benchmarking
+        only, as llama-server's: it feeds no grammar)."""
         job = slot.job
         assert job is not None and slot.sampler is not None
         thoughts = slot.thoughts
@@ -1456,7 +1468,9 @@ class Executor:
             thoughts.leading or (thoughts.inside and slot.sampler.awaiting_trigger)
         )
         try:
-            if forced is not None:  # (a thought past its budget: its end, written)
+            if synthetic is not None:
+                token, logprobs = slot.sampler.force(index, synthetic)
+            elif forced is not None:  # (a thought past its budget: its end, written)
                 token, logprobs = slot.sampler.force(index, forced)
             elif free:
                 token, logprobs = slot.sampler.sample(index, free=True)

@@ -100,6 +100,9 @@ class RuntimeConfig:
     lora_init_without_apply: bool = False
 
 
+RANDOM_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random one
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 0.8
@@ -110,7 +113,7 @@ class SamplingConfig:
     penalty_last_n: int = 64
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
+    seed: int = RANDOM_SEED
 
 
 class Runtime:

@@ -21,7 +21,9 @@ without drafts.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
+import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -82,6 +84,9 @@ class SpecConfig:
     mod_n_match: int = 24  # ngram-mod (--spec-ngram-mod-n-match, -n-min, -n-max)
     mod_n_min: int = 48
     mod_n_max: int = 64
+    # (benchmarking only: the output is not the model's) the probability that draft i is
+    # accepted given the ones before were, whatever the target samples (--spec-synth-rates)
+    synth: tuple[float, ...] = ()
 
     @property
     def kinds(self) -> tuple[SpecType, ...]:
@@ -331,6 +336,60 @@ class DraftLength:
             self._pause = min(self.max_pause, 2 * self._pause)
 
 
+def synth_rates(rates: Sequence[float], length: float | None, n_max: int) -> tuple[float, ...]:
+    """llama-server's --spec-synth-rates (per position, non-increasing) or --spec-synth-len
+    (a mean acceptance length, the target's token included: geometric rates), as the
+    conditional probabilities a draft is accepted given the ones before were (llama.cpp's
+    common_speculative_synth_rates_resolve). ValueError as llama.cpp's invalid_argument."""
+    if rates and length is not None:
+        raise ValueError("synthetic acceptance length and rates are mutually exclusive")
+    if not rates and length is None:
+        return ()
+    if rates:
+        if len(rates) != n_max:
+            raise ValueError(f"synthetic acceptance rates must contain {n_max} values")
+        if any(not 0.0 <= r <= 1.0 for r in rates) or any(
+            b > a for a, b in itertools.pairwise(rates)
+        ):
+            raise ValueError("synthetic acceptance rates must be within [0, 1], non-increasing")
+        resolved = list(rates)
+    else:
+        assert length is not None
+        if not 1.0 <= length <= n_max + 1:
+            raise ValueError(f"synthetic acceptance length must be within [1, {n_max + 1}]")
+        p = 1.0 if length == n_max + 1 else _geometric(length - 1.0, n_max)
+        resolved = [p ** (i + 1) for i in range(n_max)]
+    out, before = [], 1.0
+    for rate in resolved:
+        out.append(rate / before if before > 0 else 0.0)
+        before = rate
+    return tuple(out)
+
+
+def _geometric(expected: float, n: int) -> float:
+    """p with p + p^2 + ... + p^n = expected (bisection, as llama.cpp)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(32):
+        mid = (lo + hi) / 2
+        if sum(mid ** (j + 1) for j in range(n)) < expected:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2 if expected > 0 else 0.0
+
+
+class SyntheticAcceptance:
+    """A request's draws for --spec-synth-rates: seeded by its sampling seed, so the same
+    request drafts and accepts the same."""
+
+    def __init__(self, probs: tuple[float, ...], seed: int | None):
+        self.probs = probs
+        self.rng = random.Random(seed)
+
+    def accepts(self, i: int) -> bool:
+        return self.rng.random() < self.probs[min(i, len(self.probs) - 1)]
+
+
 class IndexDrafts:
     """ngram-simple and ngram-map-k (prompt lookup) as a Proposer, on the request's index."""
 
@@ -382,6 +441,7 @@ class Speculation:
         cost: StepCost,
         make: Callable[[SpecType], Proposer] | None = None,
         prior: float = 0.9,
+        seed: int | None = None,
     ):
         """make(type): the proposer of a type that learns across requests (ngram-mod,
         ngram-map-k4v, ngram-cache, suffix: infer_service/spec/proposers.py builds them with
@@ -409,6 +469,7 @@ class Speculation:
         self.cost = cost
         self.last: Proposer | None = None  # the proposer of the drafts being verified
         self.hits_before = 0
+        self.synthetic = SyntheticAcceptance(config.synth, seed) if config.synth else None
 
     def model(self, kind: SpecType) -> ModelDrafts | None:
         proposer = self.proposers.get(kind)
@@ -426,7 +487,9 @@ class Speculation:
         each; on hybrid memory, rejected drafts past `in_place` cost a replay)."""
         ratio = self.cost.ratio(num_generating, extra=draw_seconds)
         k = min(self.length.limit(ratio), room, max(self.config.size_m, self.config.mod_n_max))
-        if k > 1 and self.length.a > ratio:  # (a probe of one draft stays one)
+        if self.synthetic is not None:  # (as llama-server: n_max, whatever the steps cost)
+            k = min(room, self.length.n_max)
+        elif k > 1 and self.length.a > ratio:  # (a probe of one draft stays one)
             k = max(1, self.cost.worth(num_generating, self.length.a, k, in_place))
         self.last = None
         if k < max(1, self.config.n_min):
