@@ -17,6 +17,7 @@ from clients.client import Message, SlotwiseClient, SlotwiseError
 from infer_service import __main__ as infer_main
 from infer_service.flags import OPTIONS as INFER
 from infer_service.flags import nice_value, spec_types_flag
+from infer_service.spec.drafting import SpecConfig
 from prep_service import __main__ as prep_main
 from prep_service.flags import OPTIONS as PREP
 from slotwise_core.flags import Option, positive_int, settings
@@ -28,6 +29,10 @@ from support.procs import free_port
 def unusual(o: Option, tmp_path: Path) -> list[str]:
     """A value for the option that is not its default (its flag alone for a switch)."""
     kw = o.kwargs
+    if o.flag == "--spec-synth-len":  # (it goes with no --spec-synth-rates, given below)
+        return []
+    if o.flag == "--spec-synth-rates":  # (one a draft: --spec-draft-n-max's unusual value)
+        return [o.flag, ",".join(["1"] * (SpecConfig().n_max + 3))]
     if kw.get("action") == "store_true":
         return [o.flag]
     if "choices" in kw:
