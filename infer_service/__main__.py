@@ -28,7 +28,8 @@ from infer_service.runner.media import VerifiedMedia
 from infer_service.runner.runtime import Runtime, RuntimeConfig
 from infer_service.sessions.session import SessionLimits
 from infer_service.sessions.store import SessionStore
-from infer_service.spec.drafting import SpecConfig, SpecType, spec_types, synth_rates
+from infer_service.spec.config import SpecConfig, SpecType, spec_types
+from infer_service.spec.synthetic import synth_rates
 from slotwise.v1 import infer_pb2, infer_pb2_grpc
 from slotwise_core.flags import add_options, settings
 from slotwise_core.metrics import ServiceMetrics

@@ -12,7 +12,7 @@ from infer_service.runner.cache_types import FLASH_ATTN, GGML_TYPES
 from infer_service.runner.lora import LoraFile, lora_files
 from infer_service.runner.runtime import RuntimeConfig
 from infer_service.sessions.session import SessionLimits
-from infer_service.spec.drafting import SpecConfig, SpecType, spec_types
+from infer_service.spec.config import SpecConfig, SpecType, spec_types
 from slotwise_core.flags import option, positive_int
 from slotwise_core.serving import DEFAULT_MAX_MESSAGE_BYTES
 

@@ -130,7 +130,7 @@ from infer_service.runner.reasoning import Thoughts
 from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
 from infer_service.runner.slot import Slot
 from infer_service.runner.stats import EngineStats
-from infer_service.spec.drafting import SpecConfig, SpecType
+from infer_service.spec.config import SpecConfig, SpecType
 from slotwise_core import native
 from slotwise_core.tiny_models import ALL, FAMILIES_2026, HYBRID, TinyPair, write_tiny_models
 

@@ -20,7 +20,7 @@ from infer_service.runner.job import Job, KeptEvents
 from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
 from infer_service.runner.slot import Slot
 from infer_service.runner.stats import EngineStats
-from infer_service.spec.drafting import SpecConfig, SpecType
+from infer_service.spec.config import SpecConfig, SpecType
 from support.engines import running_engine
 from support.wait import wait_until
 

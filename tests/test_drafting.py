@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infer_service.spec.drafting import NO_TOKEN, DraftLength, NgramIndex, StepCost
+from infer_service.spec.drafting import NO_TOKEN, NgramIndex
+from infer_service.spec.length import DraftLength, StepCost
 
 
 def reference(tokens: list[int], n: int, limit: int, min_hits: int = 1) -> list[int]:

@@ -17,7 +17,7 @@ from clients.client import Message, SlotwiseClient, SlotwiseError
 from infer_service import __main__ as infer_main
 from infer_service.flags import OPTIONS as INFER
 from infer_service.flags import nice_value, spec_types_flag
-from infer_service.spec.drafting import SpecConfig
+from infer_service.spec.config import SpecConfig
 from prep_service import __main__ as prep_main
 from prep_service.flags import OPTIONS as PREP
 from slotwise_core.flags import Option, positive_int, settings

@@ -207,7 +207,8 @@ def test_synthetic_acceptance_accepts_at_its_rate_whatever_the_model_samples(
     """--spec-synth-rates (llama-server's benchmarking aid): 0 rejects every draft, so the
     reply is the model's own; 1 accepts every one, the model's samples or not."""
     from infer_service.api.request import GenerateLimits
-    from infer_service.spec.drafting import SpecConfig, SpecType, synth_rates
+    from infer_service.spec.config import SpecConfig, SpecType
+    from infer_service.spec.synthetic import synth_rates
 
     spec = SpecConfig(SpecType.NGRAM_SIMPLE, n_max=4, size_n=1,
                       synth=synth_rates([rate] * 4, None, 4))  # fmt: skip
@@ -227,7 +228,7 @@ def test_synthetic_acceptance_accepts_at_its_rate_whatever_the_model_samples(
 
 
 def test_synthetic_rates_are_refused_unless_llama_server_s_shape() -> None:
-    from infer_service.spec.drafting import synth_rates
+    from infer_service.spec.synthetic import synth_rates
 
     assert synth_rates([], None, 4) == ()
     assert synth_rates([1.0, 0.5, 0.25], None, 3) == (1.0, 0.5, 0.5)

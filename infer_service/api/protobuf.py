@@ -42,7 +42,7 @@ from infer_service.kv.view import CellKind, CellRun, SharedPicture, SlotPicture,
 from infer_service.runner.lora import LoraAdapters, LoraError
 from infer_service.runner.stats import TenantStats
 from infer_service.sessions.session import SessionView, public_id
-from infer_service.spec.drafting import SpecType
+from infer_service.spec.config import SpecType
 from slotwise.v1 import infer_pb2
 from slotwise_core.descriptors import memory_kind_pb
 from slotwise_core.enum_names import from_numbers, to_numbers

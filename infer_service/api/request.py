@@ -42,7 +42,7 @@ from infer_service.runner.sampling import (
 )
 from infer_service.sessions.session import SessionView, scoped
 from infer_service.sessions.store import SessionIdError, check_session_id
-from infer_service.spec.drafting import SpecConfig, SpecType
+from infer_service.spec.config import SpecConfig, SpecType
 from slotwise.v1 import infer_pb2
 from slotwise_core.descriptors import DescriptorError, PreparedPrompt, TextChunk
 from slotwise_core.enum_names import from_numbers

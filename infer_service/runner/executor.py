@@ -86,7 +86,9 @@ from infer_service.runner.sampling import ConstraintError, GrammarDeadEnd, SlotS
 from infer_service.runner.slot import MediaPiece, Slot
 from infer_service.runner.stats import EngineStats
 from infer_service.runner.step_budget import prefill_budget
-from infer_service.spec.drafting import NO_TOKEN, SpecType, Speculation, StepCost
+from infer_service.spec.config import SpecType
+from infer_service.spec.drafting import NO_TOKEN, Speculation
+from infer_service.spec.length import StepCost
 from infer_service.spec.proposers import make_proposer
 from infer_service.spec.stores import DraftStores
 from slotwise_core import native

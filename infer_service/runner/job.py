@@ -15,7 +15,7 @@ from infer_service.runner.media import MediaHandle, Pixels, media_key
 from infer_service.runner.reasoning import Thoughts
 from infer_service.runner.runtime import SamplingConfig
 from infer_service.runner.sampling import Constraint, SamplerSpec
-from infer_service.spec.drafting import SpecConfig
+from infer_service.spec.config import SpecConfig
 from slotwise_core.descriptors import MediaChunk, PreparedPrompt
 from slotwise_core.keys import DEFAULT_TENANT
 

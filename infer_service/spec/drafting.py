@@ -1,6 +1,7 @@
-"""Drafts without a second model: the tokens that followed the sequence's last n tokens the
-last time they occurred in it (prompt lookup, llama.cpp's `ngram-simple` and `ngram-map-k`),
-and how many of them a slot verifies each step. Pure: no llama, no grpc.
+"""A request's drafting (`Speculation`): a proposer per draft type it asks for, tried in
+llama-server's order, the history they see, and how many drafts a slot verifies
+(infer_service/spec/length.py). Here too the n-gram lookup of ngram-simple and ngram-map-k.
+Pure: no llama, no grpc.
 
 Edit this file, fix this JSON, answer quoting this document, call a tool with the arguments
 just read: most of such a reply is already in the context, and a draft of it costs one
@@ -11,92 +12,16 @@ costs the cells of the drafts after it, which the ledger gives back.
 `NgramIndex` keeps, per n-gram of the history, where it last ended (and, for `ngram-map-k`,
 how often it occurred): a lookup is a dict access, not a scan. The history is bounded: past
 `max_tokens` its older half goes and the index is rebuilt (amortised over as many appends).
-
-`DraftLength` adapts how many drafts a slot asks for to how many of its recent drafts were
-accepted: a slot whose drafts keep missing drafts less, one whose drafts land drafts more, so
-free text (where a lookup rarely matches, and a match is rarely right) stays as fast as
-without drafts.
 """
 
 from __future__ import annotations
 
-import enum
-import itertools
-import math
-import random
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
+from infer_service.spec.config import HISTORY_TOKENS, MAX_DRAFTS, MODEL_TYPES, SpecConfig, SpecType
+from infer_service.spec.length import DraftLength, StepCost
 from infer_service.spec.proposer import NO_TOKEN, Proposer
-
-HISTORY_TOKENS = 1 << 16  # a request's history for lookups (its newest tokens)
-MAX_DRAFTS = 64  # a step's drafts for one slot at most (slotwise_core.limits.MAX_DRAFTS)
-
-
-class SpecType(enum.Enum):
-    NONE = "none"
-    NGRAM_SIMPLE = "ngram-simple"  # the latest earlier occurrence of the last n tokens
-    NGRAM_MAP_K = "ngram-map-k"  # the same, once the n-gram occurred min_hits times
-    NGRAM_MAP_K4V = "ngram-map-k4v"  # n-grams with up to 4 continuations, the likeliest
-    NGRAM_MOD = "ngram-mod"  # a hash of n-grams to their next token, chained (the tenant's)
-    NGRAM_CACHE = "ngram-cache"  # n-gram statistics of the request and the tenant's earlier
-    SUFFIX = "suffix"  # the tenant's earlier prompts and replies (a suffix cache)
-    DRAFT_SIMPLE = "draft-simple"  # a draft model's greedy guesses (--model-draft)
-    DRAFT_MTP = "draft-mtp"  # the model's own multi-token-prediction head
-
-
-# llama-server's order of preference (common_speculative_init): the first type with a draft
-# drafts; the suffix cache is slotwise's own and goes after the n-gram types
-PRECEDENCE = (
-    SpecType.NGRAM_SIMPLE, SpecType.NGRAM_MAP_K, SpecType.NGRAM_MAP_K4V, SpecType.NGRAM_MOD,
-    SpecType.NGRAM_CACHE, SpecType.SUFFIX, SpecType.DRAFT_SIMPLE, SpecType.DRAFT_MTP,
-)  # fmt: skip
-MODEL_TYPES = frozenset({SpecType.DRAFT_SIMPLE, SpecType.DRAFT_MTP})
-# llama.cpp's draft types that need a draft model's architecture slotwise cannot run
-UNSUPPORTED = ("draft-eagle3", "draft-dflash", "draft-dspark")
-
-
-def spec_types(text: str) -> tuple[SpecType, ...]:
-    """`--spec-type a,b` (llama-server's comma-separated list) in precedence order."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    for name in names:
-        if name in UNSUPPORTED:
-            raise ValueError(
-                f"{name} needs a draft model of an architecture slotwise does not run "
-                "(README: speculative decoding)"
-            )
-    kinds = {SpecType(n) for n in names} - {SpecType.NONE}
-    return tuple(t for t in PRECEDENCE if t in kinds)
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """How a request drafts (llama-server's names and defaults where they mean the same)."""
-
-    type: SpecType = SpecType.NONE
-    n_max: int = 48  # drafts per step at most (the slot verifies as many as pay their way)
-    n_min: int = 0  # fewer than this: draft none
-    p_min: float = 0.0  # (a draft model's confidence floor; n-gram drafts have none)
-    size_n: int = 12  # the n-gram looked up (--spec-ngram-size-n)
-    size_m: int = 48  # the longest continuation drafted from one match (--spec-ngram-size-m)
-    min_hits: int = 1  # ngram-map-k: occurrences of the n-gram before it drafts
-    types: tuple[SpecType, ...] = ()  # more types beside `type` (--spec-type a,b)
-    mod_n_match: int = 24  # ngram-mod (--spec-ngram-mod-n-match, -n-min, -n-max)
-    mod_n_min: int = 48
-    mod_n_max: int = 64
-    # (benchmarking only: the output is not the model's) the probability that draft i is
-    # accepted given the ones before were, whatever the target samples (--spec-synth-rates)
-    synth: tuple[float, ...] = ()
-
-    @property
-    def kinds(self) -> tuple[SpecType, ...]:
-        """Every type asked for, in precedence order."""
-        asked = {self.type, *self.types} - {SpecType.NONE}
-        return tuple(t for t in PRECEDENCE if t in asked)
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.kinds) and self.n_max > 0
+from infer_service.spec.synthetic import SyntheticAcceptance
 
 
 class NgramIndex:
@@ -186,208 +111,6 @@ def overlapping_copy(tokens: Sequence[int], start: int, limit: int) -> list[int]
             break
         out.append(t)
     return out
-
-
-class StepCost:
-    """What verifying one more token costs, against what a token costs when no slot drafts,
-    measured on this machine from the engine's own generation steps: a step of n tokens
-    takes about t0 + c*n (a least-squares line through moving averages). A slot among g that
-    generate saves (t0 + c*g) / g per accepted draft and pays c per draft: on a GPU c is next
-    to nothing, on two CPU cores (Gemma 3 270M: t0 11 ms, c 9.5 ms) about half a token alone,
-    and more than three quarters of one in a batch of four."""
-
-    def __init__(self, prior: float = 0.5, weight: float = 0.05):
-        self.prior, self.weight = prior, weight
-        # moving averages of n, t, n*n and n*t
-        self._n: float | None = None
-        self._t: float | None = None
-        self._nn: float | None = None
-        self._nt: float | None = None
-        # a moving average of the step's seconds per size bucket: where a step of many tokens
-        # costs more than the line says (a recurrent layer's chunked scan on a CPU: 49 tokens
-        # at 2 ms each, 9 at 1.1), the draft length follows what was measured
-        self._by_size: dict[int, float] = {}
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        n, t, w = float(num_tokens), seconds, self.weight
-        self._n = _moved(self._n, n, w)
-        self._t = _moved(self._t, t, w)
-        self._nn = _moved(self._nn, n * n, w)
-        self._nt = _moved(self._nt, n * t, w)
-        bucket = _bucket(num_tokens)
-        self._by_size[bucket] = _moved(self._by_size.get(bucket), seconds, 4 * w)
-
-    def seconds(self, num_tokens: int) -> float | None:
-        """What a step of `num_tokens` costs: measured at its size (or the size bucket it
-        shares), else read off the line; None before any step."""
-        measured = self._by_size.get(_bucket(num_tokens))
-        if measured is not None:
-            return measured
-        line = self._line()
-        return None if line is None else line[0] + line[1] * num_tokens
-
-    def _line(self) -> tuple[float, float] | None:
-        """(t0, c): a step of n tokens takes about t0 + c*n."""
-        if self._n is None or self._t is None or self._nn is None or self._nt is None:
-            return None
-        spread = self._nn - self._n * self._n
-        if spread < 0.25:
-            return None
-        c = max(0.0, (self._nt - self._n * self._t) / spread)
-        return max(0.0, self._t - c * self._n), c
-
-    def worth(
-        self, num_generating: int, acceptance: float, limit: int, in_place: int | None = None
-    ) -> int:
-        """The draft length, at most `limit`, whose expected tokens pay most for the time it
-        adds to the step: a slot among g that generate saves (step of g)/g per accepted draft
-        (the j-th lands with probability a^j) and adds T(g + k) - T(g). (Hybrid memory) a
-        draft longer than `in_place` is taken back from a checkpoint: a rejection after j
-        accepted drafts decodes those j and the token before them again next step, which
-        costs what j + 1 more tokens add to a step."""
-        g = max(1, num_generating)
-        base = self.seconds(g)
-        if base is None or limit <= 0:
-            return limit
-        per_token = base / g
-        best, best_gain, expected = 0, 0.0, 0.0
-        for k in range(1, limit + 1):
-            expected += acceptance**k
-            cost = self.seconds(g + k)
-            if cost is None:
-                return limit
-            gain = per_token * expected - (cost - base)
-            if in_place is not None and k > in_place:
-                gain -= self._replay(g, base, acceptance, k)
-            if gain > best_gain:
-                best, best_gain = k, gain
-        return best
-
-    def _replay(self, g: int, base: float, acceptance: float, k: int) -> float:
-        """The expected time of decoding again what a rejection among k drafts kept."""
-        out = 0.0
-        for j in range(k):  # (j drafts accepted, the next rejected)
-            step = self.seconds(g + j + 1)
-            out += acceptance**j * (1 - acceptance) * ((step or base) - base)
-        return out
-
-    def ratio(self, num_generating: int = 1, extra: float = 0.0) -> float:
-        """(c + extra) / ((t0 + c*g) / g): a draft's cost (and `extra` seconds of drafting it)
-        over the token it may save."""
-        if self._t is None:
-            return self.prior
-        line = self._line()
-        if line is None:  # (steps all of one size so far: no line to draw)
-            return min(1.0, self.prior + (extra / self._t if self._t > 0 else 0.0))
-        t0, c = line
-        g = max(1, num_generating)
-        per_token = (t0 + c * g) / g
-        return min(1.0, max(0.01, (c + extra) / per_token)) if per_token > 0 else self.prior
-
-
-def _bucket(num_tokens: int) -> int:
-    """Sizes up to 8 on their own, then buckets an eighth of a power of two wide."""
-    if num_tokens <= 8:
-        return num_tokens
-    shift = num_tokens.bit_length() - 4
-    return (num_tokens >> shift) << shift
-
-
-def _moved(average: float | None, value: float, weight: float) -> float:
-    return value if average is None else average + weight * (value - average)
-
-
-class DraftLength:
-    """How many drafts a slot verifies next: as many as are worth their cost. The draft at
-    position j (from 1) lands with probability a^j, a being the slot's recent acceptance per
-    position (a moving average); verifying it costs `ratio` of a one-token step, which an
-    accepted draft saves: drafts are asked for while a^j > ratio. A slot whose drafts keep
-    missing (a <= ratio) tries one draft now and then, the pause doubling while it misses, so
-    free text costs next to nothing and a copy that begins later is still found."""
-
-    def __init__(self, n_max: int, *, prior: float = 0.9, weight: float = 0.1, max_pause: int = 32):
-        self.n_max = n_max
-        self.a = prior
-        self.weight = weight
-        self.max_pause = max_pause
-        self._pause = 1
-        self._wait = 0
-
-    def limit(self, ratio: float) -> int:
-        """The drafts to ask for this step (0: draft none)."""
-        if self.a > ratio:
-            k = math.floor(math.log(ratio) / math.log(self.a)) if self.a < 1 else self.n_max
-            return max(1, min(self.n_max, k))
-        if self._wait > 0:
-            self._wait -= 1
-            return 0
-        self._wait = self._pause
-        return min(1, self.n_max)
-
-    def update(self, num_drafted: int, num_accepted: int) -> None:
-        if num_drafted == 0:
-            return
-        missed = num_accepted < num_drafted
-        for landed in [True] * num_accepted + [False] * missed:
-            self.a += self.weight * (float(landed) - self.a)
-        if num_accepted:
-            self._pause, self._wait = 1, 0
-        elif missed:
-            self._pause = min(self.max_pause, 2 * self._pause)
-
-
-def synth_rates(rates: Sequence[float], length: float | None, n_max: int) -> tuple[float, ...]:
-    """llama-server's --spec-synth-rates (per position, non-increasing) or --spec-synth-len
-    (a mean acceptance length, the target's token included: geometric rates), as the
-    conditional probabilities a draft is accepted given the ones before were (llama.cpp's
-    common_speculative_synth_rates_resolve). ValueError as llama.cpp's invalid_argument."""
-    if rates and length is not None:
-        raise ValueError("synthetic acceptance length and rates are mutually exclusive")
-    if not rates and length is None:
-        return ()
-    if rates:
-        if len(rates) != n_max:
-            raise ValueError(f"synthetic acceptance rates must contain {n_max} values")
-        if any(not 0.0 <= r <= 1.0 for r in rates) or any(
-            b > a for a, b in itertools.pairwise(rates)
-        ):
-            raise ValueError("synthetic acceptance rates must be within [0, 1], non-increasing")
-        resolved = list(rates)
-    else:
-        assert length is not None
-        if not 1.0 <= length <= n_max + 1:
-            raise ValueError(f"synthetic acceptance length must be within [1, {n_max + 1}]")
-        p = 1.0 if length == n_max + 1 else _geometric(length - 1.0, n_max)
-        resolved = [p ** (i + 1) for i in range(n_max)]
-    out, before = [], 1.0
-    for rate in resolved:
-        out.append(rate / before if before > 0 else 0.0)
-        before = rate
-    return tuple(out)
-
-
-def _geometric(expected: float, n: int) -> float:
-    """p with p + p^2 + ... + p^n = expected (bisection, as llama.cpp)."""
-    lo, hi = 0.0, 1.0
-    for _ in range(32):
-        mid = (lo + hi) / 2
-        if sum(mid ** (j + 1) for j in range(n)) < expected:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2 if expected > 0 else 0.0
-
-
-class SyntheticAcceptance:
-    """A request's draws for --spec-synth-rates: seeded by its sampling seed, so the same
-    request drafts and accepts the same."""
-
-    def __init__(self, probs: tuple[float, ...], seed: int | None):
-        self.probs = probs
-        self.rng = random.Random(seed)
-
-    def accepts(self, i: int) -> bool:
-        return self.rng.random() < self.probs[min(i, len(self.probs) - 1)]
 
 
 class IndexDrafts:

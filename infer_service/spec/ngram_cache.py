@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from infer_service.spec.drafting import HISTORY_TOKENS
+from infer_service.spec.config import HISTORY_TOKENS
 from infer_service.spec.proposer import NO_TOKEN
 
 NGRAM_MIN = 1  # LLAMA_NGRAM_MIN

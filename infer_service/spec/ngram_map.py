@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from array import array
 
-from infer_service.spec.drafting import HISTORY_TOKENS
+from infer_service.spec.config import HISTORY_TOKENS
 from infer_service.spec.proposer import NO_TOKEN
 
 LCG_FACTOR = 2654435761  # common_ngram_map_hash's multiplier

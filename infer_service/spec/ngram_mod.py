@@ -32,7 +32,7 @@ import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infer_service.spec.drafting import HISTORY_TOKENS
+from infer_service.spec.config import HISTORY_TOKENS
 from infer_service.spec.proposer import NO_TOKEN
 
 EMPTY = -1  # what a lookup that finds nothing gives (common_ngram_mod::EMPTY)

@@ -4,7 +4,7 @@ ngram-cache's store (the tenant's, across requests), the suffix cache (the tenan
 
 from __future__ import annotations
 
-from infer_service.spec.drafting import SpecConfig, SpecType
+from infer_service.spec.config import SpecConfig, SpecType
 from infer_service.spec.ngram_cache import NgramCache
 from infer_service.spec.ngram_map import NgramMapK4v
 from infer_service.spec.ngram_mod import NgramMod, NgramModConfig
