@@ -19,7 +19,7 @@ NO_END = {token_id(t): -100.0 for t in ("<|im_end|>", "<|endoftext|>")}
 TOOL_CALL = 'root ::= "{\\"name\\": \\"read_file\\", \\"path\\": \\"src/" [a-e]+ ".py\\"}"'
 
 
-def _suffix_drafted(client: Any) -> tuple[list[int], dict[str, Any]]:
+def _suffix_drafted(client: Any, **options: Any) -> tuple[list[int], dict[str, Any]]:
     events = list(
         client.generate(
             [Message.user("Read the file again.")],
@@ -28,6 +28,7 @@ def _suffix_drafted(client: Any) -> tuple[list[int], dict[str, Any]]:
             logit_bias=NO_END,
             constraint=Constraint(grammar=TOOL_CALL),
             speculative=Speculative("suffix"),
+            **options,
         )
     )
     end = next(e for e in events if isinstance(e, Finished))
@@ -46,4 +47,8 @@ def test_no_tenant_drafts_from_another_tenant_s_text(tenancy: Callable[..., Any]
     assert counts["suffix"].num_accepted_tokens > 0
     theirs, counts = _suffix_drafted(globex)  # the same call, from another tenant
     assert theirs == first
+    assert "suffix" not in counts or counts["suffix"].num_cache_hits == 0
+    # a salt narrows it as it narrows KV reuse: one tenant's users, each a salt of their own
+    salted, counts = _suffix_drafted(acme, cache_salt="user-2")
+    assert salted == first
     assert "suffix" not in counts or counts["suffix"].num_cache_hits == 0

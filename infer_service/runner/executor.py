@@ -502,10 +502,13 @@ class Executor:
         """The job is the slot's now, its prompt pending."""
         spec = None
         if job.speculative.enabled:
+            # (a salt narrows what drafts learn as it narrows KV reuse: a draft's usage would
+            # tell one salt's user what another's said)
+            owner = f"{job.tenant}\x00{job.cache_salt}"
             make = functools.partial(
-                make_proposer, config=job.speculative, stores=self.draft_stores, tenant=job.tenant
+                make_proposer, config=job.speculative, stores=self.draft_stores, tenant=owner
             )
-            prior = self._acceptance.get((job.tenant, job.speculative.kinds))
+            prior = self._acceptance.get((owner, job.speculative.kinds))
             seed = job.sampler_spec.sampling.seed  # (--spec-synth-rates' draws: the request's)
             spec = Speculation(
                 job.speculative, history(ledger.segments, pending), self.step_cost, make,
@@ -842,7 +845,7 @@ class Executor:
         slot.job = None
         if slot.spec is not None:
             slot.spec.close()  # (what it learnt goes to its tenant's stores)
-            key = (job.tenant, slot.spec.config.kinds)
+            key = (f"{job.tenant}\x00{job.cache_salt}", slot.spec.config.kinds)
             self._acceptance.put(key, slot.spec.length.a)
         slot.spec = None
         slot.thoughts = None
@@ -867,7 +870,12 @@ class Executor:
         confirmed_after = max(0, slot.num_confirmed - at)
         if confirmed_after:
             slot.usage.num_accepted_tokens -= confirmed_after
-            self._give_back(slot, confirmed_after)
+            last = slot.spec.last if slot.spec is not None else None
+            if last is not None and last.name in slot.usage.drafts_by_type:
+                slot.usage.drafts_by_type[last.name][1] -= confirmed_after
+        in_cells = max(0, slot.num_confirmed_cells - at)
+        if in_cells and slot.preempted is None:  # (put aside: its saved state holds them)
+            self._give_back(slot, in_cells)
         return self.finish(slot, FinishReason.STOP) if slot.job is job else None
 
     def _record(self, job: Job, event: Event | Sampled) -> None:
@@ -903,7 +911,11 @@ class Executor:
             self._start_choice(choice)
         if self._encoding or any(s.job for s in self.slots):
             self._step(self.slots)
-            self.draft_stores.work()  # (a bounded slice: what ended requests gave the cache)
+            try:  # (a bounded slice: what ended requests gave the cache)
+                self.draft_stores.work()
+            except Exception:  # a bug there costs the cache a text, never the step
+                log.exception("the draft stores' work failed")
+                self.draft_stores.suffix.drop_pending()
         return self.take_outcome()
 
     def step(self, slots: Sequence[Slot]) -> StepOutcome:
@@ -1367,7 +1379,7 @@ class Executor:
                 Item(1, 1, slot.reply_index, token_ids=(token,), generated=True, thought=thought)
             )
             break
-        slot.num_confirmed = confirmed
+        slot.num_confirmed = slot.num_confirmed_cells = confirmed
         if drafts:
             slot.usage.num_draft_tokens += len(drafts)
             slot.usage.num_accepted_tokens += confirmed
@@ -1442,13 +1454,23 @@ class Executor:
         segment = ledger.segments[newest]
         redo: list[Item]
         if checkpoint is not None and checkpoint[1] == newest:
-            self.runtime.restore(slot.seq, checkpoint[0], segment.pos_start)
-            ledger.truncate(newest)
-            tokens = segment.token_ids[:keep]
-            redo = [text_like(segment.item, tokens)] if tokens else []
-            self.stats.num_spec_restores += 1
+            try:
+                self.runtime.restore(slot.seq, checkpoint[0], segment.pos_start)
+            except native.NativeError as e:  # (the sequence was cleared: all of it again)
+                log.warning("slot %d: %s; its sequence is decoded again", slot.seq, e)
+                redo = ledger.redo(0, newest, keep)
+                self.clear(slot)
+                ledger.truncate(0)
+            else:
+                ledger.truncate(newest)
+                tokens = segment.token_ids[:keep]
+                redo = [text_like(segment.item, tokens)] if tokens else []
+                self.stats.num_spec_restores += 1
         else:
             redo = self._rewind(slot, ledger, newest, keep)
+        # the kept drafts are pending text now, not cells: a stop string found among them
+        # after the step has nothing to give back
+        slot.num_confirmed_cells = 0
         if slot.job is not None:  # (a finished request's slot keeps what its cache holds)
             slot.pending.extendleft(reversed(redo))
 

@@ -46,7 +46,8 @@ class Slot:
     piece: MediaPiece | None = None  # a media chunk being decoded, a piece per step
     share: Share | None = None  # (pool) a pinned prefix to hold for others once decoded
     usage: Usage = field(default_factory=Usage)
-    num_confirmed: int = 0  # drafts its latest step confirmed (their cells are the sequence's)
+    num_confirmed: int = 0  # drafts its latest step confirmed
+    num_confirmed_cells: int = 0  # ... of which the sequence holds the cells (not replayed)
     # (hybrid memory) the recurrent state before the step that verifies a draft longer than
     # llama.cpp rolls back in place, and the ledger's segment count then
     spec_checkpoint: tuple[bytes, int] | None = None

@@ -14,6 +14,7 @@ from infer_service.spec.suffix_cache import WORK_TOKENS, SuffixCache, SuffixCach
 
 NGRAM_BYTES = 170  # (ngram_cache.py's estimate of one counted n-gram)
 MOD_ENTRY_BYTES = 4
+PRIVATE_MOD_ENTRIES = 1 << 16  # a request's own ngram-mod pool (256 KiB)
 
 
 class DraftStores:
@@ -27,20 +28,22 @@ class DraftStores:
         per_tenant = max_bytes // 8
         self._mod_entries = max(1, min(DEFAULT_ENTRIES, per_tenant // MOD_ENTRY_BYTES))
         self._cache_ngrams = max(64, min(MAX_NGRAMS, per_tenant // NGRAM_BYTES))
-        self._mod: OrderedDict[tuple[str, int], NgramModPool] = OrderedDict()
+        self._mod: OrderedDict[str, NgramModPool] = OrderedDict()
         self._cache: OrderedDict[str, NgramCacheStore] = OrderedDict()
 
     def suffix_cache(self, tenant: str) -> SuffixCache:
         return self.suffix.for_tenant(tenant)
 
     def mod_pool(self, tenant: str, n_match: int) -> NgramModPool:
-        key = (tenant, n_match)
-        pool = self._mod.get(key)
+        """The tenant's pool; a request whose n-gram size is not the pool's (the size its
+        first request asked for) gets a small one of its own: no request can make a tenant
+        hold several pools, nor push other tenants' out by asking for other sizes."""
+        pool = self._mod.get(tenant)
         if pool is None:
-            pool = self._mod[key] = NgramModPool(n_match, self._mod_entries)
+            pool = self._mod[tenant] = NgramModPool(n_match, self._mod_entries)
             self._fit(self._mod, self.max_bytes // 4, self._mod_entries * MOD_ENTRY_BYTES)
-        self._mod.move_to_end(key)
-        return pool
+        self._mod.move_to_end(tenant)
+        return pool if pool.n_match == n_match else NgramModPool(n_match, PRIVATE_MOD_ENTRIES)
 
     def ngram_store(self, tenant: str) -> NgramCacheStore:
         store = self._cache.get(tenant)

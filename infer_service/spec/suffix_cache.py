@@ -258,6 +258,14 @@ class SuffixCaches:
             num_done += cache.work(max_tokens - num_done)
         return num_done
 
+    def drop_pending(self) -> None:
+        """Forget every text not yet counted (what a failed count leaves half done goes too:
+        its tenant's cache starts again empty)."""
+        for tenant, cache in list(self._caches.items()):
+            if cache._pending:
+                cache.retire()
+                del self._caches[tenant]
+
     def _added(self, tenant: str) -> None:
         self._caches.move_to_end(tenant)
         num_bytes = self.num_bytes
