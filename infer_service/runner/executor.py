@@ -848,6 +848,7 @@ class Executor:
             key = (f"{job.tenant}\x00{job.cache_salt}", slot.spec.config.kinds)
             self._acceptance.put(key, slot.spec.length.a)
         slot.spec = None
+        slot.spec_checkpoint = None  # (a step that failed before its give-back leaves one)
         slot.thoughts = None
         slot.share = None
         slot.pending.clear()

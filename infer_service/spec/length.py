@@ -70,26 +70,20 @@ class StepCost:
         if base is None or limit <= 0:
             return limit
         per_token = base / g
-        best, best_gain, expected = 0, 0.0, 0.0
+        best, best_gain, expected, replay = 0, 0.0, 0.0, 0.0
         for k in range(1, limit + 1):
-            expected += acceptance**k
             cost = self.seconds(g + k)
             if cost is None:
                 return limit
+            # (k - 1 drafts accepted, the k-th rejected: k tokens decoded again next step)
+            replay += acceptance ** (k - 1) * (1 - acceptance) * (cost - base)
+            expected += acceptance**k
             gain = per_token * expected - (cost - base)
             if in_place is not None and k > in_place:
-                gain -= self._replay(g, base, acceptance, k)
+                gain -= replay
             if gain > best_gain:
                 best, best_gain = k, gain
         return best
-
-    def _replay(self, g: int, base: float, acceptance: float, k: int) -> float:
-        """The expected time of decoding again what a rejection among k drafts kept."""
-        out = 0.0
-        for j in range(k):  # (j drafts accepted, the next rejected)
-            step = self.seconds(g + j + 1)
-            out += acceptance**j * (1 - acceptance) * ((step or base) - base)
-        return out
 
     def ratio(self, num_generating: int = 1, extra: float = 0.0) -> float:
         """(c + extra) / ((t0 + c*g) / g): a draft's cost (and `extra` seconds of drafting it)
