@@ -80,6 +80,7 @@ from infer_service.runner.job import Job
 from infer_service.runner.media import MediaHandle
 from infer_service.runner.mtp import MtpDrafter
 from infer_service.runner.plan import SlotChoice, StepPlan
+from infer_service.runner.prefill_order import admitted, priority, step_budget
 from infer_service.runner.reasoning import ThoughtTracker
 from infer_service.runner.runtime import RANDOM_SEED, EmbeddingCache, Runtime
 from infer_service.runner.sampling import ConstraintError, GrammarDeadEnd, SlotSampler
@@ -149,6 +150,7 @@ class Taken(NamedTuple):
     logits_at: int | None  # batch index of the first logits (None: a prompt piece)
     drafts: tuple[int, ...] = ()
     at: int = 0  # batch index of its first token
+    parts: tuple[Item, ...] = ()  # what the ledger gets: a segment per message (default: item)
 
 
 class StepObserver(Protocol):
@@ -194,6 +196,7 @@ class Executor:
         self._observer = observer
         self.grammars = GrammarWorker()  # every slot's grammar work, each call under a budget
         self.step_cost = StepCost()  # what a draft costs to verify, for slots to weigh it by
+        self.prefill_cost = StepCost()  # what a prompt token costs a step: who joins one
         # what drafts learn across requests, per tenant (ngram-mod, ngram-cache, suffix)
         self.draft_stores = DraftStores(spec_cache_bytes)
         # the acceptance its drafts last ended with, per tenant and types: a request starts
@@ -298,9 +301,16 @@ class Executor:
         return self.runtime.state_set(slot.seq, state)
 
     def stash(self, slot: Slot) -> None:
-        """Keep a stateless sequence that is about to be overwritten in the host cache."""
+        """Keep a stateless sequence that is about to be overwritten in the host cache: not one
+        whose own cells are few beside a prefix the pool shares (a burst on one system prompt
+        would copy the prefix out once per request, for a conversation that shares it again
+        when it comes back)."""
         ledger = slot.ledger
-        if ledger is None or ledger.num_cells < WORTH_KEEPING or not self.host_sequences.max_bytes:
+        if (
+            ledger is None
+            or self.own_cells(slot) < WORTH_KEEPING
+            or not self.host_sequences.max_bytes
+        ):
             return
         if slot.reuse_key is not None:
             self.host_sequences.put(
@@ -543,6 +553,14 @@ class Executor:
         if share is None:
             return None
         holder, num_items = self._held_prefix(job, share)
+        if holder is None and pool.holder_of(slot.seq) is not None:
+            # the slot begins with a few cells of another prefix (a chat template's header):
+            # a sequence with another holder's cells cannot hold this one, which every later
+            # request would then decode whole. Decoded again here, it can.
+            self.clear(slot)
+            ledger.truncate(0)
+            slot.share = share
+            return 0
         if holder is None or ledger.num_cells >= holder.num_cells:
             slot.share = share  # (the slot holds it, or will: it is held from there)
             self._hold(slot)
@@ -1117,14 +1135,24 @@ class Executor:
         """Every ready slot's next text: one llama_decode per LoRA adapter set among them
         (llama.cpp applies adapters to the whole context), the set the context has first, so
         that a step changes it as seldom as it can."""
-        # short work first: a generating slot's one token always gets in, prefill fills the rest
+        # short work first: a generating slot's one token always gets in, then the prompts,
+        # shortest remaining first (with aging)
+        line = self.prefill_cost.line()
+        per_cell = line[1] if line else 0.0
+        now = time.perf_counter()
+
+        def order(s: Slot) -> tuple[bool, float]:
+            if not s.prefilling:
+                return False, s.pending[0].num_cells
+            return True, priority(_remaining(s), now - s.t_start, per_cell)
+
         ready = sorted(
             (
                 s
                 for s in slots
                 if s.job and s.pending and not s.pending[0].media_id and s.preempted is None
             ),
-            key=lambda s: s.pending[0].num_cells,
+            key=order,
         )
         groups: dict[LoraSet, list[Slot]] = {}
         for s in ready:
@@ -1133,8 +1161,24 @@ class Executor:
         for lora in sorted(groups, key=lambda k: k != applied):
             self._decode_batch(groups[lora], lora)
 
+    def _step_prompts(self, ready: list[Slot]) -> list[Slot]:
+        """The ready slots (in order) less the prompts left for a later step: those past the
+        step's budget (runner/prefill_order.py)."""
+        prompts = [s for s in ready if s.prefilling]
+        takes = [min(_remaining(s), self._prefill_budget(s)) for s in prompts]
+        budget = step_budget(
+            len(ready) - len(prompts), self.prefill_cost.estimate, self.runtime.batch_size
+        )
+        k = admitted(takes, budget)
+        if k == len(prompts):
+            return ready
+        self.stats.num_prompts_put_off += len(prompts) - k
+        later = {s.seq for s in prompts[k:]}
+        return [s for s in ready if s.seq not in later]
+
     def _decode_batch(self, ready: list[Slot], lora: LoraSet) -> None:
         """The ready slots' next text (all of one adapter set) in one llama_decode."""
+        ready = self._step_prompts(ready)
         batch = self.runtime.batch
         batch.clear()
         self._reserved = 0
@@ -1176,8 +1220,13 @@ class Executor:
             self._decode_alone(taken)  # a failed decode changes nothing: find the culprit
             return
         elapsed = time.perf_counter() - t0
-        if not any(t.slot.prefilling for t in taken):  # (generation only: a logit per token)
-            self.step_cost.observe(sum(t.item.num_cells for t in taken), elapsed)
+        num_cells = sum(t.item.num_cells for t in taken)
+        if any(t.slot.prefilling for t in taken):  # (a logit per prompt it finishes)
+            self.prefill_cost.observe(num_cells, elapsed)
+        else:  # (generation only: a logit per token)
+            self.step_cost.observe(num_cells, elapsed)
+            if num_cells == 1:  # (a step of one token is a prompt step's least)
+                self.prefill_cost.observe(1, elapsed)
         if self.runtime.mtp is not None:
             pos = self.runtime.batch.pos  # (where the batch put each one's first token)
             rows = [(t.slot.seq, t.item.token_ids, int(pos[t.at]), t.at) for t in taken]
@@ -1186,7 +1235,8 @@ class Executor:
             slot = t.slot
             try:
                 assert slot.ledger is not None
-                slot.ledger.append(t.item)  # (drafts too: their cells are held until verified)
+                for part in t.parts or (t.item,):  # (drafts too: held until verified)
+                    slot.ledger.append(part)
                 if slot.prefilling:
                     self._progress(slot, t.item.num_cells)
                     self._hold(slot)
@@ -1211,7 +1261,10 @@ class Executor:
             head = slot.pending[0]
             whole = head.num_cells if head.group is not None else 0
             allowed = min(budget, max(self._prefill_budget(slot), whole))
-        n = text_take_size(slot.pending, allowed, self.runtime.batch_size)
+        n = text_take_size(
+            slot.pending, allowed, self.runtime.batch_size,
+            across_messages=not self.runtime.recurrent,
+        )  # fmt: skip
         if slot.prefilling and slot.checkpoint_at:  # (the step stops where one is due)
             done = slot.num_prefill_done
             n = min([n, *(p - done for p in slot.checkpoint_at if p > done)])
@@ -1225,7 +1278,7 @@ class Executor:
         n = fitting_take(slot.ledger, n, head.group)
         if not self._make_room(slot, n, n, head.group):
             return None  # finished, or a reprefill put other items first
-        item = take_text(slot.pending, n)
+        item, parts = take_text(slot.pending, n)
         assert slot.ledger is not None
         last = not slot.pending
         generating = last and item.generated and not slot.prefilling
@@ -1237,13 +1290,14 @@ class Executor:
         if drafts:
             tokens = item.token_ids + drafts
             item = replace(item, num_cells=len(tokens), num_positions=len(tokens), token_ids=tokens)
+            parts = (item,)
         end = self.runtime.batch.add(
             item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=last,
             num_logits=1 + len(drafts),
         )  # fmt: skip
         self._reserved += item.num_cells
         first = end - item.num_cells + 1
-        return Taken(slot, item, end - len(drafts) if last else None, drafts, first)
+        return Taken(slot, item, end - len(drafts) if last else None, drafts, first, parts)
 
     def _rollback_ready(self, slot: Slot, num_drafts: int) -> bool:
         """(hybrid memory) Whether the step can take back `num_drafts` rejected drafts: in
@@ -1324,7 +1378,7 @@ class Executor:
     def _decode_alone(self, taken: list[Taken]) -> None:
         """Decode each sequence of a failed batch on its own: only those that fail again end."""
         batch = self.runtime.batch
-        for slot, item, logits_at, drafts, _ in taken:
+        for slot, item, logits_at, drafts, _, parts in taken:
             assert slot.ledger is not None
             batch.clear()
             end = batch.add(
@@ -1341,7 +1395,8 @@ class Executor:
                 self._finish(slot, FinishReason.ERROR, error=why.message, problem=why)
                 continue
             try:
-                slot.ledger.append(item)
+                for part in parts or (item,):
+                    slot.ledger.append(part)
                 self._progress(slot, item.num_cells)
                 if slot.prefilling:
                     self._checkpoint(slot, due=logits_at is not None)
@@ -1705,6 +1760,11 @@ def _niced(nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + nice))
 
 
+def _remaining(slot: Slot) -> int:
+    """The cells of its prompt a slot has still to decode."""
+    return max(1, slot.num_prefill_total - slot.num_prefill_done)
+
+
 def media_cache_key(job: Job, media_key: str) -> str:
     """A media key within its job's tenant and salt, as prefix reuse is: the projector's work
     for one tenant is never another's (a hit would tell that someone sent the image)."""
@@ -1716,12 +1776,18 @@ def _media(slot: Slot, key: str) -> MediaHandle:
     return slot.job.media[key]
 
 
-def text_take_size(pending: deque[Item], budget: int, batch_size: int) -> int:
+def text_take_size(
+    pending: deque[Item], budget: int, batch_size: int, *, across_messages: bool = True
+) -> int:
     """How many tokens of the front text items go into this batch.
 
-    Grouped (wrapper) text goes whole unless it is larger than a whole batch; ungrouped text of
-    one message joins the next items of the same message and origin (a re-prefill after a long
-    reply would otherwise cost a llama_decode per generated token).
+    Grouped (wrapper) text goes whole unless it is larger than a whole batch; ungrouped text
+    joins the next ungrouped text items of the same origin (prompt, reply, thought): the rest
+    of a prompt goes in one step, not one step per message (a chat's new turn is its message
+    and the generation prompt after it: two steps for every request of a burst), and a
+    re-prefill after a long reply does not cost a llama_decode per generated token.
+    `across_messages=False` (recurrent memory) stops at the message's end, where a step must
+    end for a checkpoint there.
     """
     first = pending[0]
     if first.num_cells > budget:
@@ -1730,7 +1796,7 @@ def text_take_size(pending: deque[Item], budget: int, batch_size: int) -> int:
     if first.group is not None:
         return n
     for item in itertools.islice(pending, 1, None):
-        if not _joins(first, item) or n == budget:
+        if not _joins(first, item, across_messages) or n == budget:
             break
         n += min(item.num_cells, budget - n)
     return n
@@ -1748,31 +1814,48 @@ def fitting_take(ledger: Ledger, n: int, group: int | None) -> int:
     return n
 
 
-def _joins(first: Item, item: Item) -> bool:
+def _joins(first: Item, item: Item, across_messages: bool = True) -> bool:
+    """Whether `item` goes into the batch with `first` (text of the same origin)."""
     return (
         item.media_id is None
         and item.group is None
-        and (item.message_index, item.generated, item.thought)
-        == (first.message_index, first.generated, first.thought)
+        and (item.generated, item.thought) == (first.generated, first.thought)
+        and (across_messages or item.message_index == first.message_index)
     )
 
 
-def take_text(pending: deque[Item], n: int) -> Item:
-    """Pop n tokens from the front text items (as text_take_size counted them) as one item."""
+def _one_segment(first: Item, item: Item) -> bool:
+    """Whether `item`, taken with `first`, is one ledger segment with it (one message)."""
+    return _joins(first, item, across_messages=False)
+
+
+def take_text(pending: deque[Item], n: int) -> tuple[Item, tuple[Item, ...]]:
+    """Pop n tokens from the front text items (as text_take_size counted them): as one item
+    for the batch, and as the ledger's segments (one per message: eviction, reuse and the
+    pool go by message)."""
     first = pending[0]
     if n == first.num_cells:  # the common case: one generated token, or one whole chunk
-        return pending.popleft()
-    tokens: list[int] = []
-    while len(tokens) < n:
+        return (item := pending.popleft()), (item,)
+    parts: list[Item] = []
+    taken = 0
+    while taken < n:
         item = pending[0]
-        k = min(item.num_cells, n - len(tokens))
-        tokens.extend(item.token_ids[:k])
+        k = min(item.num_cells, n - taken)
         if k == item.num_cells:
             pending.popleft()
         else:
             rest = item.token_ids[k:]
             pending[0] = replace(item, num_cells=len(rest), num_positions=len(rest), token_ids=rest)
-    return replace(first, num_cells=n, num_positions=n, token_ids=tuple(tokens))
+        part = replace(item, num_cells=k, num_positions=k, token_ids=item.token_ids[:k])
+        if parts and _one_segment(parts[-1], part):
+            ids = parts[-1].token_ids + part.token_ids
+            part = replace(parts[-1], num_cells=len(ids), num_positions=len(ids), token_ids=ids)
+            parts[-1] = part
+        else:
+            parts.append(part)
+        taken += k
+    tokens = tuple(t for p in parts for t in p.token_ids)
+    return replace(first, num_cells=n, num_positions=n, token_ids=tokens), tuple(parts)
 
 
 def text_tokens(segments: Iterable[Segment | Item], pending: Iterable[Item]) -> list[int] | None:

@@ -44,6 +44,7 @@ class EngineStats:
     num_decodes: int = 0
     num_failed_decodes: int = 0  # llama_decode != 0 for a batch the ledgers admitted
     num_multi_seq_decodes: int = 0
+    num_prompts_put_off: int = 0  # a step left a prompt for the next: shorter ones finished first
     num_media_decodes: int = 0
     num_generated_tokens: int = 0
     num_shifts: int = 0

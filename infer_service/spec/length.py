@@ -43,10 +43,33 @@ class StepCost:
         measured = self._by_size.get(_bucket(num_tokens))
         if measured is not None:
             return measured
-        line = self._line()
+        line = self.line()
         return None if line is None else line[0] + line[1] * num_tokens
 
-    def _line(self) -> tuple[float, float] | None:
+    def estimate(self, num_tokens: int) -> float | None:
+        """What a step of `num_tokens` costs: measured at its size bucket, else between the
+        nearest sizes measured (a CPU's step costs less per token the larger it is: a line
+        through large and small steps misjudges both), else past the largest on the line's
+        slope; None when no step as small was measured."""
+        if num_tokens <= 0:
+            return 0.0
+        bucket = _bucket(num_tokens)
+        measured = self._by_size.get(bucket)
+        if measured is not None:
+            return measured
+        below = max((k for k in self._by_size if k < bucket), default=None)
+        above = min((k for k in self._by_size if k > bucket), default=None)
+        if below is None:
+            return None
+        t_below = self._by_size[below]
+        if above is not None:
+            share = (num_tokens - below) / (above - below)
+            return t_below + share * (self._by_size[above] - t_below)
+        line = self.line()
+        slope = line[1] if line is not None else t_below / below
+        return t_below + slope * (num_tokens - below)
+
+    def line(self) -> tuple[float, float] | None:
         """(t0, c): a step of n tokens takes about t0 + c*n."""
         if self._n is None or self._t is None or self._nn is None or self._nt is None:
             return None
@@ -90,7 +113,7 @@ class StepCost:
         over the token it may save."""
         if self._t is None:
             return self.prior
-        line = self._line()
+        line = self.line()
         if line is None:  # (steps all of one size so far: no line to draw)
             return min(1.0, self.prior + (extra / self._t if self._t > 0 else 0.0))
         t0, c = line
