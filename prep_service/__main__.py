@@ -15,6 +15,7 @@ from prep_service.flags import OPTIONS
 from prep_service.image_cache import DEFAULT_IMAGE_CACHE_BYTES
 from prep_service.preparer import Preparer
 from prep_service.service import Limits, PrepServicer
+from prep_service.token_cache import DEFAULT_TOKEN_CACHE_BYTES
 from slotwise.v1 import prep_pb2, prep_pb2_grpc
 from slotwise_core.flags import add_options, settings
 from slotwise_core.metrics import ServiceMetrics
@@ -64,6 +65,7 @@ async def start(
     metrics_port: int | None = None,
     chat_template: str | None = None,
     image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
+    token_cache_bytes: int = DEFAULT_TOKEN_CACHE_BYTES,
 ) -> RunningPrep:
     """Listen first (health NOT_SERVING), load the models, then report SERVING."""
     metrics = ServiceMetrics("prep")
@@ -78,8 +80,9 @@ async def start(
     await server.server.start()
     try:
         preparer = await asyncio.to_thread(
-            Preparer, model, mmproj, n_threads=threads, chat_template=chat_template
-        )
+            Preparer, model, mmproj, n_threads=threads, chat_template=chat_template,
+            token_cache_bytes=token_cache_bytes,
+        )  # fmt: skip
     except BaseException:
         await server.stop(0)  # don't leave a port open that will never serve
         raise
@@ -113,6 +116,7 @@ def start_arguments(s: Mapping[str, Any]) -> tuple[Path, Path | None, dict[str, 
         "max_message_bytes": s["max_message_mb"] << 20,
         "chat_template": s["chat_template"],
         "image_cache_bytes": s["image_cache_mb"] << 20,
+        "token_cache_bytes": s["token_cache_mb"] << 20,
     }
     return s["model"], s["mmproj"], arguments
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from prep_service.image_cache import DEFAULT_IMAGE_CACHE_BYTES
+from prep_service.token_cache import DEFAULT_TOKEN_CACHE_BYTES
 from slotwise_core.flags import option, positive_int
 from slotwise_core.images import DEFAULT_MAX_PIXELS, DEFAULT_MAX_TOTAL_PIXELS
 from slotwise_core.limits import DEFAULT_MAX_IMAGES, DEFAULT_MAX_MESSAGES
@@ -31,6 +32,9 @@ OPTIONS = (
     option("--image-cache-mb", type=int, default=DEFAULT_IMAGE_CACHE_BYTES >> 20,
            help="what prep learnt of the image files it decoded, by their digest, so that a "
            "resent image is not decoded again (0: off)"),
+    option("--token-cache-mb", type=int, default=DEFAULT_TOKEN_CACHE_BYTES >> 20,
+           help="the tokens of long texts (a system prompt, a conversation so far) per tenant, "
+           "so that one sent again is not tokenized again (0: off)"),
     option("--chat-template", metavar="NAME|FILE",
            help="a llama.cpp built-in template name (chatml, gemma, llama3, ...) or a Jinja "
            "file; default: the model's own"),

@@ -19,6 +19,7 @@ from prep_service.chat import (
     load_template,
 )
 from prep_service.reasoning import ThoughtTags, template_reasoning
+from prep_service.token_cache import DEFAULT_TOKEN_CACHE_BYTES, TokenCache
 from prep_service.tools import (
     JSON,
     Choice,
@@ -161,6 +162,7 @@ class Preparer:
         *,
         n_threads: int = 2,
         chat_template: str | None = None,
+        token_cache_bytes: int = DEFAULT_TOKEN_CACHE_BYTES,
     ):
         if mmproj is not None:
             model_files.check_embedding_sizes(model, mmproj)
@@ -178,6 +180,7 @@ class Preparer:
         # the chunks libmtmd makes of one image alone depend on its size only (for this model
         # and projector): remembered for the sizes seen last
         self._group_shape = functools.lru_cache(maxsize=1024)(self._shape_of)
+        self.token_cache = TokenCache(token_cache_bytes)
         bos = llama_cpp.llama_vocab_bos(self._vocab)
         eos = llama_cpp.llama_vocab_eos(self._vocab)
         try:
@@ -232,11 +235,14 @@ class Preparer:
         first_message: int = 0,
         tools: Tools | None = None,
         kwargs: Mapping[str, Any] | None = None,
+        *,
+        scope: str = "",
     ) -> tuple[PreparedPrompt, str]:
         """Chunks with pixels; also returns the rendered prompt text. kwargs: the template's
-        variables beside the messages (checked by prep_service.reasoning)."""
+        variables beside the messages (checked by prep_service.reasoning). scope: whose long
+        texts' tokens are kept for the next time they come (the caller's tenant)."""
         segments = self._segments(request, first_message, tools, kwargs)
-        chunks = [c for s in _numbered_images(segments) for c in self._tokenize(s)]
+        chunks = [c for s in _numbered_images(segments) for c in self._tokenize(s, scope)]
         return PreparedPrompt(self.fingerprint, tuple(chunks)), "".join(s.text for s in segments)
 
     def count(
@@ -245,10 +251,12 @@ class Preparer:
         first_message: int = 0,
         tools: Tools | None = None,
         kwargs: Mapping[str, Any] | None = None,
+        *,
+        scope: str = "",
     ) -> list[Chunk]:
         """Like prepare, but images may be sizes only; media chunks come back without pixels."""
         segments = _numbered_images(self._segments(request, first_message, tools, kwargs))
-        return [c for s in segments for c in self._tokenize(s)]
+        return [c for s in segments for c in self._tokenize(s, scope)]
 
     def thoughts(self, kwargs: Mapping[str, Any] | None = None) -> Thoughts | None:
         """The template's thoughts (None: it writes none), and whether its generation prompt,
@@ -533,17 +541,20 @@ class Preparer:
         tags = template_reasoning(template.source)
         return tags is not None and tags.opened(prompt) is not None
 
-    def _tokenize(self, segment: _Segment) -> list[Chunk]:
+    def _tokenize(self, segment: _Segment, scope: str) -> list[Chunk]:
         if any(_held(m) for m in segment.images):
             raise InputError(
                 "this chat template moves text across messages, so the media before "
                 "first_message are part of what is returned: send first_message 0"
             )
         if not segment.images:
-            tokens = native.tokenize_text(
-                self._vocab, segment.text, add_special=segment.add_special, parse_special=True
-            )
-            return [TextChunk(tuple(tokens), segment.message_index)] if tokens else []
+            tokens = self.token_cache.tokens(
+                scope, segment.text, segment.add_special,
+                lambda: native.tokenize_text(
+                    self._vocab, segment.text, add_special=segment.add_special, parse_special=True
+                ),
+            )  # fmt: skip
+            return [TextChunk(tokens, segment.message_index)] if tokens else []
         self._check_kinds(segment.images)
         assert self.mtmd is not None
         # counted from their sizes and lengths (placeholder bitmaps): prep never preprocesses

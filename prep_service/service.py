@@ -172,6 +172,7 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                 request.first_message,
                 tools,
                 kwargs,
+                scope=tenant,
             )
             response = prep_pb2.PrepareResponse(prompt=prompt.to_pb(), rendered_text=text)
             g = self.preparer.tool_grammar(tools) if tools is not None else None
@@ -201,6 +202,7 @@ class PrepServicer(prep_pb2_grpc.PrepServiceServicer):
                 request.first_message,
                 _tools(request),
                 _kwargs(request),
+                scope=tenant,
             )
             return prep_pb2.CountTokensResponse(
                 num_cells=sum(c.num_cells for c in chunks),
