@@ -1,12 +1,20 @@
-"""Shared prefixes (issue 33): conversations that open with one long system prompt, on the
+"""Shared prefixes (issues 33, 53): conversations that open with one long system prompt, on the
 per-slot layout and on the pool (--kv-unified), the engine's own executor stepped in-process.
 
 The first conversation runs alone; then the others start together, one per slot. Printed per
 layout: the first's time to first token, the others' median and max, their ratio to the
 first, and the cells in use read from llama.cpp against the pool's count (shared prefix once,
-plus each conversation's own cells)::
+plus each conversation's own cells). Then, on the pool (issue 53, unless --no-burst):
 
-    python -m benchmarks.shared_prefix --model gemma-3-270m-q4_k_m.gguf
+- a long prompt (--long tokens of other text) sent with the burst: its time to first token
+  over the same prompt's alone (no starvation behind the short ones);
+- streams already decoding when the burst comes (256-token replies, the burst after their
+  32nd token): their tokens per second, first token to last, over the same streams' without
+  it (the burst's prefills share their steps: they must not stall them).
+
+Each figure is a ratio measured in one run::
+
+    python -m benchmarks.shared_prefix --model gemma-3-270m-q4_k_m.gguf [--parallel 16]
 """
 
 from __future__ import annotations
@@ -94,6 +102,136 @@ def run(
         rt.close()
 
 
+class Burst:
+    """The pool's executor, stepped by hand: jobs started by name, each one's first-token
+    time and token times recorded."""
+
+    def __init__(self, model: Path, *, ctx: int, parallel: int, threads: int):
+        self.rt = Runtime(
+            RuntimeConfig(
+                model, None, ctx_size=ctx, parallel=parallel, threads=threads,
+                threads_batch=threads, kv_unified=True,
+            )
+        )  # fmt: skip
+        self.slots = [Slot(seq) for seq in range(parallel)]
+        self.ex = Executor(
+            self.rt, EngineStats(), cache_bytes=0, host_sequence_bytes=0, slots=self.slots
+        )
+        self.started: dict[str, float] = {}
+        self.first: dict[str, float] = {}
+        self.tokens: dict[str, list[float]] = {}
+
+    def close(self) -> None:
+        self.ex.close()
+        self.rt.close()
+
+    def start(self, name: str, items: list[Item], max_tokens: int, keep: int = 0) -> None:
+        slot = next(s for s in self.slots if s.job is None)
+        job = Job(
+            items, {}, KeptEvents(), sampling=SamplingConfig(temperature=0),
+            max_tokens=max_tokens, context=ContextConfig(keep=keep),
+        )  # fmt: skip
+        job.note = name.encode()
+        self.started[name] = time.perf_counter()
+        self.tokens[name] = []
+        self.ex.start(slot, job, self.ex.enter(slot, job))
+
+    def step(self) -> None:
+        for job, event in self.ex.step(self.slots).events:
+            if isinstance(event, Sampled):
+                name, now = job.note.decode(), time.perf_counter()
+                self.first.setdefault(name, now - self.started[name])
+                self.tokens[name].append(now)
+
+    def drain(self, *names: str) -> None:
+        """Step until these jobs (default: all) ended."""
+
+        def running() -> bool:
+            return any(s.job and (not names or s.job.note.decode() in names) for s in self.slots)
+
+        while running():
+            self.step()
+
+    def clear(self) -> None:
+        """Every slot empty (the next figures start cold)."""
+        for s in self.slots:
+            self.ex.clear(s)
+            s.ledger = None
+
+    def rate(self, name: str) -> float:
+        """A stream's tokens per second, first token to last."""
+        t = self.tokens[name]
+        return (len(t) - 1) / (t[-1] - t[0])
+
+
+def burst_figures(
+    model: Path, *, ctx: int, chats: int, system: int, long: int, streams: int, threads: int
+) -> dict[str, float]:
+    """The pool with a burst of chats on one system prompt: a long prompt's TTFT with the
+    burst over alone, and decoding streams' tok/s with the burst over without."""
+    b = Burst(model, ctx=ctx, parallel=chats + max(1, streams), threads=threads)
+    try:
+        words = system_tokens(b.rt, system + 2 * long + 64)
+        prefix, others = words[:system], words[system:]
+
+        def chat(i: int) -> list[Item]:
+            user = b.rt.tokenize(f" Question number {i}: what does the text above say?")
+            return [Item.text(prefix, 0), Item.text(user, 1)]
+
+        def opener(k: int) -> list[Item]:  # (another long prompt each time: nothing reused)
+            return [Item.text(others[k * long : (k + 1) * long], 0)]
+
+        def chats_together(first: int) -> list[str]:
+            names = [f"chat {i}" for i in range(first, first + chats - 1)]
+            for i, name in enumerate(names, first):
+                b.start(name, chat(i), 4, keep=len(prefix))
+            return names
+
+        b.start("warm", chat(0), 4, keep=len(prefix))  # (the prefix held, costs measured)
+        b.drain()
+        b.start("long alone", opener(0), 1)
+        b.drain()
+        b.clear()
+        b.start("prefix", chat(0), 4, keep=len(prefix))
+        b.drain()
+        b.start("long", opener(1), 1)
+        chats_together(1)
+        b.drain()
+        figures = {
+            "long_alone": b.first["long alone"],
+            "long_with_burst": b.first["long"],
+        }
+
+        # streams: a few tokens of their own prompts, then long replies; the burst comes
+        # once they decode
+        def stream(k: int) -> list[Item]:
+            return [Item.text(others[k * 32 : k * 32 + 32], 0)]
+
+        rates = {}
+        for with_burst in (False, True):
+            b.clear()
+            b.start("prefix again", chat(0), 1, keep=len(prefix))
+            b.drain()
+            names = [f"stream {k} {with_burst}" for k in range(streams)]
+            for k, name in enumerate(names):
+                b.start(name, stream(k), STREAM_TOKENS)
+            while min(len(b.tokens[n]) for n in names) < STREAM_TOKENS // 8:
+                b.step()
+            if with_burst:
+                chats_together(100)
+            b.drain(*names)
+            b.drain()
+            rates[with_burst] = statistics.median(b.rate(n) for n in names)
+        figures["streams_alone"] = rates[False]
+        figures["streams_with_burst"] = rates[True]
+        return figures
+    finally:
+        b.close()
+
+
+STREAM_TOKENS = 256  # a reply's length; the burst comes after its first eighth
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True)
@@ -101,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--system", type=int, default=1600, help="system prompt tokens")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--long", type=int, default=8192, help="the long prompt's tokens")
+    ap.add_argument("--streams", type=int, default=2, help="streams decoding when it comes")
+    ap.add_argument("--no-burst", action="store_true", help="the two layouts only")
+    ap.add_argument(
+        "--layout", choices=("both", "pool", "per-slot"), default="both",
+        help="(16 chats of a 1,600-token system prompt do not fit the per-slot layout)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     print(
         f"{args.parallel} conversations, a {args.system}-token system prompt, "
@@ -108,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{'layout':<10} {'first TTFT':>10} {'others median':>14} {'max':>7} {'ratio':>6} "
           f"{'cells in use (llama.cpp)':>25} {'counted':>8} {'shared':>7}")  # fmt: skip
-    for unified in (False, True):
+    layouts = {"both": (False, True), "pool": (True,), "per-slot": (False,)}[args.layout]
+    for unified in layouts:
         r = run(
             args.model, unified=unified, ctx=args.ctx_size, parallel=args.parallel,
             system=args.system, threads=args.threads,
@@ -119,6 +265,24 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['counted']:>8} {r['shared']:>7}",
             flush=True,
         )
+    if args.no_burst:
+        return 0
+    f = burst_figures(
+        args.model, ctx=args.ctx_size + 2 * args.long, chats=args.parallel, system=args.system,
+        long=args.long, streams=args.streams, threads=args.threads,
+    )  # fmt: skip
+    print(
+        f"the burst beside a {args.long}-token prompt (pool): its TTFT "
+        f"{f['long_with_burst']:.2f}s, alone {f['long_alone']:.2f}s, ratio "
+        f"{f['long_with_burst'] / f['long_alone']:.3f}",
+        flush=True,
+    )
+    print(
+        f"the burst beside {args.streams} decoding streams (pool): their tok/s "
+        f"{f['streams_with_burst']:.1f}, without it {f['streams_alone']:.1f}, ratio "
+        f"{f['streams_with_burst'] / f['streams_alone']:.3f}",
+        flush=True,
+    )
     return 0
 
 

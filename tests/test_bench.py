@@ -242,3 +242,21 @@ def test_engine_process_prototype_streams_on_each_side(
         rate = re.search(rf"^  {side} +([0-9.]+) tok/s", printed, re.M)
         assert rate and math.isfinite(float(rate[1])) and float(rate[1]) > 0, printed
     assert "process / thread" in printed
+
+
+def test_shared_prefix_burst_figures_on_tiny_rope(
+    tiny: dict[str, TinyPair], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The burst section of benchmarks/shared_prefix.py, short: every figure printed and
+    finite, the pool's cells llama.cpp's own count."""
+    from benchmarks import shared_prefix
+
+    argv = ["--model", str(tiny["rope"].model), "--threads", "1", "--ctx-size", "4096"]
+    argv += ["--parallel", "4", "--system", "64", "--long", "256", "--layout", "pool"]
+    assert shared_prefix.main(argv) == 0
+    printed = capsys.readouterr().out
+    pool = re.search(r"^pool .* ([0-9.]+) +(\d+) +(\d+) +(\d+)$", printed, re.M)
+    assert pool and pool[2] == pool[3] and int(pool[4]) == 3, printed  # (3 chats shared it)
+    for what in ("prompt \\(pool\\): its TTFT", "streams \\(pool\\): their tok/s"):
+        ratio = re.search(rf"{what} .* ratio ([0-9.]+)$", printed, re.M)
+        assert ratio and math.isfinite(float(ratio[1])) and float(ratio[1]) > 0, printed
