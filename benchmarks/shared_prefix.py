@@ -15,16 +15,28 @@ plus each conversation's own cells). Then, on the pool (issue 53, unless --no-bu
 Each figure is a ratio measured in one run::
 
     python -m benchmarks.shared_prefix --model gemma-3-270m-q4_k_m.gguf [--parallel 16]
+
+With --http the first rows' burst goes through `slotwise serve` and its OpenAI API instead
+(prep, gRPC, the gateway, the stream: what a user waits for)::
+
+    python -m benchmarks.shared_prefix --model gemma-3-270m-q4_k_m.gguf --http --chat-template gemma
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
+import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
+
+from benchmarks.servers import Process, free_port
 from infer_service.kv.ledger import ContextConfig, Item
 from infer_service.runner.executor import Executor, Sampled
 from infer_service.runner.job import Job, KeptEvents
@@ -232,6 +244,81 @@ def burst_figures(
 STREAM_TOKENS = 256  # a reply's length; the burst comes after its first eighth
 
 
+def http_burst(
+    model: Path, *, chats: int, system: int, ctx: int, threads: int, template: str | None
+) -> dict[str, float]:
+    """The same burst as a user sends it: `slotwise serve --kv-unified` with its HTTP API,
+    the chats streamed through the OpenAI route (httpx, one thread each, started together);
+    a time to first token is the first content the stream carries."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "slotwise_cli", "serve", "--model", str(model), "--kv-unified",
+        "--ctx-size", str(ctx), "--parallel", str(chats), "--threads", str(threads),
+        "--threads-batch", str(threads), "--http-port", str(port), "--prep-port",
+        str(free_port()), "--infer-port", str(free_port()), "--log-level", "warning",
+        *(["--chat-template", template] if template else []),
+    ]  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as d:
+        server = Process("slotwise serve", argv, port, Path(d))
+        try:
+            _wait_http(server, base)
+            words = " ".join(p.read_text(errors="replace") for p in sorted(TEXT) if p.is_file())
+            text = words.split()
+            while _count(base, " ".join(text)) < system:
+                text += text
+            prompt = " ".join(text[: len(text) * system // _count(base, " ".join(text))])
+
+            def ttft(i: int, start: threading.Barrier | None = None) -> float:
+                body = {
+                    "model": "m", "stream": True, "max_tokens": 4, "temperature": 0,
+                    "messages": [
+                        {"role": "system", "content": prompt},
+                        {"role": "user", "content": f"Question {i}: what is part {i} about?"},
+                    ],
+                }  # fmt: skip
+                if start is not None:
+                    start.wait()
+                t0, first = time.perf_counter(), None
+                with httpx.stream(
+                    "POST", f"{base}/v1/chat/completions", json=body, timeout=600
+                ) as r:
+                    r.raise_for_status()
+                    for line in r.iter_lines():
+                        if first is None and '"content": "' in line and '"content": ""' not in line:
+                            first = time.perf_counter() - t0
+                if first is None:
+                    raise RuntimeError(f"chat {i}: no content streamed")
+                return first
+
+            alone = ttft(0)
+            start = threading.Barrier(chats - 1)
+            with ThreadPoolExecutor(chats - 1) as pool:
+                others = list(pool.map(lambda i: ttft(i, start), range(1, chats)))
+            return {
+                "first": alone, "median": statistics.median(others), "max": max(others),
+            }  # fmt: skip
+        finally:
+            server.stop()
+
+
+def _wait_http(server: Process, base: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        server.check_alive()
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"slotwise serve not serving after {timeout:.0f}s:\n{server.log_tail()}")
+
+
+def _count(base: str, text: str) -> int:
+    r = httpx.post(f"{base}/tokenize", json={"content": text}, timeout=60)
+    r.raise_for_status()
+    return len(r.json()["tokens"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True)
@@ -243,10 +330,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=2, help="streams decoding when it comes")
     ap.add_argument("--no-burst", action="store_true", help="the two layouts only")
     ap.add_argument(
+        "--http", action="store_true",
+        help="the burst through `slotwise serve`'s OpenAI API instead (the user's view)",
+    )  # fmt: skip
+    ap.add_argument("--chat-template", help="(--http) for a model without one: gemma, chatml")
+    ap.add_argument(
         "--layout", choices=("both", "pool", "per-slot"), default="both",
         help="(16 chats of a 1,600-token system prompt do not fit the per-slot layout)",
     )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.http:
+        h = http_burst(
+            args.model, chats=args.parallel, system=args.system, ctx=args.ctx_size,
+            threads=args.threads, template=args.chat_template,
+        )  # fmt: skip
+        print(
+            f"{args.parallel} chats over HTTP (pool), a {args.system}-token system prompt: "
+            f"first TTFT {h['first']:.2f}s, others median {h['median']:.2f}s, max "
+            f"{h['max']:.2f}s, ratio {h['median'] / h['first']:.3f}",
+            flush=True,
+        )
+        return 0
     print(
         f"{args.parallel} conversations, a {args.system}-token system prompt, "
         f"ctx {args.ctx_size}, {args.threads} threads; the first alone, then the others together"
