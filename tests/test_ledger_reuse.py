@@ -25,6 +25,7 @@ from infer_service.kv.ledger import (
     Policy,
     Segment,
     Shift,
+    common_atoms,
 )
 
 # -- builders ----------------------------------------------------------------------------------
@@ -665,3 +666,44 @@ def test_a_take_too_large_to_fit_at_once_is_made_smaller() -> None:
     assert 1 <= n <= 256 - 125 and not isinstance(ledger.ensure(n), CannotFit)
     assert fitting_take(ledger, 179, 7) == 179  # grouped text is never split
     assert fitting_take(ledger, 20, None) == 20  # what fits stays whole
+
+
+def _run(draw: st.DrawFn, stream: list[object]) -> list[Item]:
+    """The atoms as items, cut at random places (text runs of any length; media alone)."""
+    items: list[Item] = []
+    text: list[int] = []
+    for atom in stream:
+        if isinstance(atom, str):
+            if text:
+                items.append(Item.text(text, 0))
+                text = []
+            items.append(Item.media(atom, 4, 2, 0))
+            continue
+        text.append(int(atom))  # type: ignore[call-overload]
+        if draw(st.integers(0, 5)) == 0:
+            items.append(Item.text(text, 0))
+            text = []
+    if text:
+        items.append(Item.text(text, 0))
+    return items
+
+
+@st.composite
+def _two_runs(draw: st.DrawFn) -> tuple[list[Item], list[Item]]:
+    atom = st.one_of(st.integers(3, 5), st.sampled_from(["img-a", "img-b"]))
+    shared = draw(st.lists(atom, max_size=60))
+    a = shared + draw(st.lists(atom, max_size=20))
+    b = shared + draw(st.lists(atom, max_size=20))
+    return _run(draw, a), _run(draw, b)
+
+
+@given(_two_runs())
+def test_common_atoms_is_the_atom_by_atom_prefix(runs: tuple[list[Item], list[Item]]) -> None:
+    """Runs of text compared whole give what comparing atom by atom gives, however the two
+    runs are cut into items."""
+    a, b = runs
+    x, y = atoms(a), atoms(b)
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    assert common_atoms(a, b) == common_atoms(b, a) == n
