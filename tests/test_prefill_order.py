@@ -18,6 +18,7 @@ from infer_service.runner.prefill_order import AGING, STEP_SPAN, admitted, prior
 from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
 from infer_service.runner.slot import Slot
 from infer_service.runner.stats import EngineStats
+from infer_service.spec.length import StepCost
 from support.step_costs import CPU, GPU, FixedCost, linear
 
 # -- the rule ---------------------------------------------------------------------------------
@@ -145,15 +146,17 @@ def test_a_chat_s_prompt_goes_in_one_step_a_segment_per_message(executor: Execut
 
 
 def test_short_prompts_get_their_first_tokens_before_a_long_one(executor: Executor) -> None:
-    """Eleven chats of 17 to 27 tokens and one of 400 start together. On a CPU's costs a step
-    takes the shortest within its budget (139 cells: six of them), the next step the other
-    five; the long one comes last. On a GPU's, or before anything was measured, the first
+    """Eleven chats of 17 to 27 tokens and one of 400 start together. On a CPU's costs the
+    first step takes the shortest that fit its budget, the next steps the others, shortest
+    first; the long one comes last. On a GPU's, or before anything was measured, the first
     step takes every short one (and the batch's rest of the long one)."""
-    burst = [chat(400, 0), *(chat(16 + i, i) for i in range(1, 12))]
+    sizes = [16 + i for i in range(1, 12)]
+    burst = [chat(400, 0), *(chat(n, i) for i, n in enumerate(sizes, 1))]
     executor.prefill_cost = FixedCost(CPU)
     long, *short = first_token_steps(executor, burst)
-    assert step_budget(0, linear(*CPU), executor.runtime.batch_size) == 139
-    assert short == [1] * 6 + [2] * 5 and long > 2
+    first = admitted(sizes, step_budget(0, linear(*CPU), executor.runtime.batch_size))
+    assert 1 < first < len(sizes) and short.count(1) == first
+    assert short == sorted(short) and long > max(short)
     assert executor.stats.num_prompts_put_off > 0
     for line in (GPU, None):
         for slot in executor.slots:
@@ -176,3 +179,18 @@ def test_a_long_prompt_that_waited_goes_first(executor: Executor) -> None:
     outcome = executor.step(slots)
     assert slots[0].num_prefill_done == 400 and slots[1].num_prefill_done == 0
     assert [int(job.note) for job, e in outcome.events if isinstance(e, Sampled)] == [0]
+
+
+def test_a_step_s_estimate_errs_long() -> None:
+    """Measured sizes as measured; others from a one-token step on the steepest cost per
+    token seen (a burst's tokens deep in a context cost more than a long prompt's first
+    batch's): never a cheaper step than the measurements say."""
+    cost = StepCost()
+    assert cost.estimate(16) is None  # (no one-token step yet)
+    cost.observe(1, 0.02)
+    cost.observe(72, 0.25)  # (3.2 ms a token more)
+    cost.observe(512, 0.85)  # (1.6 ms)
+    assert cost.estimate(72) == 0.25 and cost.estimate(0) == 0.0
+    steep = (0.25 - 0.02) / 71
+    assert cost.estimate(200) == pytest.approx(0.02 + steep * 199)
+    assert cost.estimate(200) > 0.25 + (0.85 - 0.25) * (200 - 72) / (512 - 72)  # (no line)

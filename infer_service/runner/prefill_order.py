@@ -6,10 +6,11 @@ done; decoded shortest first within a budget per step, the first ones get theirs
 and the rest one step after their own prefill (vLLM and SGLang order short prefills first
 within a token budget the same way). The budget is this machine's: the prompt cells whose step
 costs at most STEP_SPAN one-token steps (`StepCost`, measured from the engine's own steps). On
-two CPU cores (Gemma 3 270M beside a 1,600-token prefix: a one-token step 20 ms, 4 ms a cell
-more) that is about 110 cells, seven chats of ~16 tokens; on a GPU, where the weights' read is
-most of a step, thousands: a burst goes in one step. The slots that generate wait for every
-step too: STEP_SPAN bounds what a burst adds to their next token.
+two CPU cores (Gemma 3 270M beside a 1,600-token prefix: a one-token step 18 ms, about 3 ms a
+cell more) that is about 100 cells, seven or eight chats of ~13 tokens; on a GPU, where the
+weights' read is most of a step, thousands: a burst goes in one step. The slots that generate
+wait for every step too: STEP_SPAN bounds what a burst adds to their next token (vLLM's
+default chunk of 2,048 tokens is about as many one-token steps of a mid-sized model on a GPU).
 
 Aging keeps a long prompt from waiting behind a stream of short ones: its place improves by
 AGING seconds of its own work for every second it waits, so a prompt waits for shorter ones
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 AGING = 4.0
-STEP_SPAN = 24
+STEP_SPAN = 16
 
 
 def priority(remaining: int, waited: float, seconds_per_cell: float) -> float:

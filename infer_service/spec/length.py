@@ -47,27 +47,19 @@ class StepCost:
         return None if line is None else line[0] + line[1] * num_tokens
 
     def estimate(self, num_tokens: int) -> float | None:
-        """What a step of `num_tokens` costs: measured at its size bucket, else between the
-        nearest sizes measured (a CPU's step costs less per token the larger it is: a line
-        through large and small steps misjudges both), else past the largest on the line's
-        slope; None when no step as small was measured."""
+        """What a step of `num_tokens` costs, erring long: measured at its size bucket, else a
+        one-token step plus the steepest cost per token measured over it (a prompt's tokens
+        deep in a long context cost more than a large step's near its start: a line, or
+        steps between two sizes measured, would promise a step it does not keep); None
+        before a one-token step was measured."""
         if num_tokens <= 0:
             return 0.0
-        bucket = _bucket(num_tokens)
-        measured = self._by_size.get(bucket)
-        if measured is not None:
+        measured = self._by_size.get(_bucket(num_tokens))
+        one = self._by_size.get(1)
+        if measured is not None or one is None:
             return measured
-        below = max((k for k in self._by_size if k < bucket), default=None)
-        above = min((k for k in self._by_size if k > bucket), default=None)
-        if below is None:
-            return None
-        t_below = self._by_size[below]
-        if above is not None:
-            share = (num_tokens - below) / (above - below)
-            return t_below + share * (self._by_size[above] - t_below)
-        line = self.line()
-        slope = line[1] if line is not None else t_below / below
-        return t_below + slope * (num_tokens - below)
+        slope = max(((t - one) / (n - 1) for n, t in self._by_size.items() if n > 1), default=None)
+        return None if slope is None else one + max(0.0, slope) * (num_tokens - 1)
 
     def line(self) -> tuple[float, float] | None:
         """(t0, c): a step of n tokens takes about t0 + c*n."""
