@@ -17,7 +17,8 @@ Each figure is a ratio measured in one run::
     python -m benchmarks.shared_prefix --model gemma-3-270m-q4_k_m.gguf [--parallel 16]
 
 With --http the first rows' burst goes through `slotwise serve` and its OpenAI API instead
-(prep, gRPC, the gateway, the stream: what a user waits for)::
+(prep, gRPC, the gateway, the stream: what a user waits for), then again on a changed system
+prompt while the slots hold the first one's chats::
 
     python -m benchmarks.shared_prefix --model gemma-3-270m-q4_k_m.gguf --http --chat-template gemma
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import tempfile
@@ -269,11 +271,11 @@ def http_burst(
                 text += text
             prompt = " ".join(text[: len(text) * system // _count(base, " ".join(text))])
 
-            def ttft(i: int, start: threading.Barrier | None = None) -> float:
+            def ttft(system: str, i: int, start: threading.Barrier | None = None) -> float:
                 body = {
                     "model": "m", "stream": True, "max_tokens": 4, "temperature": 0,
                     "messages": [
-                        {"role": "system", "content": prompt},
+                        {"role": "system", "content": system},
                         {"role": "user", "content": f"Question {i}: what is part {i} about?"},
                     ],
                 }  # fmt: skip
@@ -291,13 +293,20 @@ def http_burst(
                     raise RuntimeError(f"chat {i}: no content streamed")
                 return first
 
-            alone = ttft(0)
-            start = threading.Barrier(chats - 1)
-            with ThreadPoolExecutor(chats - 1) as pool:
-                others = list(pool.map(lambda i: ttft(i, start), range(1, chats)))
-            return {
-                "first": alone, "median": statistics.median(others), "max": max(others),
-            }  # fmt: skip
+            figures: dict[str, float] = {}
+            # a second round on a changed system prompt: the slots hold the first round's
+            for name, system_prompt in (("", prompt), ("changed ", f"Revised. {prompt}")):
+                alone = ttft(system_prompt, 0)
+                together = functools.partial(
+                    ttft, system_prompt, start=threading.Barrier(chats - 1)
+                )
+                with ThreadPoolExecutor(chats - 1) as pool:
+                    others = list(pool.map(together, range(1, chats)))
+                figures |= {
+                    f"{name}first": alone, f"{name}median": statistics.median(others),
+                    f"{name}max": max(others),
+                }  # fmt: skip
+            return figures
         finally:
             server.stop()
 
@@ -344,12 +353,14 @@ def main(argv: list[str] | None = None) -> int:
             args.model, chats=args.parallel, system=args.system, ctx=args.ctx_size,
             threads=args.threads, template=args.chat_template,
         )  # fmt: skip
-        print(
-            f"{args.parallel} chats over HTTP (pool), a {args.system}-token system prompt: "
-            f"first TTFT {h['first']:.2f}s, others median {h['median']:.2f}s, max "
-            f"{h['max']:.2f}s, ratio {h['median'] / h['first']:.3f}",
-            flush=True,
-        )
+        for name, what in (("", "a"), ("changed ", "then a changed")):
+            print(
+                f"{args.parallel} chats over HTTP (pool), {what} {args.system}-token system "
+                f"prompt: first TTFT {h[name + 'first']:.2f}s, others median "
+                f"{h[name + 'median']:.2f}s, max {h[name + 'max']:.2f}s, ratio "
+                f"{h[name + 'median'] / h[name + 'first']:.3f}",
+                flush=True,
+            )
         return 0
     print(
         f"{args.parallel} conversations, a {args.system}-token system prompt, "

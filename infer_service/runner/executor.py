@@ -80,7 +80,12 @@ from infer_service.runner.job import Job
 from infer_service.runner.media import MediaHandle
 from infer_service.runner.mtp import MtpDrafter
 from infer_service.runner.plan import SlotChoice, StepPlan
-from infer_service.runner.prefill_order import admitted, priority, step_budget
+from infer_service.runner.prefill_order import (
+    UNMEASURED_SECONDS_PER_CELL,
+    admitted,
+    priority,
+    step_budget,
+)
 from infer_service.runner.reasoning import ThoughtTracker
 from infer_service.runner.runtime import RANDOM_SEED, EmbeddingCache, Runtime
 from infer_service.runner.sampling import ConstraintError, GrammarDeadEnd, SlotSampler
@@ -1138,7 +1143,7 @@ class Executor:
         # short work first: a generating slot's one token always gets in, then the prompts,
         # shortest remaining first (with aging)
         line = self.prefill_cost.line()
-        per_cell = line[1] if line else 0.0
+        per_cell = line[1] if line and line[1] > 0 else UNMEASURED_SECONDS_PER_CELL
         now = time.perf_counter()
 
         def order(s: Slot) -> tuple[bool, float]:

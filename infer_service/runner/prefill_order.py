@@ -23,6 +23,9 @@ from collections.abc import Callable, Sequence
 
 AGING = 4.0
 STEP_SPAN = 16
+# (aging before the engine measured a prompt cell's cost: a CPU's order of magnitude, so that
+# a long prompt never waits without bound)
+UNMEASURED_SECONDS_PER_CELL = 0.002
 
 
 def priority(remaining: int, waited: float, seconds_per_cell: float) -> float:
