@@ -244,4 +244,3 @@ def test_a_new_system_prompt_is_held_where_slots_began_with_another(oracle: Pool
         assert run(slot, old, i) == (0 if i == 0 else len(old))
     assert run(slots[1], new, 7) == 0  # (the old one's header is not shared: decoded again)
     assert run(slots[2], new, 8) == len(new)
-
