@@ -244,3 +244,9 @@ def test_a_new_system_prompt_is_held_where_slots_began_with_another(oracle: Pool
         assert run(slot, old, i) == (0 if i == 0 else len(old))
     assert run(slots[1], new, 7) == 0  # (the old one's header is not shared: decoded again)
     assert run(slots[2], new, 8) == len(new)
+    # a prompt that opens with all of a held one and pins more: the slot keeps what it shares
+    # (cleared, it would decode the held prompt again for a prefix of its own)
+    longer = new + [19 + i % 83 for i in range(40)]
+    ex.stats.num_shared_prefixes = shares = 0
+    assert run(slots[2], longer, 9) == 0 and ex.stats.num_shared_prefixes == shares
+    assert slots[2].usage.num_reused_cells >= len(new)

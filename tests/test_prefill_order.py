@@ -194,3 +194,14 @@ def test_a_step_s_estimate_errs_long() -> None:
     steep = (0.25 - 0.02) / 71
     assert cost.estimate(200) == pytest.approx(0.02 + steep * 199)
     assert cost.estimate(200) > 0.25 + (0.85 - 0.25) * (200 - 72) / (512 - 72)  # (no line)
+
+
+def test_a_few_cells_over_a_one_token_step_do_not_make_the_slope() -> None:
+    """(a GPU: one jittery 2-token step must not cut a burst's budget by a factor)"""
+    cost = StepCost()
+    for n, t in ((1, 0.010), (256, 0.018), (512, 0.025)):
+        cost.observe(n, t)
+    budget = step_budget(0, cost.estimate, 512)
+    cost.observe(2, 0.013)
+    assert step_budget(0, cost.estimate, 512) == budget == 512
+    assert cost.estimate(300) == pytest.approx(0.010 + (0.018 - 0.010) / 255 * 299)

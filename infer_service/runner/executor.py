@@ -558,7 +558,7 @@ class Executor:
         if share is None:
             return None
         holder, num_items = self._held_prefix(job, share)
-        if holder is None and pool.holder_of(slot.seq) is not None:
+        if holder is None and 0 < pool.shared_cells(slot.seq) < WORTH_SHARING:
             # the slot begins with a few cells of another prefix (a chat template's header):
             # a sequence with another holder's cells cannot hold this one, which every later
             # request would then decode whole. Decoded again here, it can.
@@ -1166,24 +1166,23 @@ class Executor:
         for lora in sorted(groups, key=lambda k: k != applied):
             self._decode_batch(groups[lora], lora)
 
-    def _step_prompts(self, ready: list[Slot]) -> list[Slot]:
+    def _step_prompts(self, ready: list[Slot]) -> tuple[list[Slot], list[Slot]]:
         """The ready slots (in order) less the prompts left for a later step: those past the
-        step's budget (runner/prefill_order.py)."""
+        step's budget (runner/prefill_order.py); and those prompts."""
         prompts = [s for s in ready if s.prefilling]
+        if len(prompts) < 2:
+            return ready, []
         takes = [min(_remaining(s), self._prefill_budget(s)) for s in prompts]
         budget = step_budget(
             len(ready) - len(prompts), self.prefill_cost.estimate, self.runtime.batch_size
         )
         k = admitted(takes, budget)
-        if k == len(prompts):
-            return ready
-        self.stats.num_prompts_put_off += len(prompts) - k
-        later = {s.seq for s in prompts[k:]}
-        return [s for s in ready if s.seq not in later]
+        later = prompts[k:]
+        return [s for s in ready if s not in later], later
 
     def _decode_batch(self, ready: list[Slot], lora: LoraSet) -> None:
         """The ready slots' next text (all of one adapter set) in one llama_decode."""
-        ready = self._step_prompts(ready)
+        ready, later = self._step_prompts(ready)
         batch = self.runtime.batch
         batch.clear()
         self._reserved = 0
@@ -1196,14 +1195,19 @@ class Executor:
             if budget == 0:
                 break
             reserved -= owed[slot.seq]
-            try:
-                took = self._take_text(slot, budget, max(0, budget - reserved))
-            except Exception as e:  # this slot's item alone: the batch goes on without it
-                self._fail(slot, e)
-                continue
-            if took is not None:
-                taken.append(took)
-                budget -= took.item.num_cells
+            budget -= self._take_into(slot, budget, max(0, budget - reserved), taken)
+        if later and not any(t.slot.prefilling for t in taken):
+            # the prompts let in took nothing (waiting for the pool, a reprefill put first):
+            # the step takes the next one instead, never none while prompts wait
+            for slot in later:
+                if budget == 0:
+                    break
+                took = self._take_into(slot, budget, budget, taken)
+                budget -= took
+                later = later[1:]
+                if took:
+                    break
+        self.stats.num_prompts_put_off += len(later)
         if not taken:
             return
         try:
@@ -1256,6 +1260,19 @@ class Executor:
             except Exception as e:
                 self._fail(slot, e)
 
+    def _take_into(self, slot: Slot, budget: int, spare: int, taken: list[Taken]) -> int:
+        """The slot's next text into the batch (`_take_text`), kept in `taken`: the cells it
+        took. A failure is the slot's alone: the batch goes on without it."""
+        try:
+            took = self._take_text(slot, budget, spare)
+        except Exception as e:
+            self._fail(slot, e)
+            return 0
+        if took is None:
+            return 0
+        taken.append(took)
+        return took.item.num_cells
+
     def _take_text(self, slot: Slot, budget: int, spare: int | None = None) -> Taken | None:
         """The slot's next text into the batch, after the ledger's plan made room for it (a
         generating slot's token with its drafts, if it has any, in `spare`: what the batch
@@ -1295,7 +1312,12 @@ class Executor:
         if drafts:
             tokens = item.token_ids + drafts
             item = replace(item, num_cells=len(tokens), num_positions=len(tokens), token_ids=tokens)
-            parts = (item,)
+            last_ids = parts[-1].token_ids + drafts
+            n_last = len(last_ids)
+            parts = (
+                *parts[:-1],
+                replace(parts[-1], num_cells=n_last, num_positions=n_last, token_ids=last_ids),
+            )
         end = self.runtime.batch.add(
             item.token_ids, slot.ledger.next_pos, slot.seq, logits_last=last,
             num_logits=1 + len(drafts),

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+SLOPE_MIN_CELLS = 16
+
 
 class StepCost:
     """What verifying one more token costs, against what a token costs when no slot drafts,
@@ -58,7 +60,11 @@ class StepCost:
         one = self._by_size.get(1)
         if measured is not None or one is None:
             return measured
-        slope = max(((t - one) / (n - 1) for n, t in self._by_size.items() if n > 1), default=None)
+        # (a few cells over a one-token step make a slope of noise: from 16 cells up, where any)
+        sizes = [n for n in self._by_size if n >= SLOPE_MIN_CELLS] or [
+            n for n in self._by_size if n > 1
+        ]
+        slope = max(((self._by_size[n] - one) / (n - 1) for n in sizes), default=None)
         return None if slope is None else one + max(0.0, slope) * (num_tokens - 1)
 
     def line(self) -> tuple[float, float] | None:
