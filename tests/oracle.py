@@ -133,7 +133,7 @@ from infer_service.runner.stats import EngineStats
 from infer_service.spec.config import SpecConfig, SpecType
 from slotwise_core import native
 from slotwise_core.tiny_models import ALL, FAMILIES_2026, HYBRID, TinyPair, write_tiny_models
-from support.step_costs import FixedCost
+from support.step_costs import replayable
 
 __all__ = [
     "ALL",
@@ -922,7 +922,7 @@ class Oracle:
             rt, self.stats, cache_bytes=64 << 20, host_sequence_bytes=0, notify=self._woken.set,
             observer=self,
         )  # fmt: skip
-        self.executor.prefill_cost = FixedCost()  # (a seed replays the same steps)
+        replayable(self.executor)  # (a seed replays the same steps)
         self._runs: dict[int, _Run] = {}  # seq -> the run on it
         self._cells_of: dict[int, tuple[Segment, np.ndarray, np.ndarray]] = {}
 

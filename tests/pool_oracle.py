@@ -39,7 +39,7 @@ from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
 from infer_service.runner.slot import Slot
 from infer_service.runner.stats import EngineStats
 from slotwise_core.tiny_models import TinyPair, write_tiny_models
-from support.step_costs import FixedCost
+from support.step_costs import replayable
 
 NUM_SLOTS = 3
 TENANTS = (("a", ""), ("a", "salt"), ("b", ""))
@@ -83,7 +83,7 @@ class PoolOracle:
         self.executor = Executor(
             rt, self.stats, cache_bytes=0, host_sequence_bytes=0, slots=self.slots
         )
-        self.executor.prefill_cost = FixedCost()  # (a seed replays the same steps)
+        replayable(self.executor)  # (a seed replays the same steps)
 
     def close(self) -> None:
         self.executor.close()

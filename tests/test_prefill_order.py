@@ -5,6 +5,7 @@ measured yet), shows who gets a first token in which step."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from infer_service.kv.ledger import ContextConfig, Item
-from infer_service.runner.executor import Executor, Sampled
+from infer_service.runner.executor import Executor, Sampled, take_text
 from infer_service.runner.job import Job, KeptEvents
 from infer_service.runner.prefill_order import AGING, STEP_SPAN, admitted, priority, step_budget
 from infer_service.runner.runtime import Runtime, RuntimeConfig, SamplingConfig
@@ -99,6 +100,7 @@ def executor(tiny) -> Iterator[Executor]:
     rt = Runtime(RuntimeConfig(pair.model, None, ctx_size=12 * 1024, parallel=12, threads=1))
     slots = [Slot(seq) for seq in range(12)]
     ex = Executor(rt, EngineStats(), cache_bytes=0, host_sequence_bytes=0, slots=slots)
+    ex.clock = lambda: 0.0  # (no prompt ages while the test runs, however slow the machine)
     try:
         yield ex
     finally:
@@ -205,3 +207,15 @@ def test_a_few_cells_over_a_one_token_step_do_not_make_the_slope() -> None:
     cost.observe(2, 0.013)
     assert step_budget(0, cost.estimate, 512) == budget == 512
     assert cost.estimate(300) == pytest.approx(0.010 + (0.018 - 0.010) / 255 * 299)
+
+
+def test_a_take_is_a_segment_per_message() -> None:
+    """Pieces of one message join into one segment; another message starts its own; the batch
+    gets them all as one run of tokens."""
+    pending = deque(
+        [Item.text([5, 6], 0), Item.text([7], 0), Item.text([8, 9], 1), Item.text([10, 11], 1)]
+    )
+    item, parts = take_text(pending, 6)
+    assert item.token_ids == (5, 6, 7, 8, 9, 10)
+    assert [(p.message_index, p.token_ids) for p in parts] == [(0, (5, 6, 7)), (1, (8, 9, 10))]
+    assert [i.token_ids for i in pending] == [(11,)]

@@ -202,6 +202,9 @@ class Executor:
         self.grammars = GrammarWorker()  # every slot's grammar work, each call under a budget
         self.step_cost = StepCost()  # what a draft costs to verify, for slots to weigh it by
         self.prefill_cost = StepCost()  # what a prompt token costs a step: who joins one
+        # when a prompt started and how long it waited (its place in a step: aging); an oracle
+        # stops it, so that a seed replays the same steps
+        self.clock: Callable[[], float] = time.perf_counter
         # what drafts learn across requests, per tenant (ngram-mod, ngram-cache, suffix)
         self.draft_stores = DraftStores(spec_cache_bytes)
         # the acceptance its drafts last ended with, per tenant and types: a request starts
@@ -544,7 +547,7 @@ class Executor:
             else frozenset()
         )
         slot.prefilling = True
-        slot.t_start = time.perf_counter()
+        slot.t_start = self.clock()
 
     # -- the pool (kv_unified) ----------------------------------------------------------------
 
@@ -861,7 +864,7 @@ class Executor:
         if reason is not FinishReason.ERROR:
             self._checkpoint(slot, due=True)  # (the end of its reply: the next turn's start)
         if slot.prefilling:
-            slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
+            slot.usage.prefill_seconds = self.clock() - slot.t_start
         if slot.sampler is not None:
             slot.sampler.close()
             slot.sampler = None
@@ -1144,7 +1147,7 @@ class Executor:
         # shortest remaining first (with aging)
         line = self.prefill_cost.line()
         per_cell = line[1] if line and line[1] > 0 else UNMEASURED_SECONDS_PER_CELL
-        now = time.perf_counter()
+        now = self.clock()
 
         def order(s: Slot) -> tuple[bool, float]:
             if not s.prefilling:
@@ -1176,9 +1179,9 @@ class Executor:
         budget = step_budget(
             len(ready) - len(prompts), self.prefill_cost.estimate, self.runtime.batch_size
         )
-        k = admitted(takes, budget)
-        later = prompts[k:]
-        return [s for s in ready if s not in later], later
+        later = prompts[admitted(takes, budget) :]
+        put_off = {s.seq for s in later}
+        return [s for s in ready if s.seq not in put_off], later
 
     def _decode_batch(self, ready: list[Slot], lora: LoraSet) -> None:
         """The ready slots' next text (all of one adapter set) in one llama_decode."""
@@ -1440,7 +1443,7 @@ class Executor:
         drafts past the last one confirmed are given back, in the ledger and in llama.cpp."""
         if slot.prefilling:
             slot.prefilling = False
-            slot.usage.prefill_seconds = time.perf_counter() - slot.t_start
+            slot.usage.prefill_seconds = self.clock() - slot.t_start
             self._outcome.first_tokens.append(slot.usage.prefill_seconds)
         spec = slot.spec  # (an ending below lets go of it)
         confirmed = 0  # drafts whose sample matched: their cells hold the right input
@@ -1863,7 +1866,7 @@ def take_text(pending: deque[Item], n: int) -> tuple[Item, tuple[Item, ...]]:
     first = pending[0]
     if n == first.num_cells:  # the common case: one generated token, or one whole chunk
         return (item := pending.popleft()), (item,)
-    parts: list[Item] = []
+    runs: list[tuple[Item, list[int]]] = []  # (a message's first piece, its tokens)
     taken = 0
     while taken < n:
         item = pending[0]
@@ -1873,16 +1876,17 @@ def take_text(pending: deque[Item], n: int) -> tuple[Item, tuple[Item, ...]]:
         else:
             rest = item.token_ids[k:]
             pending[0] = replace(item, num_cells=len(rest), num_positions=len(rest), token_ids=rest)
-        part = replace(item, num_cells=k, num_positions=k, token_ids=item.token_ids[:k])
-        if parts and _one_segment(parts[-1], part):
-            ids = parts[-1].token_ids + part.token_ids
-            part = replace(parts[-1], num_cells=len(ids), num_positions=len(ids), token_ids=ids)
-            parts[-1] = part
+        if runs and _one_segment(runs[-1][0], item):
+            runs[-1][1].extend(item.token_ids[:k])
         else:
-            parts.append(part)
+            runs.append((item, list(item.token_ids[:k])))
         taken += k
+    parts = tuple(
+        replace(head, num_cells=len(ids), num_positions=len(ids), token_ids=tuple(ids))
+        for head, ids in runs
+    )
     tokens = tuple(t for p in parts for t in p.token_ids)
-    return replace(first, num_cells=n, num_positions=n, token_ids=tokens), tuple(parts)
+    return replace(first, num_cells=n, num_positions=n, token_ids=tokens), parts
 
 
 def text_tokens(segments: Iterable[Segment | Item], pending: Iterable[Item]) -> list[int] | None:
