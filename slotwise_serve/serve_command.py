@@ -22,13 +22,15 @@ from clients.cli import (
 )
 from infer_service.flags import OPTIONS as INFER
 from prep_service.flags import OPTIONS as PREP
-from slotwise_core.flags import add_options, settings
+from slotwise_core.flags import add_options, defaults, settings
 from slotwise_core.serving import (
     DEFAULT_MAX_CONCURRENT_RPCS,
     add_drain_argument,
     add_tls_arguments,
 )
+from slotwise_serve import router_command
 from slotwise_serve.launch import ServeConfig, Services, serve_until_signal
+from slotwise_serve.router_command import add_router_arguments
 
 SHARED = ("--model", "--mmproj", "--max-message-mb")  # one value for both services
 PREP_FLAGS = {"--threads": "--prep-threads"}  # prep's, where infer has a flag of that name
@@ -64,6 +66,10 @@ def parser() -> argparse.ArgumentParser:
         "--http-port", type=int, help="also serve the OpenAI-compatible HTTP API on this port"
     )
     http_arguments(p, max_images=False)  # prep's --max-images and --max-messages: the gateway's
+    add_router_arguments(p)
+    for action in p._actions:  # (a router has none of its own: --models-dir or -preset instead)
+        if action.dest == "infer_model":
+            action.required = False
     return p
 
 
@@ -87,8 +93,12 @@ def config_from(args: argparse.Namespace, keys: Any = None) -> ServeConfig:
 
 
 def main(argv: list[str]) -> int:
+    if router_command.is_router(argv):
+        return router_command.main(argv, parser(), default_ctx=defaults(INFER)["ctx_size"])
     args = parser().parse_args(argv)
     try:
+        if args.infer_model is None:
+            raise UsageError("--model is required (or --models-dir / --models-preset: a router)")
         for path in (args.infer_model, args.infer_mmproj, args.tls_cert, args.tls_key,
                      args.tls_client_ca):  # fmt: skip
             if path is not None and not path.is_file():

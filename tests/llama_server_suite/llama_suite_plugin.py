@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 import types
 from typing import Any
 
@@ -47,6 +48,35 @@ _DOWNLOAD_MODEL = {
 }
 
 
+# the hub models the router tests name (test_router.py, test_stream.py), as a preset of local
+# stand-ins: the router preset starts with it (a test that writes its own preset replaces it)
+_ROUTER_MODELS = {
+    "ggml-org/tinygemma3-GGUF:Q8_0": "vision",
+    "ggml-org/test-model-stories260K:F32": "text",
+    "ggml-org/test-model-stories260K-infill:F32": "text",
+}
+
+
+def _router_preset(models: dict[str, Any]) -> str:
+    fd, path = tempfile.mkstemp(prefix="llama-suite-router-", suffix=".ini")
+    with os.fdopen(fd, "w") as f:
+        for name, kind in _ROUTER_MODELS.items():
+            f.write(f"[{name}]\nmodel = {models[kind]}\n")
+            if models[kind] in models["mmproj"]:
+                f.write(f"mmproj = {models['mmproj'][models[kind]]}\n")
+    return path
+
+
+def _local_router(make: Any, preset_path: str) -> Any:
+    @functools.wraps(make)
+    def preset() -> Any:
+        server = make()
+        server.models_preset = preset_path
+        return server
+
+    return staticmethod(preset)
+
+
 def _local(make: Any, path: str) -> Any:
     @functools.wraps(make)
     def preset() -> Any:
@@ -77,6 +107,8 @@ def pytest_configure(config: Any) -> None:
         make = presets.__dict__.get(name)
         if make is not None:
             setattr(presets, name, _local(make.__func__, models[kind]))
+    if "router" in presets.__dict__:
+        presets.router = _local_router(presets.__dict__["router"].__func__, _router_preset(models))
     # before the test modules import it (`from utils import *` binds the wrapped one)
     utils.download_file = _local_download(utils.download_file, models)
     # load_all() starts every preset once to fill the download cache: nothing to download

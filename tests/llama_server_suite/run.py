@@ -43,7 +43,10 @@ FILES = (
     "test_completion.py",
     "test_ctx_shift.py",
     "test_security.py",
+    "test_router.py",
+    "test_sleep.py",
     "test_speculative.py",
+    "test_stream.py",
     "test_template.py",
     "test_tokenize.py",
     "test_tool_call.py",
@@ -126,6 +129,7 @@ def main() -> int:
     p.add_argument("pytest_args", nargs="*", help="after --: pytest's (default: FILES)")
     args = p.parse_args()
     tests = (args.tests or vendored_tests()).resolve()
+    (tests / "tmp").mkdir(exist_ok=True)  # utils.TMP_DIR (load_all, stubbed, would make it)
     work = Path(tempfile.mkdtemp(prefix="llama-server-suite-"))
     try:
         env = {

@@ -1,0 +1,345 @@
+"""The router's HTTP edge: llama-server's router API (`/models`, `/models/load`,
+`/models/unload`, `/models/sse`, `/props`) and every other route passed to the model a request
+names (its body's `model`, or `?model=` on a GET), loaded first where it is not.
+
+A request is counted in flight on its model from the moment its model is chosen until the last
+byte of its answer has gone (or its caller has): that is what keeps the model loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+
+from model_router.fleet import FAKE_SECONDS, FAKE_TIMING, Fleet, Instance, RouterError, Status
+from slotwise_core.keys import Keys, bearer
+
+__all__ = ["RouterApp", "create_app"]
+
+BUILD_INFO = "b0-slotwise-router"  # (llama-server's clients read a build string that starts so)
+_HOP_BY_HOP = {"host", "content-length", "connection", "transfer-encoding", "keep-alive",
+               "upgrade", "te", "trailer", "proxy-authorization", "proxy-connection"}  # fmt: skip
+_OPEN_PATHS = ("/health", "/metrics")
+_EVENTS_PER_LISTENER = 256  # a /models/sse reader this far behind is let go
+
+
+@dataclass(frozen=True)
+class RouterApp:
+    fleet: Fleet
+    keys: Keys | None = None
+    autoload: bool = True
+    max_body_bytes: int = 64 << 20
+    reload: Callable[[], None] | None = None  # GET /models?reload=1: read them again
+    # one model that sleeps (`slotwise serve --model M --sleep-idle-seconds N`): every request
+    # is its, and /props and /metrics are its own (from its process while it is awake)
+    only_model: str | None = None
+
+
+def create_app(r: RouterApp) -> FastAPI:
+    proxy_client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                                     limits=httpx.Limits(max_connections=None))  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        r.fleet.start()
+        yield
+        await proxy_client.aclose()
+        await r.fleet.close()
+
+    app = FastAPI(title="slotwise router", lifespan=lifespan)
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=r.max_body_bytes)
+    metrics = _Metrics(r.fleet)
+    _add_keys(app, r.keys)
+
+    @app.exception_handler(RouterError)
+    async def refused(request: Request, e: RouterError) -> JSONResponse:
+        return _error(request.url.path, e)
+
+    @app.exception_handler(Exception)
+    async def fault(request: Request, e: Exception) -> JSONResponse:  # (a bug: said, in shape)
+        failed = RouterError(
+            500, f"the router failed: {type(e).__name__}: {e}", type="server_error"
+        )
+        return _error(request.url.path, failed)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    def awake(request: Request) -> bool:
+        """Whether a GET of /props or /metrics goes to the model: one named, or the one model
+        while it is loaded (asking never wakes it)."""
+        if request.query_params.get("model"):
+            return True
+        only = r.fleet.instances.get(r.only_model or "")
+        return only is not None and only.status is Status.LOADED and not only.stopping
+
+    @app.get("/metrics")
+    async def router_metrics(request: Request) -> Response:
+        if awake(request):
+            return await _forward(request, touch=False)
+        metrics.refresh()
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/props")
+    async def props(request: Request) -> Response:
+        if awake(request):
+            return await _forward(request, touch=False)
+        if r.only_model is not None:
+            return JSONResponse({"role": "model", "model_alias": r.only_model, "is_sleeping": True,
+                                 "build_info": BUILD_INFO})  # fmt: skip
+        return JSONResponse({
+            "role": "router", "max_instances": r.fleet.config.models_max,
+            "models_autoload": r.autoload, "model_alias": "slotwise", "model_path": "none",
+            "default_generation_settings": {"params": {}, "n_ctx": 0},
+            "build_info": BUILD_INFO, "is_sleeping": False,
+        })  # fmt: skip
+
+    @app.get("/models")
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        if request.query_params.get("reload") and r.reload is not None:
+            r.reload()
+        return {"object": "list", "data": [_describe(i) for i in r.fleet.instances.values()]}
+
+    @app.post("/models/load")
+    async def load(request: Request) -> dict[str, bool]:
+        r.fleet.load(await _model_of_body(request))
+        return {"success": True}
+
+    @app.post("/models/unload")
+    async def unload(request: Request) -> dict[str, bool]:
+        r.fleet.unload(await _model_of_body(request))
+        return {"success": True}
+
+    @app.get("/models/sse")
+    async def events(request: Request) -> StreamingResponse:
+        return StreamingResponse(_events(r.fleet, request), media_type="text/event-stream")
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def forward(request: Request) -> Response:
+        return await _forward(request, touch=True)
+
+    async def _forward(request: Request, touch: bool) -> Response:
+        """To the request's model. touch=False: a look (/props, /metrics) that neither keeps
+        the model from sleeping nor wakes the one model."""
+        body = await request.body()
+        name = _model_named(request, body, r.only_model)
+        autoload = _autoload(request, r.autoload) and (touch or r.only_model is None)
+        inst = await _until_disconnected(request, r.fleet.acquire(name, autoload, touch))
+
+        def release(inst: Instance) -> None:
+            r.fleet.release(inst, touch)
+
+        metrics.requests.labels(inst.entry.name).inc()
+        try:
+            if FAKE_TIMING:
+                await asyncio.sleep(FAKE_SECONDS)  # (busy while it waits, as llama-server's)
+            return await _pass(proxy_client, request, body, inst, release)
+        except BaseException:
+            release(inst)
+            raise
+
+    return app
+
+
+def _add_keys(app: FastAPI, keys: Keys | None) -> None:
+    if keys is None:
+        return
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Any) -> Response:
+        if request.method != "OPTIONS" and request.url.path not in _OPEN_PATHS:
+            key = bearer(request.headers.get("authorization", ""))
+            key = key if key is not None else request.headers.get("x-api-key")
+            if keys.tenant_of(key) is None:
+                e = RouterError(401, "incorrect or missing API key", type="authentication_error")
+                return _error(request.url.path, e)
+        return await call_next(request)
+
+
+def _error(path: str, e: RouterError) -> JSONResponse:
+    """In the shape of the API the path belongs to: Anthropic's for its Messages, else
+    llama-server's (OpenAI's, with the status as `code`)."""
+    headers = {"Retry-After": str(max(1, round(e.retry_after)))} if e.retry_after else {}
+    if path.rstrip("/").endswith(("/messages", "/messages/count_tokens")):
+        body: dict[str, Any] = {"type": "error", "error": {"type": e.type, "message": e.message}}
+    else:
+        body = {"error": {"code": e.status, "message": e.message, "type": e.type}}
+    return JSONResponse(body, status_code=e.status, headers=headers)
+
+
+async def _model_of_body(request: Request) -> str:
+    return _model_named(request, await request.body())
+
+
+def _model_named(request: Request, body: bytes, only: str | None = None) -> str:
+    if only is not None:
+        return only
+    name = request.query_params.get("model")
+    if not name and body:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            raise RouterError(400, "the body is not JSON: no model to route it to") from None
+        name = parsed.get("model") if isinstance(parsed, dict) else None
+    if not isinstance(name, str) or not name:
+        raise RouterError(400, "model name is missing from the request (its body's `model`, "
+                          "or ?model= on a GET)")  # fmt: skip
+    return name
+
+
+def _autoload(request: Request, default: bool) -> bool:
+    value = request.query_params.get("autoload")
+    return default if value is None else value.lower() in ("1", "true")
+
+
+async def _until_disconnected(request: Request, work: Any) -> Any:
+    """`work`, unless the caller leaves first (then it is cancelled: its place in the queue
+    goes with it). The body is read by now: what the caller sends next is its leaving."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, RouterError):
+            await task
+        raise RouterError(499, "the caller left while its model loaded")
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _pass(
+    client: httpx.AsyncClient, request: Request, body: bytes, inst: Instance,
+    release: Callable[[Instance], None],
+) -> Response:  # fmt: skip
+    """The request to the model's process; its answer back as it comes. `release` is called
+    once the answer has gone (or failed)."""
+    child = inst.child
+    assert child is not None
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
+    url = child.base_url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    upstream = client.build_request(request.method, url, headers=headers, content=body)
+    try:
+        answer = await client.send(upstream, stream=True)
+    except httpx.TransportError as e:
+        raise await _gone(inst, child, e) from None
+    out_headers = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_BY_HOP}
+    streaming = answer.headers.get("content-type", "").startswith("text/event-stream")
+
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in answer.aiter_raw():
+                yield chunk
+        except httpx.TransportError as e:
+            if streaming:  # (the caller has its status already: the stream says what happened)
+                error = await _gone(inst, child, e)
+                said = {"code": error.status, "message": error.message, "type": error.type}
+                yield f"data: {json.dumps({'error': said})}\n\n".encode()
+        finally:
+            await answer.aclose()
+            release(inst)
+
+    return StreamingResponse(relay(), status_code=answer.status_code, headers=out_headers)
+
+
+async def _gone(inst: Instance, child: Any, e: Exception) -> RouterError:
+    """The model's process went away under a request: why, in its own words."""
+    with contextlib.suppress(TimeoutError):
+        code = await asyncio.wait_for(child.process.wait(), 5)
+        for r in child.readers:
+            await r
+        return RouterError(503, f"model {inst.entry.name!r}: its process ended (exit code "
+                           f"{code}): {child.reason()}", type="unavailable_error")  # fmt: skip
+    return RouterError(502, f"model {inst.entry.name!r} did not answer: {type(e).__name__}",
+                       type="server_error")  # fmt: skip
+
+
+def _describe(inst: Instance) -> dict[str, Any]:
+    e = inst.entry
+    status: dict[str, Any] = {
+        "value": inst.status.value,
+        "args": ["slotwise", "serve", *e.command()],
+    }
+    if e.preset:
+        status["preset"] = e.preset
+    if inst.failure is not None and not inst.running:
+        status.update(failed=True, exit_code=inst.failure.exit_code, reason=inst.failure.reason)
+    if e.problem:
+        status["reason"] = e.problem
+    info: dict[str, Any] = {
+        "id": e.name, "aliases": list(e.aliases), "tags": [], "object": "model",
+        "owned_by": "slotwise", "created": int(time.time()), "status": status,
+        "architecture": {"input_modalities": ["text", "image"] if e.mmproj else ["text"],
+                         "output_modalities": ["text"]},
+        "source": e.source, "can_remove": False,
+    }  # fmt: skip
+    if inst.child is not None and inst.status is Status.LOADED:
+        info["slotwise"] = {
+            "prep_address": inst.child.prep_address, "infer_address": inst.child.infer_address,
+            "in_flight": inst.in_flight, "memory_bytes": inst.held_bytes, "pid": inst.child.pid,
+        }  # fmt: skip
+    return info
+
+
+async def _events(fleet: Fleet, request: Request) -> AsyncIterator[str]:
+    """GET /models/sse: each model's status as it changes, until the reader leaves or falls
+    behind by more than _EVENTS_PER_LISTENER."""
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(_EVENTS_PER_LISTENER)
+    lost = asyncio.Event()
+
+    def listener(model: str, event: str, data: dict[str, object]) -> None:
+        try:
+            queue.put_nowait({"model": model, "event": event, "data": data})
+        except asyncio.QueueFull:
+            lost.set()
+
+    stop = fleet.listen(listener)
+    try:
+        yield ": subscribed\n\n"  # (the reader knows it is listening before anything happens)
+        while not lost.is_set():
+            event = await queue.get()
+            yield f"data: {json.dumps(event)}\n\n"
+    finally:
+        stop()
+
+
+class _Metrics:
+    """The router's own, labelled by model; a model's own at /metrics?model=NAME."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.registry = CollectorRegistry()
+        self.requests = Counter("slotwise_router_requests", "requests passed to a model",
+                                ["model"], registry=self.registry)  # fmt: skip
+        self.loaded = Gauge("slotwise_router_model_loaded", "1 while the model is loaded",
+                            ["model"], registry=self.registry)  # fmt: skip
+        self.in_flight = Gauge("slotwise_router_in_flight", "requests in flight on the model",
+                               ["model"], registry=self.registry)  # fmt: skip
+        self.waiting = Gauge("slotwise_router_waiting", "requests waiting for a model to load",
+                             registry=self.registry)  # fmt: skip
+
+    def refresh(self) -> None:
+        for name, inst in self.fleet.instances.items():
+            self.loaded.labels(name).set(1 if inst.status is Status.LOADED else 0)
+            self.in_flight.labels(name).set(inst.in_flight)
+        self.waiting.set(self.fleet.num_waiting)
