@@ -22,7 +22,9 @@ DEFAULT_STOP_TIMEOUT = 10.0  # llama-server's: seconds an unload waits before it
 # keys that say which files and names a model has, or how the router treats it (not flags)
 _FILES = {"model": "model", "m": "model", "mmproj": "mmproj", "mm": "mmproj"}
 _ALIAS = ("alias", "a")
-_ROUTER_ONLY = ("load-on-startup", "stop-timeout", "dedup-cache-models")
+# the router sets these for each model's process, over whatever a preset says (as llama-server)
+_ROUTER_SET = ("host", "port", "http-port", "prep-port", "infer-port", "api-key",
+               "api-key-file", "token-file", "model-name", "sessions-dir")  # fmt: skip
 _HUB = ("hf-repo", "hf", "hf-file", "hff", "model-url", "mu", "spec-draft-hf", "hf-repo-draft")
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 # LLAMA_ARG_* names that are not their flag's long name in capitals
@@ -171,8 +173,8 @@ def _preset_entry(
             entry = replace(entry, load_on_startup=_bool(value, where, key))
         elif key == "stop-timeout":
             entry = replace(entry, stop_timeout=_seconds(value, where, key))
-        elif key in _HUB or key == "dedup-cache-models":
-            continue  # listed without a file (ModelEntry.problem says so when it is asked for)
+        elif key in _HUB or key == "dedup-cache-models" or key in _ROUTER_SET:
+            continue  # (a hub's: listed without a file, ModelEntry.problem says so)
         else:
             args += _slotwise_args(_as_flag(key, value, where, is_switch), where, is_switch)
     preset_text = "\n".join(f"{k} = {v}" for k, v in options.items())

@@ -351,6 +351,7 @@ class Fleet:
     # -- idle and lifetime
 
     def start(self) -> None:
+        self._spawn(self._estimate_all())
         for inst in self.instances.values():
             if inst.entry.load_on_startup and not inst.entry.problem:
                 self.load(inst.entry.name)
@@ -358,6 +359,13 @@ class Fleet:
             self._idle_task = asyncio.ensure_future(
                 self._sleep_idle(self.config.sleep_idle_seconds)
             )
+
+    async def _estimate_all(self) -> None:
+        """Each model's footprint read from its headers, off the event loop (a large file on a
+        slow disk takes a while); one asked for before its turn is read then, on the loop."""
+        for inst in list(self.instances.values()):
+            if inst.estimate is None and inst.entry.model is not None:
+                inst.estimate = await asyncio.to_thread(self._estimate, inst.entry)
 
     async def _sleep_idle(self, seconds: float) -> None:
         while True:

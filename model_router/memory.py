@@ -6,8 +6,11 @@ model's resident size and holds it to that from then on."""
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import re
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,11 +49,7 @@ class Footprint:
 def estimate(model: Path, mmproj: Path | None, args: Sequence[str], default_ctx: int) -> Footprint:
     """From the files' headers (nothing is loaded) and the model's flags (`--ctx-size`,
     `--batch-size`, `--ubatch-size`, `--cache-type-k/v`, slotwise serve's names)."""
-    from gguf import GGUFReader  # (the serve extra's: only a router that loads models reads)
-
-    reader = GGUFReader(model)
-    weights = sum(int(t.n_bytes) for t in reader.tensors)
-    meta = _metadata(reader)
+    meta, weights = read_header(model)
     arch = str(meta.get("general.architecture", ""))
     ctx = _int_flag(args, "--ctx-size", default_ctx)
     n_batch = _int_flag(args, "--batch-size", 2048)
@@ -65,38 +64,90 @@ def estimate(model: Path, mmproj: Path | None, args: Sequence[str], default_ctx:
     value_len = int(meta.get(f"{arch}.attention.value_length", embd // heads))
     per_cell = layers * kv_heads * (key_len * k_bytes + value_len * v_bytes)
     vocab = _vocab_size(meta, arch)
-    # the logits of a batch (f32), and a micro-batch's activations through one layer's widest
-    # tensors (llama.cpp reuses the buffer layer to layer)
+    # llama.cpp reserves its graph for a micro-batch of outputs: their logits (f32), and the
+    # widest activations of one layer (the buffer is reused layer to layer) with the
+    # attention scores over the context
     ff = _first(meta.get(f"{arch}.feed_forward_length", 4 * embd)) or 4 * embd
-    compute = 4 * (n_batch * vocab + n_ubatch * (4 * embd + 2 * ff) + n_ubatch * ctx)
-    projector = 0
-    if mmproj is not None:
-        projector = sum(int(t.n_bytes) for t in GGUFReader(mmproj).tensors)
+    compute = 4 * n_ubatch * (vocab + 4 * embd + 2 * ff + ctx)
+    projector = read_header(mmproj)[1] if mmproj is not None else 0
     return Footprint(weights, int(per_cell * ctx), projector, compute)
 
 
-def _metadata(reader: object) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, f in reader.fields.items():  # type: ignore[attr-defined]
-        if name.startswith("tokenizer.ggml.tokens"):
-            out[name] = len(f.data)
-            continue
-        try:
-            value = f.contents()
-        except Exception:  # (a type gguf-py cannot read into Python: not one we use)
-            continue
-        if isinstance(value, (int, float, str)) or (
-            isinstance(value, list)
-            and len(value) <= 4096
-            and all(isinstance(v, int) for v in value)
-        ):
-            out[name] = value
-    return out
+# GGUF's value types: struct formats of the scalars; 8 is a string, 9 an array
+_SCALAR = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+_STRING, _ARRAY = 8, 9
+_SMALL_ARRAY = 4096  # longer arrays (a vocabulary) are skipped, only counted
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A GGUF file's metadata (scalars and short arrays; a long array as its length) and its
+    tensors' size in bytes, from the header alone (gguf-py's reader decodes every token of a
+    vocabulary: seconds for a 262k one)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        _version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+        at = 24
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key, at = _string(m, at)
+            (kind,) = struct.unpack_from("<I", m, at)
+            meta[key], at = _value(m, at + 4, kind)
+        weights = 0
+        for _ in range(n_tensors):
+            _name, at = _string(m, at)
+            (n_dims,) = struct.unpack_from("<I", m, at)
+            dims = struct.unpack_from(f"<{n_dims}Q", m, at + 4)
+            (kind,) = struct.unpack_from("<I", m, at + 4 + 8 * n_dims)
+            at += 4 + 8 * n_dims + 4 + 8
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            weights += math.prod(dims) // block * size
+    return meta, weights
+
+
+def _string(m: mmap.mmap, at: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", m, at)
+    return m[at + 8 : at + 8 + n].decode(errors="replace"), at + 8 + n
+
+
+def _value(m: mmap.mmap, at: int, kind: int) -> tuple[Any, int]:
+    if kind in _SCALAR:
+        fmt = "<" + _SCALAR[kind]
+        return struct.unpack_from(fmt, m, at)[0], at + struct.calcsize(fmt)
+    if kind == _STRING:
+        return _string(m, at)
+    if kind != _ARRAY:
+        raise ValueError(f"unknown GGUF value type {kind}")
+    item, n = struct.unpack_from("<IQ", m, at)
+    at += 12
+    if item == _STRING:
+        for _ in range(n):  # (each string its own length: walked, not decoded)
+            at += 8 + struct.unpack_from("<Q", m, at)[0]
+        return n, at
+    fmt = "<" + _SCALAR[item]
+    width = struct.calcsize(fmt)
+    if n > _SMALL_ARRAY:
+        return n, at + n * width
+    return list(struct.unpack_from(f"<{n}{_SCALAR[item]}", m, at)), at + n * width
 
 
 def _vocab_size(meta: dict[str, Any], arch: str) -> int:
     n = meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens") or 32000
-    return int(n)  # type: ignore[call-overload]
+    return n if isinstance(n, int) else len(n)
 
 
 def _first(value: object) -> int:
