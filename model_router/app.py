@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
+from model_router.catalog import Catalog
 from model_router.fleet import FAKE_SECONDS, FAKE_TIMING, Fleet, Instance, RouterError, Status
 from slotwise_core.keys import Keys, bearer
 
@@ -41,7 +42,7 @@ class RouterApp:
     keys: Keys | None = None
     autoload: bool = True
     max_body_bytes: int = 64 << 20
-    reload: Callable[[], None] | None = None  # GET /models?reload=1: read them again
+    read_catalog: Callable[[], Catalog] | None = None  # GET /models?reload=1: read them again
     # one model that sleeps (`slotwise serve --model M --sleep-idle-seconds N`): every request
     # is its, and /props and /metrics are its own (from its process while it is awake)
     only_model: str | None = None
@@ -110,8 +111,11 @@ def create_app(r: RouterApp) -> FastAPI:
     @app.get("/models")
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        if request.query_params.get("reload") and r.reload is not None:
-            r.reload()
+        if request.query_params.get("reload") and r.read_catalog is not None:
+            try:
+                r.fleet.reload(await asyncio.to_thread(r.read_catalog))
+            except ValueError as e:  # (CatalogError: the folder or preset as it is now)
+                raise RouterError(400, f"the models were not read again: {e}") from None
         return {"object": "list", "data": [_describe(i) for i in r.fleet.instances.values()]}
 
     @app.post("/models/load")
@@ -138,10 +142,11 @@ def create_app(r: RouterApp) -> FastAPI:
         body = await request.body()
         name = _model_named(request, body, r.only_model)
         autoload = _autoload(request, r.autoload) and (touch or r.only_model is None)
-        inst = await _until_disconnected(request, r.fleet.acquire(name, autoload, touch))
 
         def release(inst: Instance) -> None:
             r.fleet.release(inst, touch)
+
+        inst = await _until_disconnected(request, r.fleet.acquire(name, autoload, touch), release)
 
         metrics.requests.labels(inst.entry.name).inc()
         try:
@@ -192,7 +197,7 @@ def _model_named(request: Request, body: bytes, only: str | None = None) -> str:
     if not name and body:
         try:
             parsed = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise RouterError(400, "the body is not JSON: no model to route it to") from None
         name = parsed.get("model") if isinstance(parsed, dict) else None
     if not isinstance(name, str) or not name:
@@ -206,21 +211,27 @@ def _autoload(request: Request, default: bool) -> bool:
     return default if value is None else value.lower() in ("1", "true")
 
 
-async def _until_disconnected(request: Request, work: Any) -> Any:
+async def _until_disconnected(
+    request: Request, work: Any, release: Callable[[Instance], None]
+) -> Instance:
     """`work`, unless the caller leaves first (then it is cancelled: its place in the queue
-    goes with it). The body is read by now: what the caller sends next is its leaving."""
+    goes with it; a model handed over as it left is given back). The body is read by now: what
+    the caller sends next is its leaving."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-    if not task.done():
+    if not task.done() or gone.done():
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, RouterError):
-            await task
+            late = await task  # (wait_for returns a result that came with the cancel)
+            if late is not None:
+                release(late)
         raise RouterError(499, "the caller left while its model loaded")
-    return task.result()
+    inst: Instance = task.result()
+    return inst
 
 
 async def _disconnect(request: Request) -> None:
@@ -235,9 +246,12 @@ async def _pass(
     """The request to the model's process; its answer back as it comes. `release` is called
     once the answer has gone (or failed)."""
     child = inst.child
-    assert child is not None
+    if child is None:  # (its process ended as the request was handed over)
+        raise RouterError(503, f"model {inst.entry.name!r}: its process ended", retry_after=1,
+                          type="unavailable_error")  # fmt: skip
     headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
-    url = child.base_url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    path = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path  # (%2F kept)
+    url = child.base_url + path + (f"?{request.url.query}" if request.url.query else "")
     upstream = client.build_request(request.method, url, headers=headers, content=body)
     try:
         answer = await client.send(upstream, stream=True)
@@ -251,6 +265,8 @@ async def _pass(
             async for chunk in answer.aiter_raw():
                 yield chunk
         except httpx.TransportError as e:
+            if not streaming:
+                raise  # (a cut JSON body must not look whole: the connection is dropped)
             if streaming:  # (the caller has its status already: the stream says what happened)
                 error = await _gone(inst, child, e)
                 said = {"code": error.status, "message": error.message, "type": error.type}

@@ -10,6 +10,7 @@ neither knows is refused when the preset is read, naming the section and the key
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,7 +27,9 @@ _ALIAS = ("alias", "a")
 _ROUTER_SET = ("host", "port", "http-port", "prep-port", "infer-port", "api-key",
                "api-key-file", "token-file", "model-name", "sessions-dir")  # fmt: skip
 _HUB = ("hf-repo", "hf", "hf-file", "hff", "model-url", "mu", "spec-draft-hf", "hf-repo-draft")
-_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+_TRUE = ("1", "true", "on", "yes", "enabled")  # (llama.cpp's words, and the usual ones)
+_FALSE = ("0", "false", "off", "no", "disabled")
+_INLINE_COMMENT = re.compile(r"\s+[;#].*$")
 # LLAMA_ARG_* names that are not their flag's long name in capitals
 _ENV_FLAG = {"N_PARALLEL": "parallel", "N_PREDICT": "n-predict", "N_GPU_LAYERS": "n-gpu-layers"}
 
@@ -118,6 +121,7 @@ def parse_preset(
         line = raw.strip()
         if not line or line.startswith((";", "#")):
             continue
+        line = _INLINE_COMMENT.sub("", line)  # (`c = 4096 ; why`, `[m] # note`)
         if line.startswith("[") and line.endswith("]"):
             name = line[1:-1].strip()
             if not name:

@@ -22,6 +22,7 @@ log = logging.getLogger("slotwise.router")
 # `slotwise serve: prep on H:P, infer on H:P, HTTP API on H:P (...)` (slotwise_serve's ready line)
 _READY = re.compile(r"prep on (\S+), infer on (\S+), HTTP API on (\S+):(\d+) ")
 _TAIL_LINES = 20
+_LONGEST_LINE = 4096  # of a line kept (the tail, the log)
 
 
 class LoadFailed(Exception):
@@ -122,12 +123,21 @@ async def _read(
 ) -> None:
     """Its lines into the router's log and the tail; the ready line resolves `ready`."""
     assert stream is not None
-    while line := await stream.readline():
-        text = line.decode(errors="replace").rstrip()
-        child.tail.append(text)
-        log.info("[%s] %s", child.name, text)
-        if ready is not None and not ready.done() and (m := _READY.search(text)):
-            ready.set_result(m)
+    pending = b""
+    while chunk := await stream.read(1 << 16):  # (lines of any length: readline has a limit)
+        *lines, pending = (pending + chunk).split(b"\n")
+        pending = pending[-_LONGEST_LINE:]
+        for line in lines:
+            _line(child, line[:_LONGEST_LINE].decode(errors="replace").rstrip(), ready)
+    if pending:
+        _line(child, pending.decode(errors="replace").rstrip(), ready)
+
+
+def _line(child: Child, text: str, ready: asyncio.Future[Any] | None) -> None:
+    child.tail.append(text)
+    log.info("[%s] %s", child.name, text)
+    if ready is not None and not ready.done() and (m := _READY.search(text)):
+        ready.set_result(m)
 
 
 def _die_with_parent() -> None:

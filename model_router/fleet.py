@@ -60,6 +60,7 @@ class Instance:
     estimate: Footprint | None = None
     held_bytes: int = 0  # what it holds, measured once loaded (else the estimate)
     watcher: asyncio.Task[None] | None = None
+    removed: bool = False  # gone from the folder or preset (listed until its process is)
 
     @property
     def running(self) -> bool:
@@ -82,6 +83,7 @@ class FleetConfig:
     queue_max: int = 64  # requests waiting for a model; beyond: 503 with Retry-After
     wait_seconds: float = 600.0  # longest a request waits for its model (503 beyond)
     sleep_idle_seconds: float | None = None  # unload a model idle this long (status sleeping)
+    load_seconds: float = 600.0  # a model not ready this long after its process started: failed
 
 
 Launch = Callable[[ModelEntry], Awaitable[Child]]
@@ -196,7 +198,10 @@ class Fleet:
         entry behind it: first come, first served)."""
         while self._queue:
             want = next(iter(self._queue.values()))
-            inst = self.instances[want.name]
+            inst = self.instances.get(want.name)
+            if inst is None or inst.removed:
+                self._queue.pop(want.name)
+                continue
             if inst.stopping:
                 return  # it loads again once it is gone
             if inst.status is Status.LOADED:
@@ -206,7 +211,7 @@ class Fleet:
                 self._queue.pop(want.name)
                 self._start_load(inst, want)
                 continue
-            if any(i.stopping for i in self.instances.values()):
+            if any(i.stopping and i.in_flight == 0 for i in self.instances.values()):
                 return  # room is on its way: decide again when it is made
             victim = self._victim(inst)
             if victim is not None:
@@ -269,7 +274,13 @@ class Fleet:
         try:
             if FAKE_TIMING:
                 await asyncio.sleep(FAKE_SECONDS)
-            child = await self._launch(inst.entry)
+            child = await asyncio.wait_for(self._launch(inst.entry), self.config.load_seconds)
+        except TimeoutError:
+            said = (
+                f"not ready {self.config.load_seconds:g} s after it started (--models-load-seconds)"
+            )
+            inst.failure, inst.held_bytes = LoadFailed(said, None), 0
+            self._set(inst, Status.UNLOADED, failed=True, reason=said)
         except LoadFailed as e:
             log.warning("%s failed to load (exit %s): %s", inst.entry.name, e.exit_code, e.reason)
             inst.failure, inst.held_bytes = e, 0
@@ -283,8 +294,12 @@ class Fleet:
             inst.last_used = time.monotonic()
             inst.watcher = asyncio.ensure_future(self._watch(inst, child))
             self._set(inst, Status.LOADED, seconds=round(time.monotonic() - t0, 3))
+            if inst.removed:
+                self._begin_stop(inst, Status.UNLOADED)
         finally:
             inst.loading = None
+            if inst.removed and not inst.running:
+                self.instances.pop(inst.entry.name, None)
             if inst.status is Status.LOADED:
                 self._hand_over(inst, want)
             else:
@@ -320,7 +335,7 @@ class Fleet:
         finally:
             inst.child, inst.stopping, inst.held_bytes = None, False, 0
             self._set(inst, status)
-            if self.catalog.find(inst.entry.name) is not inst.entry:  # (gone from a reload)
+            if inst.removed:  # (gone from a reload)
                 self.instances.pop(inst.entry.name, None)
             self._pump()
 
@@ -336,14 +351,20 @@ class Fleet:
         now = {e.name: e for e in catalog.entries}
         for name, inst in list(self.instances.items()):
             if now.get(name) == inst.entry:
+                inst.entry = now[name]
                 continue
+            if name in now:  # changed: its process, if any, goes; the next load is the new one
+                inst.entry, inst.estimate = now[name], None
+            else:
+                inst.removed = True
+                want = self._queue.pop(name, None)
+                for w in want.waiters if want else ():
+                    if not w.done():
+                        w.set_exception(RouterError(404, f"model {name!r} was removed"))
             if inst.running and not inst.stopping:
                 self._begin_stop(inst, Status.UNLOADED)
-            if name in now:
-                inst.entry, inst.estimate = now[name], None
-            elif not inst.running:
+            elif inst.removed and inst.status is not Status.LOADING and not inst.running:
                 del self.instances[name]
-                self._queue.pop(name, None)
         for name, entry in now.items():
             self.instances.setdefault(name, Instance(entry))
         self._event("*", "models_reload", {})
@@ -401,8 +422,7 @@ async def _within(fut: Awaitable[Instance], deadline: float, inst: Instance) -> 
 
 
 def _unavailable(inst: Instance) -> RouterError:
-    f = inst.failure
-    assert f is not None
+    f = inst.failure or LoadFailed("its load was cancelled (the router is stopping)", None)
     code = f" (exit code {f.exit_code})" if f.exit_code is not None else ""
     return RouterError(503, f"model {inst.entry.name!r} failed to load{code}: {f.reason}",
                        type="unavailable_error")  # fmt: skip

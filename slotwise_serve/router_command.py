@@ -31,7 +31,7 @@ log = logging.getLogger("slotwise.router")
 
 ROUTER_FLAGS = ("--models-dir", "--models-preset", "--models-max", "--models-autoload",
                 "--no-models-autoload", "--sleep-idle-seconds", "--models-memory",
-                "--models-queue", "--models-wait-seconds")  # fmt: skip
+                "--models-queue", "--models-wait-seconds", "--models-load-seconds")  # fmt: skip
 # the router's own place on the network (each model's process listens on loopback ports it picks)
 _SERVING = ("--host", "--http-port", "--prep-port", "--infer-port", "--prep-metrics-port",
             "--infer-metrics-port", "--sessions-dir", "--model-name", "--log-level")  # fmt: skip
@@ -54,12 +54,28 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    "load (beyond: 503 with Retry-After; default %(default)s)")  # fmt: skip
     g.add_argument("--models-wait-seconds", type=float, default=600.0,
                    help="longest a request waits for its model (default %(default)s)")  # fmt: skip
+    g.add_argument("--models-load-seconds", type=float, default=600.0,
+                   help="a model not ready this long after its process started has failed "
+                   "(default %(default)s)")  # fmt: skip
 
 
 def is_router(argv: Sequence[str]) -> bool:
-    """Several models, or one that sleeps when idle (its process is what sleeps)."""
+    """Several models, or one that sleeps when idle (its process is what sleeps; llama-server's
+    -1 or 0 is no sleep)."""
     flags = {a.split("=")[0] for a in argv}
-    return bool(flags & {"--models-dir", "--models-preset", "--sleep-idle-seconds"})
+    return bool(flags & {"--models-dir", "--models-preset"}) or (_sleep_seconds(argv) or 0) > 0
+
+
+def _sleep_seconds(argv: Sequence[str]) -> float | None:
+    value = None
+    for i, word in enumerate(argv):
+        flag, eq, rest = word.partition("=")
+        if flag == "--sleep-idle-seconds":
+            value = rest if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None  # (argparse says what is wrong with it)
 
 
 def child_arguments(argv: Sequence[str], takes_value: dict[str, bool]) -> list[str]:
@@ -112,6 +128,8 @@ def main(argv: list[str], parser: argparse.ArgumentParser, default_ctx: int) -> 
             load = lambda: read_catalog(args.models_dir, args.models_preset, is_switch)  # noqa: E731
         catalog = load()
         budget = _budget(args.models_memory)
+        if args.models_max < 0 or args.models_queue < 0:
+            raise ValueError("--models-max and --models-queue: 0 or more")
     except (CatalogError, ValueError) as e:
         print(f"slotwise serve: error: {e}", file=sys.stderr)
         return 2
@@ -143,7 +161,8 @@ def main(argv: list[str], parser: argparse.ArgumentParser, default_ctx: int) -> 
 
     config = FleetConfig(
         models_max=args.models_max, memory_budget=budget, queue_max=args.models_queue,
-        wait_seconds=args.models_wait_seconds, sleep_idle_seconds=args.sleep_idle_seconds,
+        wait_seconds=args.models_wait_seconds, load_seconds=args.models_load_seconds,
+        sleep_idle_seconds=args.sleep_idle_seconds if (args.sleep_idle_seconds or 0) > 0 else None,
     )  # fmt: skip
     fleet = Fleet(catalog, config, launch, footprint)
     try:
@@ -152,18 +171,11 @@ def main(argv: list[str], parser: argparse.ArgumentParser, default_ctx: int) -> 
             print(f"slotwise serve: error: {refused}", file=sys.stderr)
             return 2
         only = catalog.entries[0].name if single else None
-        app = create_app(
-            RouterApp(
-                fleet,
-                _keys(args),
-                args.models_autoload,
-                reload=lambda: fleet.reload(load()),
-                only_model=only,
-            )
-        )
-        asyncio.run(
-            _serve(app, args.host, 8080 if args.http_port is None else args.http_port, fleet)
-        )
+        keys = _keys(args)
+        app = create_app(RouterApp(fleet, keys, args.models_autoload, read_catalog=load,
+                                   only_model=only))  # fmt: skip
+        port = 8080 if args.http_port is None else args.http_port
+        asyncio.run(_serve(app, args.host, port, fleet, keys))
     finally:
         if own_sessions:
             shutil.rmtree(sessions, ignore_errors=True)
@@ -197,9 +209,16 @@ def _keys(args: argparse.Namespace) -> Any:
     return one_keys_file(args.token_file, args.api_key_file)
 
 
-async def _serve(app: Any, host: str, port: int, fleet: Fleet) -> None:
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+async def _serve(app: Any, host: str, port: int, fleet: Fleet, keys: Any) -> None:
+    # (a /models/sse reader or a queued request would hold a graceful shutdown up for ever)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=5)  # fmt: skip
+    server = uvicorn.Server(config)
     loop = asyncio.get_running_loop()
+    if keys is not None:
+        from slotwise_core.keys import reload_on_sighup
+
+        reload_on_sighup(keys)  # (as slotwise serve: SIGHUP re-reads the keys file)
     task = asyncio.ensure_future(server.serve())
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))

@@ -219,6 +219,31 @@ def test_a_model_too_large_for_the_memory_budget_is_refused_with_the_numbers(
     assert code == 2 and "'big' needs about" in said and "64.0 MiB" in said
 
 
+def test_a_reload_lists_the_preset_as_it_is_now(three: Path, tmp_path: Path) -> None:
+    preset = tmp_path / "models.ini"
+
+    def write(*names: str) -> None:
+        preset.write_text("".join(f"[{n}]\nmodel = {three / n / 'model.gguf'}\n" for n in names))
+
+    write("rope", "mrope")
+    with running_router("--models-preset", str(preset), "--models-max", "1") as router:
+        assert chat(router.url, "rope", "hi").status_code == 200
+        again = httpx.get(f"{router.url}/models?reload=1", timeout=PATIENCE).json()["data"]
+        assert {m["id"] for m in again} == {"rope", "mrope"}
+        # unchanged by the reload: still there once unloaded for another
+        assert chat(router.url, "mrope", "hi").status_code == 200
+        router.wait_status("rope", "unloaded")
+        assert chat(router.url, "rope", "hi").status_code == 200
+        write("rope", "noncausal")  # mrope goes (it is unloaded at once), noncausal comes
+        again = httpx.get(f"{router.url}/models?reload=1", timeout=PATIENCE).json()["data"]
+        assert {m["id"] for m in again} == {"rope", "noncausal"}
+        assert chat(router.url, "mrope", "hi").status_code == 404
+        assert chat(router.url, "noncausal", "hi").status_code == 200
+        preset.write_text("[broken]\nnot-a-flag = 1\n")
+        r = httpx.get(f"{router.url}/models?reload=1", timeout=PATIENCE)
+        assert r.status_code == 400 and "not-a-flag" in r.json()["error"]["message"]
+
+
 def test_models_sse_reports_each_status_change(three: Path) -> None:
     with running_router("--models-dir", str(three)) as router:
         events: list[dict[str, Any]] = []

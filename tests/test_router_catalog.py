@@ -67,9 +67,9 @@ LLAMA_ARG_N_PARALLEL = 2
 kv-unified = true
 
 # llama-server's names and slotwise's own
-[coder]
+[coder] ; the one we use most
 model = {model}
-ctx-size = 4096
+ctx-size = 4096 ; the section's wins
 ngl = 99
 jinja = true
 alias = code,coder-latest
@@ -121,7 +121,7 @@ def test_a_preset_key_slotwise_cannot_honour_is_refused_naming_it(
 
 
 def test_ini_sections_and_comments() -> None:
-    star, sections = parse_preset("a = 1\n[*]\nc = 2 \n; x = y\n[m]\n k = v = w\n[n]\n")
+    star, sections = parse_preset("a = 1\n[*]\nc = 2 \n; x = y\n[m]\n k = v = w # why\n[n]\n")
     assert star == {"c": "2"}
     assert sections == {"m": {"k": "v = w"}, "n": {}}
 
