@@ -48,6 +48,10 @@ class UsageError(Exception):
     """A mistake on the command line that argparse could not catch (exit 2)."""
 
 
+class ServerError(Exception):
+    """A server that refused before any gRPC call (a router, for --model's addresses): exit 1."""
+
+
 # ---------------------------------------------------------------------------------------------
 # argument types
 
@@ -122,6 +126,12 @@ def connection_arguments(
             metavar="ADDR",
             help="InferService address (default $SLOTWISE_INFER or %(default)s)",
         )
+    g.add_argument(
+        "--router", default=os.environ.get("SLOTWISE_ROUTER"), metavar="URL",
+        help="a router (slotwise serve --models-dir) at http://HOST:PORT: --model's addresses "
+        "come from it, the model loaded first ($SLOTWISE_ROUTER)",
+    )  # fmt: skip
+    g.add_argument("--model", help="with --router: which of its models")
     g.add_argument(
         "--token", default=os.environ.get("SLOTWISE_TOKEN"), help="bearer token ($SLOTWISE_TOKEN)"
     )
@@ -451,9 +461,21 @@ def make_client(args: argparse.Namespace) -> SlotwiseClient:
         except OSError as e:
             raise UsageError(f"cannot read a TLS file: {e}") from None
     token = read_token(args.token_file) if args.token_file else args.token
+    prep, infer = getattr(args, "prep", None), getattr(args, "infer", None)
+    if getattr(args, "router", None) or getattr(args, "model", None):
+        if not (args.router and args.model):
+            raise UsageError("--router and --model go together")
+        import httpx
+
+        from clients.router import RouterError, model_addresses
+
+        try:
+            prep, infer = model_addresses(args.router, args.model, token=token)
+        except (RouterError, httpx.HTTPError, ValueError) as e:  # (ValueError: not JSON)
+            raise ServerError(f"{args.router}: {e}") from None
     return SlotwiseClient(
-        getattr(args, "prep", None),
-        getattr(args, "infer", None),
+        prep if hasattr(args, "prep") else None,
+        infer if hasattr(args, "infer") else None,
         tls=tls,
         token=token,
         timeout=args.timeout,

@@ -116,16 +116,17 @@ def create_app(r: RouterApp) -> FastAPI:
                 r.fleet.reload(await asyncio.to_thread(r.read_catalog))
             except ValueError as e:  # (CatalogError: the folder or preset as it is now)
                 raise RouterError(400, f"the models were not read again: {e}") from None
-        return {"object": "list", "data": [_describe(i) for i in r.fleet.instances.values()]}
+        shown = [_describe(i) for i in r.fleet.instances.values() if _may_see(request, i)]
+        return {"object": "list", "data": shown}
 
     @app.post("/models/load")
     async def load(request: Request) -> dict[str, bool]:
-        r.fleet.load(await _model_of_body(request))
+        r.fleet.load(_allowed(request, r.fleet.resolve(await _model_of_body(request))).entry.name)
         return {"success": True}
 
     @app.post("/models/unload")
     async def unload(request: Request) -> dict[str, bool]:
-        r.fleet.unload(await _model_of_body(request))
+        r.fleet.unload(_allowed(request, r.fleet.resolve(await _model_of_body(request))).entry.name)
         return {"success": True}
 
     @app.get("/models/sse")
@@ -140,7 +141,9 @@ def create_app(r: RouterApp) -> FastAPI:
         """To the request's model. touch=False: a look (/props, /metrics) that neither keeps
         the model from sleeping nor wakes the one model."""
         body = await request.body()
-        name = _model_named(request, body, r.only_model)
+        name = _allowed(
+            request, r.fleet.resolve(_model_named(request, body, r.only_model))
+        ).entry.name
         autoload = _autoload(request, r.autoload) and (touch or r.only_model is None)
 
         def release(inst: Instance) -> None:
@@ -167,12 +170,28 @@ def _add_keys(app: FastAPI, keys: Keys | None) -> None:
     @app.middleware("http")
     async def check_key(request: Request, call_next: Any) -> Response:
         if request.method != "OPTIONS" and request.url.path not in _OPEN_PATHS:
-            key = bearer(request.headers.get("authorization", ""))
-            key = key if key is not None else request.headers.get("x-api-key")
-            if keys.tenant_of(key) is None:
+            secret = bearer(request.headers.get("authorization", ""))
+            secret = secret if secret is not None else request.headers.get("x-api-key")
+            key = keys.key_of(secret)
+            if key is None:
                 e = RouterError(401, "incorrect or missing API key", type="authentication_error")
                 return _error(request.url.path, e)
+            request.state.models = key.models
         return await call_next(request)
+
+
+def _allowed(request: Request, inst: Instance) -> Instance:
+    """The model, if the caller's key may use it (the keys file's `models=`), else 403."""
+    models = getattr(request.state, "models", None)
+    if models is not None and inst.entry.name not in models:
+        raise RouterError(403, f"this key may not use model {inst.entry.name!r}",
+                          type="permission_error")  # fmt: skip
+    return inst
+
+
+def _may_see(request: Request, inst: Instance) -> bool:
+    models = getattr(request.state, "models", None)
+    return models is None or inst.entry.name in models
 
 
 def _error(path: str, e: RouterError) -> JSONResponse:

@@ -25,6 +25,7 @@ from clients.cli import (
     EXIT_OK,
     EXIT_SERVER,
     EXIT_USAGE,
+    ServerError,
     UsageError,
     cmd_chat,
     cmd_count,
@@ -183,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"slotwise {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except ServerError as e:
+        print(f"slotwise {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_SERVER
     except SlotwiseError as e:
         print(f"slotwise {args.command}: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return EXIT_SERVER

@@ -1,7 +1,9 @@
 """The keys file: who a caller is.
 
 One key per line, `TENANT KEY`; a line with only `KEY` is tenant `default` (a token file of
-one line stays what it was). A key may be written as `sha256:HEX`, its SHA-256 in hex, so the
+one line stays what it was). `TENANT KEY models=a,b` lets that key use only those models of a
+router (`slotwise serve --models-dir`; every model when not said; the services ignore it).
+A key may be written as `sha256:HEX`, its SHA-256 in hex, so the
 file need not hold it in clear. A line starting with `#` is a comment. Every service and the
 HTTP edge read the same file; SIGHUP re-reads it (a key added or revoked without a restart;
 calls in flight finish).
@@ -37,6 +39,7 @@ class KeysError(ValueError):
 class Key:
     tenant: str
     digest: bytes  # SHA-256 of the key
+    models: frozenset[str] | None = None  # a router's models it may use (None: all)
 
 
 def parse(text: str, source: str = "keys file") -> tuple[Key, ...]:
@@ -47,8 +50,12 @@ def parse(text: str, source: str = "keys file") -> tuple[Key, ...]:
         if not line or line.startswith("#"):  # (a whole line: a key may hold a '#')
             continue
         fields = line.split()
+        models = None
+        if len(fields) == 3 and fields[2].startswith("models="):
+            models = frozenset(m for m in fields.pop()[len("models=") :].split(",") if m)
         if len(fields) > 2:
-            raise KeysError(f"{source} line {n}: `TENANT KEY` or `KEY`, got {len(fields)} fields")
+            raise KeysError(f"{source} line {n}: `TENANT KEY [models=A,B]` or `KEY`, got "
+                            f"{len(fields)} fields")  # fmt: skip
         tenant, secret = fields if len(fields) == 2 else (DEFAULT_TENANT, fields[0])
         if not TENANT.fullmatch(tenant):
             raise KeysError(f"{source} line {n}: tenant {tenant!r}: 1-64 of [A-Za-z0-9_-]")
@@ -57,7 +64,7 @@ def parse(text: str, source: str = "keys file") -> tuple[Key, ...]:
         if digest in seen:
             raise KeysError(f"{source} line {n}: a key given twice")
         seen.add(digest)
-        keys.append(Key(tenant, digest))
+        keys.append(Key(tenant, digest, models))
     if not keys:
         raise KeysError(f"{source} holds no key")
     return tuple(keys)
@@ -89,13 +96,18 @@ class Keys:
 
     def tenant_of(self, secret: str | None) -> str | None:
         """The tenant whose key this is, or None."""
+        key = self.key_of(secret)
+        return key.tenant if key is not None else None
+
+    def key_of(self, secret: str | None) -> Key | None:
+        """The key this secret is (its tenant, its models), or None."""
         if not secret:
             return None
         digest = _digest(secret)
         found = None
         for key in self._keys:  # every one, whatever matched: constant time
             if hmac.compare_digest(digest, key.digest):
-                found = key.tenant
+                found = key
         return found
 
     def reload(self) -> bool:

@@ -14,6 +14,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -278,6 +280,45 @@ def test_an_unknown_model_is_a_404_naming_those_there_are(three: Path) -> None:
         assert "mrope, noncausal, rope" in r.json()["error"]["message"]
         r = chat(router.url, "rope", "hi")
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_a_key_may_be_limited_to_some_models(three: Path) -> None:
+    keys = three.parent / "keys"
+    keys.write_text("alice sk-alice models=rope\nbob sk-bob\n")
+    with running_router("--models-dir", str(three), "--token-file", str(keys)) as router:
+
+        def as_(key: str, path: str, **body: Any) -> httpx.Response:
+            return httpx.request("GET" if not body else "POST", f"{router.url}{path}",
+                                 json=body or None, headers={"authorization": f"Bearer {key}"},
+                                 timeout=PATIENCE)  # fmt: skip
+
+        hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        refused = as_("sk-alice", "/v1/chat/completions", model="mrope", **hi)
+        assert refused.status_code == 403, refused.text
+        assert as_("sk-alice", "/models/load", model="mrope").status_code == 403
+        listed = {m["id"]: m["status"]["value"] for m in as_("sk-bob", "/models").json()["data"]}
+        assert listed["mrope"] == "unloaded"  # (nothing was loaded for it)
+        assert [m["id"] for m in as_("sk-alice", "/models").json()["data"]] == ["rope"]
+        assert as_("sk-alice", "/v1/chat/completions", model="rope", **hi).status_code == 200
+        assert as_("sk-bob", "/v1/chat/completions", model="mrope", **hi).status_code == 200
+        assert len(as_("sk-bob", "/models").json()["data"]) == 3
+
+
+def test_the_cli_reaches_a_model_by_name_through_the_router(three: Path) -> None:
+    with running_router("--models-dir", str(three)) as router:
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            argv = [sys.executable, "-m", "slotwise_cli", *args, "--router", router.url]
+            return subprocess.run(argv, capture_output=True, text=True, timeout=PATIENCE)
+
+        done = cli("generate", "--model", "mrope", "--prompt", "hi", "--max-tokens", "4")
+        assert done.returncode == 0, done.stderr
+        assert router.status("mrope") == "loaded" and router.status("rope") == "unloaded"
+        info = cli("info", "--model", "mrope")
+        assert info.returncode == 0 and "qwen2vl" in info.stdout, info.stdout + info.stderr
+        missing = cli("info", "--model", "nope")
+        assert missing.returncode == 1
+        assert "'nope' not found; the models here: mrope, noncausal, rope" in missing.stderr
 
 
 def _key(folder: Path) -> Path:
