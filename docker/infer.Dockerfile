@@ -41,6 +41,7 @@ COPY prep_service/ prep_service/
 COPY infer_service/ infer_service/
 COPY clients/ clients/
 COPY slotwise_serve/ slotwise_serve/
+COPY model_router/ model_router/
 COPY benchmarks/ benchmarks/
 COPY slotwise_cli/ slotwise_cli/
 RUN pip install --no-deps . && pip check

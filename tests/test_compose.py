@@ -356,11 +356,28 @@ def test_sessions_persist_in_a_named_volume(config: dict[str, Any]) -> None:
     assert volume in infer["volumes"]
 
 
-def test_gpu_is_reserved_for_infer_only() -> None:
+def test_the_router_profile_serves_the_models_folder() -> None:
+    from slotwise_serve.router_command import is_router
+    from slotwise_serve.serve_command import parser
+
+    router = compose_config()["services"]["router"]
+    assert router["profiles"] == ["router"]
+    command = router["command"]
+    assert command[:2] == ["slotwise", "serve"] and is_router(command[2:])
+    args = parser().parse_args(command[2:])
+    assert str(args.models_dir) == "/models" and args.models_max == 4
+    assert any(v.get("target") == "/models" and v.get("read_only") for v in router["volumes"])
+    assert router["ports"][0].endswith(f":{args.http_port}") and args.http_port == 8080
+    assert f":{args.http_port}/health" in " ".join(router["healthcheck"]["test"])
+
+
+def test_gpu_is_reserved_for_the_model_services_only() -> None:
     config = compose_config()
-    devices = config["services"]["infer"]["deploy"]["resources"]["reservations"]["devices"]
-    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-    assert all("deploy" not in s for n, s in config["services"].items() if n != "infer")
+    for name in ("infer", "router"):  # (the router's processes load its models)
+        devices = config["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    loads = ("infer", "router")
+    assert all("deploy" not in s for n, s in config["services"].items() if n not in loads)
     args = parse_command(config["services"]["infer"]["command"], "infer_service")
     assert args.gpu_layers == 999
     assert config["services"]["infer"]["build"]["dockerfile"] == "docker/infer.Dockerfile"

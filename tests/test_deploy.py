@@ -49,7 +49,8 @@ from support.required import require_or_skip
 K8S = ROOT / "deploy" / "k8s"
 BASE = K8S / "base"
 GPU = K8S / "overlays" / "gpu"
-KUSTOMIZATIONS = {"base": BASE, "gpu": GPU}
+ROUTER = K8S / "overlays" / "router"
+KUSTOMIZATIONS = {"base": BASE, "gpu": GPU, "router": ROUTER}
 # 1.27: the oldest the manifests claim (gRPC probes are GA there); the newest the tool knows
 KUBERNETES_VERSIONS = ["1.27.0", "1.37.0"]
 WORKLOADS = {"prep": "Deployment", "infer": "StatefulSet"}
@@ -174,6 +175,24 @@ def test_the_kustomizations_list_exactly_the_files_present() -> None:
 
 
 # -- what the manifests say ------------------------------------------------------------------
+
+
+def test_the_router_overlay_serves_the_models_volume() -> None:
+    from slotwise_serve.router_command import is_router
+    from slotwise_serve.serve_command import parser
+
+    objects = rendered("router")
+    spec = pod_spec(objects, "router")
+    command = container(objects, "router")["command"]
+    assert command[:2] == ["slotwise", "serve"] and is_router(command[2:])
+    args = parser().parse_args(command[2:])
+    mounts = {m["mountPath"]: m for m in container(objects, "router")["volumeMounts"]}
+    assert mounts[str(args.models_dir)]["readOnly"]
+    assert str(args.infer_sessions_dir).startswith(next(p for p in mounts if "sessions" in p))
+    assert container(objects, "router")["ports"][0]["containerPort"] == args.http_port
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]}
+    assert claims == {"models": "models", "sessions": "sessions"}
+    assert spec["securityContext"]["runAsNonRoot"]
 
 
 def seconds(duration: str) -> int:
