@@ -24,7 +24,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
 from model_router.catalog import Catalog
+from model_router.child import Child
 from model_router.fleet import FAKE_SECONDS, FAKE_TIMING, Fleet, Instance, RouterError, Status
+from model_router.streams import Streams, StreamSession
 from slotwise_core.keys import Keys, bearer
 
 __all__ = ["RouterApp", "create_app"]
@@ -62,6 +64,7 @@ def create_app(r: RouterApp) -> FastAPI:
     app = FastAPI(title="slotwise router", lifespan=lifespan)
     app.add_middleware(RequestBodyLimitMiddleware, max_body_size=r.max_body_bytes)
     metrics = _Metrics(r.fleet)
+    streams = Streams()
     _add_keys(app, r.keys)
 
     @app.exception_handler(RouterError)
@@ -129,6 +132,40 @@ def create_app(r: RouterApp) -> FastAPI:
         r.fleet.unload(_allowed(request, r.fleet.resolve(await _model_of_body(request))).entry.name)
         return {"success": True}
 
+    @app.get("/v1/stream")
+    @app.get("/stream")
+    async def stream_again(request: Request) -> Response:
+        conv_id = _conv_id(request)
+        session = streams.get(conv_id)
+        if session is None:
+            if conv_id in streams.parked:
+                raise RouterError(503, "Stream owner model is loading, retry later",
+                                  retry_after=1, type="unavailable_error")  # fmt: skip
+            raise RouterError(404, "Stream not found or expired", type="not_found_error")
+        text = request.query_params.get("from") or "0"
+        if not text.isdigit():
+            raise RouterError(400, "Invalid 'from' offset")
+        offset = int(text[:20])
+        if offset < session.dropped:
+            raise RouterError(400, "Stream offset lost, please restart")
+        return StreamingResponse(session.read_from(offset), media_type="text/event-stream")
+
+    @app.delete("/v1/stream")
+    @app.delete("/stream")
+    async def stream_stop(request: Request) -> Response:
+        streams.stop(_conv_id(request))
+        return Response(status_code=204)
+
+    @app.post("/v1/streams/lookup")
+    @app.post("/streams/lookup")
+    async def streams_lookup(request: Request) -> JSONResponse:
+        try:
+            ids = json.loads(await request.body()).get("conversation_ids", [])
+        except (ValueError, RecursionError, AttributeError):
+            raise RouterError(400, 'invalid body: {"conversation_ids": [...]}') from None
+        wanted = [i for i in ids if isinstance(i, str) and i] if isinstance(ids, list) else []
+        return JSONResponse(streams.lookup(wanted))
+
     @app.get("/models/sse")
     async def events(request: Request) -> StreamingResponse:
         return StreamingResponse(_events(r.fleet, request), media_type="text/event-stream")
@@ -149,6 +186,9 @@ def create_app(r: RouterApp) -> FastAPI:
         def release(inst: Instance) -> None:
             r.fleet.release(inst, touch)
 
+        conv_id = request.headers.get("x-conversation-id")
+        if conv_id and request.method == "POST":
+            return await _conversation(request, body, name, autoload, conv_id)
         inst = await _until_disconnected(request, r.fleet.acquire(name, autoload, touch), release)
 
         metrics.requests.labels(inst.entry.name).inc()
@@ -159,6 +199,46 @@ def create_app(r: RouterApp) -> FastAPI:
         except BaseException:
             release(inst)
             raise
+
+    async def _conversation(
+        request: Request, body: bytes, name: str, autoload: bool, conv_id: str
+    ) -> Response:
+        """A request naming its conversation: a caller that leaves does not stop it (only
+        DELETE /v1/stream does, while it waits for its model too); a streamed answer is kept
+        in the conversation's session as it comes, for GET /v1/stream."""
+        wait = asyncio.ensure_future(r.fleet.acquire(name, autoload))
+        streams.stop(conv_id)  # (its earlier stream, or wait, gives way to this one)
+        streams.parked[conv_id] = wait
+        try:
+            await asyncio.wait([wait])
+        finally:
+            if streams.parked.get(conv_id) is wait:
+                del streams.parked[conv_id]
+        if wait.cancelled():
+            raise RouterError(400, "request cancelled by a stop while the model was loading")
+        inst = wait.result()
+        metrics.requests.labels(inst.entry.name).inc()
+        try:
+            if FAKE_TIMING:
+                await asyncio.sleep(FAKE_SECONDS)
+            answer, out_headers, child = await _send(proxy_client, request, body, inst)
+        except BaseException:
+            r.fleet.release(inst)
+            raise
+        session = streams.open(conv_id, inst.entry.name) if _is_stream(answer) else None
+        if session is None:
+            if _is_stream(answer):
+                await answer.aclose()
+                r.fleet.release(inst)
+                raise RouterError(503, "too many streams kept at once", retry_after=5,
+                                  type="unavailable_error")  # fmt: skip
+            relay = _relay(answer, inst, child, r.fleet.release)
+            return StreamingResponse(relay, status_code=answer.status_code, headers=out_headers)
+        session.producer = asyncio.ensure_future(
+            _keep(answer, session, inst, child, r.fleet.release)
+        )
+        return StreamingResponse(session.read_from(0), status_code=answer.status_code,
+                                 headers=out_headers)  # fmt: skip
 
     return app
 
@@ -225,6 +305,13 @@ def _model_named(request: Request, body: bytes, only: str | None = None) -> str:
     return name
 
 
+def _conv_id(request: Request) -> str:
+    conv_id = request.query_params.get("conv_id")
+    if not conv_id:
+        raise RouterError(400, "Missing conversation id in path")
+    return conv_id
+
+
 def _autoload(request: Request, default: bool) -> bool:
     value = request.query_params.get("autoload")
     return default if value is None else value.lower() in ("1", "true")
@@ -258,12 +345,11 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _pass(
-    client: httpx.AsyncClient, request: Request, body: bytes, inst: Instance,
-    release: Callable[[Instance], None],
-) -> Response:  # fmt: skip
-    """The request to the model's process; its answer back as it comes. `release` is called
-    once the answer has gone (or failed)."""
+async def _send(
+    client: httpx.AsyncClient, request: Request, body: bytes, inst: Instance
+) -> tuple[httpx.Response, dict[str, str], Child]:
+    """The request to the model's process: its answer (headers read, body to come), the
+    headers to pass on, and the process (for what it said, should it end mid-answer)."""
     child = inst.child
     if child is None:  # (its process ended as the request was handed over)
         raise RouterError(503, f"model {inst.entry.name!r}: its process ended", retry_after=1,
@@ -276,28 +362,63 @@ async def _pass(
         answer = await client.send(upstream, stream=True)
     except httpx.TransportError as e:
         raise await _gone(inst, child, e) from None
-    out_headers = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_BY_HOP}
-    streaming = answer.headers.get("content-type", "").startswith("text/event-stream")
-
-    async def relay() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in answer.aiter_raw():
-                yield chunk
-        except httpx.TransportError as e:
-            if not streaming:
-                raise  # (a cut JSON body must not look whole: the connection is dropped)
-            if streaming:  # (the caller has its status already: the stream says what happened)
-                error = await _gone(inst, child, e)
-                said = {"code": error.status, "message": error.message, "type": error.type}
-                yield f"data: {json.dumps({'error': said})}\n\n".encode()
-        finally:
-            await answer.aclose()
-            release(inst)
-
-    return StreamingResponse(relay(), status_code=answer.status_code, headers=out_headers)
+    kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_BY_HOP}
+    return answer, kept, child
 
 
-async def _gone(inst: Instance, child: Any, e: Exception) -> RouterError:
+def _is_stream(answer: httpx.Response) -> bool:
+    return answer.headers.get("content-type", "").startswith("text/event-stream")
+
+
+async def _pass(
+    client: httpx.AsyncClient, request: Request, body: bytes, inst: Instance,
+    release: Callable[[Instance], None],
+) -> Response:  # fmt: skip
+    """The request to the model's process; its answer back as it comes. `release` is called
+    once the answer has gone (or failed)."""
+    answer, out_headers, child = await _send(client, request, body, inst)
+    return StreamingResponse(_relay(answer, inst, child, release), status_code=answer.status_code,
+                             headers=out_headers)  # fmt: skip
+
+
+async def _relay(
+    answer: httpx.Response, inst: Instance, child: Child, release: Callable[[Instance], None]
+) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in answer.aiter_raw():
+            yield chunk
+    except httpx.TransportError as e:
+        if not _is_stream(answer):
+            raise  # (a cut JSON body must not look whole: the connection is dropped)
+        # (the caller has its status already: the stream's last event says what happened)
+        yield _error_event(await _gone(inst, child, e))
+    finally:
+        await answer.aclose()
+        release(inst)
+
+
+def _error_event(error: RouterError) -> bytes:
+    said = {"code": error.status, "message": error.message, "type": error.type}
+    return f"data: {json.dumps({'error': said})}\n\n".encode()
+
+
+async def _keep(
+    answer: httpx.Response, session: StreamSession, inst: Instance, child: Child,
+    release: Callable[[Instance], None],
+) -> None:  # fmt: skip
+    """A conversation's stream read to its end into its session, read by its caller or not."""
+    try:
+        async for chunk in answer.aiter_raw():
+            session.append(chunk)
+    except httpx.TransportError as e:
+        session.append(_error_event(await _gone(inst, child, e)))
+    finally:
+        session.finish()
+        await answer.aclose()
+        release(inst)
+
+
+async def _gone(inst: Instance, child: Child, e: Exception) -> RouterError:
     """The model's process went away under a request: why, in its own words."""
     with contextlib.suppress(TimeoutError):
         code = await asyncio.wait_for(child.process.wait(), 5)

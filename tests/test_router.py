@@ -282,6 +282,38 @@ def test_an_unknown_model_is_a_404_naming_those_there_are(three: Path) -> None:
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
+def test_a_conversation_s_stream_outlives_its_caller_and_stops_on_delete(three: Path) -> None:
+    with running_router("--models-dir", str(three), "--ctx-size", "4096") as router:
+        body = {"model": "rope", "prompt": "Once", "n_predict": 300, "ignore_eos": True,
+                "temperature": 0, "stream": True}  # fmt: skip
+        headers = {"x-conversation-id": "talk::rope"}
+        with httpx.stream("POST", f"{router.url}/completion", json=body, headers=headers,
+                          timeout=PATIENCE) as r:  # fmt: skip
+            lines = r.iter_lines()
+            assert next(x for x in lines if x.startswith("data: "))  # then the caller leaves
+        again = httpx.get(f"{router.url}/v1/stream?conv_id=talk%3A%3Arope&from=0", timeout=PATIENCE)
+        chunks = [json.loads(x[6:]) for x in again.text.splitlines() if x.startswith("data: ")]
+        assert chunks[-1]["stop"] is True and chunks[-1]["tokens_predicted"] == 300
+        looked = httpx.post(f"{router.url}/v1/streams/lookup", timeout=PATIENCE,
+                            json={"conversation_ids": ["talk"]}).json()  # fmt: skip
+        assert [(x["conversation_id"], x["is_done"]) for x in looked] == [("talk::rope", True)]
+        # a stop in the middle ends the generation: the model is idle again, the stream gone
+        body["n_predict"] = 3000
+        with httpx.stream("POST", f"{router.url}/completion", json=body, headers=headers,
+                          timeout=PATIENCE) as r:  # fmt: skip
+            lines = r.iter_lines()
+            next(x for x in lines if x.startswith("data: "))
+            stop = httpx.delete(f"{router.url}/v1/stream?conv_id=talk::rope", timeout=PATIENCE)
+            assert stop.status_code == 204
+            rest = [json.loads(x[6:]) for x in lines if x.startswith("data: ")]
+        assert not rest or "stop" not in rest[-1] or rest[-1]["stop"] is False  # cut short
+        wait_until(lambda: _in_flight(router, "rope") == 0, what="the generation stopped")
+        slots = httpx.get(f"{router.url}/slots?model=rope", timeout=PATIENCE).json()
+        assert slots[0]["slotwise"]["num_cells"] < 1500  # (of the 3,000 it was asked for)
+        gone = httpx.get(f"{router.url}/v1/stream?conv_id=talk::rope", timeout=PATIENCE)
+        assert gone.status_code == 404
+
+
 def test_a_key_may_be_limited_to_some_models(three: Path) -> None:
     keys = three.parent / "keys"
     keys.write_text("alice sk-alice models=rope\nbob sk-bob\n")
