@@ -189,7 +189,9 @@ def create_app(r: RouterApp) -> FastAPI:
         conv_id = request.headers.get("x-conversation-id")
         if conv_id and request.method == "POST":
             return await _conversation(request, body, name, autoload, conv_id)
-        inst = await _until_disconnected(request, r.fleet.acquire(name, autoload, touch), release)
+        tenant = getattr(request.state, "tenant", None)
+        wait = r.fleet.acquire(name, autoload, touch, tenant)
+        inst = await _until_disconnected(request, wait, release)
 
         metrics.requests.labels(inst.entry.name).inc()
         try:
@@ -206,7 +208,8 @@ def create_app(r: RouterApp) -> FastAPI:
         """A request naming its conversation: a caller that leaves does not stop it (only
         DELETE /v1/stream does, while it waits for its model too); a streamed answer is kept
         in the conversation's session as it comes, for GET /v1/stream."""
-        wait = asyncio.ensure_future(r.fleet.acquire(name, autoload))
+        tenant = getattr(request.state, "tenant", None)
+        wait = asyncio.ensure_future(r.fleet.acquire(name, autoload, tenant=tenant))
         streams.stop(conv_id)  # (its earlier stream, or wait, gives way to this one)
         streams.parked[conv_id] = wait
         try:
@@ -256,7 +259,7 @@ def _add_keys(app: FastAPI, keys: Keys | None) -> None:
             if key is None:
                 e = RouterError(401, "incorrect or missing API key", type="authentication_error")
                 return _error(request.url.path, e)
-            request.state.models = key.models
+            request.state.models, request.state.tenant = key.models, key.tenant
         return await call_next(request)
 
 

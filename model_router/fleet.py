@@ -81,6 +81,7 @@ class FleetConfig:
     models_max: int = 4  # loaded (and loading) at once; 0: no limit
     memory_budget: int | None = None  # bytes for all loaded models; None: no check
     queue_max: int = 64  # requests waiting for a model; beyond: 503 with Retry-After
+    tenant_queue_max: int = 16  # of them, one tenant's (a keys file's)
     wait_seconds: float = 600.0  # longest a request waits for its model (503 beyond)
     sleep_idle_seconds: float | None = None  # unload a model idle this long (status sleeping)
     load_seconds: float = 600.0  # a model not ready this long after its process started: failed
@@ -101,6 +102,7 @@ class Fleet:
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle_task: asyncio.Task[None] | None = None
         self.num_waiting = 0
+        self._waiting_by_tenant: dict[str, int] = {}
 
     # -- what callers see
 
@@ -123,10 +125,13 @@ class Fleet:
         inst.status = status
         self._event(inst.entry.name, "model_status", {"status": status.value, **data})
 
-    async def acquire(self, name: str, autoload: bool, touch: bool = True) -> Instance:
+    async def acquire(
+        self, name: str, autoload: bool, touch: bool = True, tenant: str | None = None
+    ) -> Instance:
         """The model, loaded (loading it first where autoload), with one more request counted
         in flight on it until `release`. touch=False: a look that does not count as use (the
-        model's idle time goes on)."""
+        model's idle time goes on). tenant: whose request (a keys file's), for its share of
+        the queue."""
         inst = self.resolve(name)
         if inst.status is Status.LOADED and not inst.stopping:
             inst.in_flight += 1
@@ -137,7 +142,19 @@ class Fleet:
             raise RouterError(400, f"model {inst.entry.name!r} is not loaded (autoload is off)")
         if inst.entry.problem:
             raise RouterError(503, inst.entry.problem, type="unavailable_error")
-        return await self._wait_for(inst)
+        return await self._wait_for(inst, tenant)
+
+    def _refuse_if_queue_full(self, tenant: str | None) -> None:
+        """At most queue_max requests wait, and at most tenant_queue_max of one tenant's (one
+        tenant's flood of requests for models not loaded cannot fill the queue for others)."""
+        if self.num_waiting >= self.config.queue_max:
+            raise RouterError(503, f"{self.num_waiting} requests already wait for a model",
+                              retry_after=5, type="unavailable_error")  # fmt: skip
+        mine = self._waiting_by_tenant.get(tenant, 0) if tenant is not None else 0
+        if tenant is not None and mine >= self.config.tenant_queue_max:
+            raise RouterError(503, f"tenant {tenant!r} already has {mine} requests waiting for a "
+                              "model (--models-queue-per-tenant)", retry_after=5,
+                              type="unavailable_error")  # fmt: skip
 
     def release(self, inst: Instance, touch: bool = True) -> None:
         inst.in_flight -= 1
@@ -145,19 +162,20 @@ class Fleet:
             inst.last_used = time.monotonic()
         self._pump()
 
-    async def _wait_for(self, inst: Instance) -> Instance:
+    async def _wait_for(self, inst: Instance, tenant: str | None = None) -> Instance:
         """Until the model is loaded and handed to this request (counted in flight as it is
         handed over: nothing can unload it between its load and the request)."""
         want = inst.loading  # (a load under way: this request joins it)
         if want is None:
             self._refuse_if_never_fits(inst.entry)
-            if self.num_waiting >= self.config.queue_max:
-                raise RouterError(503, f"{self.num_waiting} requests already wait for a model",
-                                  retry_after=5, type="unavailable_error")  # fmt: skip
+        self._refuse_if_queue_full(tenant)
+        if want is None:
             want = self._queue.setdefault(inst.entry.name, _Want(inst.entry.name))
         waiter: asyncio.Future[Instance] = asyncio.get_running_loop().create_future()
         want.waiters.add(waiter)
         self.num_waiting += 1
+        if tenant is not None:
+            self._waiting_by_tenant[tenant] = self._waiting_by_tenant.get(tenant, 0) + 1
         try:
             self._pump()
             return await _within(waiter, time.monotonic() + self.config.wait_seconds, inst)
@@ -167,6 +185,10 @@ class Fleet:
             raise
         finally:
             self.num_waiting -= 1
+            if tenant is not None:
+                left = self._waiting_by_tenant.pop(tenant) - 1
+                if left:
+                    self._waiting_by_tenant[tenant] = left
             want.waiters.discard(waiter)
             if not want.waiters and not want.explicit and self._queue.get(want.name) is want:
                 del self._queue[want.name]  # nobody waits: its place goes

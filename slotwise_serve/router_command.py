@@ -31,7 +31,8 @@ log = logging.getLogger("slotwise.router")
 
 ROUTER_FLAGS = ("--models-dir", "--models-preset", "--models-max", "--models-autoload",
                 "--no-models-autoload", "--sleep-idle-seconds", "--models-memory",
-                "--models-queue", "--models-wait-seconds", "--models-load-seconds")  # fmt: skip
+                "--models-queue", "--models-wait-seconds", "--models-load-seconds",
+                "--models-queue-per-tenant")  # fmt: skip
 # the router's own place on the network (each model's process listens on loopback ports it picks)
 _SERVING = ("--host", "--http-port", "--prep-port", "--infer-port", "--prep-metrics-port",
             "--infer-metrics-port", "--sessions-dir", "--model-name", "--log-level")  # fmt: skip
@@ -52,6 +53,8 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    "available memory less 10%%; `none`: no check)")  # fmt: skip
     g.add_argument("--models-queue", type=int, default=64, help="requests waiting for a model to "
                    "load (beyond: 503 with Retry-After; default %(default)s)")  # fmt: skip
+    g.add_argument("--models-queue-per-tenant", type=int, default=16,
+                   help="of them, one tenant's (keys file; default %(default)s)")  # fmt: skip
     g.add_argument("--models-wait-seconds", type=float, default=600.0,
                    help="longest a request waits for its model (default %(default)s)")  # fmt: skip
     g.add_argument("--models-load-seconds", type=float, default=600.0,
@@ -128,8 +131,8 @@ def main(argv: list[str], parser: argparse.ArgumentParser, default_ctx: int) -> 
             load = lambda: read_catalog(args.models_dir, args.models_preset, is_switch)  # noqa: E731
         catalog = load()
         budget = _budget(args.models_memory)
-        if args.models_max < 0 or args.models_queue < 0:
-            raise ValueError("--models-max and --models-queue: 0 or more")
+        if min(args.models_max, args.models_queue, args.models_queue_per_tenant) < 0:
+            raise ValueError("--models-max, --models-queue, --models-queue-per-tenant: 0 or more")
     except (CatalogError, ValueError) as e:
         print(f"slotwise serve: error: {e}", file=sys.stderr)
         return 2
@@ -161,6 +164,7 @@ def main(argv: list[str], parser: argparse.ArgumentParser, default_ctx: int) -> 
 
     config = FleetConfig(
         models_max=args.models_max, memory_budget=budget, queue_max=args.models_queue,
+        tenant_queue_max=args.models_queue_per_tenant,
         wait_seconds=args.models_wait_seconds, load_seconds=args.models_load_seconds,
         sleep_idle_seconds=args.sleep_idle_seconds if (args.sleep_idle_seconds or 0) > 0 else None,
     )  # fmt: skip

@@ -48,7 +48,12 @@ class _SmallWindow(http.client.HTTPConnection):
 
 
 def _generate(
-    url: str, model: str, n: int, out: dict[str, Any], hold: threading.Event | None = None
+    url: str,
+    model: str,
+    n: int,
+    out: dict[str, Any],
+    hold: threading.Event | None = None,
+    headers: dict[str, str] | None = None,
 ) -> None:
     """llama-server's /completion of exactly n tokens (end of generation ignored), streamed:
     the chunks into `out`. With `hold`: after 5 chunks, nothing more is read until it is set
@@ -58,7 +63,8 @@ def _generate(
     host, port = url.removeprefix("http://").split(":")
     conn = _SmallWindow(host, int(port))
     try:
-        conn.request("POST", "/completion", json.dumps(body), {"content-type": "application/json"})
+        conn.request("POST", "/completion", json.dumps(body),
+                     {"content-type": "application/json", **(headers or {})})  # fmt: skip
         answer = conn.getresponse()
         out["status"] = answer.status
         chunks = out.setdefault("chunks", [])
@@ -334,6 +340,48 @@ def test_a_key_may_be_limited_to_some_models(three: Path) -> None:
         assert as_("sk-alice", "/v1/chat/completions", model="rope", **hi).status_code == 200
         assert as_("sk-bob", "/v1/chat/completions", model="mrope", **hi).status_code == 200
         assert len(as_("sk-bob", "/models").json()["data"]) == 3
+
+
+def test_one_tenant_cannot_fill_the_queue_for_others(three: Path) -> None:
+    keys = three.parent / "keys"
+    keys.write_text("alice sk-alice\nbob sk-bob\n")
+    args = ("--models-dir", str(three), "--token-file", str(keys), "--models-max", "1",
+            "--models-queue-per-tenant", "1", "--ctx-size", "4096")  # fmt: skip
+    with running_router(*args) as router:
+        auth = {"authorization": "Bearer sk-bob"}
+
+        def ask(key: str, model: str, out: dict[str, Any]) -> None:
+            body = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2}  # fmt: skip
+            out["r"] = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=PATIENCE,
+                                  headers={"authorization": f"Bearer {key}"})  # fmt: skip
+
+        def waiting() -> str:
+            return httpx.get(f"{router.url}/metrics", headers=auth, timeout=PATIENCE).text
+
+        assert httpx.post(f"{router.url}/models/load", json={"model": "rope"}, headers=auth,
+                          timeout=PATIENCE).status_code == 200  # fmt: skip
+        wait_until(lambda: 'slotwise_router_model_loaded{model="rope"} 1.0' in waiting())
+        long: dict[str, Any] = {}
+        hold = threading.Event()
+        t = threading.Thread(target=_generate, args=(router.url, "rope", 2000, long, hold, auth))
+        t.start()
+        wait_until(lambda: len(long.get("chunks", [])) >= 5, what="rope streams")
+        first: dict[str, Any] = {}
+        a = threading.Thread(target=ask, args=("sk-alice", "mrope", first))
+        a.start()
+        wait_until(lambda: "slotwise_router_waiting 1.0" in waiting(), what="alice waits")
+        second: dict[str, Any] = {}
+        ask("sk-alice", "noncausal", second)  # her second while her first waits: refused
+        assert second["r"].status_code == 503 and "alice" in second["r"].text
+        theirs: dict[str, Any] = {}
+        b = threading.Thread(target=ask, args=("sk-bob", "noncausal", theirs))
+        b.start()
+        wait_until(lambda: "slotwise_router_waiting 2.0" in waiting(), what="bob waits too")
+        hold.set()
+        for th in (t, a, b):
+            th.join(PATIENCE * 2)
+        assert first["r"].status_code == 200 and theirs["r"].status_code == 200
 
 
 def test_the_cli_reaches_a_model_by_name_through_the_router(three: Path) -> None:
