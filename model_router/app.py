@@ -14,11 +14,13 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
@@ -34,7 +36,10 @@ __all__ = ["RouterApp", "create_app"]
 BUILD_INFO = "b0-slotwise-router"  # (llama-server's clients read a build string that starts so)
 _HOP_BY_HOP = {"host", "content-length", "connection", "transfer-encoding", "keep-alive",
                "upgrade", "te", "trailer", "proxy-authorization", "proxy-connection"}  # fmt: skip
-_OPEN_PATHS = ("/health", "/metrics")
+_OPEN_PATHS = ("/health", "/metrics", "/")
+# streams that watch a model rather than use it (the page's KV view): not in flight, so an open
+# page does not keep its model loaded (an unload ends the stream, with its reason)
+_WATCHES = ("/slotwise/kv",)
 _EVENTS_PER_LISTENER = 256  # a /models/sse reader this far behind is let go
 
 
@@ -48,6 +53,7 @@ class RouterApp:
     # one model that sleeps (`slotwise serve --model M --sleep-idle-seconds N`): every request
     # is its, and /props and /metrics are its own (from its process while it is awake)
     only_model: str | None = None
+    ui_dir: Path | None = None  # the web page's files: served at / with a model picker
 
 
 def create_app(r: RouterApp) -> FastAPI:
@@ -170,6 +176,14 @@ def create_app(r: RouterApp) -> FastAPI:
     async def events(request: Request) -> StreamingResponse:
         return StreamingResponse(_events(r.fleet, request), media_type="text/event-stream")
 
+    if r.ui_dir is not None:
+        app.mount("/ui", StaticFiles(directory=r.ui_dir), name="ui")
+        index = r.ui_dir / "index.html"
+
+        @app.get("/", include_in_schema=False)
+        async def page() -> FileResponse:
+            return FileResponse(index, headers={"cache-control": "no-cache"})
+
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def forward(request: Request) -> Response:
         return await _forward(request, touch=True)
@@ -194,6 +208,13 @@ def create_app(r: RouterApp) -> FastAPI:
         inst = await _until_disconnected(request, wait, release)
 
         metrics.requests.labels(inst.entry.name).inc()
+        if request.url.path in _WATCHES:  # (an open page must not keep its model loaded)
+            try:
+                answer, out_headers, child = await _send(proxy_client, request, body, inst)
+            finally:
+                release(inst)
+            relay = _relay(answer, inst, child, lambda _inst: None)
+            return StreamingResponse(relay, status_code=answer.status_code, headers=out_headers)
         try:
             if FAKE_TIMING:
                 await asyncio.sleep(FAKE_SECONDS)  # (busy while it waits, as llama-server's)
@@ -252,7 +273,10 @@ def _add_keys(app: FastAPI, keys: Keys | None) -> None:
 
     @app.middleware("http")
     async def check_key(request: Request, call_next: Any) -> Response:
-        if request.method != "OPTIONS" and request.url.path not in _OPEN_PATHS:
+        path = request.url.path
+        open_path = path in _OPEN_PATHS or path.startswith("/ui/")
+        open_path |= path == "/props" and not request.query_params.get("model")  # (the page's)
+        if request.method != "OPTIONS" and not open_path:
             secret = bearer(request.headers.get("authorization", ""))
             secret = secret if secret is not None else request.headers.get("x-api-key")
             key = keys.key_of(secret)

@@ -177,7 +177,7 @@ def main(argv: list[str], parser: argparse.ArgumentParser, default_ctx: int) -> 
         only = catalog.entries[0].name if single else None
         keys = _keys(args)
         app = create_app(RouterApp(fleet, keys, args.models_autoload, read_catalog=load,
-                                   only_model=only))  # fmt: skip
+                                   only_model=only, ui_dir=_ui_dir(args)))  # fmt: skip
         port = 8080 if args.http_port is None else args.http_port
         asyncio.run(_serve(app, args.host, port, fleet, keys))
     finally:
@@ -205,6 +205,15 @@ def _never_fit(fleet: Fleet, budget: int | None) -> str | None:
                 return (f"model {e.name!r} needs about {need.describe()}, more than the memory "
                         f"budget of {fmt_bytes(budget)} (--models-memory)")  # fmt: skip
     return None
+
+
+def _ui_dir(args: argparse.Namespace) -> Path | None:
+    """The web page's files (the gateway's own), unless --no-ui or one model."""
+    if getattr(args, "no_ui", False) or args.infer_model is not None:
+        return None
+    from clients.gateway.ui_api import UI_DIR
+
+    return Path(UI_DIR)
 
 
 def _keys(args: argparse.Namespace) -> Any:

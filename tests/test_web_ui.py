@@ -615,3 +615,27 @@ def test_the_page_and_props_say_what_a_cell_is_made_of(stacks, browser_page) -> 
     page.wait_for_function(
         "document.getElementById('kv-info').textContent.includes('K f32 / V f32, 512 B')"
     )
+
+
+def test_behind_a_router_the_page_picks_a_model(tiny, tmp_path: Path, browser_page) -> None:
+    from support.router import models_folder, running_router
+
+    folder = models_folder(tmp_path / "models", {n: tiny[n] for n in ("rope", "mrope")})
+    with running_router("--models-dir", str(folder)) as router:
+        page = browser_page
+        page.goto(router.url + "/")
+        page.wait_for_selector("#model-picker:not([hidden])")
+        picked = page.eval_on_selector_all("#model-picker option", "els => els.map(e => e.value)")
+        assert picked == ["mrope", "rope"]
+        with page.expect_navigation():
+            page.select_option("#model-picker", "rope")
+        page.wait_for_selector("#model-picker:not([hidden])")
+        assert page.input_value("#model-picker") == "rope"
+        send(page, "hello")
+        assert last_usage(page)["generated"] > 0
+        assert router.status("rope") == "loaded"
+        # the KV view is rope's: its slot holds the chat's cells
+        page.wait_for_function("document.querySelector('.slot[data-slot=\"0\"] .cells') && "
+                               "+document.querySelector('.slot[data-slot=\"0\"] .cells')"
+                               ".dataset.used > 0")  # fmt: skip
+        assert used_cells(page, 0) >= last_usage(page)["prompt-cells"]

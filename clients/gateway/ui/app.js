@@ -60,6 +60,8 @@ async function errorFrom(response) {
 // fetch with the key; throws ApiError (status 0 = network failure, "abort" = aborted).
 async function apiFetch(path, { method = "GET", body, signal, headers = {} } = {}) {
   const init = { method, signal, headers: authHeaders(headers) };
+  // behind a router (slotwise serve --models-dir): every call to the model picked
+  if (state.model) path += `${path.includes("?") ? "&" : "?"}model=${encodeURIComponent(state.model)}`;
   if (body !== undefined) {
     init.body = JSON.stringify(body);
     init.headers["Content-Type"] = "application/json";
@@ -127,6 +129,7 @@ function saveKey(event) {
   else localStorage.removeItem(KEY_STORAGE);
   $("key-dialog").close();
   showError(null);
+  if (!state.model && localStorage.getItem(KEY_STORAGE)) pickModel().then(() => state.model && location.reload());
   loadInfo();
   loadSessions();
   restartKvStream();
@@ -157,6 +160,7 @@ async function readSse(response, onData) {
 // ───────────────────────────── settings ─────────────────────────────
 
 const SETTINGS_STORAGE = "slotwise.settings";
+const MODEL_STORAGE = "slotwise.model";
 const SETTING_IDS = { policy: "policy", keep: "keep", maxTokens: "max-tokens", system: "system" };
 
 function loadSettings() {
@@ -277,6 +281,7 @@ const state = {
   // [{ kind: "audio", dataUrl, data, format, name, seconds }]
   pending: [],
   info: null,
+  model: null, // behind a router: the model picked (its sessions, its KV cells)
   sounds: loadSoundIds(), // media ids known to be sounds (the KV view names media by id only)
 };
 
@@ -1143,11 +1148,36 @@ function wireLayout() {
   });
 }
 
+// Behind a router (its /props says role "router"): a picker of its models; the page then talks
+// to the one picked, and picking another starts the page again on that one.
+async function pickModel() {
+  let models;
+  try {
+    const props = await (await fetch("/props", { headers: authHeaders({}) })).json();
+    if (!props || props.role !== "router") return;
+    models = (await apiJson("/models")).data || [];
+  } catch (err) {
+    return; // (a key is asked for by what follows; the picker comes with the next load)
+  }
+  if (!models.length) return;
+  const picker = $("model-picker");
+  picker.replaceChildren(...models.map((m) => el("option", { value: m.id, text: `${m.id} (${m.status.value})` })));
+  const saved = localStorage.getItem(MODEL_STORAGE);
+  state.model = models.some((m) => m.id === saved) ? saved : models[0].id;
+  picker.value = state.model;
+  picker.hidden = false;
+  picker.addEventListener("change", () => {
+    localStorage.setItem(MODEL_STORAGE, picker.value);
+    location.reload();
+  });
+}
+
 async function start() {
   loadSettings();
   wireLayout();
   wireComposer();
   renderMessages();
+  await pickModel();
   // Ask /info first: if it wants a key, the rest waits for saveKey instead of failing too.
   if (!(await loadInfo())) {
     kv.waitingForKey = true;
