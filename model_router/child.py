@@ -86,11 +86,17 @@ class Child:
         return code
 
 
-async def spawn(name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
+SERVE = (sys.executable, "-m", "slotwise_cli", "serve")
+
+
+async def spawn(
+    name: str, argv: Sequence[str], env: dict[str, str] | None = None,
+    program: Sequence[str] = SERVE,
+) -> Child:  # fmt: skip
     """Start `slotwise serve argv` and wait for its ready line; LoadFailed if it ends first.
     The caller cancels the wait to give up (the process is then killed)."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "slotwise_cli", "serve", *argv,
+        *program, *argv,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env=env, preexec_fn=_die_with_parent,
     )  # fmt: skip
