@@ -9,6 +9,7 @@ a model's failure is its own, a conversation outlives its model, memory is check
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import os
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,24 @@ def _generate(
         conn.close()
 
 
+@contextlib.contextmanager
+def _held_stream(
+    url: str, model: str, n: int = 2000, headers: dict[str, str] | None = None
+) -> Iterator[tuple[dict[str, Any], threading.Event]]:
+    """A stream of n tokens whose caller has read 5 chunks and reads no more until `hold` is
+    set: its model is busy until then. Yields (what it read, hold); joined on the way out."""
+    out: dict[str, Any] = {}
+    hold = threading.Event()
+    t = threading.Thread(target=_generate, args=(url, model, n, out, hold, headers))
+    t.start()
+    try:
+        wait_until(lambda: len(out.get("chunks", [])) >= 5, what=f"{model} streams")
+        yield out, hold
+    finally:
+        hold.set()
+        t.join(PATIENCE * 5)
+
+
 def _in_flight(router: Router, name: str) -> int:
     return int(router.models()[name].get("slotwise", {}).get("in_flight", 0))
 
@@ -110,17 +130,11 @@ def test_each_model_answers_as_its_family_with_two_loaded(three: Path) -> None:
 def test_a_model_streaming_is_never_the_one_unloaded(three: Path) -> None:
     with running_router("--models-dir", str(three), "--models-max", "2",
                         "--ctx-size", "4096") as router:  # fmt: skip
-        long: dict[str, Any] = {}
-        hold = threading.Event()
-        t = threading.Thread(target=_generate, args=(router.url, "rope", 2000, long, hold))
-        t.start()
-        wait_until(lambda: len(long.get("chunks", [])) >= 5, what="rope streams")
-        for name in ("mrope", "noncausal"):  # at the limit: mrope, idle, goes; rope never
-            r = chat(router.url, name, "hello")
-            assert r.status_code == 200, r.text
-            assert router.status("rope") == "loaded" and _in_flight(router, "rope") == 1
-        hold.set()
-        t.join(PATIENCE * 5)
+        with _held_stream(router.url, "rope") as (long, _hold):
+            for name in ("mrope", "noncausal"):  # at the limit: mrope, idle, goes; rope never
+                r = chat(router.url, name, "hello")
+                assert r.status_code == 200, r.text
+                assert router.status("rope") == "loaded" and _in_flight(router, "rope") == 1
         assert "error" not in long, long.get("error")
         tokens = [c for c in long["chunks"] if c.get("content") or c.get("stop")]
         assert long["chunks"][-1]["stop"] is True
@@ -133,19 +147,13 @@ def test_a_model_streaming_is_never_the_one_unloaded(three: Path) -> None:
 def test_when_every_loaded_model_is_busy_the_next_waits(three: Path) -> None:
     with running_router("--models-dir", str(three), "--models-max", "1",
                         "--ctx-size", "4096") as router:  # fmt: skip
-        long: dict[str, Any] = {}
-        hold = threading.Event()
-        t = threading.Thread(target=_generate, args=(router.url, "rope", 2000, long, hold))
-        t.start()
-        wait_until(lambda: len(long.get("chunks", [])) >= 5, what="rope streams")
         queued: dict[str, Any] = {}
         q = threading.Thread(target=lambda: queued.update(r=chat(router.url, "mrope", "hi")))
-        q.start()
-        wait_until(lambda: httpx.get(f"{router.url}/metrics", timeout=PATIENCE).text.count(
-            "slotwise_router_waiting 1.0"), what="mrope waits")  # fmt: skip
-        assert router.status("mrope") == "unloaded" and router.status("rope") == "loaded"
-        hold.set()
-        t.join(PATIENCE * 5)
+        with _held_stream(router.url, "rope") as (long, _hold):
+            q.start()
+            wait_until(lambda: httpx.get(f"{router.url}/metrics", timeout=PATIENCE).text.count(
+                "slotwise_router_waiting 1.0"), what="mrope waits")  # fmt: skip
+            assert router.status("mrope") == "unloaded" and router.status("rope") == "loaded"
         q.join(PATIENCE)
         assert long["status"] == 200 and long["chunks"][-1]["tokens_predicted"] == 2000
         assert queued["r"].status_code == 200, queued["r"].text
@@ -362,24 +370,19 @@ def test_one_tenant_cannot_fill_the_queue_for_others(three: Path) -> None:
         assert httpx.post(f"{router.url}/models/load", json={"model": "rope"}, headers=auth,
                           timeout=PATIENCE).status_code == 200  # fmt: skip
         wait_until(lambda: 'slotwise_router_model_loaded{model="rope"} 1.0' in waiting())
-        long: dict[str, Any] = {}
-        hold = threading.Event()
-        t = threading.Thread(target=_generate, args=(router.url, "rope", 2000, long, hold, auth))
-        t.start()
-        wait_until(lambda: len(long.get("chunks", [])) >= 5, what="rope streams")
         first: dict[str, Any] = {}
-        a = threading.Thread(target=ask, args=("sk-alice", "mrope", first))
-        a.start()
-        wait_until(lambda: "slotwise_router_waiting 1.0" in waiting(), what="alice waits")
-        second: dict[str, Any] = {}
-        ask("sk-alice", "noncausal", second)  # her second while her first waits: refused
-        assert second["r"].status_code == 503 and "alice" in second["r"].text
         theirs: dict[str, Any] = {}
+        a = threading.Thread(target=ask, args=("sk-alice", "mrope", first))
         b = threading.Thread(target=ask, args=("sk-bob", "noncausal", theirs))
-        b.start()
-        wait_until(lambda: "slotwise_router_waiting 2.0" in waiting(), what="bob waits too")
-        hold.set()
-        for th in (t, a, b):
+        with _held_stream(router.url, "rope", headers=auth):
+            a.start()
+            wait_until(lambda: "slotwise_router_waiting 1.0" in waiting(), what="alice waits")
+            second: dict[str, Any] = {}
+            ask("sk-alice", "noncausal", second)  # her second while her first waits: refused
+            assert second["r"].status_code == 503 and "alice" in second["r"].text
+            b.start()
+            wait_until(lambda: "slotwise_router_waiting 2.0" in waiting(), what="bob waits too")
+        for th in (a, b):
             th.join(PATIENCE * 2)
         assert first["r"].status_code == 200 and theirs["r"].status_code == 200
 
