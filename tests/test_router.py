@@ -13,6 +13,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -385,6 +386,20 @@ def test_one_tenant_cannot_fill_the_queue_for_others(three: Path) -> None:
         for th in (a, b):
             th.join(PATIENCE * 2)
         assert first["r"].status_code == 200 and theirs["r"].status_code == 200
+
+
+def test_the_readme_s_grpc_example_runs_against_a_router(three: Path) -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (code,) = [
+        c for c in re.findall(r"```python\n(.*?)```", readme, re.S) if "model_addresses" in c
+    ]
+    with running_router("--models-dir", str(three)) as router:
+        code = code.replace("http://127.0.0.1:8080", router.url).replace("gemma-3-4b", "mrope")
+        scope: dict[str, Any] = {}
+        exec(compile(code, "README.md", "exec"), scope)
+        reply = scope["reply"]
+        assert reply.finished is not None and reply.finished.usage.num_generated_tokens == 16
+        assert router.status("mrope") == "loaded"
 
 
 def test_the_cli_reaches_a_model_by_name_through_the_router(three: Path) -> None:
