@@ -31,7 +31,13 @@ _TRUE = ("1", "true", "on", "yes", "enabled")  # (llama.cpp's words, and the usu
 _FALSE = ("0", "false", "off", "no", "disabled")
 _INLINE_COMMENT = re.compile(r"\s+[;#].*$")
 # LLAMA_ARG_* names that are not their flag's long name in capitals
-_ENV_FLAG = {"N_PARALLEL": "parallel", "N_PREDICT": "n-predict", "N_GPU_LAYERS": "n-gpu-layers"}
+# (read off the vendored common/arg.cpp; issue 52 generates the whole table)
+_ENV_FLAG = {
+    "N_PARALLEL": "parallel", "N_PREDICT": "n-predict", "N_GPU_LAYERS": "n-gpu-layers",
+    "BATCH": "batch-size", "UBATCH": "ubatch-size", "ENDPOINT_METRICS": "metrics",
+    "ENDPOINT_SLOTS": "slots", "THINK": "reasoning-format", "TEMPERATURE": "temp",
+    "CONT_BATCHING": "cont-batching",
+}  # fmt: skip
 
 
 class CatalogError(ValueError):

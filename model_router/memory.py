@@ -50,6 +50,7 @@ def estimate(model: Path, mmproj: Path | None, args: Sequence[str], default_ctx:
     """From the files' headers (nothing is loaded) and the model's flags (`--ctx-size`,
     `--batch-size`, `--ubatch-size`, `--cache-type-k/v`, slotwise serve's names)."""
     meta, weights = read_header(model)
+    weights += sum(read_header(part)[1] for part in _other_parts(model, meta))
     arch = str(meta.get("general.architecture", ""))
     ctx = _int_flag(args, "--ctx-size", default_ctx)
     n_batch = _int_flag(args, "--batch-size", 2048)
@@ -71,6 +72,15 @@ def estimate(model: Path, mmproj: Path | None, args: Sequence[str], default_ctx:
     compute = 4 * n_ubatch * (vocab + 4 * embd + 2 * ff + ctx)
     projector = read_header(mmproj)[1] if mmproj is not None else 0
     return Footprint(weights, int(per_cell * ctx), projector, compute)
+
+
+def _other_parts(model: Path, meta: dict[str, Any]) -> list[Path]:
+    """A split model's other files (NAME-00002-of-00003.gguf ...), beside its first."""
+    count = int(meta.get("split.count", 1) or 1)
+    m = re.fullmatch(r"(.*)-(\d{5})-of-(\d{5})\.gguf", model.name)
+    if count <= 1 or m is None:
+        return []
+    return [model.with_name(f"{m[1]}-{k:05d}-of-{m[3]}.gguf") for k in range(2, count + 1)]
 
 
 # GGUF's value types: struct formats of the scalars; 8 is a string, 9 an array

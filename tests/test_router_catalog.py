@@ -136,3 +136,48 @@ def test_the_command_line_comes_last_and_the_router_keeps_its_own(
     assert child_arguments(argv, takes_value) == [
         "--ctx-size", "1024", "--cors-origins", "a", "b", "--kv-unified"
     ]  # fmt: skip
+
+
+# -- what a model will hold (model_router/memory.py) -------------------------------------------
+
+
+def test_the_header_walk_reads_what_gguf_py_reads(tiny) -> None:  # type: ignore[no-untyped-def]
+    from gguf import GGUFReader
+
+    from model_router.memory import read_header
+
+    for name in ("rope", "mrope", "qwen35"):
+        for path in (tiny[name].model, tiny[name].mmproj):
+            meta, weights = read_header(path)
+            reference = GGUFReader(path)
+            assert weights == sum(int(t.n_bytes) for t in reference.tensors)
+            for key, field in reference.fields.items():
+                if key.startswith("GGUF.") or key.startswith("tokenizer.ggml."):
+                    continue
+                value = field.contents()
+                assert meta[key] == value, (path, key)
+
+
+def test_a_split_model_counts_every_part(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    from model_router.memory import estimate
+
+    parts = []
+    for k in (1, 2, 3):
+        path = tmp_path / f"big-{k:05d}-of-00003.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_uint16("split.no", k - 1)
+        w.add_uint16("split.count", 3)
+        if k == 1:
+            w.add_block_count(2)
+            w.add_embedding_length(64)
+            w.add_head_count(4)
+        w.add_tensor(f"t{k}", np.zeros((256, 64 * k), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        parts.append(path)
+    assert estimate(parts[0], None, ["--ctx-size", "256"], 4096).weights == 4 * 256 * 64 * 6
