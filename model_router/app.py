@@ -105,17 +105,31 @@ def create_app(r: RouterApp) -> FastAPI:
 
     @app.get("/props")
     async def props(request: Request) -> Response:
+        if r.only_model is not None and not request.query_params.get("model"):
+            return await one_models_props(request)
         if awake(request):
             return await _forward(request, touch=False)
-        if r.only_model is not None:
-            return JSONResponse({"role": "model", "model_alias": r.only_model, "is_sleeping": True,
-                                 "build_info": BUILD_INFO})  # fmt: skip
         return JSONResponse({
             "role": "router", "max_instances": r.fleet.config.models_max,
             "models_autoload": r.autoload, "model_alias": "slotwise", "model_path": "none",
             "default_generation_settings": {"params": {}, "n_ctx": 0},
             "build_info": BUILD_INFO, "is_sleeping": False,
         })  # fmt: skip
+
+    last_props: dict[str, Any] = {"role": "model", "model_alias": r.only_model,
+                                  "build_info": BUILD_INFO}  # fmt: skip
+
+    async def one_models_props(request: Request) -> Response:
+        """The one model's /props: its own while it is awake (kept), the last it gave while it
+        sleeps (asking does not wake it), with `is_sleeping`."""
+        if awake(request):
+            answer = await _forward(request, touch=False)
+            body = b"".join([chunk async for chunk in answer.body_iterator])  # type: ignore[attr-defined]
+            if answer.status_code == 200:
+                with contextlib.suppress(ValueError):
+                    last_props.update(json.loads(body))
+            return Response(body, status_code=answer.status_code, media_type="application/json")
+        return JSONResponse({**last_props, "is_sleeping": True})
 
     @app.get("/models")
     @app.get("/v1/models")

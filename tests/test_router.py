@@ -220,6 +220,28 @@ def test_a_session_goes_on_after_its_model_was_unloaded(
     assert back["choices"][0]["message"] == stayed["choices"][0]["message"]
 
 
+def test_one_model_sleeps_when_idle_and_wakes_for_a_request(tiny: dict[str, TinyPair]) -> None:
+    pair = tiny["rope"]
+    args = ("--model", str(pair.model), "--sleep-idle-seconds", "1", "--model-name", "tiny")
+    with running_router(*args) as router:
+
+        def props() -> dict[str, Any]:
+            return dict(httpx.get(f"{router.url}/props", timeout=PATIENCE).json())
+
+        awake = wait_until(lambda: (p := props()).get("is_sleeping") is False and p)
+        assert awake["model_alias"] == "tiny" and "default_generation_settings" in awake
+        router.wait_status("tiny", "sleeping")
+        asleep = props()
+        # asking (/props, /health, /models, /metrics) neither wakes it nor keeps it awake
+        assert asleep["default_generation_settings"] == awake["default_generation_settings"]
+        for path in ("/health", "/models", "/metrics"):
+            assert httpx.get(f"{router.url}{path}", timeout=PATIENCE).status_code == 200
+        assert props()["is_sleeping"] and router.status("tiny") == "sleeping"
+        r = httpx.post(f"{router.url}/completion", json={"prompt": "Hello", "n_predict": 2},
+                       timeout=PATIENCE)  # fmt: skip
+        assert r.status_code == 200 and props()["is_sleeping"] is False
+
+
 def test_a_model_too_large_for_the_memory_budget_is_refused_with_the_numbers(
     three: Path, tmp_path: Path
 ) -> None:
