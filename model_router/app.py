@@ -23,6 +23,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
 from model_router.catalog import Catalog
@@ -76,6 +77,20 @@ def create_app(r: RouterApp) -> FastAPI:
     @app.exception_handler(RouterError)
     async def refused(request: Request, e: RouterError) -> JSONResponse:
         return _error(request.url.path, e)
+
+    @app.exception_handler(HTTPException)
+    async def refused_by_starlette(request: Request, e: HTTPException) -> JSONResponse:
+        return _error(request.url.path, RouterError(e.status_code, str(e.detail)))
+
+    @app.middleware("http")
+    async def declared_size(request: Request, call_next: Any) -> Response:
+        """A body declared larger than the limit, refused in the API's shape before a byte is
+        read (the limit's own middleware answers that in plain text)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared[:20]) > r.max_body_bytes:
+            said = f"the body is over {r.max_body_bytes} bytes"
+            return _error(request.url.path, RouterError(413, said))
+        return await call_next(request)
 
     @app.exception_handler(Exception)
     async def fault(request: Request, e: Exception) -> JSONResponse:  # (a bug: said, in shape)

@@ -407,8 +407,11 @@ class Fleet:
         """Each model's footprint read from its headers, off the event loop (a large file on a
         slow disk takes a while); one asked for before its turn is read then, on the loop."""
         for inst in list(self.instances.values()):
-            if inst.estimate is None and inst.entry.model is not None:
-                inst.estimate = await asyncio.to_thread(self._estimate, inst.entry)
+            entry = inst.entry
+            if inst.estimate is None and entry.model is not None:
+                estimate = await asyncio.to_thread(self._estimate, entry)
+                if inst.entry is entry and inst.estimate is None:  # (not replaced meanwhile)
+                    inst.estimate = estimate
 
     async def _sleep_idle(self, seconds: float) -> None:
         while True:

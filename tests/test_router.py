@@ -317,6 +317,16 @@ def test_an_unknown_model_is_a_404_naming_those_there_are(three: Path) -> None:
         assert "mrope, noncausal, rope" in r.json()["error"]["message"]
         r = chat(router.url, "rope", "hi")
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        # a body declared too large: refused in shape before a byte of it is read
+        host, port = router.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=PATIENCE)
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("content-length", str(1 << 40))
+        conn.putheader("content-type", "application/json")
+        conn.endheaders()
+        big = conn.getresponse()
+        assert big.status == 413 and "error" in json.loads(big.read())
+        conn.close()
 
 
 def test_a_conversation_s_stream_outlives_its_caller_and_stops_on_delete(three: Path) -> None:
