@@ -41,6 +41,7 @@ _OPEN_PATHS = ("/health", "/metrics", "/")
 # streams that watch a model rather than use it (the page's KV view): not in flight, so an open
 # page does not keep its model loaded (an unload ends the stream, with its reason)
 _WATCHES = ("/slotwise/kv",)
+_PARSE_ON_LOOP = 64 << 10  # bytes of a body whose `model` is read on the event loop
 _EVENTS_PER_LISTENER = 256  # a /models/sse reader this far behind is let go
 
 
@@ -222,7 +223,7 @@ def create_app(r: RouterApp) -> FastAPI:
         the model from sleeping nor wakes the one model."""
         body = await request.body()
         name = _allowed(
-            request, r.fleet.resolve(_model_named(request, body, r.only_model))
+            request, r.fleet.resolve(await _model_named(request, body, r.only_model))
         ).entry.name
         autoload = _autoload(request, r.autoload) and (touch or r.only_model is None)
 
@@ -342,16 +343,18 @@ def _error(path: str, e: RouterError) -> JSONResponse:
 
 
 async def _model_of_body(request: Request) -> str:
-    return _model_named(request, await request.body())
+    return await _model_named(request, await request.body())
 
 
-def _model_named(request: Request, body: bytes, only: str | None = None) -> str:
+async def _model_named(request: Request, body: bytes, only: str | None = None) -> str:
     if only is not None:
         return only
     name = request.query_params.get("model")
     if not name and body:
         try:
-            parsed = json.loads(body)
+            # (a body of images is megabytes: parsed off the loop, where the streams are)
+            parsed = json.loads(body) if len(body) < _PARSE_ON_LOOP else (
+                await asyncio.to_thread(json.loads, body))  # fmt: skip
         except (ValueError, RecursionError):
             raise RouterError(400, "the body is not JSON: no model to route it to") from None
         name = parsed.get("model") if isinstance(parsed, dict) else None

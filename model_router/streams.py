@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["StreamSession", "Streams"]
 
-STREAM_MAX_BYTES = 4 << 20  # llama-server's
+STREAM_MAX_BYTES = 4 << 20  # llama-server's (a session holds up to a quarter more)
 TTL_SECONDS = 300.0  # a finished stream kept this long (llama-server's)
 MAX_SESSIONS = 64  # kept at once: beyond, the oldest finished goes, or a new one is refused
 
@@ -42,8 +42,8 @@ class StreamSession:
 
     def append(self, chunk: bytes) -> None:
         self.data += chunk
-        if len(self.data) > STREAM_MAX_BYTES:
-            cut = len(self.data) - STREAM_MAX_BYTES
+        if len(self.data) > STREAM_MAX_BYTES + STREAM_MAX_BYTES // 4:  # (cut in blocks: a cut
+            cut = len(self.data) - STREAM_MAX_BYTES  # moves what stays, not per chunk)
             del self.data[:cut]
             self.dropped += cut
         self._wake()
