@@ -116,12 +116,12 @@ def test_without_cors_origins_no_preflight_is_answered(stacks: Stacks) -> None:
 
 
 def test_completions_without_v1_is_the_native_completion(anywhere: Stack) -> None:
-    body = {"prompt": "I believe", "n_predict": 2}
+    body = {"prompt": "I believe", "n_predict": 2, "temperature": 0}  # (greedy: no sampled end)
     native = httpx.post(f"{anywhere.url}/completions", json=body, timeout=60).json()
     assert isinstance(native["content"], str) and native["tokens_predicted"] == 2
     bad = httpx.post(f"{anywhere.url}/completions", json={"prompt": "x", "n_predict": "2"})
     assert bad.status_code == 400 and set(bad.json()["error"]) == {"code", "message", "type"}
-    oai = {"model": "x", "prompt": "I believe", "max_tokens": 2}
+    oai = {"model": "x", "prompt": "I believe", "max_tokens": 2, "temperature": 0}
     r = httpx.post(f"{anywhere.url}/v1/completions", json=oai, timeout=60).json()
     assert r["object"] == "text_completion" and r["usage"]["completion_tokens"] == 2
 
