@@ -250,3 +250,45 @@ def test_a_new_system_prompt_is_held_where_slots_began_with_another(oracle: Pool
     ex.stats.num_shared_prefixes = shares = 0
     assert run(slots[2], longer, 9) == 0 and ex.stats.num_shared_prefixes == shares
     assert slots[2].usage.num_reused_cells >= len(new)
+
+
+def test_a_generation_put_aside_at_its_slot_s_capacity_goes_on(tiny) -> None:
+    """A pinned generation whose slot is as large as the pool is put aside at the very step
+    its ledger is full, for another tenant's prompt. Once that prompt's reply ends it goes on:
+    its next token's room is made by its own policy (a shift of its unpinned cells), not asked
+    of the pool, which could never give a full slot's cells and one more."""
+    from infer_service.runner.executor import Executor
+    from infer_service.runner.stats import EngineStats
+
+    rt = open_pool(tiny["rope"], cells=256, batch=256)
+    slots = [Slot(seq) for seq in range(rt.num_slots)]
+    stats = EngineStats()
+    ex = Executor(rt, stats, cache_bytes=0, host_sequence_bytes=0, slots=slots)
+    never = tuple((t, float("-inf")) for t in range(rt.num_vocab) if rt.is_eog(t))
+
+    def start(slot: Slot, tenant: str, n: int, max_tokens: int, keep: int = 0) -> None:
+        job = Job(
+            [Item.text([3 + (7 * i) % 200 for i in range(n)], 0)], {}, KeptEvents(),
+            sampling=SamplingConfig(temperature=0), max_tokens=max_tokens, logit_bias=never,
+            context=ContextConfig(keep=keep), tenant=tenant,
+        )  # fmt: skip
+        ex.start(slot, job, ex.enter(slot, job))
+
+    try:
+        assert rt.num_cells_per_slot == 256  # (each slot free to grow to the whole pool)
+        start(slots[0], "alice", 200, max_tokens=400, keep=200)
+        while slots[0].ledger is None or slots[0].ledger.num_free_cells > 1:
+            ex.step(slots)
+        # bob's prompt asks for room in the step whose token fills alice's slot: she is put
+        # aside after it, full
+        start(slots[1], "bob", 120, max_tokens=2)
+        for _ in range(2000):
+            if not any(s.job for s in slots):
+                break
+            ex.step(slots)
+        assert stats.num_preemptions == 1
+        assert not any(s.job for s in slots), "the generation put aside never went on"
+        assert slots[0].usage.num_generated_tokens == 400
+    finally:
+        ex.close()
+        rt.close()

@@ -782,7 +782,9 @@ class Executor:
 
     def _short_of(self, slot: Slot) -> int:
         """(pool) The cells a put-aside generation lacks to go on, beside what the prompts being
-        prefilled still need (else it would be put aside again at once)."""
+        prefilled still need (else it would be put aside again at once): its cells, and one for
+        its next token unless it is at its capacity (then its own policy makes that room: a
+        generation put aside with a slot as large as the pool could never go on)."""
         assert slot.ledger is not None
         wanted = sum(
             i.num_cells
@@ -790,7 +792,8 @@ class Executor:
             if s.job and s.prefilling and s.preempted is None
             for i in s.pending
         )
-        return slot.ledger.num_cells + 1 + wanted - self.pool_free()
+        grows = 1 if slot.ledger.num_free_cells > 0 else 0
+        return slot.ledger.num_cells + grows + wanted - self.pool_free()
 
     def _reclaimable(self, keeper: Slot) -> tuple[int, int]:
         """(pool) Cells no request uses: idle holders' and idle stateless slots' (freed here),
