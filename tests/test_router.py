@@ -430,7 +430,9 @@ def test_the_readme_s_grpc_example_runs_against_a_router(three: Path) -> None:
         scope: dict[str, Any] = {}
         exec(compile(code, "README.md", "exec"), scope)
         reply = scope["reply"]
-        assert reply.finished is not None and reply.finished.usage.num_generated_tokens == 16
+        # (sampled on random weights: it may end before its 16 tokens)
+        assert reply.finished is not None and reply.finished.error == ""
+        assert 0 < reply.finished.usage.num_generated_tokens <= 16 and reply.text is not None
         assert router.status("mrope") == "loaded"
 
 
